@@ -1,0 +1,9 @@
+"""Banks of speculative-decoding rounds in the public specdec-calibration layout (see schema)."""
+
+from calib.bank.io import Bank, find_banks, load, write_bank, write_json_atomic
+from calib.bank.schema import KEYS
+from calib.bank.stats import compute_stats
+from calib.bank.validate import BankError, Problem, check, validate
+
+__all__ = ["Bank", "BankError", "KEYS", "Problem", "check", "compute_stats", "find_banks", "load",
+           "validate", "write_bank", "write_json_atomic"]

@@ -1,0 +1,178 @@
+"""Reading and writing banks: atomic writes, lazy null-padded unions of banks of any width."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from calib.bank import schema
+from calib.bank.stats import compute_stats
+from calib.bank.validate import BankError, Problem, validate
+
+
+def _canonical(table: pa.Table, file: str) -> pa.Table:
+    """Cast known columns to their schema types (e.g. int64 -> int8 for acc) and order them."""
+    types = dict(schema.KEY_TYPES)
+    for name, (typ, home, _) in schema.ROUND_COLUMNS.items():
+        if home == file:
+            types[name] = typ
+    if file == schema.NGRAM:
+        types.update(schema.NGRAM_ROUND)
+        types.update({c: pa.int64() for c in schema.depth_columns(table.column_names, schema.NGRAM_TOK)})
+        types.update({c: pa.int8() for c in schema.depth_columns(table.column_names, schema.ACC)})
+    else:
+        for prefix, (typ, home) in schema.PER_DEPTH.items():
+            if home == file:
+                types.update({c: typ for c in schema.depth_columns(table.column_names, prefix)})
+    fields = [pa.field(n, types.get(n, table.schema.field(n).type)) for n in table.column_names]
+    table = table.cast(pa.schema(fields))
+    keys = [k for k in schema.KEYS if k in table.column_names]
+    return table.select(keys + [c for c in table.column_names if c not in keys])
+
+
+def write_json_atomic(path: str | os.PathLike, obj) -> None:
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    with os.fdopen(fd, "w") as fh:
+        json.dump(obj, fh, indent=2, sort_keys=True)
+        fh.write("\n")
+    os.replace(tmp, path)
+
+
+def write_bank(bank_dir: str | os.PathLike, acceptance: pa.Table, speculator: pa.Table,
+               ngram: pa.Table | None = None, manifest: dict | None = None,
+               overwrite: bool = False) -> Path:
+    """Write a bank atomically: a temp folder beside ``bank_dir``, validated, then renamed.
+
+    ``stats.json`` is computed from the data. A bank that fails validation is not written.
+    """
+    bank_dir = Path(bank_dir)
+    if bank_dir.exists() and not overwrite:
+        raise FileExistsError(f"{bank_dir} exists; pass overwrite=True to replace it")
+    bank_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{bank_dir.name}.tmp-", dir=bank_dir.parent))
+    try:
+        acceptance = _canonical(acceptance, schema.ACCEPTANCE)
+        pq.write_table(acceptance, tmp / schema.ACCEPTANCE)
+        pq.write_table(_canonical(speculator, schema.SPECULATOR), tmp / schema.SPECULATOR)
+        if ngram is not None:
+            pq.write_table(_canonical(ngram, schema.NGRAM), tmp / schema.NGRAM)
+        if manifest is not None:
+            write_json_atomic(tmp / schema.MANIFEST, {**manifest, "n_rounds": acceptance.num_rows})
+        write_json_atomic(tmp / schema.STATS, compute_stats(acceptance))
+        problems = validate(str(tmp))
+        if problems:
+            raise BankError([Problem(p.file.replace(str(tmp), str(bank_dir)), p.column, p.row, p.message)
+                             for p in problems])
+        if bank_dir.exists():
+            old = bank_dir.with_name(f".{bank_dir.name}.old-{os.getpid()}")
+            os.replace(bank_dir, old)
+            os.replace(tmp, bank_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, bank_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return bank_dir
+
+
+def is_bank(path: str | os.PathLike) -> bool:
+    return (Path(path) / schema.ACCEPTANCE).exists()
+
+
+def find_banks(paths: str | os.PathLike | Iterable[str | os.PathLike]) -> list[Path]:
+    """Bank folders named by ``paths``: bank folders themselves, or folders holding banks (1 level)."""
+    if isinstance(paths, (str, os.PathLike)):
+        paths = [paths]
+    found: list[Path] = []
+    for p in map(Path, paths):
+        if is_bank(p):
+            found.append(p)
+        elif p.is_dir() and (subs := sorted(s for s in p.iterdir() if is_bank(s))):
+            found.extend(subs)
+        else:
+            raise FileNotFoundError(f"{p}: not a bank (no {schema.ACCEPTANCE}) and holds no bank folders")
+    return found
+
+
+class Bank:
+    """One bank or a union of several, read lazily: nothing is loaded until a table is asked for.
+
+    Banks of different widths D are null-padded to the widest; column subsets may be asked for so
+    that a million rounds fit in a few GB.
+    """
+
+    def __init__(self, paths, validate_on_open: bool = True):
+        self.paths = find_banks(paths)
+        if validate_on_open:
+            for p in self.paths:
+                problems = validate(str(p))
+                if problems:
+                    raise BankError(problems)
+
+    def __repr__(self) -> str:
+        return f"Bank({[str(p) for p in self.paths]})"
+
+    def manifests(self) -> list[dict]:
+        out = []
+        for p in self.paths:
+            f = p / schema.MANIFEST
+            out.append(json.loads(f.read_text()) if f.exists() else {})
+        return out
+
+    def has(self, file: str) -> bool:
+        return all((p / file).exists() for p in self.paths)
+
+    def table(self, file: str, columns: Sequence[str] | None = None) -> pa.Table:
+        """The union of ``file`` over the banks, null-padded; ``columns`` limits what is read."""
+        parts = []
+        for p in self.paths:
+            path = p / file
+            if not path.exists():
+                raise FileNotFoundError(f"{path} is missing (needed for this union)")
+            names = pq.read_schema(path).names
+            cols = None if columns is None else [c for c in columns if c in names]
+            parts.append(pq.read_table(path, columns=cols))
+        table = pa.concat_tables(parts, promote_options="default")
+        if columns is not None:
+            for c in columns:
+                if c not in table.column_names:
+                    raise KeyError(f"column {c!r} is in none of {[str(p / file) for p in self.paths]}")
+        return table
+
+    def rounds(self, columns: Sequence[str] | None = None, with_ngram: bool = False) -> pa.Table:
+        """acceptance ⋈ speculator (⋈ ngram, columns prefixed ``ng_``) on the bank keys."""
+        keys = list(schema.KEYS)
+        acc_cols = spec_cols = None
+        if columns is not None:
+            acc_cols = keys + [c for c in columns if c == "accept" or c.startswith(schema.ACC)]
+            spec_cols = keys + [c for c in columns if c not in acc_cols]
+        acc = self.table(schema.ACCEPTANCE, acc_cols)
+        spec = self.table(schema.SPECULATOR, spec_cols)
+        out = acc.join(spec, keys=keys, join_type="inner")
+        if with_ngram:
+            ng = self.table(schema.NGRAM)
+            ng = ng.rename_columns([c if c in keys else f"ng_{c}" for c in ng.column_names])
+            out = out.join(ng, keys=keys, join_type="left outer")
+        return out.sort_by([(k, "ascending") for k in keys])
+
+    def to_pandas(self, file: str = schema.ACCEPTANCE, columns: Sequence[str] | None = None):
+        """A pandas frame; string keys become categoricals to keep memory low."""
+        return self.table(file, columns).to_pandas(strings_to_categorical=True)
+
+    def to_dataset(self, columns: Sequence[str] | None = None, with_ngram: bool = False):
+        """The joined rounds as a ``datasets.Dataset`` (Arrow-backed, zero-copy)."""
+        import datasets
+
+        return datasets.Dataset(self.rounds(columns, with_ngram))
+
+
+def load(paths, validate_on_open: bool = True) -> Bank:
+    return Bank(paths, validate_on_open)

@@ -1,0 +1,118 @@
+"""The bank schema: the one place that knows the specdec-calibration run layout.
+
+A *bank* is a run directory in the public specdec-calibration layout::
+
+    acceptance.parquet   keys + accept (int64) + acc0..acc{D-1} (int8, 1/0/null)
+    speculator.parquet   keys + conf0..conf{D-1} (float64, null where nothing was proposed)
+    run_manifest.json    optional: how the run was made
+    stats.json           optional: accept histogram, mean commits, accept_by_position, by category
+    routing.npy          optional: uint8 [N, layers, top_k] expert ids
+    routing_meta.parquet optional: keys + routing_idx, routing_block_idx, request_idx, position, accepted
+
+Both parquet files have one row per draft round, keyed by :data:`KEYS`. calib extends the layout
+additively (a reader that knows only the public layout sees nothing new):
+
+* speculator.parquet may carry ``tok{k}`` (int64 drafted token id), ``entropy{k}`` (float64, nats,
+  of the drafter's distribution at depth k), ``margin{k}`` (float64, top-1 minus top-2 probability),
+  ``batch_size`` (int64, requests in the verify step) and ``temperature`` (float64).
+* ngram.parquet (same keys) holds the n-gram (prompt-lookup) chain that the context offered at that
+  round, its match features and, when known, its accept mask — see :data:`NGRAM_FEATURES`.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pyarrow as pa
+
+KEYS: tuple[str, ...] = ("model", "speculator", "config", "category", "prompt_idx", "turn", "round_idx")
+KEY_TYPES: dict[str, pa.DataType] = {
+    "model": pa.string(),
+    "speculator": pa.string(),
+    "config": pa.string(),
+    "category": pa.string(),
+    "prompt_idx": pa.int64(),
+    "turn": pa.int16(),
+    "round_idx": pa.int64(),
+}
+
+ACCEPTANCE = "acceptance.parquet"
+SPECULATOR = "speculator.parquet"
+NGRAM = "ngram.parquet"
+MANIFEST = "run_manifest.json"
+STATS = "stats.json"
+ROUTING = "routing.npy"
+ROUTING_META = "routing_meta.parquet"
+
+# Per-depth column families: prefix -> (arrow type, file).
+ACC = "acc"
+CONF = "conf"
+PER_DEPTH: dict[str, tuple[pa.DataType, str]] = {
+    ACC: (pa.int8(), ACCEPTANCE),
+    CONF: (pa.float64(), SPECULATOR),
+    "tok": (pa.int64(), SPECULATOR),
+    "entropy": (pa.float64(), SPECULATOR),
+    "margin": (pa.float64(), SPECULATOR),
+}
+# Round-level columns beyond the keys: name -> (arrow type, file, required).
+ROUND_COLUMNS: dict[str, tuple[pa.DataType, str, bool]] = {
+    "accept": (pa.int64(), ACCEPTANCE, True),
+    "batch_size": (pa.int64(), SPECULATOR, False),
+    "temperature": (pa.float64(), SPECULATOR, False),
+}
+
+# ngram.parquet: the prompt-lookup chain of each round.
+#   ngram_len      tokens in the chain (0: the context offered no match)
+#   ngram_tok{j}   proposed token ids; acc{j} its accept mask (same rules as acceptance.parquet)
+#   accept         accepted prefix length (null when unlabelled)
+#   verified       True when this chain is the one the engine verified
+#   label_source   "verified" | "counterfactual" (labelled from the final greedy output) | "none"
+NGRAM_FEATURES: dict[str, pa.DataType] = {
+    "match_n": pa.int64(),  # length of the matched context suffix
+    "occurrences": pa.int64(),  # earlier occurrences of that suffix in the context
+    "distance": pa.int64(),  # tokens back from the context end to the start of the match used
+    "in_prompt": pa.bool_(),  # the match used lies in the prompt (vs. generated text)
+    "distinct_next": pa.int64(),  # distinct next tokens proposed by the occurrences
+    "agreement": pa.float64(),  # share of occurrences proposing the chain's first token
+    "cont_len": pa.int64(),  # tokens available after the match (before the context end)
+    "context_len": pa.int64(),  # tokens in the context when the chain was looked up
+}
+NGRAM_ROUND: dict[str, pa.DataType] = {
+    "ngram_len": pa.int64(),
+    **NGRAM_FEATURES,
+    "accept": pa.int64(),
+    "verified": pa.bool_(),
+    "label_source": pa.string(),
+}
+LABEL_SOURCES = ("verified", "counterfactual", "none")
+NGRAM_TOK = "ngram_tok"
+
+ROUTING_META_COLUMNS: dict[str, pa.DataType] = {
+    "routing_idx": pa.int64(),
+    "routing_block_idx": pa.int64(),
+    "request_idx": pa.int64(),
+    "position": pa.int64(),
+    "accepted": pa.bool_(),
+}
+
+_DEPTH_COL = re.compile(r"^([a-z_]+?)(\d+)$")
+
+
+def depth_columns(names, prefix: str) -> list[str]:
+    """The ``{prefix}{k}`` columns among ``names``, ordered by depth k."""
+    found = []
+    for name in names:
+        m = _DEPTH_COL.match(name)
+        if m and m.group(1) == prefix:
+            found.append((int(m.group(2)), name))
+    return [name for _, name in sorted(found)]
+
+
+def width(names, prefix: str = ACC) -> int:
+    """Number of depths D, i.e. 1 + the largest k among ``{prefix}{k}`` columns (0 if none)."""
+    cols = depth_columns(names, prefix)
+    return 0 if not cols else int(_DEPTH_COL.match(cols[-1]).group(2)) + 1
+
+
+def col(prefix: str, k: int) -> str:
+    return f"{prefix}{k}"

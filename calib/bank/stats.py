@@ -1,0 +1,76 @@
+"""stats.json: the summary a bank carries beside its parquet files (public layout)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+
+from calib.bank import schema
+
+
+def acc_matrix(acceptance: pa.Table) -> np.ndarray:
+    """acc columns as float [N, D]: 1.0 / 0.0, NaN where not drafted."""
+    cols = schema.depth_columns(acceptance.column_names, schema.ACC)
+    if not cols:
+        return np.zeros((acceptance.num_rows, 0))
+    return np.stack(
+        [acceptance.column(c).to_numpy(zero_copy_only=False).astype(np.float64) for c in cols], axis=1
+    )
+
+
+def _summary(accept: np.ndarray, acc: np.ndarray) -> dict:
+    hist = np.bincount(accept, minlength=1) if accept.size else np.zeros(1, dtype=np.int64)
+    with np.errstate(invalid="ignore"):
+        by_pos = np.nanmean(acc, axis=0) if acc.size else np.zeros(0)
+    return {
+        "n_rounds": int(accept.size),
+        "accept_hist": {str(a): int(n) for a, n in enumerate(hist) if n},
+        "mean_accept": float(accept.mean()) if accept.size else 0.0,
+        "mean_commits": float(accept.mean() + 1.0) if accept.size else 0.0,
+        # P(acc_k = 1) over the rounds that drafted depth k.
+        "accept_by_position": [None if np.isnan(v) else float(v) for v in np.atleast_1d(by_pos)],
+        "mean_drafted": float((~np.isnan(acc)).sum(axis=1).mean()) if accept.size else 0.0,
+    }
+
+
+def compute_stats(acceptance: pa.Table) -> dict:
+    accept = acceptance.column("accept").to_numpy(zero_copy_only=False).astype(np.int64)
+    acc = acc_matrix(acceptance)
+    out = _summary(accept, acc)
+    cats = np.asarray(acceptance.column("category").to_pylist(), dtype=object)
+    out["by_category"] = {
+        str(c): _summary(accept[cats == c], acc[cats == c]) for c in sorted(set(cats.tolist()))
+    }
+    return out
+
+
+def compare_stats(claimed: dict, actual: dict, path: str = "stats") -> list[str]:
+    """Differences between a stats.json and the stats recomputed from the data (known keys only)."""
+    diffs = []
+    for key, want in claimed.items():
+        if key not in actual:
+            continue  # public banks may carry fields calib does not compute
+        got = actual[key]
+        where = f"{path}.{key}"
+        if isinstance(want, dict) and isinstance(got, dict):
+            if key in ("accept_hist",):
+                want_n = {str(k): int(v) for k, v in want.items() if int(v)}
+                if want_n != got:
+                    diffs.append(f"{where} is {want_n}, the data give {got}")
+            else:
+                for sub in sorted(set(want) - set(got)):
+                    diffs.append(f"{where}.{sub} is claimed but the data have no such group")
+                for sub in sorted(set(want) & set(got)):
+                    if isinstance(want[sub], dict):
+                        diffs += compare_stats(want[sub], got[sub], f"{where}.{sub}")
+        elif isinstance(want, list) and isinstance(got, list):
+            a = np.array([np.nan if v is None else v for v in want], dtype=float)
+            b = np.array([np.nan if v is None else v for v in got], dtype=float)
+            n = min(a.size, b.size)
+            extra = np.concatenate([a[n:], b[n:]])
+            if not np.allclose(a[:n], b[:n], atol=1e-6, equal_nan=True) or not np.all(np.isnan(extra)):
+                diffs.append(f"{where} is {want}, the data give {got}")
+        elif isinstance(want, (int, float)) and isinstance(got, (int, float)):
+            if not np.isclose(float(want), float(got), atol=1e-6, rtol=1e-6):
+                diffs.append(f"{where} is {want}, the data give {got}")
+    return diffs

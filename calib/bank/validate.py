@@ -1,0 +1,441 @@
+"""Validation of banks: every problem names the file, the column and the row."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from calib.bank import schema
+from calib.bank.stats import acc_matrix, compare_stats, compute_stats
+
+
+@dataclass(frozen=True)
+class Problem:
+    file: str
+    column: str | None
+    row: int | None
+    message: str
+
+    def __str__(self) -> str:
+        where = self.file
+        if self.column is not None:
+            where += f", column {self.column}"
+        if self.row is not None:
+            where += f", row {self.row}"
+        return f"{where}: {self.message}"
+
+
+class BankError(ValueError):
+    """A bank that does not satisfy the layout. ``problems`` lists every finding."""
+
+    def __init__(self, problems: list[Problem]):
+        self.problems = problems
+        head = "\n  ".join(str(p) for p in problems[:20])
+        more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
+        super().__init__(f"invalid bank ({len(problems)} problem(s)):\n  {head}{more}")
+
+
+def _is_string(t: pa.DataType) -> bool:
+    return pa.types.is_string(t) or pa.types.is_large_string(t) or (
+        pa.types.is_dictionary(t) and _is_string(t.value_type)
+    )
+
+
+def _type_ok(actual: pa.DataType, expected: pa.DataType) -> bool:
+    return _is_string(actual) if pa.types.is_string(expected) else actual == expected
+
+
+class _Checker:
+    def __init__(self, bank_dir: str, max_problems: int = 50):
+        self.dir = bank_dir
+        self.max = max_problems
+        self.problems: list[Problem] = []
+
+    def add(self, file, column, row, message):
+        if len(self.problems) < self.max:
+            self.problems.append(Problem(os.path.join(self.dir, file), column, row, message))
+
+    def first_bad(self, file, column, mask: np.ndarray, table: pa.Table, message: str) -> bool:
+        """Report the first row where ``mask`` holds (with its keys and the count). True if any."""
+        bad = np.flatnonzero(mask)
+        if bad.size == 0:
+            return False
+        i = int(bad[0])
+        keys = _row_keys(table, i)
+        more = f" ({bad.size} rows in all)" if bad.size > 1 else ""
+        self.add(file, column, i, f"{message} [{keys}]{more}")
+        return True
+
+    # -- structure ---------------------------------------------------------------------------
+    def read(self, file: str, required: bool) -> pa.Table | None:
+        path = os.path.join(self.dir, file)
+        if not os.path.exists(path):
+            if required:
+                self.add(file, None, None, "missing file (a bank needs acceptance.parquet and "
+                         "speculator.parquet)")
+            return None
+        try:
+            return pq.read_table(path)
+        except Exception as exc:  # noqa: BLE001 - any unreadable file is a finding, not a crash
+            self.add(file, None, None, f"not a readable parquet file: {exc}")
+            return None
+
+    def columns(self, file: str, table: pa.Table, expected: dict[str, pa.DataType],
+                required: bool = True) -> bool:
+        ok = True
+        for name, typ in expected.items():
+            if name not in table.column_names:
+                if required:
+                    self.add(file, name, None, "missing column")
+                    ok = False
+                continue
+            actual = table.schema.field(name).type
+            if not _type_ok(actual, typ):
+                self.add(file, name, None, f"dtype is {actual}, expected {typ}")
+                ok = False
+        return ok
+
+    def keys(self, file: str, table: pa.Table) -> bool:
+        if not self.columns(file, table, schema.KEY_TYPES):
+            return False
+        for k in schema.KEYS:
+            self.first_bad(file, k, _null_mask(table.column(k)), table, "null key")
+        dup = _duplicate_mask(table)
+        self.first_bad(file, ",".join(schema.KEYS), dup, table, "duplicate key")
+        return True
+
+    def partners(self, file_a, a: pa.Table, file_b, b: pa.Table):
+        """Every row of ``a`` must have a row with the same keys in ``b``."""
+        ka = _key_strings(a)
+        kb = set(_key_strings(b).tolist())
+        missing = np.fromiter((k not in kb for k in ka), dtype=bool, count=len(ka))
+        self.first_bad(file_a, ",".join(schema.KEYS), missing, a, f"row has no partner in {file_b}")
+
+    def per_depth_types(self, file: str, table: pa.Table):
+        for prefix, (typ, home) in schema.PER_DEPTH.items():
+            if home != file:
+                continue
+            for c in schema.depth_columns(table.column_names, prefix):
+                actual = table.schema.field(c).type
+                if actual != typ:
+                    self.add(file, c, None, f"dtype is {actual}, expected {typ}")
+
+    # -- content -----------------------------------------------------------------------------
+    def prefix_mask(self, file: str, table: pa.Table, acc: np.ndarray, accept: np.ndarray,
+                    acc_prefix: str = schema.ACC) -> np.ndarray:
+        """Check an accept count against its acc mask; return the drafted width per row."""
+        drafted = ~np.isnan(acc)
+        width = drafted.sum(axis=1)
+        depth = np.arange(acc.shape[1])
+        cols = schema.depth_columns(table.column_names, acc_prefix)
+        # Values other than 0/1.
+        bad_val = drafted & (acc != 0) & (acc != 1)
+        for k in np.flatnonzero(bad_val.any(axis=0)):
+            self.first_bad(file, cols[k], bad_val[:, k], table, "acc value is not 0, 1 or null")
+        # Drafted depths must be a prefix: no null followed by a non-null.
+        gap = drafted & (depth[None, :] >= width[:, None])
+        for k in np.flatnonzero(gap.any(axis=0)):
+            self.first_bad(file, cols[k], gap[:, k], table,
+                           "acc is set after a null depth (drafted depths must be a prefix)")
+        self.first_bad(file, "accept", accept < 0, table, "accept is negative")
+        self.first_bad(file, "accept", accept > width, table,
+                       "accept exceeds the drafted width (non-null acc columns)")
+        expect = (depth[None, :] < accept[:, None]).astype(float)
+        wrong = drafted & ~bad_val & (acc != expect)
+        for k in np.flatnonzero(wrong.any(axis=0)):
+            self.first_bad(file, cols[k], wrong[:, k], table,
+                           "acc disagrees with accept (acc_k must be 1 iff k < accept, 0 at every "
+                           "other drafted depth)")
+        return width
+
+    def confidences(self, file: str, table: pa.Table, width: np.ndarray):
+        cols = schema.depth_columns(table.column_names, schema.CONF)
+        if not cols:
+            self.add(file, "conf0", None, "missing column (no conf{k} columns)")
+            return
+        conf = np.stack([_floats(table.column(c)) for c in cols], axis=1)
+        present = ~np.isnan(conf) | _nan_not_null(table, cols)
+        for k, c in enumerate(cols):
+            v = table.column(c)
+            raw = _floats(v, nulls_as_nan=False)
+            valid = _valid_mask(v)
+            self.first_bad(file, c, valid & np.isnan(raw), table, "NaN confidence (use null for 'none')")
+            self.first_bad(file, c, valid & np.isinf(raw), table, "infinite confidence")
+            with np.errstate(invalid="ignore"):
+                self.first_bad(file, c, valid & ((raw < 0) | (raw > 1)), table,
+                               "confidence outside [0, 1]")
+        depth = np.arange(conf.shape[1])
+        beyond = present & (depth[None, :] >= width[:, None])
+        for k in np.flatnonzero(beyond.any(axis=0)):
+            self.first_bad(file, cols[k], beyond[:, k], table,
+                           "confidence at a depth that was not drafted (acc is null there)")
+        # A drafter either reports a confidence for every drafted token of a round or none.
+        any_conf = present.any(axis=1)
+        hole = any_conf[:, None] & ~present & (depth[None, :] < width[:, None])
+        for k in np.flatnonzero(hole.any(axis=0)):
+            self.first_bad(file, cols[k], hole[:, k], table,
+                           "null confidence at a drafted depth of a round that has confidences")
+
+    def extensions(self, file: str, table: pa.Table, width: np.ndarray):
+        rules = {"entropy": (0.0, np.inf), "margin": (0.0, 1.0), "tok": (0, np.inf)}
+        for prefix, (lo, hi) in rules.items():
+            for k, c in enumerate(schema.depth_columns(table.column_names, prefix)):
+                v = _floats(table.column(c))
+                with np.errstate(invalid="ignore"):
+                    self.first_bad(file, c, ~np.isnan(v) & ((v < lo) | (v > hi)) | np.isinf(v) & (hi != np.inf),
+                                   table, f"{prefix} outside [{lo}, {hi}]")
+                self.first_bad(file, c, ~np.isnan(v) & (k >= width), table,
+                               f"{prefix} at a depth that was not drafted")
+        if "batch_size" in table.column_names:
+            bs = _floats(table.column("batch_size"))
+            self.first_bad(file, "batch_size", bs < 1, table, "batch_size below 1")
+
+    def ngram(self, table: pa.Table, acceptance: pa.Table):
+        f = schema.NGRAM
+        if not self.keys(f, table):
+            return
+        self.columns(f, table, schema.NGRAM_ROUND)
+        if any(c not in table.column_names for c in ("ngram_len", "accept", "label_source")):
+            return
+        self.partners(f, table, schema.ACCEPTANCE, acceptance)
+        self.partners(schema.ACCEPTANCE, acceptance, f, table)
+        n = _floats(table.column("ngram_len"))
+        self.first_bad(f, "ngram_len", np.isnan(n) | (n < 0), table, "ngram_len is null or negative")
+        n = np.nan_to_num(n).astype(np.int64)
+        toks = schema.depth_columns(table.column_names, schema.NGRAM_TOK)
+        if toks:
+            present = np.stack([~np.isnan(_floats(table.column(c))) for c in toks], axis=1)
+            depth = np.arange(len(toks))
+            self.first_bad(f, "ngram_len", n > len(toks), table, f"ngram_len exceeds the {len(toks)} "
+                           "ngram_tok columns")
+            wrong = present != (depth[None, :] < n[:, None])
+            for k in np.flatnonzero(wrong.any(axis=0)):
+                self.first_bad(f, toks[k], wrong[:, k], table,
+                               "ngram_tok must be set exactly on the first ngram_len depths")
+        src = np.asarray(table.column("label_source").to_pylist(), dtype=object)
+        self.first_bad(f, "label_source", ~np.isin(src, schema.LABEL_SOURCES), table,
+                       f"label_source not one of {schema.LABEL_SOURCES}")
+        accept_raw = _floats(table.column("accept"))
+        labelled = src != "none"
+        self.first_bad(f, "accept", labelled & np.isnan(accept_raw), table,
+                       "accept is null on a labelled chain")
+        self.first_bad(f, "accept", ~labelled & ~np.isnan(accept_raw), table,
+                       "accept is set but label_source is 'none'")
+        if "verified" in table.column_names:
+            ver = np.asarray(table.column("verified").to_pylist(), dtype=object) == True  # noqa: E712
+            self.first_bad(f, "verified", ver & (src != "verified"), table,
+                           "verified chain must have label_source 'verified'")
+        acc = acc_matrix(table)
+        if acc.shape[1]:
+            width = self.prefix_mask(f, table, np.where(labelled[:, None], acc, np.nan),
+                                     np.where(labelled, np.nan_to_num(accept_raw), 0).astype(np.int64))
+            self.first_bad(f, "ngram_len", labelled & (width > n), table,
+                           "acc is set beyond ngram_len")
+            self.first_bad(f, "acc0", ~labelled & ~np.isnan(acc).all(axis=1), table,
+                           "acc is set but label_source is 'none'")
+        for name, typ in schema.NGRAM_FEATURES.items():
+            if name not in table.column_names or pa.types.is_boolean(typ):
+                continue
+            v = _floats(table.column(name))
+            self.first_bad(f, name, (n > 0) & np.isnan(v), table, "feature is null on a non-empty chain")
+            with np.errstate(invalid="ignore"):
+                hi = 1.0 if name == "agreement" else np.inf
+                self.first_bad(f, name, (v < 0) | (v > hi) | np.isinf(v), table,
+                               f"feature outside [0, {hi}]")
+
+    def routing(self, acceptance: pa.Table):
+        has_npy = os.path.exists(os.path.join(self.dir, schema.ROUTING))
+        meta = self.read(schema.ROUTING_META, required=has_npy)
+        if not has_npy:
+            if meta is not None:
+                self.add(schema.ROUTING, None, None, "missing file (routing_meta.parquet is present)")
+            return
+        try:
+            arr = np.load(os.path.join(self.dir, schema.ROUTING), mmap_mode="r", allow_pickle=False)
+        except Exception as exc:  # noqa: BLE001
+            self.add(schema.ROUTING, None, None, f"not a readable .npy array: {exc}")
+            return
+        if arr.dtype != np.uint8 or arr.ndim != 3:
+            self.add(schema.ROUTING, None, None,
+                     f"expected uint8 [N, layers, top_k], found {arr.dtype} with shape {arr.shape}")
+        if meta is None:
+            return
+        f = schema.ROUTING_META
+        if not self.columns(f, meta, {**schema.KEY_TYPES, **schema.ROUTING_META_COLUMNS}):
+            return
+        idx = _floats(meta.column("routing_idx"))
+        self.first_bad(f, "routing_idx", np.isnan(idx) | (idx < 0) | (idx >= arr.shape[0]), meta,
+                       f"routing_idx outside [0, {arr.shape[0]})")
+        _, first = np.unique(idx, return_index=True)
+        dup = np.ones(len(idx), dtype=bool)
+        dup[first] = False
+        self.first_bad(f, "routing_idx", dup, meta, "duplicate routing_idx")
+        self.partners(f, meta, schema.ACCEPTANCE, acceptance)
+
+    def manifest(self, acceptance: pa.Table):
+        path = os.path.join(self.dir, schema.MANIFEST)
+        if not os.path.exists(path):
+            return
+        try:
+            with open(path) as fh:
+                m = json.load(fh)
+        except (OSError, json.JSONDecodeError) as exc:
+            self.add(schema.MANIFEST, None, None, f"not readable JSON: {exc}")
+            return
+        if not isinstance(m, dict):
+            self.add(schema.MANIFEST, None, None, "top level is not an object")
+            return
+        if "n_rounds" in m and int(m["n_rounds"]) != acceptance.num_rows:
+            self.add(schema.MANIFEST, "n_rounds", None,
+                     f"says {m['n_rounds']} rounds, acceptance.parquet has {acceptance.num_rows}")
+        for field in ("model", "speculator", "config"):
+            if isinstance(m.get(field), str):
+                values = set(pc.unique(acceptance.column(field)).to_pylist())
+                if values != {m[field]}:
+                    self.add(schema.MANIFEST, field, None,
+                             f"says {m[field]!r}, the data hold {sorted(map(str, values))}")
+        if isinstance(m.get("categories"), list):
+            values = set(pc.unique(acceptance.column("category")).to_pylist())
+            if not values <= set(m["categories"]):
+                self.add(schema.MANIFEST, "categories", None,
+                         f"lists {m['categories']}, the data hold {sorted(values)}")
+        if isinstance(m.get("num_speculative_tokens"), int):
+            d = schema.width(acceptance.column_names)
+            if m["num_speculative_tokens"] > d:
+                self.add(schema.MANIFEST, "num_speculative_tokens", None,
+                         f"says {m['num_speculative_tokens']}, the bank has {d} acc columns")
+
+    def stats(self, acceptance: pa.Table):
+        path = os.path.join(self.dir, schema.STATS)
+        if not os.path.exists(path):
+            return
+        try:
+            with open(path) as fh:
+                claimed = json.load(fh)
+        except (OSError, json.JSONDecodeError) as exc:
+            self.add(schema.STATS, None, None, f"not readable JSON: {exc}")
+            return
+        for d in compare_stats(claimed, compute_stats(acceptance)):
+            self.add(schema.STATS, d.split(" ")[0].removeprefix("stats."), None, d)
+
+
+def validate(bank_dir: str, max_problems: int = 50) -> list[Problem]:
+    """All problems found in the bank at ``bank_dir`` (empty list: valid)."""
+    ck = _Checker(str(bank_dir), max_problems)
+    if not os.path.isdir(bank_dir):
+        ck.add("", None, None, "not a directory")
+        return ck.problems
+    acc_t = ck.read(schema.ACCEPTANCE, required=True)
+    spec_t = ck.read(schema.SPECULATOR, required=True)
+    if acc_t is None or spec_t is None:
+        return ck.problems
+    A, S = schema.ACCEPTANCE, schema.SPECULATOR
+    if acc_t.num_rows == 0:
+        ck.add(A, None, None, "empty bank (no rounds)")
+    keys_ok = ck.keys(A, acc_t) & ck.keys(S, spec_t)
+    d = schema.width(acc_t.column_names)
+    if d == 0:
+        ck.add(A, "acc0", None, "missing column (no acc{k} columns)")
+    for k in range(d):
+        if schema.col(schema.ACC, k) not in acc_t.column_names:
+            ck.add(A, schema.col(schema.ACC, k), None, f"missing column (bank width is {d})")
+        if schema.col(schema.CONF, k) not in spec_t.column_names:
+            ck.add(S, schema.col(schema.CONF, k), None, f"missing column (bank width is {d})")
+    if schema.width(spec_t.column_names, schema.CONF) > d:
+        ck.add(S, schema.col(schema.CONF, schema.width(spec_t.column_names, schema.CONF) - 1), None,
+               f"more conf columns than acc columns ({d})")
+    accept_ok = ck.columns(A, acc_t, {"accept": pa.int64()})
+    ck.per_depth_types(A, acc_t)
+    ck.per_depth_types(S, spec_t)
+    ck.columns(S, spec_t, {n: t for n, (t, f, _) in schema.ROUND_COLUMNS.items() if f == S}, required=False)
+    if ck.problems:  # content checks need sound structure
+        return ck.problems
+    ck.first_bad(A, "accept", _null_mask(acc_t.column("accept")), acc_t, "null accept")
+    if keys_ok:
+        ck.partners(A, acc_t, S, spec_t)
+        ck.partners(S, spec_t, A, acc_t)
+    if ck.problems or not accept_ok:
+        return ck.problems
+    accept = acc_t.column("accept").to_numpy(zero_copy_only=False).astype(np.int64)
+    width = ck.prefix_mask(A, acc_t, acc_matrix(acc_t), accept)
+    # Drafted widths in speculator row order, so findings name speculator.parquet's own rows.
+    spec_width = width[_partner_rows(spec_t, acc_t)]
+    ck.confidences(S, spec_t, spec_width)
+    ck.extensions(S, spec_t, spec_width)
+    ngram_t = ck.read(schema.NGRAM, required=False)
+    if ngram_t is not None:
+        ck.ngram(ngram_t, acc_t)
+    ck.routing(acc_t)
+    ck.manifest(acc_t)
+    ck.stats(acc_t)
+    return ck.problems
+
+
+def check(bank_dir: str) -> None:
+    """Raise :class:`BankError` if the bank at ``bank_dir`` is invalid."""
+    problems = validate(bank_dir)
+    if problems:
+        raise BankError(problems)
+
+
+# -- helpers -------------------------------------------------------------------------------------
+def _null_mask(column: pa.ChunkedArray) -> np.ndarray:
+    return column.is_null().to_numpy(zero_copy_only=False)
+
+
+def _valid_mask(column: pa.ChunkedArray) -> np.ndarray:
+    return ~_null_mask(column)
+
+
+def _floats(column: pa.ChunkedArray, nulls_as_nan: bool = True) -> np.ndarray:
+    """A numeric column as float64 with nulls as NaN (genuine NaN values stay NaN too)."""
+    arr = column.to_numpy(zero_copy_only=False)
+    if arr.dtype == object:
+        arr = np.array([np.nan if v is None else v for v in arr], dtype=np.float64)
+    return arr.astype(np.float64)
+
+
+def _nan_not_null(table: pa.Table, cols: list[str]) -> np.ndarray:
+    """True where a float column holds a genuine NaN (not a null): those count as present."""
+    out = []
+    for c in cols:
+        v = table.column(c)
+        out.append(_valid_mask(v) & np.isnan(_floats(v)))
+    return np.stack(out, axis=1)
+
+
+def _key_strings(table: pa.Table) -> np.ndarray:
+    parts = [pc.cast(table.column(k), pa.string()).to_numpy(zero_copy_only=False).astype(str)
+             for k in schema.KEYS]
+    out = parts[0].astype(object)
+    for p in parts[1:]:
+        out = out + "\x1f" + p.astype(object)
+    return out
+
+
+def _duplicate_mask(table: pa.Table) -> np.ndarray:
+    keys = _key_strings(table)
+    _, first = np.unique(keys, return_index=True)
+    dup = np.ones(len(keys), dtype=bool)
+    dup[first] = False
+    return dup
+
+
+def _partner_rows(table: pa.Table, acceptance: pa.Table) -> np.ndarray:
+    """For each row of ``table``, the acceptance row with the same keys (verified to exist)."""
+    pos = {k: i for i, k in enumerate(_key_strings(acceptance))}
+    return np.fromiter((pos[k] for k in _key_strings(table)), dtype=np.int64, count=table.num_rows)
+
+
+def _row_keys(table: pa.Table, i: int) -> str:
+    parts = []
+    for k in ("category", "prompt_idx", "turn", "round_idx"):
+        if k in table.column_names:
+            parts.append(f"{k}={table.column(k)[i].as_py()}")
+    return ", ".join(parts)

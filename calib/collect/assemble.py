@@ -1,0 +1,164 @@
+"""Captured rounds (JSON lines from :mod:`calib.collect.hooks`) → bank tables, plus reconciliation."""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+
+from calib.bank import schema
+from calib.collect.ngram import label_chain
+
+
+class ReconciliationError(RuntimeError):
+    """Captured accept counts disagree with vLLM's own per-request spec-decode metrics."""
+
+
+class CaptureError(RuntimeError):
+    """The capture hooks reported failures; the bank would be incomplete."""
+
+
+@dataclass(frozen=True)
+class RunKeys:
+    """Bank key values and labelling rules shared by every round of one collection run."""
+
+    model: str
+    speculator: str
+    config: str
+    width: int  # D: acc/conf columns (num_speculative_tokens)
+    ngram_width: int  # n-gram chain columns
+    ngram_verified: bool  # the engine verified the n-gram chain (method == "ngram")
+    temperature: float
+
+
+def read_capture(capture_dir: str | Path) -> dict[str, list[dict]]:
+    """Records grouped by engine request id, in step order. Raises on reported hook failures."""
+    by_req: dict[str, list[dict]] = defaultdict(list)
+    errors = []
+    for f in sorted(Path(capture_dir).glob("capture-*.jsonl")):
+        for line_no, line in enumerate(f.read_text().splitlines(), start=1):
+            rec = json.loads(line)
+            if "capture_error" in rec:
+                errors.append(f"{f.name}:{line_no}: {rec['capture_error']}")
+                continue
+            by_req[rec["req"]].append(rec)
+    if errors:
+        raise CaptureError(f"{len(errors)} capture failure(s), first: {errors[0]}")
+    for recs in by_req.values():
+        recs.sort(key=lambda r: r["step"])
+    return by_req
+
+
+def engine_request_prefix(engine_req_id: str) -> str:
+    """vLLM appends '-<8 random chars>' to the caller's request id."""
+    return engine_req_id.rsplit("-", 1)[0]
+
+
+def reconcile(captured: dict[int, list[dict]], reference: dict[int, tuple[list[int], list[int]]],
+              prompt_ids: dict[int, str]) -> None:
+    """Compare per-request (accepted, drafted) sequences with vLLM's ``per_step_*`` metrics."""
+    problems = []
+    for idx, (ref_acc, ref_drafted) in sorted(reference.items()):
+        recs = captured.get(idx, [])
+        got_acc = [r["accepted"] for r in recs]
+        got_drafted = [len(r["drafted"]) for r in recs]
+        if got_acc != list(ref_acc) or got_drafted != list(ref_drafted):
+            first = next((i for i, (a, b) in enumerate(zip(got_acc, ref_acc)) if a != b),
+                         min(len(got_acc), len(ref_acc)))
+            problems.append(f"prompt {idx} ({prompt_ids.get(idx)}): captured {len(got_acc)} rounds, "
+                            f"vLLM reports {len(ref_acc)}; first difference at round {first}")
+    extra = sorted(set(captured) - set(reference))
+    if extra:
+        problems.append(f"rounds captured for prompts vLLM reports no spec-decode steps for: {extra[:5]}")
+    if problems:
+        raise ReconciliationError("capture does not reconcile with vLLM's per-request metrics:\n  "
+                                  + "\n  ".join(problems[:10]))
+
+
+def build_tables(rounds: dict[int, list[dict]], categories: dict[int, str],
+                 final_tokens: dict[int, list[int]], keys: RunKeys) -> tuple[pa.Table, pa.Table, pa.Table]:
+    """acceptance, speculator and ngram tables for the rounds of a set of prompts."""
+    D, L = keys.width, keys.ngram_width
+    acc_cols: dict[str, list] = defaultdict(list)
+    spec_cols: dict[str, list] = defaultdict(list)
+    ng_cols: dict[str, list] = defaultdict(list)
+    for idx in sorted(rounds):
+        for r_idx, rec in enumerate(rounds[idx]):
+            key = {"model": keys.model, "speculator": keys.speculator, "config": keys.config,
+                   "category": categories[idx], "prompt_idx": idx, "turn": 0, "round_idx": r_idx}
+            for table in (acc_cols, spec_cols, ng_cols):
+                for k, v in key.items():
+                    table[k].append(v)
+            drafted, a = rec["drafted"], rec["accepted"]
+            d = len(drafted)
+            if d > D:
+                raise ValueError(f"prompt {idx} round {r_idx}: {d} drafted tokens > width {D}")
+            acc_cols["accept"].append(a)
+            for k in range(D):
+                acc_cols[f"acc{k}"].append((1 if k < a else 0) if k < d else None)
+                spec_cols[f"tok{k}"].append(drafted[k] if k < d else None)
+                for name in ("conf", "entropy", "margin"):
+                    vals = rec.get(name)
+                    spec_cols[f"{name}{k}"].append(float(vals[k]) if vals is not None and k < d else None)
+            spec_cols["batch_size"].append(rec["batch_size"])
+            spec_cols["temperature"].append(keys.temperature)
+            _ngram_row(ng_cols, rec, idx, r_idx, final_tokens[idx], keys)
+    order = list(schema.KEYS)
+    acceptance = pa.table({c: acc_cols[c] for c in order + ["accept"] + [f"acc{k}" for k in range(D)]})
+    spec_names = order + [f"{p}{k}" for p in ("conf", "tok", "entropy", "margin") for k in range(D)]
+    speculator = pa.table({c: spec_cols[c] for c in spec_names + ["batch_size", "temperature"]},
+                          schema=_schema(spec_names + ["batch_size", "temperature"], schema.SPECULATOR))
+    ng_names = (order + list(schema.NGRAM_ROUND) + [f"{schema.NGRAM_TOK}{j}" for j in range(L)]
+                + [f"acc{j}" for j in range(L)])
+    ngram = pa.table({c: ng_cols[c] for c in ng_names}, schema=_schema(ng_names, schema.NGRAM))
+    return acceptance, speculator, ngram
+
+
+def _ngram_row(cols, rec, idx, r_idx, final, keys: RunKeys) -> None:
+    L = keys.ngram_width
+    chain = list(rec["ngram_tokens"])
+    if keys.ngram_verified:
+        drafted = rec["drafted"]
+        if chain[: len(drafted)] != drafted:
+            raise ReconciliationError(
+                f"prompt {idx} round {r_idx}: recomputed n-gram chain {chain} does not reproduce "
+                f"vLLM's draft {drafted}")
+        chain, source, accept = drafted, "verified", rec["accepted"]
+        mask = [1 if j < accept else 0 for j in range(len(chain))]
+    elif chain:
+        source = "counterfactual"
+        accept, mask = label_chain(chain, rec["context_len"], final)
+    else:
+        source, accept, mask = "none", None, []
+    cols["ngram_len"].append(len(chain))
+    for name, v in rec["ngram"].items():
+        cols[name].append(v if chain else None)
+    cols["accept"].append(accept)
+    cols["verified"].append(keys.ngram_verified)
+    cols["label_source"].append(source)
+    for j in range(L):
+        cols[f"{schema.NGRAM_TOK}{j}"].append(chain[j] if j < len(chain) else None)
+        cols[f"acc{j}"].append(mask[j] if j < len(mask) else None)
+
+
+def _schema(names, file) -> pa.Schema:
+    types = dict(schema.KEY_TYPES)
+    for n, (t, home, _) in schema.ROUND_COLUMNS.items():
+        if home == file:
+            types[n] = t
+    if file == schema.NGRAM:
+        types.update(schema.NGRAM_ROUND)
+    fields = []
+    for n in names:
+        if n in types:
+            fields.append(pa.field(n, types[n]))
+        elif n.startswith(schema.NGRAM_TOK) or n.startswith("tok"):
+            fields.append(pa.field(n, pa.int64()))
+        elif n.startswith("acc"):
+            fields.append(pa.field(n, pa.int8()))
+        else:
+            fields.append(pa.field(n, pa.float64()))
+    return pa.schema(fields)

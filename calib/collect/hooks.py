@@ -1,0 +1,191 @@
+"""Engine hooks that record every speculative round; installed by the plugin in each vLLM process.
+
+Two moments of the V1 model runner matter (``CPUModelRunner`` subclasses ``GPUModelRunner``, so one
+patch covers both):
+
+* drafting — ``SpecDecodeBaseProposer._sample_draft_tokens`` is called once per depth with one row
+  per request (input-batch order); the wrapper keeps the drafter's probability of the token it
+  proposed, the entropy and the top-1/top-2 margin. ``GPUModelRunner.propose_draft_token_ids``
+  brackets a drafting pass and files those per-depth rows under each request id.
+* verification — ``GPUModelRunner._sample`` returns the rejection sampler's ``[B, K+1]`` output;
+  the wrapper counts accepted tokens per row, recomputes the n-gram chain of the context the draft
+  was made from, and appends one JSON line per round to ``<capture dir>/capture-<pid>.jsonl``.
+
+Capture never raises into the engine (failures are counted and logged once) and never changes what
+the engine computes: the greedy wrapper performs the same argmax vLLM does, on the same logits.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from calib.collect.ngram import find_match
+
+log = logging.getLogger("calib.collect")
+
+ENV_DIR = "CALIB_COLLECT_DIR"
+ENV_NGRAM = "CALIB_NGRAM"  # "min_n,max_n,k" of the n-gram chain recorded beside each round
+
+
+class Recorder:
+    """Per-process capture state."""
+
+    def __init__(self, out_dir: str, ngram: tuple[int, int, int]):
+        self.out_dir = Path(out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.out_dir / f"capture-{os.getpid()}.jsonl"
+        self.fh = open(self.path, "a", buffering=1 << 16)
+        self.ngram = ngram
+        self.step = 0
+        self.errors = 0
+        self.local = threading.local()
+        self.pending: dict[str, dict] = {}  # req_id -> drafter signals of its last drafting pass
+
+    def error(self, where: str, exc: BaseException) -> None:
+        self.errors += 1
+        if self.errors <= 3:
+            log.exception("calib capture failed in %s (engine output unaffected): %s", where, exc)
+        self.fh.write(json.dumps({"capture_error": f"{where}: {exc!r}"}) + "\n")
+
+    # -- drafting -------------------------------------------------------------------------------
+    def depth_rows(self) -> list | None:
+        return getattr(self.local, "rows", None)
+
+    def start_drafting(self) -> None:
+        self.local.rows = []
+
+    def record_depth(self, token_ids: torch.Tensor, probs: torch.Tensor) -> None:
+        """One depth of a drafting pass: probs [rows, vocab] of the distribution sampled from."""
+        rows = self.depth_rows()
+        if rows is None:
+            return
+        p = probs.float()
+        top2 = torch.topk(p, 2, dim=-1).values
+        conf = p.gather(-1, token_ids.view(-1, 1).long()).squeeze(-1)
+        entropy = -(p * torch.log(p.clamp_min(1e-30))).sum(-1)
+        rows.append(torch.stack([conf, entropy, top2[:, 0] - top2[:, 1]], dim=-1))
+
+    def finish_drafting(self, req_ids: list[str]) -> None:
+        rows, self.local.rows = self.local.rows, None
+        if not rows:
+            return
+        signals = torch.stack(rows, dim=1).cpu().numpy()  # [batch, depth, 3]
+        for i, req_id in enumerate(req_ids[: signals.shape[0]]):
+            self.pending[req_id] = {
+                "conf": signals[i, :, 0].tolist(),
+                "entropy": signals[i, :, 1].tolist(),
+                "margin": signals[i, :, 2].tolist(),
+            }
+
+    # -- verification ---------------------------------------------------------------------------
+    def record_verify(self, runner, spec_decode_metadata, sampled_token_ids: torch.Tensor) -> None:
+        self.step += 1
+        batch = runner.input_batch
+        num_draft = spec_decode_metadata.num_draft_tokens
+        sampled = sampled_token_ids.cpu().numpy()
+        drafts = spec_decode_metadata.draft_token_ids.cpu().numpy()
+        starts = np.concatenate([[0], np.cumsum(num_draft)])
+        n_active = len(num_draft)
+        min_n, max_n, k = self.ngram
+        max_model_len = getattr(runner, "max_model_len", None)
+        for i, req_id in enumerate(batch.req_ids[:n_active]):
+            d = int(num_draft[i])
+            signals = self.pending.pop(req_id, None)
+            if d == 0:
+                continue
+            # Rejection-sampler row: accepted drafts, then the bonus/recovered token, then -1s.
+            accepted = int((sampled[i] != -1).sum()) - 1
+            context_len = int(batch.num_tokens_no_spec[i])
+            context = batch.token_ids_cpu[i, :context_len]
+            prompt_len = int(batch.num_prompt_tokens[i])
+            match = find_match(context, min_n, max_n, k, prompt_len, max_model_len)
+            rec = {
+                "req": req_id, "step": self.step, "batch_size": n_active,
+                "drafted": drafts[starts[i]: starts[i + 1]].tolist(), "accepted": accepted,
+                "context_len": context_len, "prompt_len": prompt_len,
+                "ngram_tokens": match.tokens, "ngram": match.features(),
+            }
+            if signals is not None:
+                rec.update({name: v[:d] for name, v in signals.items()})
+            self.fh.write(json.dumps(rec) + "\n")
+        self.fh.flush()
+
+
+_RECORDER: Recorder | None = None
+
+
+def recorder() -> Recorder | None:
+    return _RECORDER
+
+
+def install(out_dir: str, ngram: tuple[int, int, int]) -> None:
+    """Patch the model runner and the proposer base class (idempotent)."""
+    global _RECORDER
+    if _RECORDER is not None:
+        return
+    from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    rec = _RECORDER = Recorder(out_dir, ngram)
+
+    orig_sample = GPUModelRunner._sample
+
+    def _sample(self, logits, spec_decode_metadata):
+        out = orig_sample(self, logits, spec_decode_metadata)
+        if spec_decode_metadata is not None:
+            try:
+                rec.record_verify(self, spec_decode_metadata, out.sampled_token_ids)
+            except Exception as exc:  # noqa: BLE001 - capture must never break the engine
+                rec.error("verify", exc)
+        return out
+
+    orig_propose = GPUModelRunner.propose_draft_token_ids
+
+    def propose_draft_token_ids(self, *args, **kwargs):
+        rec.start_drafting()
+        try:
+            return orig_propose(self, *args, **kwargs)
+        finally:
+            try:
+                rec.finish_drafting(list(self.input_batch.req_ids))
+            except Exception as exc:  # noqa: BLE001
+                rec.error("propose", exc)
+
+    orig_draft = SpecDecodeBaseProposer._sample_draft_tokens
+
+    def _sample_draft_tokens(self, hidden_states, sampling_metadata):
+        plain_greedy = (
+            (not self._enable_probabilistic_draft_probs or sampling_metadata.all_greedy)
+            and not self.use_local_argmax_reduction and not self.use_heterogeneous_vocab
+            and type(self)._greedy_sample is SpecDecodeBaseProposer._greedy_sample
+        )
+        if rec.depth_rows() is None:
+            return orig_draft(self, hidden_states, sampling_metadata)
+        if plain_greedy:
+            # Exactly SpecDecodeBaseProposer._greedy_sample, keeping the logits it discards.
+            logits = self.model.compute_logits(hidden_states)
+            token_ids = logits.argmax(dim=-1)
+            try:
+                rec.record_depth(token_ids, torch.softmax(logits.float(), dim=-1))
+            except Exception as exc:  # noqa: BLE001
+                rec.error("draft", exc)
+            return token_ids, None
+        token_ids, probs = orig_draft(self, hidden_states, sampling_metadata)
+        if probs is not None:
+            try:
+                rec.record_depth(token_ids, probs)
+            except Exception as exc:  # noqa: BLE001
+                rec.error("draft", exc)
+        return token_ids, probs
+
+    GPUModelRunner._sample = _sample
+    GPUModelRunner.propose_draft_token_ids = propose_draft_token_ids
+    SpecDecodeBaseProposer._sample_draft_tokens = _sample_draft_tokens
+    log.info("calib capture installed (pid %d) -> %s", os.getpid(), rec.path)

@@ -1,0 +1,46 @@
+"""vLLM plugin entry point (group ``vllm.general_plugins``), loaded in every vLLM process.
+
+It does nothing unless collection is enabled through the environment, so installing calib never
+changes a user's engine:
+
+* ``CALIB_COLLECT_DIR=<dir>``: install the capture hooks (:mod:`calib.collect.hooks`), writing there.
+* ``CALIB_CPU_SAMPLING_FIX=1`` (set by the collector on CPU builds): replace vLLM 0.32's CPU
+  ``expand_batch_to_tokens``, which casts float inputs to int64 and garbles sampled speculative
+  decoding at temperature > 0. GPU builds are never touched.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def expand_batch_to_tokens(x, cu_num_tokens, num_tokens, replace_from=0, replace_to=0):
+    """Same contract as vllm.v1.sample.rejection_sampler.expand_batch_to_tokens, dtype-preserving."""
+    import torch
+
+    counts = torch.diff(cu_num_tokens.long(), prepend=cu_num_tokens.new_zeros(1, dtype=torch.long))
+    if replace_from != replace_to:
+        x = torch.where(x == replace_from, torch.full_like(x, replace_to), x)
+    return torch.repeat_interleave(x, counts, output_size=num_tokens)
+
+
+def apply_cpu_sampling_fix() -> bool:
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return False
+    import vllm.v1.sample.rejection_sampler as rs
+
+    rs.expand_batch_to_tokens = expand_batch_to_tokens
+    return True
+
+
+def register() -> None:
+    if os.environ.get("CALIB_CPU_SAMPLING_FIX") == "1":
+        apply_cpu_sampling_fix()
+    out_dir = os.environ.get("CALIB_COLLECT_DIR")
+    if out_dir:
+        from calib.collect import hooks
+
+        ngram = tuple(int(v) for v in os.environ.get(hooks.ENV_NGRAM, "1,4,4").split(","))
+        hooks.install(out_dir, ngram)

@@ -1,0 +1,265 @@
+"""``collect.py``'s job: run vLLM over a prompt set with capture on, in durable parts, into a bank.
+
+A run folder holds ``parts/part-NNNNN/`` (each a small bank, visible only once complete: it is
+written under a temp name, validated, marked ``_SUCCESS`` and renamed), ``collect_config.json``
+(the config and its hash: a rerun with another config refuses to mix parts) and, at the end,
+``bank/`` — the union of the parts with its manifest and stats. A killed run resumes by skipping
+finished parts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import pyarrow as pa
+from tqdm.auto import tqdm
+
+from calib.bank import load, write_bank, write_json_atomic
+from calib.collect.assemble import (RunKeys, build_tables, engine_request_prefix, read_capture,
+                                    reconcile)
+from calib.collect.prompts import load_prompts
+
+log = logging.getLogger("calib.collect")
+
+SUCCESS = "_SUCCESS"
+# Config keys that do not change what is collected (excluded from the run's hash).
+_NOT_HASHED = ("out_dir", "progress", "overwrite")
+
+
+def config_hash(cfg: dict) -> str:
+    payload = {k: v for k, v in cfg.items() if k not in _NOT_HASHED}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+class RunFolder:
+    """Parts bookkeeping for one run folder."""
+
+    def __init__(self, out_dir: str | os.PathLike, cfg: dict):
+        self.dir = Path(out_dir)
+        self.parts = self.dir / "parts"
+        self.cfg = cfg
+        self.hash = config_hash(cfg)
+
+    def open(self) -> None:
+        state = self.dir / "collect_config.json"
+        if state.exists():
+            old = json.loads(state.read_text())
+            if old.get("hash") != self.hash:
+                raise RuntimeError(
+                    f"{self.dir} holds parts collected with another config (hash {old.get('hash')}, "
+                    f"this run {self.hash}); refusing to mix them. Use a new out_dir, or delete "
+                    f"{self.dir} to start over.")
+        self.parts.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(state, {"hash": self.hash, "config": self.cfg})
+        for stale in self.parts.glob(".part-*"):  # a part that was being written when killed
+            shutil.rmtree(stale, ignore_errors=True)
+
+    def part_dir(self, i: int) -> Path:
+        return self.parts / f"part-{i:05d}"
+
+    def done(self, i: int) -> bool:
+        return (self.part_dir(i) / SUCCESS).exists()
+
+    def write_part(self, i: int, tables: tuple[pa.Table, pa.Table, pa.Table], info: dict) -> None:
+        final = self.part_dir(i)
+        tmp_parent = Path(tempfile.mkdtemp(prefix=f".part-{i:05d}.", dir=self.parts))
+        try:
+            bank = write_bank(tmp_parent / "bank", *tables, manifest={"part": i, **info})
+            (bank / SUCCESS).write_text(json.dumps(info))
+            os.replace(bank, final)
+        finally:
+            shutil.rmtree(tmp_parent, ignore_errors=True)
+
+    def finished_parts(self) -> list[Path]:
+        return sorted(p for p in self.parts.glob("part-*") if (p / SUCCESS).exists())
+
+
+def _speculative_config(spec: dict, model_dir: Path, cache_dir: Path | None) -> tuple[dict, str]:
+    """vLLM's speculative_config and the bank's speculator id."""
+    from calib.collect.target import prepare_truncated_drafter
+
+    method = spec["method"]
+    out = {"method": method, "num_speculative_tokens": int(spec["num_speculative_tokens"])}
+    if method == "ngram":
+        out.update(prompt_lookup_min=int(spec["prompt_lookup_min"]),
+                   prompt_lookup_max=int(spec["prompt_lookup_max"]))
+        return out, "ngram"
+    if method == "draft_model":
+        if spec.get("drafter_layers"):
+            drafter = prepare_truncated_drafter(model_dir, int(spec["drafter_layers"]), cache_dir)
+        else:
+            drafter = Path(spec["model"])
+        out["model"] = str(drafter)
+        return out, f"draft_model:{drafter.name}"
+    if method in ("eagle", "eagle3"):
+        out["model"] = str(Path(spec["model"]).resolve())
+        return out, f"{method}:{Path(spec['model']).name}"
+    raise ValueError(f"speculative.method={method!r} is not supported; use ngram, draft_model, "
+                     "eagle or eagle3")
+
+
+def run(cfg: dict) -> Path:
+    """Collect a bank as ``cfg`` (the resolved collect config) says; return the bank folder."""
+    from calib.collect.target import prepare_target
+
+    t_start = time.time()
+    spec_cfg, sampling, engine = cfg["speculative"], cfg["sampling"], cfg["engine"]
+    prompts = load_prompts(cfg["prompts"]["files"], cfg["prompts"].get("limit_per_file"),
+                           root=cfg.get("root", "."))
+    folder = RunFolder(cfg["out_dir"], cfg)
+    folder.open()
+
+    cache_dir = Path(cfg["model"]["cache_dir"]) if cfg["model"].get("cache_dir") else None
+    model_dir = prepare_target(cfg["model"].get("gguf"), cache_dir, cfg["model"]["name"],
+                               cfg["model"].get("dtype", "bfloat16"))
+    spec, speculator = _speculative_config(spec_cfg, model_dir, cache_dir)
+    k = spec["num_speculative_tokens"]
+    ng = spec_cfg.get("ngram") or {}
+    ngram_params = (int(spec.get("prompt_lookup_min", ng.get("min_n", 1))),
+                    int(spec.get("prompt_lookup_max", ng.get("max_n", 4))), int(ng.get("k", k)))
+    capture_dir = Path(cfg["out_dir"]) / "capture"
+    temperature = float(sampling["temperature"])
+    keys = RunKeys(model=cfg["model"]["name"], speculator=speculator,
+                   config=f"{spec_cfg['name']}-k{k}-t{temperature:g}", width=k,
+                   ngram_width=ngram_params[2], ngram_verified=spec["method"] == "ngram",
+                   temperature=temperature)
+
+    part_size = int(cfg["part_size"])
+    n_parts = (len(prompts) + part_size - 1) // part_size
+    todo = [i for i in range(n_parts) if not folder.done(i)]
+    log.info("%d prompts in %d parts; %d to do", len(prompts), n_parts, len(todo))
+    if todo:
+        shutil.rmtree(capture_dir, ignore_errors=True)  # records of a killed run are not reused
+        llm, tokenizer = _engine(cfg, model_dir, spec, capture_dir, ngram_params)
+        from vllm import SamplingParams
+
+        bar = tqdm(total=len(prompts), desc=f"collect {keys.config}", unit="prompt",
+                   initial=(n_parts - len(todo)) * part_size, disable=not cfg.get("progress", True))
+        for i in todo:
+            batch = prompts[i * part_size: (i + 1) * part_size]
+            token_ids = [tokenizer(tokenizer.apply_chat_template(p.messages, add_generation_prompt=True,
+                                                                 tokenize=False),
+                                   add_special_tokens=False).input_ids for p in batch]
+            params = [SamplingParams(temperature=temperature, top_p=float(sampling.get("top_p", 1.0)),
+                                     max_tokens=int(sampling["max_tokens"]),
+                                     seed=int(cfg["seed"]) + p.idx if temperature > 0 else None)
+                      for p in batch]
+            t0 = time.time()
+            outputs = llm.generate([{"prompt_token_ids": t} for t in token_ids], params, use_tqdm=False)
+            wall = time.time() - t0
+            info = _finish_part(folder, i, batch, token_ids, outputs, capture_dir, keys, wall,
+                                reconcile_on=bool(cfg.get("reconcile", True)))
+            bar.update(len(batch))
+            bar.set_postfix(rounds=info["n_rounds"], tok_s=f"{info['output_tokens'] / wall:.1f}")
+        bar.close()
+        del llm
+    return _merge(folder, cfg, keys, spec, model_dir, time.time() - t_start)
+
+
+def _engine(cfg, model_dir, spec, capture_dir, ngram_params):
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0" if cfg["engine"]["in_process"] else "1")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg["engine"]["kv_cache_gb"]))
+    if cfg.get("capture", True):
+        os.environ["CALIB_COLLECT_DIR"] = str(capture_dir.resolve())
+        os.environ["CALIB_NGRAM"] = ",".join(map(str, ngram_params))
+    else:
+        os.environ.pop("CALIB_COLLECT_DIR", None)
+    os.environ["CALIB_CPU_SAMPLING_FIX"] = "1"  # the plugin applies it on CPU builds only
+    from vllm import LLM
+
+    llm = LLM(model=str(model_dir), speculative_config=spec,
+              enforce_eager=bool(cfg["engine"]["enforce_eager"]),
+              max_model_len=int(cfg["engine"]["max_model_len"]),
+              max_num_seqs=int(cfg["concurrency"]), seed=int(cfg["seed"]),
+              per_request_spec_decode_metrics="detailed")
+    return llm, llm.get_tokenizer()
+
+
+def _finish_part(folder, i, batch, token_ids, outputs, capture_dir, keys, wall, reconcile_on):
+    # The capture files grow over the whole run; request ids are unique, so pick this part's.
+    by_prefix = {}
+    for rid, recs in read_capture(capture_dir).items():
+        by_prefix.setdefault(engine_request_prefix(rid), []).extend(recs)
+    rounds, reference, finals = {}, {}, {}
+    for p, ids, out in zip(batch, token_ids, outputs):
+        rounds[p.idx] = sorted(by_prefix.get(out.request_id, []), key=lambda r: r["step"])
+        m = out.outputs[0].spec_decode_metrics
+        reference[p.idx] = (list(m.per_step_accepted), list(m.per_step_drafted)) if m else ([], [])
+        finals[p.idx] = list(ids) + list(out.outputs[0].token_ids)
+    if reconcile_on:
+        reconcile(rounds, reference, {p.idx: p.id for p in batch})
+    rounds = {idx: r for idx, r in rounds.items() if r}
+    cats = {p.idx: p.category for p in batch}
+    info = {"prompts": [p.id for p in batch], "n_rounds": sum(map(len, rounds.values())),
+            "output_tokens": sum(len(o.outputs[0].token_ids) for o in outputs), "wall_s": wall,
+            "outputs": {p.id: o.outputs[0].text for p, o in zip(batch, outputs)}}
+    if rounds:
+        folder.write_part(i, build_tables(rounds, cats, finals, keys), info)
+    else:  # nothing was drafted (e.g. no n-gram ever matched): record the part as done and empty
+        folder.part_dir(i).mkdir(parents=True, exist_ok=True)
+        (folder.part_dir(i) / SUCCESS).write_text(json.dumps(info))
+    return info
+
+
+def _merge(folder: RunFolder, cfg: dict, keys: RunKeys, spec: dict, model_dir: Path, wall: float) -> Path:
+    import vllm
+
+    parts = [p for p in folder.finished_parts() if (p / "acceptance.parquet").exists()]
+    if not parts:
+        raise RuntimeError(f"no rounds were collected in {folder.dir}: nothing was drafted")
+    bank = load(parts)
+    tables = [bank.table(f) for f in ("acceptance.parquet", "speculator.parquet", "ngram.parquet")]
+    infos = [json.loads((p / SUCCESS).read_text()) for p in folder.finished_parts()]
+    out_tokens = sum(i["output_tokens"] for i in infos)
+    gen_wall = sum(i["wall_s"] for i in infos)
+    manifest = {
+        "model": keys.model, "speculator": keys.speculator, "config": keys.config,
+        "engine": "vllm-cpu" if _is_cpu() else "vllm", "engine_version": vllm.__version__,
+        "method": spec["method"], "num_speculative_tokens": keys.width,
+        "speculative_config": {k: v for k, v in spec.items() if k != "model"},
+        "drafter": Path(spec["model"]).name if "model" in spec else None,
+        "ngram_chain": {"width": keys.ngram_width, "verified": keys.ngram_verified,
+                        "labels": "verified" if keys.ngram_verified else "counterfactual"},
+        "sampling": dict(cfg["sampling"]), "seed": cfg["seed"], "concurrency": cfg["concurrency"],
+        "prompt_set": cfg["prompts"]["name"], "prompt_files": list(cfg["prompts"]["files"]),
+        "categories": sorted({c for c in tables[0].column("category").to_pylist()}),
+        "n_prompts": sum(len(i["prompts"]) for i in infos),
+        "output_tokens": out_tokens, "generate_wall_s": round(gen_wall, 2),
+        "wall_time_s": round(wall, 2), "config_hash": folder.hash,
+        "calib_version": _calib_version(), "extensions": ["tok", "entropy", "margin", "batch_size",
+                                                          "temperature", "ngram.parquet"],
+    }
+    out = write_bank(folder.dir / "bank", *tables, manifest=manifest, overwrite=True)
+    outputs = {k: v for i in infos for k, v in i.get("outputs", {}).items()}
+    write_json_atomic(folder.dir / "outputs.json", outputs)
+    _summary(out, manifest)
+    return out
+
+
+def _summary(bank_dir: Path, manifest: dict) -> None:
+    stats = json.loads((bank_dir / "stats.json").read_text())
+    lines = [f"bank {bank_dir}: {stats['n_rounds']} rounds, mean accepted {stats['mean_accept']:.3f} "
+             f"(drafted {stats['mean_drafted']:.2f}), {manifest['output_tokens']} tokens at "
+             f"{manifest['output_tokens'] / max(manifest['generate_wall_s'], 1e-9):.1f} tok/s"]
+    for cat, s in stats["by_category"].items():
+        lines.append(f"  {cat:<12} rounds {s['n_rounds']:>6}  mean accepted {s['mean_accept']:.3f}")
+    print("\n".join(lines))
+
+
+def _is_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def _calib_version() -> str:
+    from calib import __version__
+
+    return __version__
