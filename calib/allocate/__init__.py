@@ -1,0 +1,25 @@
+"""Serve-time allocation of the batch's verification budget across draft chains.
+
+>>> from calib.allocate import allocate_probs
+>>> out = allocate_probs(model_p, ngram_p, budget=64)        # or cost=verify_cost_curve
+>>> out.drafter, out.depth, out.expected_accepted            # int8 [B], int32 [B], float32 [B]
+
+The Triton kernel lives in :mod:`calib.allocate.triton_kernels` and is imported only when
+``impl="triton"`` is asked for (on a machine without CUDA it then runs under the interpreter).
+"""
+
+from calib.allocate.api import Allocation, allocate, allocate_probs
+from calib.allocate.reference import MODEL, NGRAM, NO_DRAFTER, SCALE
+from calib.allocate.tables import AcceptanceTables, GridTables
+
+__all__ = [
+    "MODEL",
+    "NGRAM",
+    "NO_DRAFTER",
+    "SCALE",
+    "AcceptanceTables",
+    "Allocation",
+    "GridTables",
+    "allocate",
+    "allocate_probs",
+]

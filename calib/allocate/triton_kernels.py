@@ -1,0 +1,354 @@
+"""Fused Triton allocator: table lookup, survival product, selection and drafter choice.
+
+One program handles the whole batch (selection is batch-global): every tensor lives in registers
+as a ``[BLOCK_B, BLOCK_K]`` tile, searches are fixed-length bisections over the fixed-point gain
+grid, and nothing is read back to the host, so a launch can be captured in a CUDA graph (pass
+``budget`` as a device tensor). The rules and their justification are in
+:mod:`calib.allocate.reference`; this file follows them step for step:
+
+* lookups and the survival product use the same float32 operations in the same order as the
+  torch code (FMA contraction is disabled at launch so ``a + f * (b - a)`` rounds the same way);
+* every decision is taken on integer fixed-point gains, so different reduction orders cannot
+  change it;
+* price mode sorts the gains in-kernel (``tl.sort``) and computes each prefix's goodput as one
+  float64 division of an exact integer, like the reference.
+
+Without a CUDA device this module sets ``TRITON_INTERPRET=1`` before importing Triton, so the same
+kernel runs (slowly) on CPU tensors for testing.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first `import triton`
+
+import triton
+import triton.language as tl
+
+from calib.allocate.reference import SCALE
+
+MAX_WIDTH = 64  # per-row surplus sums stay below 2**31 in int32
+MAX_TILE = 16384  # BLOCK_B * BLOCK_K held by one program, e.g. B <= 1024 at K = 16
+_SEARCH_STEPS = 25  # bisection over (-1, SCALE] closes to width 1 in ceil(log2(SCALE + 1)) steps
+
+
+@triton.jit
+def _model_column(ptr, stride_b, k, rows, row_ok, K, grid_ptr, D, G, FROM_TABLE: tl.constexpr):
+    """Conditional acceptance probability of depth ``k`` of the model chain, NaN = no token."""
+    x = tl.load(ptr + rows * stride_b + k, mask=row_ok & (k < K), other=float("nan")).to(tl.float32)
+    if FROM_TABLE:
+        present = x == x  # noqa: PLR0124 -- NaN test (no isnan in tl)
+        c = tl.minimum(tl.maximum(tl.where(present, x, 0.0), 0.0), 1.0)
+        grid_row = tl.minimum(k, D - 1)
+        pos = c * (G - 1).to(tl.float32)
+        lo = tl.minimum(tl.floor(pos).to(tl.int32), tl.maximum(G - 2, 0))
+        hi = tl.minimum(lo + 1, G - 1)
+        frac = pos - lo.to(tl.float32)
+        g_lo = tl.load(grid_ptr + grid_row * G + lo, mask=row_ok, other=0.0)
+        g_hi = tl.load(grid_ptr + grid_row * G + hi, mask=row_ok, other=0.0)
+        x = tl.where(present, g_lo + frac * (g_hi - g_lo), float("nan"))
+    return x
+
+
+@triton.jit
+def _ngram_column(
+    ptr, stride_b, stride_l, stride_f, k, rows, row_ok, L, F, E,
+    edges_ptr, strides_ptr, grid_ptr, D, n_cells, FROM_TABLE: tl.constexpr, BLOCK_B: tl.constexpr,
+):
+    """Same for the n-gram chain: bucketise the match features and read the grid cell."""
+    base = ptr + rows * stride_b + k * stride_l
+    x0 = tl.load(base, mask=row_ok & (k < L), other=float("nan")).to(tl.float32)
+    if FROM_TABLE:
+        present = x0 == x0  # noqa: PLR0124 -- NaN test
+        cell = tl.zeros([BLOCK_B], dtype=tl.int64)
+        for f in range(F):
+            x = tl.load(base + f * stride_f, mask=row_ok & (k < L), other=float("nan")).to(tl.float32)
+            bucket = tl.zeros([BLOCK_B], dtype=tl.int64)
+            for e in range(E):
+                edge = tl.load(edges_ptr + f * E + e)
+                bucket += (edge <= x).to(tl.int64) * (edge < float("inf")).to(tl.int64)
+            cell += bucket * tl.load(strides_ptr + f)
+        cell = tl.where(present, cell, 0)
+        grid_row = tl.minimum(k, D - 1)
+        p = tl.load(grid_ptr + grid_row * n_cells + cell, mask=row_ok, other=0.0)
+        x0 = tl.where(present, p, float("nan"))
+    return x0
+
+
+@triton.jit
+def _append_survival(surv, running, alive, p, k, cols):
+    """Multiply depth ``k`` into the running survival and write it into column ``k`` of the tile."""
+    present = p == p  # noqa: PLR0124 -- NaN test
+    alive = alive & present
+    running = running * tl.where(present, tl.minimum(tl.maximum(p, 0.0), 1.0), 0.0)
+    surv = tl.where(cols[None, :] == k, tl.where(alive, running, 0.0)[:, None], surv)
+    return surv, running, alive
+
+
+@triton.jit
+def _count_above(q, t):
+    return tl.sum(tl.sum((q > t).to(tl.int32), axis=1), axis=0)
+
+
+@triton.jit
+def _nth_threshold(q, n, STEPS: tl.constexpr, SCALE_: tl.constexpr):
+    """Smallest integer ``t >= 0`` with ``#{q > t} <= n`` (selects the same set as the n-th largest)."""
+    lo = tl.full([], -1, tl.int32)
+    hi = tl.full([], SCALE_, tl.int32)
+    for _ in range(STEPS):
+        mid = lo + (hi - lo) // 2
+        fits = _count_above(q, mid) <= n
+        still_open = hi - lo > 1
+        hi = tl.where(still_open & fits, mid, hi)
+        lo = tl.where(still_open & (fits == 0), mid, lo)
+    return hi
+
+
+@triton.jit
+def _take_top(q, t, n):
+    """Per-row depth taking everything above ``t`` and ties at ``t`` in request order up to ``n``."""
+    above = (q > t).to(tl.int32)
+    ties = ((q == t) & (t > 0)).to(tl.int32)
+    left = tl.maximum(n - tl.sum(tl.sum(above, axis=1), axis=0), 0)
+    ties_per_row = tl.sum(ties, axis=1)
+    ties_before = tl.cumsum(ties_per_row, axis=0) - ties_per_row
+    taken = tl.minimum(tl.maximum(left - ties_before, 0), ties_per_row)
+    return tl.sum(above, axis=1) + taken
+
+
+@triton.jit
+def _choose(q_model, q_ngram, price):
+    """Lagrangian choice at ``price``: (use_ngram, depth); larger surplus, then fewer tokens, then model."""
+    surplus_m = tl.sum(tl.maximum(q_model - price, 0), axis=1)
+    surplus_n = tl.sum(tl.maximum(q_ngram - price, 0), axis=1)
+    depth_m = tl.sum((q_model > price).to(tl.int32), axis=1)
+    depth_n = tl.sum((q_ngram > price).to(tl.int32), axis=1)
+    use_ngram = (surplus_n > surplus_m) | ((surplus_n == surplus_m) & (depth_n < depth_m))
+    return use_ngram, tl.where(use_ngram, depth_n, depth_m)
+
+
+@triton.jit
+def _lagrangian_price(q_model, q_ngram, n, STEPS: tl.constexpr, SCALE_: tl.constexpr):
+    """Smallest integer price ``>= 0`` whose Lagrangian depths sum to at most ``n``."""
+    lo = tl.full([], -1, tl.int32)
+    hi = tl.full([], SCALE_, tl.int32)
+    for _ in range(STEPS):
+        mid = lo + (hi - lo) // 2
+        fits = tl.sum(_choose(q_model, q_ngram, mid)[1], axis=0) <= n
+        still_open = hi - lo > 1
+        hi = tl.where(still_open & fits, mid, hi)
+        lo = tl.where(still_open & (fits == 0), mid, lo)
+    return hi
+
+
+@triton.jit
+def _prefix_value(q, depth, cols):
+    taken = tl.where(cols[None, :] < depth[:, None], q, 0).to(tl.int64)
+    return tl.sum(tl.sum(taken, axis=1), axis=0)
+
+
+@triton.jit
+def _best_price_prefix(q, cost_ptr, C, B, SCALE_: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Exact one-chain price mode: (m*, goodput*, threshold) over every top-m prefix."""
+    ordered = tl.sort(tl.reshape(q, [BLOCK_N]), descending=True)
+    gained = tl.cumsum(ordered.to(tl.int64), axis=0)  # gained[j] = sum of the top j + 1
+    m = tl.arange(0, BLOCK_N) + 1
+    total = B + m
+    ok = (m <= tl.sum((ordered > 0).to(tl.int32), axis=0)) & (total < C)
+    price = tl.load(cost_ptr + total, mask=ok, other=1.0)
+    ok = ok & (price > 0) & (price < float("inf"))
+    base = B.to(tl.int64) * SCALE_
+    goodput = tl.where(ok, (base + gained).to(tl.float64) / price, float("-inf"))
+    # m = 0: no draft token at all, still one bonus position per request.
+    price0 = tl.load(cost_ptr + B, mask=B < C, other=1.0)
+    ok0 = (B < C) & (price0 > 0) & (price0 < float("inf"))
+    goodput0 = tl.where(ok0, base.to(tl.float64) / price0, float("-inf"))
+    best = tl.max(goodput, axis=0)
+    first = tl.min(tl.where(goodput == best, m, BLOCK_N + 1), axis=0)  # ties: fewest tokens
+    keep_none = goodput0 >= best
+    best_m = tl.where(keep_none, 0, first)
+    threshold = tl.sum(tl.where(m == best_m, ordered, 0), axis=0)
+    threshold = tl.where(best_m > 0, threshold, SCALE_ + 1)
+    return best_m, tl.where(keep_none, goodput0, best), threshold
+
+
+@triton.jit
+def _allocate_kernel(
+    model_ptr, model_stride_b, K,
+    mgrid_ptr, MD, MG,
+    ngram_ptr, ngram_stride_b, ngram_stride_l, ngram_stride_f, L, F, E,
+    edges_ptr, nstrides_ptr, ngrid_ptr, ND, NC,
+    budget_ptr, cost_ptr, C,
+    drafter_ptr, depth_ptr, expected_ptr,
+    B,
+    MODEL_TABLE: tl.constexpr, NGRAM_TABLE: tl.constexpr, HAS_NGRAM: tl.constexpr,
+    PRICE: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr,
+    STEPS: tl.constexpr, SCALE_: tl.constexpr,
+):
+    rows = tl.arange(0, BLOCK_B)
+    cols = tl.arange(0, BLOCK_K)
+    row_ok = rows < B
+
+    # 1. Lookups and survival, one depth at a time (left-to-right products, like the reference).
+    surv_m = tl.zeros([BLOCK_B, BLOCK_K], dtype=tl.float32)
+    surv_n = tl.zeros([BLOCK_B, BLOCK_K], dtype=tl.float32)
+    run_m = tl.full([BLOCK_B], 1.0, tl.float32)
+    run_n = tl.full([BLOCK_B], 1.0, tl.float32)
+    alive_m = row_ok
+    alive_n = row_ok
+    for k in tl.static_range(BLOCK_K):
+        p = _model_column(model_ptr, model_stride_b, k, rows, row_ok, K, mgrid_ptr, MD, MG, MODEL_TABLE)
+        surv_m, run_m, alive_m = _append_survival(surv_m, run_m, alive_m, p, k, cols)
+        if HAS_NGRAM:
+            p = _ngram_column(
+                ngram_ptr, ngram_stride_b, ngram_stride_l, ngram_stride_f, k, rows, row_ok, L, F, E,
+                edges_ptr, nstrides_ptr, ngrid_ptr, ND, NC, NGRAM_TABLE, BLOCK_B,
+            )
+            surv_n, run_n, alive_n = _append_survival(surv_n, run_n, alive_n, p, k, cols)
+    q_m = (surv_m * SCALE_).to(tl.int32)  # exact scaling, truncation = floor for gains >= 0
+    q_n = (surv_n * SCALE_).to(tl.int32)
+
+    # 2. Selection.
+    use_n = rows < 0
+    if not HAS_NGRAM:
+        if PRICE:
+            m, _, t = _best_price_prefix(q_m, cost_ptr, C, B, SCALE_, BLOCK_B * BLOCK_K)
+            depth = _take_top(q_m, t, m)
+        else:
+            n = tl.maximum(tl.load(budget_ptr), 0)
+            depth = _take_top(q_m, _nth_threshold(q_m, n, STEPS, SCALE_), n)
+    else:
+        first_m = tl.sum(tl.where(cols[None, :] == 0, q_m, 0), axis=1)
+        first_n = tl.sum(tl.where(cols[None, :] == 0, q_n, 0), axis=1)
+        if PRICE:
+            m_m, good_m, t_m = _best_price_prefix(q_m, cost_ptr, C, B, SCALE_, BLOCK_B * BLOCK_K)
+            m_n, good_n, t_n = _best_price_prefix(q_n, cost_ptr, C, B, SCALE_, BLOCK_B * BLOCK_K)
+            price = tl.where(good_n > good_m, t_n, t_m)
+            use_c, depth_c = _choose(q_m, q_n, price)
+            use_c = tl.where(depth_c > 0, use_c, first_n > first_m)
+            chain = tl.where(use_c[:, None], q_n, q_m)
+            m_c, score_c, t_c = _best_price_prefix(chain, cost_ptr, C, B, SCALE_, BLOCK_B * BLOCK_K)
+            depth_c = _take_top(chain, t_c, m_c)
+            depth_m = _take_top(q_m, t_m, m_m)
+            depth_n = _take_top(q_n, t_n, m_n)
+            score_m = good_m
+            score_n = good_n
+        else:
+            n = tl.maximum(tl.load(budget_ptr), 0)
+            price = _lagrangian_price(q_m, q_n, n, STEPS, SCALE_)
+            use_c, depth_c = _choose(q_m, q_n, price)
+            # Upgrades to the choice one price unit lower, in request order, while they fit.
+            use_lower, depth_lower = _choose(q_m, q_n, tl.maximum(price - 1, 0))
+            extra = tl.maximum(depth_lower - depth_c, 0)
+            upgrade = (extra > 0) & (tl.cumsum(extra, axis=0) <= n - tl.sum(depth_c, axis=0))
+            use_c = tl.where(upgrade, use_lower, use_c)
+            depth_c = tl.where(upgrade, depth_lower, depth_c)
+            # Greedy fill on fixed chains.
+            use_c = tl.where(depth_c > 0, use_c, first_n > first_m)
+            chain = tl.where(use_c[:, None], q_n, q_m)
+            rest = tl.where(cols[None, :] >= depth_c[:, None], chain, 0)
+            left = n - tl.sum(depth_c, axis=0)
+            depth_c += _take_top(rest, _nth_threshold(rest, left, STEPS, SCALE_), left)
+            score_c = _prefix_value(chain, depth_c, cols)
+            depth_m = _take_top(q_m, _nth_threshold(q_m, n, STEPS, SCALE_), n)
+            depth_n = _take_top(q_n, _nth_threshold(q_n, n, STEPS, SCALE_), n)
+            score_m = _prefix_value(q_m, depth_m, cols)
+            score_n = _prefix_value(q_n, depth_n, cols)
+        # Best of Lagrangian, model only, n-gram only; earlier wins ties.
+        take_m = score_m > score_c
+        take_n = score_n > tl.maximum(score_c, score_m)
+        use_n = tl.where(take_n, rows >= 0, tl.where(take_m, rows < 0, use_c))
+        depth = tl.where(take_n, depth_n, tl.where(take_m, depth_m, depth_c))
+
+    # 3. Outputs.
+    surv = tl.where(use_n[:, None], surv_n, surv_m)
+    expected = tl.sum(tl.where(cols[None, :] < depth[:, None], surv, 0.0), axis=1)
+    drafter = tl.where(depth > 0, tl.where(use_n, 2, 1), 0)
+    tl.store(drafter_ptr + rows, drafter.to(tl.int8), mask=row_ok)
+    tl.store(depth_ptr + rows, depth.to(tl.int32), mask=row_ok)
+    tl.store(expected_ptr + rows, expected, mask=row_ok)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def allocate_triton(
+    model: torch.Tensor,
+    ngram: torch.Tensor | None = None,
+    *,
+    budget: int | torch.Tensor | None = None,
+    cost: torch.Tensor | None = None,
+    tables=None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launch the fused kernel. ``model``/``ngram`` are probabilities, or, when ``tables`` is given,
+    raw confidences ``[B, K]`` and match features ``[B, L, F]``. Returns device tensors
+    ``(drafter int8, depth int32, expected_accepted float32)``."""
+    device = model.device
+    n_requests, k = model.shape
+    n_ngram = 0 if ngram is None else ngram.shape[1]
+    width = max(k, n_ngram, 1)
+    block_b = max(triton.next_power_of_2(n_requests), 2)
+    block_k = max(triton.next_power_of_2(width), 2)
+    if width > MAX_WIDTH or block_b * block_k > MAX_TILE:
+        raise ValueError(f"B={n_requests}, width={width} exceeds the kernel's tile ({MAX_TILE}, {MAX_WIDTH})")
+
+    model = model.contiguous()
+    if tables is not None:
+        model_grid = tables.model_grid.to(device=device, dtype=torch.float32).contiguous()
+        md, mg = model_grid.shape
+    else:
+        model_grid, md, mg = model, 1, 1  # unused
+    has_ngram = ngram is not None
+    ngram_table = has_ngram and tables is not None
+    if ngram_table:
+        ngram = ngram.contiguous()
+        edges = tables.ngram_edges.to(device=device, dtype=torch.float32).contiguous()
+        nstrides = tables.ngram_strides.to(device=device, dtype=torch.int64).contiguous()
+        ngrid = tables.ngram_grid.to(device=device, dtype=torch.float32).contiguous()
+        n_feat, n_edges = edges.shape
+        nd, nc = ngrid.shape
+        sb, sl, sf = ngram.stride()
+    else:
+        if has_ngram:
+            ngram = ngram.contiguous()
+            sb, sl, sf = ngram.stride(0), ngram.stride(1), 0
+        else:
+            ngram, sb, sl, sf = model, 0, 0, 0
+        edges, nstrides, ngrid = model_grid, torch.zeros(1, dtype=torch.int64, device=device), model_grid
+        n_feat, n_edges, nd, nc = 0, 0, 1, 1
+
+    price_mode = cost is not None
+    if price_mode:
+        cost_t = cost.to(device=device, dtype=torch.float64).contiguous()
+        budget_t = torch.zeros(1, dtype=torch.int32, device=device)
+    else:
+        cost_t = torch.ones(1, dtype=torch.float64, device=device)
+        budget_t = torch.as_tensor(budget, device=device).reshape(1).to(torch.int32)
+
+    drafter = torch.empty(n_requests, dtype=torch.int8, device=device)
+    depth = torch.empty(n_requests, dtype=torch.int32, device=device)
+    expected = torch.empty(n_requests, dtype=torch.float32, device=device)
+    launch = {} if _interpreting() else {"enable_fp_fusion": False, "num_warps": _num_warps(block_b * block_k)}
+    _allocate_kernel[(1,)](
+        model, model.stride(0), k,
+        model_grid, md, mg,
+        ngram, sb, sl, sf, n_ngram, n_feat, n_edges,
+        edges, nstrides, ngrid, nd, nc,
+        budget_t, cost_t, cost_t.numel(),
+        drafter, depth, expected,
+        n_requests,
+        MODEL_TABLE=tables is not None, NGRAM_TABLE=ngram_table, HAS_NGRAM=has_ngram,
+        PRICE=price_mode, BLOCK_B=block_b, BLOCK_K=block_k,
+        STEPS=_SEARCH_STEPS, SCALE_=SCALE,
+        **launch,
+    )
+    return drafter, depth, expected
+
+
+def _num_warps(tile: int) -> int:
+    return 4 if tile <= 1024 else 8 if tile <= 4096 else 16
