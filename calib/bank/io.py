@@ -66,11 +66,11 @@ def write_bank(bank_dir: str | os.PathLike, acceptance: pa.Table, speculator: pa
             pq.write_table(_canonical(ngram, schema.NGRAM), tmp / schema.NGRAM)
         if manifest is not None:
             write_json_atomic(tmp / schema.MANIFEST, {**manifest, "n_rounds": acceptance.num_rows})
-        write_json_atomic(tmp / schema.STATS, compute_stats(acceptance))
         problems = validate(str(tmp))
         if problems:
             raise BankError([Problem(p.file.replace(str(tmp), str(bank_dir)), p.column, p.row, p.message)
                              for p in problems])
+        write_json_atomic(tmp / schema.STATS, compute_stats(acceptance))
         if bank_dir.exists():
             old = bank_dir.with_name(f".{bank_dir.name}.old-{os.getpid()}")
             os.replace(bank_dir, old)

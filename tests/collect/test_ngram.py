@@ -1,0 +1,47 @@
+"""n-gram recomputation matches vLLM's proposer; features and counterfactual labels by hand."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from calib.collect.ngram import find_match, label_chain
+
+
+@settings(max_examples=400, deadline=None)
+@given(ctx=st.lists(st.integers(0, 4), min_size=1, max_size=60), min_n=st.integers(1, 3),
+       extra=st.integers(0, 3), k=st.integers(1, 6))
+def test_chain_matches_vllm(ctx, min_n, extra, k):
+    vllm_ngram = pytest.importorskip("vllm.v1.spec_decode.ngram_proposer")
+    max_n = min_n + extra
+    want = vllm_ngram._find_longest_matched_ngram_and_propose_tokens(
+        np.array(ctx, dtype=np.int32), min_n, max_n, 10_000, k).tolist()
+    assert find_match(ctx, min_n, max_n, k).tokens == want
+
+
+def test_features_by_hand():
+    #        0  1  2  3  4  5  6  7  8  9
+    ctx = [7, 1, 2, 3, 9, 1, 2, 4, 1, 2]  # suffix [1, 2] occurs at 1 and 5 (not at 8: itself)
+    m = find_match(ctx, 1, 3, k=3, prompt_len=4)
+    assert m.match_n == 2 and m.occurrences == 2
+    assert m.tokens == [3, 9, 1]  # earliest occurrence (start 1), continuation from index 3
+    assert m.distance == 10 - 1 and m.cont_len == 10 - 3
+    assert m.in_prompt  # the match [1, 2] at 1..2 lies inside the 4-token prompt
+    assert m.distinct_next == 2 and m.agreement == 0.5  # next tokens 3 and 4
+
+
+def test_no_match():
+    m = find_match([1, 2, 3, 4], 1, 3, k=4)
+    assert m.tokens == [] and m.match_n == 0 and m.occurrences == 0
+
+
+def test_max_model_len_caps_chain():
+    assert find_match([5, 6, 5, 6, 5], 1, 2, k=4, max_model_len=7).tokens == [6, 5]
+
+
+def test_label_chain():
+    final = [0, 1, 2, 3, 4, 5]
+    assert label_chain([3, 4, 9], 3, final) == (2, [1, 1, 0])
+    assert label_chain([9, 4], 3, final) == (0, [0, 0])
+    # Beyond the end of the realised sequence the token would not be committed.
+    assert label_chain([5, 6], 5, final) == (1, [1, 0])
