@@ -106,23 +106,44 @@ def top_n(q: torch.Tensor, n: int) -> torch.Tensor:
 def best_price_prefix(
     q: torch.Tensor, cost: torch.Tensor, n_requests: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Exact one-chain price mode: ``(m*, goodput*, threshold)`` over all top-``m`` prefixes.
+    """Exact one-chain price mode: ``(m*, goodput*, threshold)`` over all top-``m`` prefixes."""
+    return best_sorted_prefix(q.flatten().sort(descending=True).values, cost, n_requests)
+
+
+def best_sorted_prefix(
+    ordered: torch.Tensor, cost: torch.Tensor, n_requests: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`best_price_prefix` on gains already sorted: ``ordered`` is ``[..., M]``, non-increasing
+    along the last dim (leading dims are independent chains).
 
     Goodput is in units of ``SCALE`` tokens per cost unit, computed as one float64 division of an
     exact integer, which the kernel reproduces bit for bit.
     """
-    ordered = q.flatten().sort(descending=True).values.to(torch.int64)
-    gained = torch.cat([ordered.new_zeros(1), ordered.cumsum(dim=0)])  # gained[m] = top-m sum
-    m = torch.arange(ordered.numel() + 1, device=q.device)
-    total = n_requests + m
-    cost = cost.to(device=q.device, dtype=torch.float64)
-    price = cost[total.clamp(max=cost.numel() - 1)]
-    feasible = (m <= (ordered > 0).sum()) & (total < cost.numel()) & (price > 0) & torch.isfinite(price)
-    goodput = (n_requests * SCALE + gained).to(torch.float64) / price
-    goodput = torch.where(feasible, goodput, torch.full_like(goodput, -torch.inf))
-    best = torch.argmax(goodput)  # first maximum: the fewest tokens among equal goodputs
-    threshold = torch.where(best > 0, ordered[(best - 1).clamp(min=0)], torch.full_like(best, SCALE + 1))
-    return best, goodput[best], threshold
+    ordered = ordered.to(torch.int64)
+    size = ordered.shape[-1]
+    cost = cost.to(device=ordered.device, dtype=torch.float64)
+    # price[m] = cost of the top-m prefix (T = n_requests + m); NaN = no such entry.
+    price = torch.full((size + 1,), torch.nan, dtype=torch.float64, device=ordered.device)
+    available = cost[n_requests : n_requests + size + 1]
+    price[: available.numel()] = available
+    gained = torch.nn.functional.pad(ordered.cumsum(dim=-1), (1, 0))  # gained[m] = top-m sum
+    feasible = (price > 0) & (price < torch.inf) & torch.nn.functional.pad(ordered > 0, (1, 0), value=True)
+    goodput = ((n_requests * SCALE + gained).to(torch.float64) / price).masked_fill(~feasible, -torch.inf)
+    best = torch.argmax(goodput, dim=-1, keepdim=True)  # first maximum: the fewest tokens
+    threshold = torch.where(best > 0, ordered.gather(-1, (best - 1).clamp(min=0)), SCALE + 1)
+    return best.squeeze(-1), goodput.gather(-1, best).squeeze(-1), threshold.squeeze(-1)
+
+
+def sort_two_groups(q: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+    """Gains ``q`` (any shape, ``0 <= q <= SCALE``) split by the bool mask ``second`` into two groups
+    of equal size, each sorted in non-increasing order: ``[2, q.numel() // 2]``.
+
+    One ascending integer sort of ``group * 2**25 + (SCALE - q)`` does it (on CPU, torch uses a
+    radix sort from 32768 entries, much faster than two descending sorts of half the size).
+    """
+    key = (second.to(q.dtype) << 25) + (SCALE - q)
+    keys = torch.sort(key.flatten()).values.view(2, -1)
+    return SCALE - (keys - torch.tensor([[0], [1 << 25]], dtype=keys.dtype, device=keys.device))
 
 
 class TwoChains:
@@ -221,14 +242,19 @@ def _two_chain_budget(chains: TwoChains, n: int):
 
 def _two_chain_price(chains: TwoChains, cost: torch.Tensor, n_requests: int):
     q_model, q_ngram = chains.q
-    m_m, good_m, thr_m = best_price_prefix(q_model, cost, n_requests)
-    m_n, good_n, thr_n = best_price_prefix(q_ngram, cost, n_requests)
+    is_ngram = torch.zeros_like(chains.q, dtype=torch.bool)
+    is_ngram[1] = True
+    (m_m, m_n), (good_m, good_n), (thr_m, thr_n) = best_sorted_prefix(
+        sort_two_groups(chains.q, is_ngram), cost, n_requests
+    )
     # The slot price is where the better single drafter's goodput rule stopped adding tokens.
     price = torch.where(good_n > good_m, thr_n, thr_m)
     use_ngram, depth = chains.choose(price)
     use_ngram = torch.where(depth > 0, use_ngram, _first_gain_prefers_ngram(chains))
     chain = torch.where(use_ngram[:, None], q_ngram, q_model)
-    m_c, good_c, thr_c = best_price_prefix(chain, cost, n_requests)
+    # Sort the chosen entries first (each request has exactly one chosen chain).
+    unchosen = torch.stack([use_ngram, ~use_ngram])[:, :, None].expand_as(chains.q)
+    m_c, good_c, thr_c = best_sorted_prefix(sort_two_groups(chains.q, unchosen)[0], cost, n_requests)
     return _pick_best(
         (use_ngram, take_top(chain, thr_c, m_c), good_c),
         (torch.zeros_like(use_ngram), take_top(q_model, thr_m, m_m), good_m),
