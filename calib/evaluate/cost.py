@@ -1,0 +1,71 @@
+"""Verify-cost curves ``C(T)``: the cost of one target forward pass that scores ``T`` positions.
+
+Two kinds, chosen in config (``conf/cost/``):
+
+* ``parametric``: ``C(T) = weight_read + per_position · T`` — a fixed term for reading the weights
+  once per pass (what makes speculation pay on memory-bound hardware) plus a per-position compute
+  term. Unit: one weight read.
+* ``measured``: a CSV with columns ``T, seconds[, seconds_min]`` (``bench/verify_cost.py``; the
+  config's ``column`` picks median or minimum over repeats), interpolated linearly
+  between its grid points and extrapolated linearly from its last two points. Unit: seconds.
+
+Curves are returned as the allocator's price-mode tensor: float64 ``[T_max + 1]``, index = ``T``.
+"""
+
+from __future__ import annotations
+
+import csv
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+@dataclass
+class CostCurve:
+    name: str
+    values: np.ndarray  # [T_max + 1], values[T] = C(T); values[0] = C(1) (never used: T >= B >= 1)
+    unit: str
+
+    def __call__(self, t) -> np.ndarray:
+        return self.values[np.asarray(t, dtype=np.int64)]
+
+    def tensor(self, extra: float = 0.0, t_max: int | None = None) -> torch.Tensor:
+        """Price-mode tensor ``C(T) + extra`` (extra: a sunk per-step cost such as drafting)."""
+        v = self.values if t_max is None else self.values[: t_max + 1]
+        return torch.from_numpy(v + extra)
+
+
+def read_curve_csv(path, column: str = "seconds") -> tuple[np.ndarray, np.ndarray]:
+    with open(path, newline="") as fh:
+        rows = [(int(r["T"]), float(r[column])) for r in csv.DictReader(fh)]
+    if not rows:
+        raise ValueError(f"{path}: no rows (expected columns T, seconds)")
+    rows.sort()
+    return np.array([r[0] for r in rows], dtype=np.float64), np.array([r[1] for r in rows])
+
+
+def make_curve(name: str, cfg: dict, t_max: int, root: str | Path = ".") -> CostCurve:
+    kind = cfg.get("kind", name)
+    t = np.arange(t_max + 1, dtype=np.float64)
+    if kind == "parametric":
+        values = float(cfg["weight_read"]) + float(cfg["per_position"]) * t
+        unit = cfg.get("unit", "weight reads")
+    elif kind == "measured":
+        path = Path(cfg["path"])
+        if not path.is_absolute():
+            path = Path(root) / path
+        ts, secs = read_curve_csv(path, cfg.get("column", "seconds"))
+        values = np.interp(t, ts, secs)
+        if t_max > ts[-1] and len(ts) >= 2:  # linear beyond the grid, from the last segment's slope
+            slope = (secs[-1] - secs[-2]) / (ts[-1] - ts[-2])
+            beyond = t > ts[-1]
+            values[beyond] = secs[-1] + slope * (t[beyond] - ts[-1])
+        unit = cfg.get("unit", "s")
+    else:
+        raise ValueError(f"cost curve {name!r}: kind must be parametric or measured, got {kind!r}")
+    values[0] = values[1] if t_max >= 1 else values[0]
+    if not np.all(np.isfinite(values)) or np.any(values <= 0):
+        raise ValueError(f"cost curve {name!r} has non-positive or non-finite values")
+    return CostCurve(name, values, unit)

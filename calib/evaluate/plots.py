@@ -1,0 +1,153 @@
+"""Evaluation pictures (matplotlib, Agg): reliability, predicted vs actual accepted length,
+accepted-length histograms, and the policy ladder. Every function writes one PNG and returns it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+from calib.evaluate import metrics as M  # noqa: E402
+from calib.evaluate.calibration import samples, variants  # noqa: E402
+
+COLORS = {"raw": "tab:red", "calibrated": "tab:blue"}
+POLICY_ORDER = ("no_spec", "best_fixed", "homogeneous", "gated_uniform", "ragged_raw", "ragged_calibrated",
+                "two_drafter", "oracle")
+POLICY_COLORS = dict(zip(POLICY_ORDER, ("0.6", "0.35", "tab:olive", "tab:cyan", "tab:red", "tab:blue",
+                                        "tab:purple", "k")))
+
+
+def _save(fig, path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def reliability(bank, drafter: str, path, n_bins: int = 10, split: str = "test") -> Path:
+    """One column per depth plus pooled; raw and calibrated overlaid; sample counts beneath."""
+    chain = bank.chains[drafter]
+    K = chain.acc.shape[1]
+    cols = [*range(K), "all"]
+    fig, axes = plt.subplots(2, len(cols), figsize=(3.0 * len(cols), 4.6), sharex=True,
+                             gridspec_kw={"height_ratios": [3, 1]}, squeeze=False)
+    for j, d in enumerate(cols):
+        ax, axc = axes[0, j], axes[1, j]
+        ax.plot([0, 1], [0, 1], ls="--", color="0.6", lw=1, label="perfect")
+        width = 1.0 / n_bins
+        for v_i, (variant, p) in enumerate(variants(chain).items()):
+            p_s, y, depth, _, _ = samples(bank, drafter, p, split)
+            m = np.ones_like(y, bool) if d == "all" else depth == d
+            centres, conf, acc, count = M.reliability(p_s[m], y[m], n_bins)
+            nz = count > 0
+            ece = M.ece(p_s[m], y[m], n_bins) if m.any() else float("nan")
+            ax.plot(conf[nz], acc[nz], marker="o", ms=4, color=COLORS[variant],
+                    label=f"{variant} (ECE {ece:.3f})")
+            axc.bar(centres + (v_i - 0.5) * width * 0.45, count, width=width * 0.45, color=COLORS[variant],
+                    alpha=0.8)
+        ax.set_xlim(0, 1)
+        ax.set_ylim(0, 1)
+        ax.set_title(f"depth {d}" if d != "all" else "all depths")
+        ax.legend(fontsize=7, loc="upper left")
+        ax.grid(alpha=0.3)
+        axc.set_xlabel("predicted P(accept | reached)")
+        axc.set_yscale("log")
+        axc.grid(alpha=0.3)
+        if j == 0:
+            ax.set_ylabel("observed accept rate")
+            axc.set_ylabel("samples (log)")
+    fig.suptitle(f"Reliability — {bank.name}, {drafter} chain ({split} split)")
+    return _save(fig, path)
+
+
+def length_scatter(bank, path, split: str = "test") -> Path:
+    """2-D histogram of expected vs actual accepted length; points above the diagonal = under-confident."""
+    panels = [(d, v, p) for d, c in bank.chains.items() for v, p in variants(c).items()]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4.0), squeeze=False)
+    for ax, (drafter, variant, p) in zip(axes[0], panels):
+        chain = bank.chains[drafter]
+        keep = (bank.split == split) & chain.labelled
+        pred = M.expected_accepted_length(p[keep])
+        actual = chain.accept[keep]
+        K = chain.acc.shape[1]
+        h = ax.hist2d(pred, actual, bins=[np.linspace(0, K, 4 * K + 1), np.arange(K + 2) - 0.5], cmin=1,
+                      cmap="viridis", norm=matplotlib.colors.LogNorm())
+        fig.colorbar(h[3], ax=ax, label="rounds")
+        ax.plot([0, K], [0, K], color="w", ls="--", lw=1.5)
+        ax.plot([0, K], [0, K], color="k", ls=":", lw=1)
+        # mean actual per predicted bin: a curve below the diagonal = over-confident
+        edges = np.linspace(0, K, 2 * K + 1)
+        b = np.clip(np.digitize(pred, edges) - 1, 0, len(edges) - 2)
+        cnt = np.bincount(b, minlength=len(edges) - 1)
+        mean = np.bincount(b, weights=actual, minlength=len(edges) - 1) / np.maximum(cnt, 1)
+        mid = (edges[:-1] + edges[1:]) / 2
+        ax.plot(mid[cnt > 0], mean[cnt > 0], color="tab:orange", marker="o", label="mean actual per bin")
+        s = M.accept_length_summary(pred, actual)
+        ax.set_title(f"{drafter} / {variant}: bias {s['bias']:+.2f}, r={s['pearson']:.2f}", fontsize=10)
+        ax.set_xlabel("predicted accepted length Σ_k Π_j≤k p_j (tokens)")
+        ax.set_ylabel("actual accepted length (tokens)")
+        ax.set_xlim(0, K)
+        ax.legend(fontsize=7, loc="upper left")
+        ax.text(0.98, 0.02, "below diagonal: over-confident", transform=ax.transAxes, ha="right", fontsize=7)
+    fig.suptitle(f"Predicted vs actual accepted length — {bank.name} ({split} split)")
+    return _save(fig, path)
+
+
+def accept_histograms(banks, path, split: str = "test") -> Path:
+    """Share of rounds by accepted length, per category and drafter: the early-miss/clean-sweep shape."""
+    panels = [(b, d) for b in banks for d in b.chains]
+    fig, axes = plt.subplots(1, len(panels), figsize=(3.8 * len(panels), 3.4), squeeze=False, sharey=True)
+    for ax, (bank, drafter) in zip(axes[0], panels):
+        chain = bank.chains[drafter]
+        keep = (bank.split == split) & chain.labelled
+        K = chain.acc.shape[1]
+        cats = sorted(set(bank.category[keep].tolist()))
+        w = 0.8 / max(len(cats), 1)
+        for i, c in enumerate(cats):
+            a = chain.accept[keep & (bank.category == c)]
+            share = np.bincount(a, minlength=K + 1) / max(len(a), 1)
+            ax.bar(np.arange(K + 1) + (i - (len(cats) - 1) / 2) * w, share, width=w,
+                   label=f"{c} (n={len(a)}, mean {a.mean():.2f})")
+        ax.set_xticks(range(K + 1))
+        ax.set_xlabel("accepted draft tokens per round")
+        ax.set_title(f"{bank.name}\n{drafter} chain", fontsize=9)
+        ax.legend(fontsize=7)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0, 0].set_ylabel("share of rounds")
+    fig.suptitle(f"Accepted-length distribution ({split} split)", y=1.04)
+    return _save(fig, path)
+
+
+def ladder(rows, bank: str, cost_model: str, path) -> Path:
+    """Goodput relative to best_fixed per batch size, one panel per category."""
+    rows = [r for r in rows if r["bank"] == bank and r["cost_model"] == cost_model]
+    cats = sorted({r["category"] for r in rows}, key=lambda c: (c == "all", c))
+    bs = sorted({r["batch_size"] for r in rows})
+    pols = [p for p in POLICY_ORDER if any(r["policy"] == p for r in rows)]
+    fig, axes = plt.subplots(1, len(cats), figsize=(5.2 * len(cats), 3.8), squeeze=False, sharey=True)
+    w = 0.85 / max(len(pols), 1)
+    for ax, c in zip(axes[0], cats):
+        for i, pol in enumerate(pols):
+            vals = []
+            for b in bs:
+                r = [x for x in rows if x["category"] == c and x["batch_size"] == b and x["policy"] == pol]
+                vals.append(r[0]["vs_best_fixed"] if r else np.nan)
+            ax.bar(np.arange(len(bs)) + (i - (len(pols) - 1) / 2) * w, vals, width=w, label=pol,
+                   color=POLICY_COLORS.get(pol))
+        ax.axhline(1.0, color="k", lw=0.8, ls="--")
+        ax.set_xticks(range(len(bs)))
+        ax.set_xticklabels([f"B={b}" for b in bs])
+        ax.set_title(f"category: {c}")
+        ax.grid(axis="y", alpha=0.3)
+        lo = np.nanmin([r["vs_best_fixed"] for r in rows if r["category"] == c] + [1.0])
+        hi = np.nanmax([r["vs_best_fixed"] for r in rows if r["category"] == c] + [1.0])
+        ax.set_ylim(max(0.0, lo - 0.05), hi + 0.05)
+    axes[0, 0].set_ylabel("goodput / best fixed γ")
+    axes[0, -1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
+    fig.suptitle(f"Policy ladder — {bank}, cost curve: {cost_model} (goodput as a ratio to the best fixed γ)", y=1.03)
+    return _save(fig, path)

@@ -1,0 +1,176 @@
+"""``eval.py``'s body: load banks + tables, score calibration, replay policies, write outputs."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+from omegaconf import DictConfig, OmegaConf
+
+from calib.evaluate import plots
+from calib.evaluate.calibration import calibration_rows
+from calib.evaluate.cost import make_curve
+from calib.evaluate.data import load_eval_bank
+from calib.evaluate.replay import ReplayConfig, replay
+from calib.evaluate.report import ladder_notes, table, write_atomic, write_metrics
+
+CAL_COLS = ["bank", "drafter", "variant", "category", "n", "ece", "ece_ci", "ece_equal_mass", "ece_debiased",
+            "mce", "brier", "nll", "auroc", "mean_conf", "accept_rate"]
+LEN_COLS = ["bank", "drafter", "variant", "category", "n", "predicted_mean", "actual_mean", "bias", "mae", "pearson"]
+
+
+def _path(root, p) -> Path:
+    p = Path(p)
+    return p if p.is_absolute() else Path(root) / p
+
+
+def run(cfg: DictConfig) -> dict:
+    import calib.tables
+    from calib.tracking import make_tracker
+
+    t0 = time.perf_counter()
+    root = cfg.get("root") or "."
+    out = _path(root, cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tables = calib.tables.load(_path(root, cfg.tables))
+    fractions = tuple(cfg.split.fractions)
+    split = cfg.split.get("name", "test")
+    tests = [cfg.data.test] if isinstance(cfg.data.test, str) else list(cfg.data.test)
+    banks = [load_eval_bank(_path(root, p), tables, fractions, cfg.split.seed) for p in tests]
+    for b in banks:
+        if split != "test":
+            b.split = np.where(b.split == split, "test", "other")  # replay and metrics read "test"
+
+    cal, length = calibration_rows(banks, cfg.metrics.n_bins, cfg.metrics.n_boot, cfg.metrics.seed)
+
+    rc = OmegaConf.to_container(cfg.replay, resolve=True)
+    rcfg = ReplayConfig(batch_sizes=tuple(rc["batch_sizes"]), policies=tuple(rc["policies"]), mode=rc["mode"],
+                        budget_per_request=rc["budget_per_request"], min_steps=rc["min_steps"],
+                        max_steps=rc["max_steps"], passes=rc["passes"], seed=rc["seed"],
+                        draft_cost=dict(OmegaConf.to_container(cfg.draft_cost)), impl=rc["impl"])
+    width = max(c.acc.shape[1] for b in banks for c in b.chains.values())
+    t_max = max(rcfg.batch_sizes) * (width + 1)
+    curves = {name: make_curve(name, dict(c), t_max, root) for name, c in cfg.cost.items()}
+    t_replay = time.perf_counter()
+    ladder = replay(banks, curves, rcfg, progress=rc.get("progress", True))
+    replay_s = time.perf_counter() - t_replay
+
+    # pictures
+    pics = []
+    for b in banks:
+        for d in b.chains:
+            pics.append(plots.reliability(b, d, out / f"reliability_{b.name}_{d}.png", cfg.plots.reliability_bins))
+        pics.append(plots.length_scatter(b, out / f"length_{b.name}.png"))
+    pics.append(plots.accept_histograms(banks, out / "accept_hist.png"))
+    for b in banks:
+        for c in curves:
+            pics.append(plots.ladder(ladder, b.name, c, out / f"ladder_{b.name}_{c}.png"))
+
+    notes = ladder_notes(ladder)
+    elapsed = time.perf_counter() - t0
+    metrics = {"calibration": cal, "accept_length": length, "ladder": ladder, "notes": notes,
+               "config": OmegaConf.to_container(cfg, resolve=True),
+               "tables": {"dir": str(_path(root, cfg.tables)), "meta": {k: tables.meta.get(k) for k in
+                                                                       ("git_commit", "calib_version", "drafters",
+                                                                        "ngram_features", "banks")}},
+               "runtime_s": {"total": elapsed, "replay": replay_s}}
+    write_metrics(out / "metrics.json", metrics)
+    write_atomic(out / "report.md", render_report(banks, cal, length, ladder, notes, curves, rcfg, pics, out,
+                                                  tables, elapsed))
+
+    tracker = make_tracker(OmegaConf.to_container(cfg.logger, resolve=True), out,
+                           OmegaConf.to_container(cfg, resolve=True), "eval")
+    try:
+        scalars = {}
+        for r in cal:
+            if r["depth"] == "all":
+                scalars[f"calibration/{r['bank']}/{r['drafter']}/{r['variant']}/{r['category']}/ece"] = r["ece"]
+                scalars[f"calibration/{r['bank']}/{r['drafter']}/{r['variant']}/{r['category']}/ece_debiased"] = \
+                    r["ece_debiased"]
+        for r in length:
+            scalars[f"accept_length/{r['bank']}/{r['drafter']}/{r['variant']}/{r['category']}/mae"] = r["mae"]
+        for r in ladder:
+            key = f"ladder/{r['bank']}/{r['cost_model']}/{r['category']}/B{r['batch_size']}/{r['policy']}"
+            scalars[f"{key}/goodput"] = r["goodput"]
+            scalars[f"{key}/headroom_captured"] = r["headroom_captured"]
+        tracker.log({k: v for k, v in scalars.items() if v is not None and np.isfinite(v)})
+        tracker.log_table("calibration", [{**r, "depth": str(r["depth"])} for r in cal])
+        tracker.log_table("accept_length", length)
+        tracker.log_table("ladder", [{k: v for k, v in r.items() if not k.startswith("_")} for r in ladder])
+        for p in pics:
+            tracker.log_image(f"eval/{Path(p).stem}", p)
+    finally:
+        tracker.finish()
+    print(f"eval: {len(cal)} calibration slices, {len(ladder)} ladder rows in {elapsed:.1f} s "
+          f"(replay {replay_s:.1f} s) -> {out}/metrics.json, report.md")
+    return metrics
+
+
+def render_report(banks, cal, length, ladder, notes, curves, rcfg, pics, out, tables, elapsed) -> str:
+    L = ["# Evaluation report", ""]
+    L.append(f"Tables: `{tables.meta.get('git_commit') or '?'}` ({', '.join(tables.meta.get('drafters', {}))}); "
+             f"banks: {', '.join(f'`{b.name}`' for b in banks)}; evaluated on the held-out **test** prompts "
+             f"(split by prompt, as in training). Runtime {elapsed:.0f} s.")
+    L += ["", "Raw = the drafter's own confidence of the token it proposed, read as P(accept | reached). "
+          "The n-gram drafter has no confidence, so only its calibrated tables are scored. `ece_debiased` is "
+          "the L2 estimator with the binomial variance removed (≈ 0 for a calibrated sample); `ece_ci` is a "
+          "95% bootstrap interval resampling whole prompts.", ""]
+    L += ["## Calibration (all depths pooled)", ""]
+    L.append(table([r for r in cal if r["depth"] == "all"], CAL_COLS))
+    L += ["", "### Per depth (all categories)", ""]
+    L.append(table([r for r in cal if r["category"] == "all" and r["depth"] != "all"],
+                   ["bank", "drafter", "variant", "depth", "n", "ece", "ece_debiased", "brier", "nll", "auroc",
+                    "mean_conf", "accept_rate"]))
+    L += ["", "## Expected vs actual accepted length", "",
+          "Predicted = Σ_k Π_{j≤k} p_j over the drafted depths; bias = predicted − actual mean (positive: "
+          "over-confident).", ""]
+    L.append(table(length, LEN_COLS))
+    L += ["", "## Pictures", ""]
+    for p in pics:
+        L.append(f"![{Path(p).stem}]({Path(p).relative_to(out)})")
+        L.append("")
+    L += ["## Policy ladder (replayed serving)", ""]
+    t_hi = len(next(iter(curves.values())).values) - 1
+    curve_desc = "; ".join(f"`{n}` (unit: {c.unit}, C(1)={c.values[1]:.4g}, C({t_hi})={c.values[t_hi]:.4g})"
+                           for n, c in curves.items())
+    L.append(f"Each step draws B rounds of one category from the test split; a round verified at depth d "
+             f"commits min(d, accepted)+1 tokens; a step costs C(B + Σ d) plus drafting "
+             f"({rcfg.draft_cost} × draft passes × C(B)). Cost curves: {curve_desc}. Decisions: "
+             f"`{rcfg.mode}` mode through `calib.allocate.allocate_probs` (impl={rcfg.impl}). "
+             "Goodput = committed tokens per unit cost; headroom captured = (G − G_best_fixed) / "
+             "(G_oracle − G_best_fixed). Signal-based policies pay K draft passes before deciding; the "
+             "oracle chooses in hindsight how many to pay. Category `all` sums both categories' steps.")
+    L += ["", "### Checks", ""] + [f"- {n}" for n in notes]
+    key_pols = ["no_spec", "best_fixed", "homogeneous", "gated_uniform", "ragged_raw", "ragged_calibrated",
+                "two_drafter", "oracle"]
+    for b in banks:
+        for cname in curves:
+            rows = [r for r in ladder if r["bank"] == b.name and r["cost_model"] == cname]
+            if not rows:
+                continue
+            L += ["", f"### {b.name} — cost `{cname}`", ""]
+            cats = sorted({r["category"] for r in rows}, key=lambda c: (c == "all", c))
+            bs = sorted({r["batch_size"] for r in rows})
+            for c in cats:
+                L += [f"**{c}** — goodput / best_fixed (headroom captured)", ""]
+                hdr = ["policy"] + [f"B={x}" for x in bs]
+                out_rows = []
+                pols = [p for p in key_pols if any(r["policy"] == p for r in rows)]
+                pols += sorted({r["policy"] for r in rows if r["policy"].startswith("fixed_")})
+                for p in pols:
+                    rr = {"policy": p}
+                    for x in bs:
+                        m = [r for r in rows if r["category"] == c and r["batch_size"] == x and r["policy"] == p]
+                        if m:
+                            h = m[0]["headroom_captured"]
+                            rr[f"B={x}"] = (f"{m[0]['vs_best_fixed']:.3f}" +
+                                            (f" ({h:+.2f})" if h is not None and np.isfinite(h) else ""))
+                    out_rows.append(rr)
+                L.append(table(out_rows, hdr))
+                bf = [r for r in rows if r["category"] == c and r["policy"] == "best_fixed"]
+                L.append("")
+                L.append("best fixed γ: " + ", ".join(f"B={r['batch_size']}: γ={r.get('gamma')} "
+                                                       f"({r['goodput']:.4g} tok/{curves[cname].unit})" for r in bf))
+                L.append("")
+    return "\n".join(L) + "\n"

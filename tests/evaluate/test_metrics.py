@@ -1,0 +1,86 @@
+"""Calibration metrics against known values (samples here are SYNTHETIC, drawn for the test)."""
+
+import numpy as np
+import pytest
+from sklearn.calibration import calibration_curve
+
+from calib.evaluate import metrics as M
+
+
+def test_perfectly_calibrated_sample_has_debiased_ece_near_zero():
+    rng = np.random.default_rng(0)
+    p = rng.uniform(size=20000)
+    y = (rng.uniform(size=p.size) < p).astype(float)
+    deb = M.ece_debiased(p, y, n_bins=15)
+    assert deb < 0.01
+    assert M.ece(p, y, 15) > deb  # the plug-in estimate is biased upwards by sampling noise
+
+
+def test_miscalibrated_sample_is_detected():
+    rng = np.random.default_rng(1)
+    p = rng.uniform(size=20000)
+    y = (rng.uniform(size=p.size) < p**2).astype(float)  # over-confident drafter
+    assert M.ece_debiased(p, y) > 0.1
+    assert M.ece(p, y) == pytest.approx(np.mean(p - p**2), abs=0.02)  # E|p - p^2| = 1/6
+
+
+def test_hand_computed_small_case():
+    p = np.array([0.1, 0.2, 0.9, 1.0])
+    y = np.array([0, 0, 1, 1])
+    # bins (0, .5] and (.5, 1]: gaps |0 - .15| and |1 - .95|, two samples each
+    assert M.ece(p, y, n_bins=2) == pytest.approx(0.5 * 0.15 + 0.5 * 0.05)
+    assert M.mce(p, y, n_bins=2) == pytest.approx(0.15)
+    assert M.brier(p, y) == pytest.approx((0.01 + 0.04 + 0.01 + 0.0) / 4)
+    assert M.nll(p, y) == pytest.approx(-(np.log(0.9) + np.log(0.8) + np.log(0.9) + np.log(1 - 1e-7)) / 4)
+    assert M.auroc(p, y) == 1.0
+
+
+def test_confidences_of_exactly_zero_and_one():
+    p = np.array([0.0, 1.0, 1.0, 0.0])
+    y = np.array([0, 1, 1, 0])
+    assert M.ece(p, y, 10) == 0.0
+    assert M.brier(p, y) == 0.0
+    assert np.isfinite(M.nll(p, y)) and M.nll(p, y) < 1e-6  # 0·log 0 = 0, not NaN
+    assert M.nll([1.0], [0]) == pytest.approx(-np.log(1e-7))  # a confident miss: large but finite
+    bins = M.equal_width_bins(np.array([0.0, 0.1, 0.5, 0.999, 1.0]), 10)
+    assert bins.tolist() == [0, 0, 4, 9, 9]  # 1.0 is in the last bin, not a bin past the end
+    count, _, _ = M.bin_stats(p, y, M.equal_width_bins(p, 10), 10)
+    assert count.sum() == 4
+
+
+def test_bins_agree_with_sklearn_calibration_curve():
+    rng = np.random.default_rng(2)
+    p = np.concatenate([rng.uniform(size=500), [0.0, 1.0, 0.1, 0.2, 0.5, 0.7]])  # edges included
+    y = (rng.uniform(size=p.size) < p).astype(int)
+    prob_true, prob_pred = calibration_curve(y, p, n_bins=10, strategy="uniform")
+    count, conf, acc = M.bin_stats(p, y.astype(float), M.equal_width_bins(p, 10), 10)
+    nz = count > 0
+    np.testing.assert_allclose(acc[nz], prob_true)
+    np.testing.assert_allclose(conf[nz], prob_pred)
+
+
+def test_equal_mass_bins_are_balanced():
+    p = np.random.default_rng(3).beta(5, 1, size=3000)
+    counts = np.bincount(M.equal_mass_bins(p, 10))
+    assert len(counts) == 10 and counts.min() >= 290 and counts.max() <= 310
+
+
+def test_bootstrap_ci_brackets_the_estimate_and_resamples_groups():
+    rng = np.random.default_rng(4)
+    p = rng.uniform(size=2000)
+    y = (rng.uniform(size=p.size) < p).astype(float)
+    groups = np.repeat(np.arange(40), 50)
+    lo, hi = M.ece_bootstrap_ci(p, y, groups, n_bins=10, n_boot=100)
+    assert lo <= M.ece(p, y, 10) <= hi + 0.01 and lo < hi
+
+
+def test_expected_accepted_length_and_summary():
+    p = np.array([[0.5, 0.5, np.nan, 0.9], [1.0, 1.0, 1.0, 1.0]])
+    np.testing.assert_allclose(M.expected_accepted_length(p), [0.75, 4.0])  # chain ends at its first NaN
+    s = M.accept_length_summary([1.0, 2.0, 3.0], [1, 3, 3])
+    assert s["bias"] == pytest.approx(-1 / 3) and s["mae"] == pytest.approx(1 / 3)
+    assert s["pearson"] == pytest.approx(np.corrcoef([1, 2, 3], [1, 3, 3])[0, 1])
+
+
+def test_auroc_undefined_with_one_class():
+    assert np.isnan(M.auroc([0.2, 0.8], [1, 1]))

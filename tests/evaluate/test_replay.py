@@ -1,0 +1,138 @@
+"""Replay accounting on a tiny hand-made bank (SYNTHETIC: four rounds written by hand, not engine data)."""
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+
+from calib.bank import schema, write_bank
+from calib.evaluate.cost import CostCurve, make_curve
+from calib.evaluate.data import load_eval_bank, ngram_feature_tensor
+from calib.evaluate.replay import ReplayConfig, StepBatch, _committed, replay, replay_setting, train_mean_curve
+from calib.tables import GridTables, save
+
+# (accept mask, model confidences, n-gram chain mask) per round; K = 3
+ROUNDS = [
+    ((1, 1, 1), (0.9, 0.9, 0.9), (1, 0, 0)),
+    ((0, 0, 0), (0.1, 0.1, 0.1), (1, 1, None)),
+    ((1, 0, 0), (0.8, 0.3, 0.2), None),
+    ((1, 1, None), (0.7, 0.6, None), (0, 0, 0)),
+]
+
+
+def tiny_bank(tmp_path):
+    n = len(ROUNDS)
+    keys = {"model": ["synthetic"] * n, "speculator": ["synthetic-draft"] * n, "config": ["synthetic-k3"] * n,
+            "category": ["chat"] * n, "prompt_idx": [0, 0, 1, 1], "turn": [0] * n, "round_idx": [0, 1, 0, 1]}
+    kf = [pa.field(k, schema.KEY_TYPES[k]) for k in schema.KEYS]
+    acc = {**keys, "accept": [sum(1 for a in np.cumprod([x or 0 for x in m]) if a) for m, _, _ in ROUNDS]}
+    spec = dict(keys)
+    ng = dict(keys)
+    ng_len = [0 if c is None else sum(x is not None for x in c) for _, _, c in ROUNDS]
+    ng["ngram_len"] = ng_len
+    for f, typ in schema.NGRAM_FEATURES.items():
+        ng[f] = [None if l == 0 else (True if pa.types.is_boolean(typ) else 1) for l in ng_len]
+    ng["accept"] = [None if c is None else int(sum(np.cumprod([x or 0 for x in c]))) for _, _, c in ROUNDS]
+    ng["verified"] = [False] * n
+    ng["label_source"] = ["none" if c is None else "counterfactual" for _, _, c in ROUNDS]
+    for k in range(3):
+        acc[f"acc{k}"] = [m[k] for m, _, _ in ROUNDS]
+        spec[f"conf{k}"] = [c[k] for _, c, _ in ROUNDS]
+        ng[f"ngram_tok{k}"] = [None if c is None or c[k] is None else 7 for _, _, c in ROUNDS]
+        ng[f"acc{k}"] = [None if c is None else c[k] for _, _, c in ROUNDS]
+    acc_t = pa.table(acc, schema=pa.schema(kf + [pa.field("accept", pa.int64())]
+                                          + [pa.field(f"acc{k}", pa.int8()) for k in range(3)]))
+    spec_t = pa.table(spec, schema=pa.schema(kf + [pa.field(f"conf{k}", pa.float64()) for k in range(3)]))
+    ng_fields = kf + [pa.field(c, t) for c, t in schema.NGRAM_ROUND.items()]
+    ng_fields += [pa.field(f"ngram_tok{k}", pa.int64()) for k in range(3)]
+    ng_fields += [pa.field(f"acc{k}", pa.int8()) for k in range(3)]
+    ng_t = pa.table(ng, schema=pa.schema(ng_fields))
+    return write_bank(tmp_path / "bank", acc_t, spec_t, ng_t)
+
+
+def identity_tables(tmp_path, ngram_p=0.5):
+    # calibrated == raw for the model chain; a constant for the n-gram chain (one cell)
+    grid = torch.linspace(0, 1, 11).repeat(3, 1)
+    t = GridTables(grid, torch.full((1, 1), float("inf")), torch.zeros(1, dtype=torch.int64),
+                   torch.full((3, 1), ngram_p))
+    save(tmp_path / "tables", t, {"ngram_features": ["match_n"], "drafters": {"model": {}, "ngram": {}}})
+    import calib.tables
+
+    return calib.tables.load(tmp_path / "tables")
+
+
+@pytest.fixture
+def bank(tmp_path):
+    return load_eval_bank(tiny_bank(tmp_path), identity_tables(tmp_path), fractions=(0, 0, 1))
+
+
+def curve():
+    return make_curve("parametric", {"kind": "parametric", "weight_read": 1.0, "per_position": 0.01}, 64)
+
+
+def test_bank_arrays(bank):
+    m, ng = bank.chains["model"], bank.chains["ngram"]
+    assert m.accept.tolist() == [3, 0, 1, 2] and m.length.tolist() == [3, 3, 3, 2]
+    assert ng.accept.tolist() == [1, 2, 0, 0] and ng.length.tolist() == [3, 2, 0, 3]
+    np.testing.assert_allclose(m.p_cal, m.p_raw, atol=1e-6)  # identity grid
+    assert (bank.split == "test").all()
+
+
+def test_committed_tokens_and_costs_are_exact(bank):
+    sb = StepBatch(bank, np.arange(4), np.array([[0, 1, 2, 3]]))
+    cfg = ReplayConfig(draft_cost={"model": 0.0, "ngram": 0.0})
+    res = replay_setting(sb, curve(), cfg, train_mean_curve(bank))
+    tok = {k: float(v[0][0]) for k, v in res.items()}
+    cost = {k: float(v[1][0]) for k, v in res.items()}
+    assert tok["no_spec"] == 4 and cost["no_spec"] == pytest.approx(1.04)
+    # fixed_1: depths 1,1,1,1 commit min(1, accepted)+1 = 2,1,2,2
+    assert tok["fixed_1"] == 7 and cost["fixed_1"] == pytest.approx(1 + 0.01 * 8)
+    # fixed_3: depths 3,3,3,2 (round 3 drafted only 2) commit 4,1,2,3
+    assert tok["fixed_3"] == 10 and cost["fixed_3"] == pytest.approx(1 + 0.01 * 15)
+    # oracle on the model chain or the n-gram chain: round 1's n-gram chain accepts 2 where the model's
+    # accepts 0 -> depths 3, 2 (n-gram), 1, 2 commit 4 + 3 + 2 + 3 = 12 over 8 draft positions
+    assert tok["oracle"] == 12 and cost["oracle"] == pytest.approx(1 + 0.01 * 12)
+
+
+def test_committed_uses_the_chosen_chain(bank):
+    sb = StepBatch(bank, np.arange(4), np.array([[0, 1, 2, 3]]))
+    drafter = np.array([[1, 2, 0, 2]])
+    depth = np.array([[2, 2, 0, 3]])
+    # round 0 model: min(2, 3)+1 = 3; round 1 n-gram: min(2, 2)+1 = 3; round 2 none: 1; round 3 n-gram: 0+1
+    assert _committed(sb, drafter, depth).tolist() == [8]
+
+
+def test_drafting_cost_is_charged_per_pass(bank):
+    sb = StepBatch(bank, np.arange(4), np.array([[0, 1, 2, 3]]))
+    cfg = ReplayConfig(draft_cost={"model": 0.5, "ngram": 0.0})
+    res = replay_setting(sb, curve(), cfg, train_mean_curve(bank))
+    c_b = 1.04  # C(B) with B = 4
+    assert float(res["fixed_2"][1][0]) == pytest.approx(1 + 0.01 * (4 + 8) + 0.5 * 2 * c_b)
+    assert float(res["ragged_calibrated"][1][0]) == pytest.approx(
+        1 + 0.01 * (4 + float(res["ragged_calibrated"][2][0])) + 0.5 * 3 * c_b)  # K passes, sunk
+
+
+def test_full_replay_orders_oracle_on_top(bank):
+    cfg = ReplayConfig(batch_sizes=(1, 2, 4), min_steps=8, max_steps=8)
+    rows = replay([bank], {"parametric": curve()}, cfg, progress=False)
+    for cat in ("chat", "all"):
+        for b in (1, 2, 4):
+            r = {x["policy"]: x for x in rows if x["category"] == cat and x["batch_size"] == b}
+            assert set(r) >= {"no_spec", "best_fixed", "ragged_raw", "ragged_calibrated", "two_drafter", "oracle"}
+            assert all(r["oracle"]["goodput"] >= v["goodput"] - 1e-12 for v in r.values())
+            assert r["best_fixed"]["goodput"] >= r["no_spec"]["goodput"]
+
+
+def test_ngram_feature_tensor_layout():
+    t = pa.table({"ngram_len": [2, 0], "match_n": [3, None], "in_prompt": [True, None], "agreement": [0.5, None]})
+    x = ngram_feature_tensor(t, ["match_n", "in_prompt", "agreement"], width=3)
+    assert x.shape == (2, 3, 3)
+    np.testing.assert_allclose(x[0, :2].numpy(), [[3, 1, 0.5], [3, 1, 0.5]])
+    assert torch.isnan(x[0, 2]).all() and torch.isnan(x[1]).all()
+
+
+def test_measured_curve_interpolates_and_extrapolates(tmp_path):
+    (tmp_path / "c.csv").write_text("T,seconds\n1,0.1\n3,0.3\n5,0.4\n")
+    c = make_curve("measured", {"kind": "measured", "path": str(tmp_path / "c.csv")}, 7)
+    np.testing.assert_allclose(c.values[1:], [0.1, 0.2, 0.3, 0.35, 0.4, 0.45, 0.5])
+    assert isinstance(c, CostCurve) and c.values[0] == c.values[1]
