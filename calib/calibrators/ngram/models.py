@@ -1,0 +1,201 @@
+"""N-gram acceptance models over match features (columns of ``calib.labels.ngram_samples``).
+
+Every model takes a DataFrame with the named feature columns plus ``depth`` and predicts
+P(accept at depth | reached depth). Counts and distances enter the linear and MLP models as
+log1p (their effect is multiplicative); gradient boosting takes them raw.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+import numpy as np
+import pandas as pd
+import torch
+
+from calib.calibrators.base import Calibrator
+
+log = logging.getLogger(__name__)
+
+LOG_FEATURES = {"match_n", "occurrences", "distance", "distinct_next", "cont_len", "context_len"}
+DEFAULT_FEATURES = ("match_n", "occurrences", "distance", "in_prompt", "distinct_next", "agreement",
+                    "cont_len", "context_len")
+
+
+def _check_frame(df: pd.DataFrame, features, y=None):
+    missing = [c for c in (*features, "depth") if c not in df.columns]
+    if missing:
+        raise ValueError(f"n-gram samples lack columns {missing}; they come from calib.labels.ngram_samples")
+    X = df[list(features)].astype(np.float64).to_numpy()
+    bad = ~np.isfinite(X)
+    if bad.any():
+        r, c = np.argwhere(bad)[0]
+        raise ValueError(f"n-gram feature {features[c]!r} is not finite at sample {r}")
+    if y is not None:
+        y = np.asarray(y)
+        if not np.isin(y, (0, 1)).all():
+            raise ValueError("labels must be 0 or 1")
+        y = y.astype(np.float64)
+    return X, df["depth"].to_numpy().astype(np.int64), y
+
+
+class NgramAcceptanceModel(Calibrator):
+    features: tuple
+
+    def _design(self, X: np.ndarray, depth: np.ndarray) -> np.ndarray:
+        cols = [np.log1p(X[:, i]) if f in LOG_FEATURES else X[:, i] for i, f in enumerate(self.features)]
+        onehot = (np.minimum(depth, self.n_depths_ - 1)[:, None] == np.arange(self.n_depths_)[None, :])
+        return np.column_stack(cols + [onehot.astype(np.float64)])
+
+    def fit(self, df: pd.DataFrame, y, val=None):  # noqa: D102
+        raise NotImplementedError
+
+    def predict_proba(self, df: pd.DataFrame) -> np.ndarray:  # noqa: D102
+        raise NotImplementedError
+
+
+class LogisticAcceptance(NgramAcceptanceModel):
+    """Standardised logistic regression on (log) features + depth one-hot."""
+
+    name = "logistic"
+
+    def __init__(self, features=DEFAULT_FEATURES, C: float = 1.0, max_iter: int = 1000):
+        self.features = tuple(features)
+        self.C = C
+        self.max_iter = max_iter
+
+    def fit(self, df, y, val=None) -> LogisticAcceptance:
+        from sklearn.linear_model import LogisticRegression
+        from sklearn.pipeline import make_pipeline
+        from sklearn.preprocessing import StandardScaler
+
+        X, depth, y = _check_frame(df, self.features, y)
+        self.n_depths_ = int(depth.max()) + 1
+        self.pipeline_ = make_pipeline(StandardScaler(), LogisticRegression(C=self.C, max_iter=self.max_iter))
+        self.pipeline_.fit(self._design(X, depth), y)
+        return self
+
+    def predict_proba(self, df) -> np.ndarray:
+        self._check_fitted()
+        X, depth, _ = _check_frame(df, self.features)
+        return self.pipeline_.predict_proba(self._design(X, depth))[:, 1]
+
+
+class GradientBoostingAcceptance(NgramAcceptanceModel):
+    """scikit-learn HistGradientBoostingClassifier on raw features + depth (early stopping)."""
+
+    name = "hgb"
+
+    def __init__(self, features=DEFAULT_FEATURES, max_iter: int = 300, learning_rate: float = 0.1,
+                 max_leaf_nodes: int = 31, seed: int = 0):
+        self.features = tuple(features)
+        self.max_iter = max_iter
+        self.learning_rate = learning_rate
+        self.max_leaf_nodes = max_leaf_nodes
+        self.seed = seed
+
+    def fit(self, df, y, val=None) -> GradientBoostingAcceptance:
+        from sklearn.ensemble import HistGradientBoostingClassifier
+
+        X, depth, y = _check_frame(df, self.features, y)
+        self.n_depths_ = int(depth.max()) + 1
+        self.model_ = HistGradientBoostingClassifier(
+            max_iter=self.max_iter, learning_rate=self.learning_rate, max_leaf_nodes=self.max_leaf_nodes,
+            early_stopping=True, validation_fraction=0.1, random_state=self.seed)
+        self.model_.fit(np.column_stack([X, depth]), y)
+        return self
+
+    def predict_proba(self, df) -> np.ndarray:
+        self._check_fitted()
+        X, depth, _ = _check_frame(df, self.features)
+        return self.model_.predict_proba(np.column_stack([X, depth]))[:, 1]
+
+
+class MLPAcceptance(NgramAcceptanceModel):
+    """A small MLP (Lightning, Adam, early stopping on validation NLL) on standardised features."""
+
+    name = "mlp"
+
+    def __init__(self, features=DEFAULT_FEATURES, hidden: int = 32, lr: float = 3e-3, max_epochs: int = 20,
+                 batch_size: int = 8192, patience: int = 3, max_train_samples: int = 200_000,
+                 progress: bool = True, seed: int = 0):
+        self.features = tuple(features)
+        self.hidden = hidden
+        self.lr = lr
+        self.max_epochs = max_epochs
+        self.batch_size = batch_size
+        self.patience = patience
+        self.max_train_samples = max_train_samples
+        self.progress = progress
+        self.seed = seed
+
+    def _tensor(self, X, depth):
+        Z = (self._design(X, depth) - self.mean_) / self.std_
+        return torch.from_numpy(Z.astype(np.float32))
+
+    def fit(self, df, y, val=None) -> MLPAcceptance:
+        import lightning as L
+        from lightning.pytorch.callbacks import EarlyStopping
+        from torch.utils.data import DataLoader, TensorDataset
+
+        X, depth, y = _check_frame(df, self.features, y)
+        self.n_depths_ = int(depth.max()) + 1
+        D = self._design(X, depth)
+        self.mean_, self.std_ = D.mean(0), D.std(0) + 1e-9
+        L.seed_everything(self.seed, verbose=False)
+        if val is not None:
+            vX, vd, vy = _check_frame(val[0], self.features, val[1])
+        else:  # hold out a random tenth of the rows for early stopping
+            rng = np.random.default_rng(self.seed)
+            hold = rng.uniform(size=len(y)) < 0.1
+            vX, vd, vy = X[hold], depth[hold], y[hold]
+            X, depth, y = X[~hold], depth[~hold], y[~hold]
+        if len(y) > self.max_train_samples:  # a small net gains nothing from millions of rows
+            keep = np.random.default_rng(self.seed).choice(len(y), self.max_train_samples, replace=False)
+            X, depth, y = X[keep], depth[keep], y[keep]
+        hidden, lr = self.hidden, self.lr
+        n_in = D.shape[1]
+
+        class Net(L.LightningModule):
+            def __init__(self):
+                super().__init__()
+                self.net = torch.nn.Sequential(torch.nn.Linear(n_in, hidden), torch.nn.GELU(),
+                                               torch.nn.Linear(hidden, hidden), torch.nn.GELU(),
+                                               torch.nn.Linear(hidden, 1))
+
+            def forward(self, x):
+                return self.net(x).squeeze(-1)
+
+            def training_step(self, batch, _):
+                x, t = batch
+                loss = torch.nn.functional.binary_cross_entropy_with_logits(self(x), t)
+                self.log("train_nll", loss, prog_bar=True)
+                return loss
+
+            def validation_step(self, batch, _):
+                x, t = batch
+                self.log("val_nll", torch.nn.functional.binary_cross_entropy_with_logits(self(x), t), prog_bar=True)
+
+            def configure_optimizers(self):
+                return torch.optim.Adam(self.parameters(), lr=lr)
+
+        net = Net()
+        train = TensorDataset(self._tensor(X, depth), torch.from_numpy(y.astype(np.float32)))
+        valset = TensorDataset(self._tensor(vX, vd), torch.from_numpy(vy.astype(np.float32)))
+        trainer = L.Trainer(max_epochs=self.max_epochs, accelerator="cpu", devices=1, logger=False,
+                            enable_checkpointing=False, enable_model_summary=False,
+                            enable_progress_bar=self.progress, num_sanity_val_steps=0,
+                            callbacks=[EarlyStopping("val_nll", patience=self.patience)])
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+            trainer.fit(net, DataLoader(train, batch_size=self.batch_size, shuffle=True),
+                        DataLoader(valset, batch_size=65536))
+        self.net_ = net.eval()
+        return self
+
+    def predict_proba(self, df) -> np.ndarray:
+        self._check_fitted()
+        X, depth, _ = _check_frame(df, self.features)
+        with torch.no_grad():
+            return torch.sigmoid(self.net_(self._tensor(X, depth))).double().numpy()

@@ -1,0 +1,3 @@
+from calib.calibrators.scaling.temperature import TemperatureScaling
+
+__all__ = ["TemperatureScaling"]

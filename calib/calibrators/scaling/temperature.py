@@ -1,0 +1,132 @@
+"""Temperature / Platt scaling on the logit of the confidence, trained with Lightning.
+
+    logit P(accept | reached k) = a_k · logit(conf) + b_k (+ w · extra)
+
+``per_depth=True`` fits a slope and intercept per depth (Platt per depth); ``per_depth=False``
+shares one slope (a temperature 1/a) with a per-depth intercept. Full-batch L-BFGS (or Adam) on
+the NLL, early stopping on validation NLL. Depths deeper than any seen use the deepest terms.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+import numpy as np
+import torch
+
+from calib.calibrators.base import Calibrator, check_inputs, logit
+
+log = logging.getLogger(__name__)
+
+
+def _module(n_depths, n_extra, per_depth, optimizer, lr):
+    import lightning as L
+
+    class PlattModule(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Parameter(torch.ones(n_depths if per_depth else 1, dtype=torch.float64))
+            self.b = torch.nn.Parameter(torch.zeros(n_depths, dtype=torch.float64))
+            self.w = torch.nn.Parameter(torch.zeros(n_extra, dtype=torch.float64))
+
+        def forward(self, z, depth, extra):
+            a = self.a[depth] if per_depth else self.a[0]
+            out = a * z + self.b[depth]
+            if n_extra:
+                out = out + extra @ self.w
+            return out
+
+        def _nll(self, batch):
+            z, depth, extra, y = batch
+            return torch.nn.functional.binary_cross_entropy_with_logits(self(z, depth, extra), y)
+
+        def training_step(self, batch, _):
+            loss = self._nll(batch)
+            self.log("train_nll", loss, prog_bar=True)
+            return loss
+
+        def validation_step(self, batch, _):
+            self.log("val_nll", self._nll(batch), prog_bar=True)
+
+        def configure_optimizers(self):
+            if optimizer == "lbfgs":
+                return torch.optim.LBFGS(self.parameters(), lr=lr, max_iter=20, line_search_fn="strong_wolfe")
+            return torch.optim.Adam(self.parameters(), lr=lr)
+
+    return PlattModule()
+
+
+class TemperatureScaling(Calibrator):
+    name = "temperature"
+
+    def __init__(self, per_depth: bool = True, optimizer: str = "lbfgs", lr: float = 1.0,
+                 max_epochs: int = 50, patience: int = 3, progress: bool = True, seed: int = 0):
+        self.per_depth = per_depth
+        self.optimizer = optimizer
+        self.lr = lr
+        self.max_epochs = max_epochs
+        self.patience = patience
+        self.progress = progress
+        self.seed = seed
+
+    @staticmethod
+    def _tensors(conf, depth, extra, y, n_depths):
+        z = torch.from_numpy(logit(conf))
+        d = torch.from_numpy(np.minimum(depth, n_depths - 1))
+        e = torch.from_numpy(extra) if extra is not None else torch.zeros((conf.size, 0), dtype=torch.float64)
+        out = [z, d, e]
+        if y is not None:
+            out.append(torch.from_numpy(y))
+        return out
+
+    def fit(self, conf, depth, y, extra=None, val=None) -> TemperatureScaling:
+        import lightning as L
+        from lightning.pytorch.callbacks import EarlyStopping
+        from torch.utils.data import DataLoader
+
+        conf, depth, y, extra = check_inputs(conf, depth, y, extra)
+        if conf.size == 0:
+            raise ValueError("no samples to fit")
+        self.n_depths_ = int(depth.max()) + 1
+        n_extra = 0 if extra is None else extra.shape[1]
+        if extra is not None:  # standardise so one learning rate suits every input
+            self.extra_mean_, self.extra_std_ = extra.mean(0), extra.std(0) + 1e-9
+            extra = (extra - self.extra_mean_) / self.extra_std_
+        # Full batch: one "sample" holding every tensor (per-sample indexing would dominate).
+        train = [tuple(self._tensors(conf, depth, extra, y, self.n_depths_))]
+        if val is not None:
+            vc, vd, vy, ve = check_inputs(*val[:3], val[3] if len(val) > 3 else None)
+            if ve is not None:
+                ve = (ve - self.extra_mean_) / self.extra_std_
+            valset = [tuple(self._tensors(vc, vd, ve, vy, self.n_depths_))]
+        else:
+            valset = train
+        L.seed_everything(self.seed, verbose=False)
+        module = _module(self.n_depths_, n_extra, self.per_depth, self.optimizer, self.lr)
+        trainer = L.Trainer(
+            max_epochs=self.max_epochs, accelerator="cpu", devices=1, logger=False,
+            enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=self.progress,
+            callbacks=[EarlyStopping("val_nll", patience=self.patience, min_delta=1e-7)],
+            num_sanity_val_steps=0)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+            warnings.filterwarnings("ignore", message=".*smaller than the logging interval.*")
+            trainer.fit(module, DataLoader(train, batch_size=None), DataLoader(valset, batch_size=None))
+        self.a_ = module.a.detach().numpy().copy()
+        self.b_ = module.b.detach().numpy().copy()
+        self.w_ = module.w.detach().numpy().copy()
+        self.epochs_ = trainer.current_epoch
+        return self
+
+    def predict_proba(self, conf, depth, extra=None) -> np.ndarray:
+        self._check_fitted()
+        conf, depth, _, extra = check_inputs(conf, depth, None, extra)
+        d = np.minimum(depth, self.n_depths_ - 1)
+        a = self.a_[d] if self.per_depth else self.a_[0]
+        z = a * logit(conf) + self.b_[d]
+        if self.w_.size:
+            if extra is None:
+                raise ValueError("this calibrator was fitted with extra inputs; pass extra=")
+            z = z + ((extra - self.extra_mean_) / self.extra_std_) @ self.w_
+        return 1.0 / (1.0 + np.exp(-z))

@@ -1,0 +1,120 @@
+"""Fitted calibrators → the dense grids an engine looks up (no Python model at serve time).
+
+Model drafter: each depth's calibrator is evaluated on a fine uniform grid of raw confidences and
+projected onto non-decreasing values (a calibrated acceptance should not fall as the drafter grows
+more confident; the projection's largest change is recorded). N-gram drafter: the feature space is
+cut into cells by per-feature edges; a cell's value at depth k is the mean of the fitted model's
+predictions over the training samples that fall in it (the model's expectation given the coarse
+features), and the model's prediction at the cell's representative point where no sample does.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import torch
+from sklearn.isotonic import IsotonicRegression
+
+from calib.tables.layout import GridTables
+
+
+def model_grid(calibrator, n_depths: int, grid_points: int = 1025) -> tuple[np.ndarray, float]:
+    """[n_depths, grid_points] calibrated probabilities, and the monotone projection's largest change."""
+    conf = np.linspace(0.0, 1.0, grid_points)
+    rows, change = [], 0.0
+    for d in range(n_depths):
+        p = np.clip(calibrator.predict_proba(conf, np.full(grid_points, d)), 0.0, 1.0)
+        mono = IsotonicRegression(increasing=True).fit_transform(conf, p)
+        change = max(change, float(np.max(np.abs(mono - p))))
+        rows.append(mono)
+    return np.stack(rows).astype(np.float32), change
+
+
+def buckets(values: np.ndarray, edges) -> np.ndarray:
+    """Bucket index = number of edges <= value (the kernel's rule); NaN → 0."""
+    e = np.asarray(edges, dtype=np.float64)
+    return (np.nan_to_num(values, nan=-np.inf)[:, None] >= e[None, :]).sum(axis=1)
+
+
+def ngram_grid(model, samples: pd.DataFrame, table_features: list[str], edges: list[list[float]],
+               n_depths: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict]:
+    """(edges [F, E] +inf padded, strides [F], grid [n_depths, C], info) for a fitted n-gram model."""
+    sizes = [len(e) + 1 for e in edges]
+    strides = np.array([int(np.prod(sizes[f + 1:])) for f in range(len(sizes))], dtype=np.int64)
+    n_cells = int(np.prod(sizes))
+    width = max(len(e) for e in edges)
+    edge_arr = np.full((len(edges), width), np.inf, dtype=np.float32)
+    for f, e in enumerate(edges):
+        edge_arr[f, : len(e)] = e
+
+    b = np.stack([buckets(samples[name].to_numpy(np.float64), edges[f]) for f, name in enumerate(table_features)],
+                 axis=1)
+    cell = (b * strides).sum(axis=1)
+    pred = model.predict_proba(samples)
+    depth = np.minimum(samples["depth"].to_numpy(), n_depths - 1)
+
+    # Representative point of every cell: per feature, the median training value in its bucket
+    # (the bucket's midpoint when no training value falls there); other model features at their median.
+    reps = []
+    for f, name in enumerate(table_features):
+        vals = samples[name].to_numpy(np.float64)
+        e = np.asarray(edges[f], dtype=np.float64)
+        rep = []
+        for k in range(sizes[f]):
+            inside = vals[b[:, f] == k]
+            if inside.size:
+                rep.append(float(np.median(inside)))
+            else:
+                lo = e[k - 1] if k > 0 else (e[0] - 1.0 if e.size else 0.0)
+                hi = e[k] if k < e.size else (e[-1] + 1.0 if e.size else 0.0)
+                rep.append(0.5 * (lo + hi))
+        reps.append(rep)
+    idx = np.array(np.unravel_index(np.arange(n_cells), sizes)).T  # [C, F] bucket per feature
+    base = samples.median(numeric_only=True)
+    grid = np.zeros((n_depths, n_cells), dtype=np.float64)
+    filled = 0
+    for d in range(n_depths):
+        synth = pd.DataFrame({c: np.full(n_cells, base[c]) for c in base.index})
+        for f, name in enumerate(table_features):
+            synth[name] = np.asarray(reps[f])[idx[:, f]]
+        synth["depth"] = d
+        grid[d] = model.predict_proba(synth)
+        m = depth == d
+        n = np.bincount(cell[m], minlength=n_cells)
+        s = np.bincount(cell[m], weights=pred[m], minlength=n_cells)
+        seen = n > 0
+        grid[d, seen] = s[seen] / n[seen]
+        filled += int(seen.sum())
+    info = {"cells": n_cells, "cells_with_samples": filled, "depths": n_depths}
+    return edge_arr, strides, grid.astype(np.float32), info
+
+
+def ngram_feature_tensor(samples: pd.DataFrame, table_features: list[str]) -> torch.Tensor:
+    """[N, 1, F] features of single samples (for a per-depth lookup, see ngram_table_predict)."""
+    X = samples[table_features].to_numpy(np.float64)
+    return torch.from_numpy(X.astype(np.float32))[:, None, :]
+
+
+def ngram_table_predict(tables: GridTables, samples: pd.DataFrame, table_features: list[str]) -> np.ndarray:
+    """The table's P(accept | reached) for each n-gram sample at its own depth."""
+    out = np.empty(len(samples))
+    depth = samples["depth"].to_numpy()
+    x = ngram_feature_tensor(samples, table_features)
+    for d in np.unique(depth):
+        m = depth == d
+        # Put each sample at column d of an [n, d+1, F] chain; earlier columns are only placeholders.
+        feats = torch.full((int(m.sum()), int(d) + 1, x.shape[-1]), float("nan"))
+        feats[:, int(d)] = x[torch.from_numpy(m), 0]
+        feats[:, : int(d), 0] = 1.0
+        out[m] = tables.ngram_accept_prob(feats)[:, int(d)].double().numpy()
+    return out
+
+
+def model_table_predict(tables: GridTables, conf: np.ndarray, depth: np.ndarray) -> np.ndarray:
+    out = np.empty(len(conf))
+    for d in np.unique(depth):
+        m = depth == d
+        c = torch.full((int(m.sum()), int(d) + 1), 0.5, dtype=torch.float32)
+        c[:, int(d)] = torch.from_numpy(conf[m].astype(np.float32))
+        out[m] = tables.model_accept_prob(c)[:, int(d)].double().numpy()
+    return out
