@@ -63,6 +63,10 @@ def make_curve(name: str, cfg: dict, t_max: int, root: str | Path = ".") -> Cost
             beyond = t > ts[-1]
             values[beyond] = secs[-1] + slope * (t[beyond] - ts[-1])
         unit = cfg.get("unit", "s")
+        if cfg.get("pad_to_cheaper", True):
+            # An engine can pad a verify pass up to any larger shape that runs faster (CPU kernels
+            # switch at some sizes: C(16) < C(15) here), so C(T) is at most every C(T' >= T).
+            values = np.minimum.accumulate(values[::-1])[::-1]
     else:
         raise ValueError(f"cost curve {name!r}: kind must be parametric or measured, got {kind!r}")
     values[0] = values[1] if t_max >= 1 else values[0]

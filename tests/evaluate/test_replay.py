@@ -136,3 +136,6 @@ def test_measured_curve_interpolates_and_extrapolates(tmp_path):
     c = make_curve("measured", {"kind": "measured", "path": str(tmp_path / "c.csv")}, 7)
     np.testing.assert_allclose(c.values[1:], [0.1, 0.2, 0.3, 0.35, 0.4, 0.45, 0.5])
     assert isinstance(c, CostCurve) and c.values[0] == c.values[1]
+    (tmp_path / "d.csv").write_text("T,seconds\n1,0.1\n2,0.3\n3,0.2\n")  # a faster shape at T = 3
+    d = make_curve("measured", {"kind": "measured", "path": str(tmp_path / "d.csv")}, 3)
+    np.testing.assert_allclose(d.values[1:], [0.1, 0.2, 0.2])  # T = 2 is padded up to the faster T = 3
