@@ -3,12 +3,12 @@
 VENV    ?= .venv
 PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
-RUN_DIR ?= $(shell mktemp -d -t calib-run-XXXXXX)
+RUN_DIR ?= runs/collect-smoke
 export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export WANDB_MODE ?= offline
 
-.PHONY: install run test bench clean
+.PHONY: install run collect-smoke test bench clean
 
 install: $(STAMP)
 
@@ -22,9 +22,15 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
 	touch $@
 
-# The main job on the embedded default: a short real collection (vLLM + SmolLM2-135M, n-gram
-# drafts, the smoke prompts) into a temp folder, then validation of it and of the shipped banks.
+# The main job on the embedded default: fit calibrators on the shipped sample banks (data/banks)
+# and export tables to runs/train/default, then evaluate them on the held-out prompts.
 run: $(STAMP)
+	$(PY) train.py
+	$(PY) eval.py
+
+# A short real collection (vLLM + SmolLM2-135M, n-gram drafts, smoke prompts) into runs/collect-smoke.
+collect-smoke: $(STAMP)
+	rm -rf $(RUN_DIR)
 	$(PY) collect.py prompts=smoke sampling.max_tokens=64 out_dir=$(RUN_DIR)/smoke
 	$(PY) -m calib.bank validate $(RUN_DIR)/smoke/bank data/banks
 
@@ -33,6 +39,8 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/collector_overhead.py
+	$(PY) bench/train_scale.py
+	$(PY) bench/allocator.py
 
 clean:
 	rm -rf $(VENV) outputs multirun runs

@@ -16,10 +16,9 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 from hydra.utils import instantiate
-from sklearn.metrics import roc_auc_score
 
 from calib.bank import load, schema
-from calib.calibrators.scoring import brier, ece, nll
+from calib.metrics import auroc, brier, ece, nll
 from calib.labels import model_samples, ngram_samples, prompt_split
 from calib.tables import GridTables, save
 from calib.tables.export import model_grid, model_table_predict, ngram_grid, ngram_table_predict
@@ -40,9 +39,9 @@ def _extra(df: pd.DataFrame, names) -> np.ndarray | None:
 
 
 def _metrics(p, y) -> dict:
-    out = {"n": int(len(y)), "nll": nll(p, y), "brier": brier(p, y), "ece": ece(p, y)}
-    out["auroc"] = float(roc_auc_score(y, p)) if 0 < np.mean(y) < 1 else None
-    return out
+    a = auroc(p, y)
+    return {"n": int(len(y)), "nll": nll(p, y), "brier": brier(p, y), "ece": ece(p, y),
+            "auroc": None if np.isnan(a) else a}
 
 
 def fit_model_calibrator(samples: pd.DataFrame, candidates: dict, extra_names=()) -> dict:
@@ -91,7 +90,7 @@ def ngram_transfer(samples: pd.DataFrame, spec: dict, baseline: dict, fit_on, ev
         m = instantiate(s).fit(src, src.label.to_numpy())
         p = m.predict_proba(dst)
         out[name] = {"kind": getattr(m, "name", name), "features": list(m.features),
-                     "brier": brier(p, dst.label), "auroc": float(roc_auc_score(dst.label, p)),
+                     "brier": brier(p, dst.label), "auroc": auroc(p, dst.label),
                      "nll": nll(p, dst.label)}
     return out
 

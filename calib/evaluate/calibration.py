@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from calib.evaluate import metrics as M
+from calib import metrics as M
 from calib.evaluate.data import EvalBank
 from calib.labels import censored
 

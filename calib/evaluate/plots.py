@@ -11,7 +11,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from calib.evaluate import metrics as M  # noqa: E402
+from calib import metrics as M  # noqa: E402
 from calib.evaluate.calibration import samples, variants  # noqa: E402
 
 COLORS = {"raw": "tab:red", "calibrated": "tab:blue"}

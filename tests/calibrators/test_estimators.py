@@ -9,7 +9,7 @@ from calib.calibrators.binning import HistogramBinning, IsotonicPerDepth
 from calib.calibrators.identity import Identity
 from calib.calibrators.ngram import GradientBoostingAcceptance, LogisticAcceptance
 from calib.calibrators.scaling import TemperatureScaling
-from calib.calibrators.scoring import ece, nll
+from calib.metrics import ece, nll
 
 N = 40_000
 

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from sklearn.calibration import calibration_curve
 
-from calib.evaluate import metrics as M
+from calib import metrics as M
 
 
 def test_perfectly_calibrated_sample_has_debiased_ece_near_zero():

@@ -1,5 +1,7 @@
 """Calibration metrics for binary outcomes (accept / reject at one depth), and accepted-length error.
 
+Shared by train.py (model selection on NLL, the summary) and eval.py (the full report).
+
 Conventions (chosen to agree with ``sklearn.calibration.calibration_curve``):
 
 * Equal-width bins are right-closed ``(a, b]`` over ``[0, 1]``, except that a confidence of exactly
