@@ -18,20 +18,8 @@ from calib.bank.validate import BankError, Problem, validate
 
 
 def _canonical(table: pa.Table, file: str) -> pa.Table:
-    """Cast known columns to their schema types (e.g. int64 -> int8 for acc) and order them."""
-    types = dict(schema.KEY_TYPES)
-    for name, (typ, home, _) in schema.ROUND_COLUMNS.items():
-        if home == file:
-            types[name] = typ
-    if file == schema.NGRAM:
-        types.update(schema.NGRAM_ROUND)
-        types.update({c: pa.int64() for c in schema.depth_columns(table.column_names, schema.NGRAM_TOK)})
-        types.update({c: pa.int8() for c in schema.depth_columns(table.column_names, schema.ACC)})
-    else:
-        for prefix, (typ, home) in schema.PER_DEPTH.items():
-            if home == file:
-                types.update({c: typ for c in schema.depth_columns(table.column_names, prefix)})
-    fields = [pa.field(n, types.get(n, table.schema.field(n).type)) for n in table.column_names]
+    """Cast known columns to their schema types (e.g. int64 -> int8 for acc); keys first."""
+    fields = [pa.field(n, schema.column_type(n, file) or table.schema.field(n).type) for n in table.column_names]
     table = table.cast(pa.schema(fields))
     keys = [k for k in schema.KEYS if k in table.column_names]
     return table.select(keys + [c for c in table.column_names if c not in keys])

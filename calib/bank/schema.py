@@ -116,3 +116,24 @@ def width(names, prefix: str = ACC) -> int:
 
 def col(prefix: str, k: int) -> str:
     return f"{prefix}{k}"
+
+
+def column_type(name: str, file: str) -> pa.DataType | None:
+    """The schema type of column ``name`` in ``file`` (None for a column calib does not define)."""
+    if name in KEY_TYPES:
+        return KEY_TYPES[name]
+    if file == NGRAM:
+        if name in NGRAM_ROUND:
+            return NGRAM_ROUND[name]
+        if name.startswith(NGRAM_TOK) and depth_columns([name], NGRAM_TOK):
+            return pa.int64()
+        if depth_columns([name], ACC):
+            return pa.int8()
+        return None
+    for cname, (typ, home, _) in ROUND_COLUMNS.items():
+        if cname == name and home == file:
+            return typ
+    for prefix, (typ, home) in PER_DEPTH.items():
+        if home == file and depth_columns([name], prefix):
+            return typ
+    return None

@@ -278,18 +278,25 @@ class _Checker:
         self.first_bad(f, "routing_idx", dup, meta, "duplicate routing_idx")
         self.partners(f, meta, schema.ACCEPTANCE, acceptance)
 
-    def manifest(self, acceptance: pa.Table):
-        path = os.path.join(self.dir, schema.MANIFEST)
+    def read_json(self, file: str) -> dict | None:
+        """An optional JSON object beside the parquet files (None if absent or unreadable)."""
+        path = os.path.join(self.dir, file)
         if not os.path.exists(path):
-            return
+            return None
         try:
             with open(path) as fh:
-                m = json.load(fh)
+                obj = json.load(fh)
         except (OSError, json.JSONDecodeError) as exc:
-            self.add(schema.MANIFEST, None, None, f"not readable JSON: {exc}")
-            return
-        if not isinstance(m, dict):
-            self.add(schema.MANIFEST, None, None, "top level is not an object")
+            self.add(file, None, None, f"not readable JSON: {exc}")
+            return None
+        if not isinstance(obj, dict):
+            self.add(file, None, None, "top level is not an object")
+            return None
+        return obj
+
+    def manifest(self, acceptance: pa.Table):
+        m = self.read_json(schema.MANIFEST)
+        if m is None:
             return
         if "n_rounds" in m and int(m["n_rounds"]) != acceptance.num_rows:
             self.add(schema.MANIFEST, "n_rounds", None,
@@ -312,14 +319,8 @@ class _Checker:
                          f"says {m['num_speculative_tokens']}, the bank has {d} acc columns")
 
     def stats(self, acceptance: pa.Table):
-        path = os.path.join(self.dir, schema.STATS)
-        if not os.path.exists(path):
-            return
-        try:
-            with open(path) as fh:
-                claimed = json.load(fh)
-        except (OSError, json.JSONDecodeError) as exc:
-            self.add(schema.STATS, None, None, f"not readable JSON: {exc}")
+        claimed = self.read_json(schema.STATS)
+        if claimed is None:
             return
         for d in compare_stats(claimed, compute_stats(acceptance)):
             self.add(schema.STATS, d.split(" ")[0].removeprefix("stats."), None, d)

@@ -76,3 +76,39 @@ def check_inputs(conf, depth, y=None, extra=None) -> tuple:
 def logit(p, eps: float = 1e-6) -> np.ndarray:
     p = np.clip(np.asarray(p, dtype=np.float64), eps, 1 - eps)
     return np.log(p) - np.log1p(-p)
+
+
+class PerDepthCalibrator(Calibrator):
+    """One map per depth; a depth with fewer than ``min_samples`` samples uses the map fitted on all
+    depths pooled, and depths deeper than any seen use the deepest fitted map."""
+
+    min_samples: int
+
+    def _fit_one(self, conf: np.ndarray, y: np.ndarray):
+        raise NotImplementedError
+
+    def _predict_one(self, model, conf: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
+
+    def fit(self, conf, depth, y, extra=None, val=None):
+        conf, depth, y, _ = check_inputs(conf, depth, y)
+        if conf.size == 0:
+            raise ValueError("no samples to fit")
+        self.pooled_ = self._fit_one(conf, y)
+        self.n_depths_ = int(depth.max()) + 1
+        self.per_depth_ = {}
+        for d in range(self.n_depths_):
+            m = depth == d
+            if m.sum() >= self.min_samples:
+                self.per_depth_[d] = self._fit_one(conf[m], y[m])
+        return self
+
+    def predict_proba(self, conf, depth, extra=None) -> np.ndarray:
+        self._check_fitted()
+        conf, depth, _, _ = check_inputs(conf, depth)
+        out = np.empty_like(conf)
+        for d in np.unique(depth):
+            m = depth == d
+            model = self.per_depth_.get(min(int(d), self.n_depths_ - 1), self.pooled_)
+            out[m] = self._predict_one(model, conf[m])
+        return out

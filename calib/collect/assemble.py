@@ -145,20 +145,5 @@ def _ngram_row(cols, rec, idx, r_idx, final, keys: RunKeys) -> None:
 
 
 def _schema(names, file) -> pa.Schema:
-    types = dict(schema.KEY_TYPES)
-    for n, (t, home, _) in schema.ROUND_COLUMNS.items():
-        if home == file:
-            types[n] = t
-    if file == schema.NGRAM:
-        types.update(schema.NGRAM_ROUND)
-    fields = []
-    for n in names:
-        if n in types:
-            fields.append(pa.field(n, types[n]))
-        elif n.startswith(schema.NGRAM_TOK) or n.startswith("tok"):
-            fields.append(pa.field(n, pa.int64()))
-        elif n.startswith("acc"):
-            fields.append(pa.field(n, pa.int8()))
-        else:
-            fields.append(pa.field(n, pa.float64()))
-    return pa.schema(fields)
+    """Explicit column types, so that all-null columns are typed (float64 for unnamed extras)."""
+    return pa.schema([pa.field(n, schema.column_type(n, file) or pa.float64()) for n in names])

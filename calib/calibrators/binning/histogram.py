@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from calib.calibrators.base import Calibrator, check_inputs
+from calib.calibrators.base import PerDepthCalibrator
 
 
-class HistogramBinning(Calibrator):
+class HistogramBinning(PerDepthCalibrator):
     """A classic baseline (Zadrozny & Elkan). Bin edges are quantiles of the training confidences;
-    a bin's value is (accepted + prior) / (n + 2·prior) toward the depth's base rate."""
+    a bin's value is (accepted + 2·prior·base) / (n + 2·prior), shrunk toward the depth's base rate."""
 
     name = "histogram"
 
@@ -19,34 +19,13 @@ class HistogramBinning(Calibrator):
         self.prior = prior
 
     def _fit_one(self, conf, y):
-        qs = np.quantile(conf, np.linspace(0, 1, self.n_bins + 1)[1:-1])
-        edges = np.unique(qs)
+        edges = np.unique(np.quantile(conf, np.linspace(0, 1, self.n_bins + 1)[1:-1]))
         b = np.searchsorted(edges, conf, side="right")
         n = np.bincount(b, minlength=edges.size + 1)
         k = np.bincount(b, weights=y, minlength=edges.size + 1)
-        base = y.mean()
-        values = (k + 2 * self.prior * base) / (n + 2 * self.prior)
+        values = (k + 2 * self.prior * y.mean()) / (n + 2 * self.prior)
         return edges, values
 
-    def fit(self, conf, depth, y, extra=None, val=None) -> HistogramBinning:
-        conf, depth, y, _ = check_inputs(conf, depth, y)
-        if conf.size == 0:
-            raise ValueError("no samples to fit")
-        self.pooled_ = self._fit_one(conf, y)
-        self.per_depth_ = {}
-        for d in range(int(depth.max()) + 1):
-            m = depth == d
-            if m.sum() >= self.min_samples:
-                self.per_depth_[d] = self._fit_one(conf[m], y[m])
-        self.n_depths_ = int(depth.max()) + 1
-        return self
-
-    def predict_proba(self, conf, depth, extra=None) -> np.ndarray:
-        self._check_fitted()
-        conf, depth, _, _ = check_inputs(conf, depth)
-        out = np.empty_like(conf)
-        for d in np.unique(depth):
-            m = depth == d
-            edges, values = self.per_depth_.get(min(int(d), self.n_depths_ - 1), self.pooled_)
-            out[m] = values[np.searchsorted(edges, conf[m], side="right")]
-        return out
+    def _predict_one(self, model, conf):
+        edges, values = model
+        return values[np.searchsorted(edges, conf, side="right")]

@@ -8,7 +8,6 @@ log1p (their effect is multiplicative); gradient boosting takes them raw.
 from __future__ import annotations
 
 import logging
-import warnings
 
 import numpy as np
 import pandas as pd
@@ -136,14 +135,14 @@ class MLPAcceptance(NgramAcceptanceModel):
 
     def fit(self, df, y, val=None) -> MLPAcceptance:
         import lightning as L
-        from lightning.pytorch.callbacks import EarlyStopping
         from torch.utils.data import DataLoader, TensorDataset
+
+        from calib.calibrators.lightning_fit import fit_module
 
         X, depth, y = _check_frame(df, self.features, y)
         self.n_depths_ = int(depth.max()) + 1
         D = self._design(X, depth)
         self.mean_, self.std_ = D.mean(0), D.std(0) + 1e-9
-        L.seed_everything(self.seed, verbose=False)
         if val is not None:
             vX, vd, vy = _check_frame(val[0], self.features, val[1])
         else:  # hold out a random tenth of the rows for early stopping
@@ -180,17 +179,13 @@ class MLPAcceptance(NgramAcceptanceModel):
             def configure_optimizers(self):
                 return torch.optim.Adam(self.parameters(), lr=lr)
 
+        torch.manual_seed(self.seed)  # weight init is part of the fit
         net = Net()
         train = TensorDataset(self._tensor(X, depth), torch.from_numpy(y.astype(np.float32)))
         valset = TensorDataset(self._tensor(vX, vd), torch.from_numpy(vy.astype(np.float32)))
-        trainer = L.Trainer(max_epochs=self.max_epochs, accelerator="cpu", devices=1, logger=False,
-                            enable_checkpointing=False, enable_model_summary=False,
-                            enable_progress_bar=self.progress, num_sanity_val_steps=0,
-                            callbacks=[EarlyStopping("val_nll", patience=self.patience)])
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*does not have many workers.*")
-            trainer.fit(net, DataLoader(train, batch_size=self.batch_size, shuffle=True),
-                        DataLoader(valset, batch_size=65536))
+        self.epochs_ = fit_module(net, DataLoader(train, batch_size=self.batch_size, shuffle=True),
+                                  DataLoader(valset, batch_size=65536), max_epochs=self.max_epochs,
+                                  patience=self.patience, progress=self.progress, seed=self.seed)
         self.net_ = net.eval()
         return self
 

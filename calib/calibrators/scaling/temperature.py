@@ -10,7 +10,6 @@ the NLL, early stopping on validation NLL. Depths deeper than any seen use the d
 from __future__ import annotations
 
 import logging
-import warnings
 
 import numpy as np
 import torch
@@ -81,9 +80,9 @@ class TemperatureScaling(Calibrator):
         return out
 
     def fit(self, conf, depth, y, extra=None, val=None) -> TemperatureScaling:
-        import lightning as L
-        from lightning.pytorch.callbacks import EarlyStopping
         from torch.utils.data import DataLoader
+
+        from calib.calibrators.lightning_fit import fit_module
 
         conf, depth, y, extra = check_inputs(conf, depth, y, extra)
         if conf.size == 0:
@@ -102,21 +101,13 @@ class TemperatureScaling(Calibrator):
             valset = [tuple(self._tensors(vc, vd, ve, vy, self.n_depths_))]
         else:
             valset = train
-        L.seed_everything(self.seed, verbose=False)
         module = _module(self.n_depths_, n_extra, self.per_depth, self.optimizer, self.lr)
-        trainer = L.Trainer(
-            max_epochs=self.max_epochs, accelerator="cpu", devices=1, logger=False,
-            enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=self.progress,
-            callbacks=[EarlyStopping("val_nll", patience=self.patience, min_delta=1e-7)],
-            num_sanity_val_steps=0)
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*does not have many workers.*")
-            warnings.filterwarnings("ignore", message=".*smaller than the logging interval.*")
-            trainer.fit(module, DataLoader(train, batch_size=None), DataLoader(valset, batch_size=None))
+        self.epochs_ = fit_module(module, DataLoader(train, batch_size=None), DataLoader(valset, batch_size=None),
+                                  max_epochs=self.max_epochs, patience=self.patience, progress=self.progress,
+                                  seed=self.seed, min_delta=1e-7)
         self.a_ = module.a.detach().numpy().copy()
         self.b_ = module.b.detach().numpy().copy()
         self.w_ = module.w.detach().numpy().copy()
-        self.epochs_ = trainer.current_epoch
         return self
 
     def predict_proba(self, conf, depth, extra=None) -> np.ndarray:
