@@ -68,8 +68,12 @@ class WandbTracker(Tracker):
 
     def log_table(self, key, rows):
         if rows:
-            cols = list(rows[0])
-            self.run.log({key: self.wandb.Table(columns=cols, data=[[_plain(r.get(c)) for c in cols] for r in rows])})
+            cols = list(dict.fromkeys(c for r in rows for c in r))
+            # W&B types a column by its values: a column mixing text and numbers (depth 0..K-1 and
+            # "all") is logged as text.
+            mixed = {c for c in cols if any(isinstance(r.get(c), str) for r in rows)}
+            data = [[str(r.get(c)) if c in mixed else _plain(r.get(c)) for c in cols] for r in rows]
+            self.run.log({key: self.wandb.Table(columns=cols, data=data)})
 
     def log_artifact(self, name, kind, paths, metadata=None):
         art = self.wandb.Artifact(name, type=kind, metadata=metadata or {})

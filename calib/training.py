@@ -259,10 +259,10 @@ def _log(tracker, out_dir: Path, meta: dict, per_depth: list[dict], fit_rows: li
         te = ms[ms.split == "test"]
         cal = model_table_predict(tables, te.conf.to_numpy(), te.depth.to_numpy())
         panels = {}
-        for d in sorted(te.depth.unique()):
-            m = (te.depth == d).to_numpy()
-            panels[f"depth {d}"] = {"raw": (te.conf[m].to_numpy(), te.label[m].to_numpy()),
-                                    "calibrated": (cal[m], te.label[m].to_numpy())}
+        for d in [*sorted(te.depth.unique()), "all"]:
+            m = np.ones(len(te), bool) if d == "all" else (te.depth == d).to_numpy()
+            panels["all depths" if d == "all" else f"depth {d}"] = {
+                "raw": (te.conf[m].to_numpy(), te.label[m].to_numpy()), "calibrated": (cal[m], te.label[m].to_numpy())}
         png = reliability_figure(panels, out_dir / "reliability_test.png",
                                  f"model drafter, test prompts: raw vs {meta['drafters']['model']['calibrator']}")
         tracker.log_image("reliability/test", png)

@@ -8,13 +8,14 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 import numpy as np  # noqa: E402
 
 from calib import metrics as M  # noqa: E402
 from calib.evaluate.calibration import samples, variants  # noqa: E402
+from calib.presentation import reliability_figure  # noqa: E402
 
-COLORS = {"raw": "tab:red", "calibrated": "tab:blue"}
+from calib.presentation.reliability import COLORS  # noqa: E402  (one palette for raw/calibrated)
 POLICY_ORDER = ("no_spec", "best_fixed", "homogeneous", "gated_uniform", "ragged_raw", "ragged_calibrated",
                 "two_drafter", "oracle")
 POLICY_COLORS = dict(zip(POLICY_ORDER, ("0.6", "0.35", "tab:olive", "tab:cyan", "tab:red", "tab:blue",
@@ -32,37 +33,13 @@ def _save(fig, path) -> Path:
 def reliability(bank, drafter: str, path, n_bins: int = 10, split: str = "test") -> Path:
     """One column per depth plus pooled; raw and calibrated overlaid; sample counts beneath."""
     chain = bank.chains[drafter]
-    K = chain.acc.shape[1]
-    cols = [*range(K), "all"]
-    fig, axes = plt.subplots(2, len(cols), figsize=(3.0 * len(cols), 4.6), sharex=True,
-                             gridspec_kw={"height_ratios": [3, 1]}, squeeze=False)
-    for j, d in enumerate(cols):
-        ax, axc = axes[0, j], axes[1, j]
-        ax.plot([0, 1], [0, 1], ls="--", color="0.6", lw=1, label="perfect")
-        width = 1.0 / n_bins
-        for v_i, (variant, p) in enumerate(variants(chain).items()):
-            p_s, y, depth, _, _ = samples(bank, drafter, p, split)
+    panels: dict[str, dict[str, tuple]] = {}
+    for variant, p in variants(chain).items():
+        p_s, y, depth, _, _ = samples(bank, drafter, p, split)
+        for d in [*range(chain.acc.shape[1]), "all"]:
             m = np.ones_like(y, bool) if d == "all" else depth == d
-            centres, conf, acc, count = M.reliability(p_s[m], y[m], n_bins)
-            nz = count > 0
-            ece = M.ece(p_s[m], y[m], n_bins) if m.any() else float("nan")
-            ax.plot(conf[nz], acc[nz], marker="o", ms=4, color=COLORS[variant],
-                    label=f"{variant} (ECE {ece:.3f})")
-            axc.bar(centres + (v_i - 0.5) * width * 0.45, count, width=width * 0.45, color=COLORS[variant],
-                    alpha=0.8)
-        ax.set_xlim(0, 1)
-        ax.set_ylim(0, 1)
-        ax.set_title(f"depth {d}" if d != "all" else "all depths")
-        ax.legend(fontsize=7, loc="upper left")
-        ax.grid(alpha=0.3)
-        axc.set_xlabel("predicted P(accept | reached)")
-        axc.set_yscale("log")
-        axc.grid(alpha=0.3)
-        if j == 0:
-            ax.set_ylabel("observed accept rate")
-            axc.set_ylabel("samples (log)")
-    fig.suptitle(f"Reliability — {bank.name}, {drafter} chain ({split} split)")
-    return _save(fig, path)
+            panels.setdefault("all depths" if d == "all" else f"depth {d}", {})[variant] = (p_s[m], y[m])
+    return reliability_figure(panels, path, f"Reliability — {bank.name}, {drafter} chain ({split} split)", n_bins)
 
 
 def length_scatter(bank, path, split: str = "test") -> Path:
