@@ -112,9 +112,8 @@ class _Checker:
 
     def partners(self, file_a, a: pa.Table, file_b, b: pa.Table):
         """Every row of ``a`` must have a row with the same keys in ``b``."""
-        ka = _key_strings(a)
-        kb = set(_key_strings(b).tolist())
-        missing = np.fromiter((k not in kb for k in ka), dtype=bool, count=len(ka))
+        ka, kb = _key_ids(a, b)
+        missing = ~np.isin(ka, kb)
         self.first_bad(file_a, ",".join(schema.KEYS), missing, a, f"row has no partner in {file_b}")
 
     def per_depth_types(self, file: str, table: pa.Table):
@@ -412,27 +411,43 @@ def _nan_not_null(table: pa.Table, cols: list[str]) -> np.ndarray:
     return np.stack(out, axis=1)
 
 
-def _key_strings(table: pa.Table) -> np.ndarray:
-    parts = [pc.cast(table.column(k), pa.string()).to_numpy(zero_copy_only=False).astype(str)
-             for k in schema.KEYS]
-    out = parts[0].astype(object)
-    for p in parts[1:]:
-        out = out + "\x1f" + p.astype(object)
-    return out
+def _key_ids(*tables: pa.Table) -> list[np.ndarray]:
+    """One int64 id per row for the bank keys, comparable across ``tables`` (vectorised: a
+    million-row bank is checked in seconds, not minutes)."""
+    import pandas as pd
+
+    sizes = [t.num_rows for t in tables]
+    ids = np.zeros(sum(sizes), dtype=np.int64)
+    for k in schema.KEYS:
+        if pa.types.is_string(schema.KEY_TYPES[k]):  # strings are coded by Arrow, not as Python objects
+            col = pa.chunked_array([c for t in tables for c in pc.cast(t.column(k), pa.string()).chunks],
+                                   type=pa.string()).combine_chunks()
+            enc = pc.dictionary_encode(col)
+            codes, n_unique = enc.indices.to_numpy(zero_copy_only=False), len(enc.dictionary)
+        else:
+            values = np.concatenate([t.column(k).to_numpy(zero_copy_only=False) for t in tables])
+            codes, uniques = pd.factorize(values, use_na_sentinel=False)
+            n_unique = len(uniques)
+        # Re-factorise the running id after each column so it never overflows.
+        ids, _ = pd.factorize(ids * (n_unique + 1) + codes)
+        ids = ids.astype(np.int64)
+    return np.split(ids, np.cumsum(sizes)[:-1])
 
 
 def _duplicate_mask(table: pa.Table) -> np.ndarray:
-    keys = _key_strings(table)
-    _, first = np.unique(keys, return_index=True)
-    dup = np.ones(len(keys), dtype=bool)
+    (ids,) = _key_ids(table)
+    _, first = np.unique(ids, return_index=True)
+    dup = np.ones(len(ids), dtype=bool)
     dup[first] = False
     return dup
 
 
 def _partner_rows(table: pa.Table, acceptance: pa.Table) -> np.ndarray:
     """For each row of ``table``, the acceptance row with the same keys (verified to exist)."""
-    pos = {k: i for i, k in enumerate(_key_strings(acceptance))}
-    return np.fromiter((pos[k] for k in _key_strings(table)), dtype=np.int64, count=table.num_rows)
+    import pandas as pd
+
+    ids_t, ids_a = _key_ids(table, acceptance)
+    return pd.Index(ids_a).get_indexer(ids_t)
 
 
 def _row_keys(table: pa.Table, i: int) -> str:

@@ -135,7 +135,7 @@ class MLPAcceptance(NgramAcceptanceModel):
 
     def fit(self, df, y, val=None) -> MLPAcceptance:
         import lightning as L
-        from torch.utils.data import DataLoader, TensorDataset
+        from torch.utils.data import BatchSampler, DataLoader, RandomSampler, SequentialSampler, TensorDataset
 
         from calib.calibrators.lightning_fit import fit_module
 
@@ -145,6 +145,9 @@ class MLPAcceptance(NgramAcceptanceModel):
         self.mean_, self.std_ = D.mean(0), D.std(0) + 1e-9
         if val is not None:
             vX, vd, vy = _check_frame(val[0], self.features, val[1])
+            if len(vy) > self.max_train_samples // 4:  # early stopping needs a sample, not all of it
+                keep = np.random.default_rng(self.seed + 1).choice(len(vy), self.max_train_samples // 4, replace=False)
+                vX, vd, vy = vX[keep], vd[keep], vy[keep]
         else:  # hold out a random tenth of the rows for early stopping
             rng = np.random.default_rng(self.seed)
             hold = rng.uniform(size=len(y)) < 0.1
@@ -183,8 +186,11 @@ class MLPAcceptance(NgramAcceptanceModel):
         net = Net()
         train = TensorDataset(self._tensor(X, depth), torch.from_numpy(y.astype(np.float32)))
         valset = TensorDataset(self._tensor(vX, vd), torch.from_numpy(vy.astype(np.float32)))
-        self.epochs_ = fit_module(net, DataLoader(train, batch_size=self.batch_size, shuffle=True),
-                                  DataLoader(valset, batch_size=65536), max_epochs=self.max_epochs,
+        # Whole batches are gathered by one tensor index (per-sample indexing would dominate).
+        train_batches = BatchSampler(RandomSampler(train), self.batch_size, drop_last=False)
+        val_batches = BatchSampler(SequentialSampler(valset), 65536, drop_last=False)
+        self.epochs_ = fit_module(net, DataLoader(train, sampler=train_batches, batch_size=None),
+                                  DataLoader(valset, sampler=val_batches, batch_size=None), max_epochs=self.max_epochs,
                                   patience=self.patience, progress=self.progress, seed=self.seed)
         self.net_ = net.eval()
         return self
