@@ -152,7 +152,16 @@ def run(cfg: dict) -> Path:
         res = fit_model_calibrator(ms, ccfg["candidates"], ccfg.get("extra", []))
         best = res["fits"][res["best"]]["calibrator"]
         n_depths = int(ms.depth.max()) + 1
-        grid, change = model_grid(best, n_depths, int(ccfg.get("grid_points", 1025)))
+        extra_by_depth = None
+        if res["fits"][res["best"]]["uses_extra"]:  # tabulate E[p | conf, depth] over training extras
+            tr = ms[ms.split == "train"]
+            rng = np.random.default_rng(seed)
+            extra_by_depth = {}
+            for d in range(n_depths):
+                ex = _extra(tr[tr.depth == d], ccfg.get("extra"))
+                extra_by_depth[d] = (ex[rng.choice(len(ex), min(len(ex), 256), replace=False)] if len(ex)
+                                     else extra_by_depth[d - 1])  # no training rounds reached depth d
+        grid, change = model_grid(best, n_depths, int(ccfg.get("grid_points", 1025)), extra_by_depth)
         tensors["model_grid"] = grid
         te = ms[ms.split == "test"]
         probe = GridTables(__import__("torch").from_numpy(grid), *_empty_ngram())

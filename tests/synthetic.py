@@ -9,7 +9,7 @@ from calib.bank import schema
 
 
 def synthetic_tables(n_prompts=4, rounds_per_prompt=5, width=4, seed=0, with_ngram=True,
-                     category=("chat", "code_edit"), speculator="synthetic", conf=True):
+                     category=("chat", "code_edit"), speculator="synthetic", conf=True, extras=False):
     rng = np.random.default_rng(seed)
     rows = []
     for p in range(n_prompts):
@@ -32,8 +32,13 @@ def synthetic_tables(n_prompts=4, rounds_per_prompt=5, width=4, seed=0, with_ngr
         spec[f"conf{k}"] = [float(rng.uniform()) if (conf and k < d) else None for _, _, d, _ in rows]
     acceptance = pa.table(acc, schema=pa.schema(
         key_schema + [pa.field("accept", pa.int64())] + [pa.field(f"acc{k}", pa.int8()) for k in range(width)]))
-    speculator_t = pa.table(spec, schema=pa.schema(
-        key_schema + [pa.field(f"conf{k}", pa.float64()) for k in range(width)]))
+    fields = key_schema + [pa.field(f"conf{k}", pa.float64()) for k in range(width)]
+    if extras:  # drafter entropy and top-1/top-2 margin where a token was drafted
+        for name in ("entropy", "margin"):
+            for k in range(width):
+                spec[f"{name}{k}"] = [float(rng.uniform()) if c is not None else None for c in spec[f"conf{k}"]]
+                fields.append(pa.field(f"{name}{k}", pa.float64()))
+    speculator_t = pa.table(spec, schema=pa.schema(fields))
     ngram = None
     if with_ngram:
         ng = dict(keys)

@@ -34,3 +34,14 @@ def test_train_config_groups_compose():
             assert cfg.calibrator.candidates
         for group in ("auto", "logistic", "hgb", "mlp"):
             assert compose("train", overrides=[f"ngram_model={group}", "out_dir=x"]).ngram_model.table.features
+
+
+def test_train_with_extra_inputs_exports_a_marginal_table(tmp_path):
+    bank = write_bank(tmp_path / "bank", *synthetic_tables(n_prompts=40, rounds_per_prompt=30, extras=True))
+    with initialize_config_dir(CONF, version_base="1.3"):
+        cfg = compose("train", overrides=[f"data.train=[{bank}]", f"out_dir={tmp_path / 'out'}", "logger=none",
+                                          "calibrator=temperature", "calibrator.extra=[entropy,margin]",
+                                          "ngram_model=logistic", "trainer.progress=false", "trainer.max_epochs=5"])
+    tables = load(run(OmegaConf.to_container(cfg, resolve=True)))
+    grid = tables.model_grid
+    assert not grid.isnan().any() and (grid.diff(dim=1) >= 0).all()

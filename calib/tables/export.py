@@ -18,12 +18,24 @@ from sklearn.isotonic import IsotonicRegression
 from calib.tables.layout import GridTables
 
 
-def model_grid(calibrator, n_depths: int, grid_points: int = 1025) -> tuple[np.ndarray, float]:
-    """[n_depths, grid_points] calibrated probabilities, and the monotone projection's largest change."""
+def model_grid(calibrator, n_depths: int, grid_points: int = 1025,
+               extra_by_depth: dict[int, np.ndarray] | None = None) -> tuple[np.ndarray, float]:
+    """[n_depths, grid_points] calibrated probabilities, and the monotone projection's largest change.
+
+    A calibrator fitted with extra inputs (entropy, margin, ...) cannot be a function of the
+    confidence alone; ``extra_by_depth[d]`` (rows of training extras at depth d) is then averaged
+    over, so the table holds E[p | conf, depth] under the training distribution of the extras.
+    """
     conf = np.linspace(0.0, 1.0, grid_points)
     rows, change = [], 0.0
     for d in range(n_depths):
-        p = np.clip(calibrator.predict_proba(conf, np.full(grid_points, d)), 0.0, 1.0)
+        if extra_by_depth is None:
+            p = calibrator.predict_proba(conf, np.full(grid_points, d))
+        else:
+            ex = extra_by_depth[min(d, max(extra_by_depth))]
+            p = calibrator.predict_proba(np.repeat(conf, len(ex)), np.full(grid_points * len(ex), d),
+                                         np.tile(ex, (grid_points, 1))).reshape(grid_points, len(ex)).mean(1)
+        p = np.clip(p, 0.0, 1.0)
         mono = IsotonicRegression(increasing=True).fit_transform(conf, p)
         change = max(change, float(np.max(np.abs(mono - p))))
         rows.append(mono)
