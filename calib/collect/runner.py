@@ -100,6 +100,8 @@ def _speculative_config(spec: dict, model_dir: Path, cache_dir: Path | None) -> 
         return out, f"draft_model:{drafter.name}"
     if method in ("eagle", "eagle3"):
         out["model"] = str(Path(spec["model"]).resolve())
+        if spec.get("draft_load_format"):  # "dummy": random head weights (plumbing checks only)
+            out["draft_load_config"] = {"load_format": spec["draft_load_format"]}
         return out, f"{method}:{Path(spec['model']).name}"
     raise ValueError(f"speculative.method={method!r} is not supported; use ngram, draft_model, "
                      "eagle or eagle3")

@@ -84,3 +84,20 @@ def test_draft_model_sampled_records_confidences(tmp_path):
     assert conf and all(c is not None and 0.0 <= c <= 1.0 for c in conf)
     ng = bank.table("ngram.parquet")
     assert set(ng.column("label_source").to_pylist()) <= {"counterfactual", "none"}
+
+
+def test_eagle_method_records_confidences(tmp_path):
+    # A one-layer EAGLE head with random weights (vLLM's dummy loader): plumbing only, so nothing is
+    # accepted, but every drafted depth must carry the drafter's probability and reconcile.
+    head = tmp_path / "eagle-head"
+    head.mkdir()
+    from calib.collect.target import prepare_target
+
+    config = json.loads((prepare_target() / "config.json").read_text())
+    (head / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 1}))
+    collect(tmp_path / "run", "speculative=eagle", f"speculative.model={head}",
+            "speculative.draft_load_format=dummy", "sampling.max_tokens=16")
+    spec = load(tmp_path / "run" / "bank").table("speculator.parquet")
+    for k in range(4):
+        conf = spec.column(f"conf{k}").to_pylist()
+        assert conf and all(c is not None and 0.0 <= c <= 1.0 for c in conf)
