@@ -27,7 +27,7 @@ import pyarrow as pa
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from calib.bank import load, schema, write_bank  # noqa: E402
+from calib.bank import load, schema, write_bank
 
 
 def build(source: list[str], n: int, depth: int, out: Path, seed: int = 0) -> Path:

@@ -23,17 +23,6 @@ from calib.bank import Bank, schema
 GROUP_KEYS = ("model", "speculator", "config", "category")
 
 
-def _matrix(table: pa.Table, prefix: str, width: int) -> np.ndarray:
-    cols = []
-    for k in range(width):
-        name = f"{prefix}{k}"
-        if name in table.column_names:
-            cols.append(table.column(name).to_numpy(zero_copy_only=False).astype(np.float64))
-        else:
-            cols.append(np.full(table.num_rows, np.nan))
-    return np.stack(cols, axis=1) if cols else np.zeros((table.num_rows, 0))
-
-
 def censored(acc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(reached, label) masks [N, D] from an acc matrix (1/0, NaN where not drafted)."""
     drafted = ~np.isnan(acc)
@@ -68,14 +57,14 @@ def model_samples(bank: Bank) -> pd.DataFrame:
     present), label. Rounds without confidences (an n-gram drafter) yield nothing."""
     t = bank.rounds()
     width = schema.width(t.column_names)
-    conf = _matrix(t, schema.CONF, width)
+    conf = schema.depth_matrix(t, schema.CONF, width)
     has_conf = ~np.isnan(conf).all(axis=1)
     t = t.filter(pa.array(has_conf))
-    acc = _matrix(t, schema.ACC, width)
+    acc = schema.depth_matrix(t, schema.ACC, width)
     per_depth = {"conf": conf[has_conf]}
     for extra in ("entropy", "margin"):
         if f"{extra}0" in t.column_names:
-            per_depth[extra] = _matrix(t, extra, width)
+            per_depth[extra] = schema.depth_matrix(t, extra, width)
     rounds = {}
     if "temperature" in t.column_names:
         rounds["temperature"] = t.column("temperature").to_numpy(zero_copy_only=False).astype(float)
@@ -91,7 +80,7 @@ def ngram_samples(bank: Bank) -> pd.DataFrame:
     src = np.asarray(t.column("label_source").to_pylist(), dtype=object)
     t = t.filter(pa.array(src != "none"))
     width = schema.width(t.column_names, schema.NGRAM_TOK)
-    acc = _matrix(t, schema.ACC, width)
+    acc = schema.depth_matrix(t, schema.ACC, width)
     rounds = {f: t.column(f).to_numpy(zero_copy_only=False).astype(np.float64) for f in NGRAM_SAMPLE_FEATURES}
     rounds["counterfactual"] = np.asarray(t.column("label_source").to_pylist(), dtype=object) == "counterfactual"
     if "temperature" in t.column_names:

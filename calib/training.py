@@ -8,7 +8,6 @@ writes ``tables.safetensors`` + ``tables.json``, logs to the tracker and prints 
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import time
 from pathlib import Path
@@ -18,8 +17,8 @@ import pandas as pd
 from hydra.utils import instantiate
 
 from calib.bank import load, schema
-from calib.metrics import auroc, brier, ece, nll
 from calib.labels import model_samples, ngram_samples, prompt_split
+from calib.metrics import auroc, brier, ece, nll
 from calib.tables import GridTables, save
 from calib.tables.export import model_grid, model_table_predict, ngram_grid, ngram_table_predict
 from calib.tracking import make_tracker
@@ -40,13 +39,13 @@ def _extra(df: pd.DataFrame, names) -> np.ndarray | None:
 
 def _metrics(p, y) -> dict:
     a = auroc(p, y)
-    return {"n": int(len(y)), "nll": nll(p, y), "brier": brier(p, y), "ece": ece(p, y),
+    return {"n": len(y), "nll": nll(p, y), "brier": brier(p, y), "ece": ece(p, y),
             "auroc": None if np.isnan(a) else a}
 
 
 def fit_model_calibrator(samples: pd.DataFrame, candidates: dict, extra_names=()) -> dict:
-    """Fit every candidate on the train split, pick the lowest validation NLL; report on test."""
-    tr, va, te = (samples[samples.split == s] for s in ("train", "val", "test"))
+    """Fit every candidate on the train split and pick the lowest validation NLL."""
+    tr, va = samples[samples.split == "train"], samples[samples.split == "val"]
     if tr.empty or va.empty:
         raise ValueError("the model-based samples need train and val prompts; add prompts or banks")
     fits = {}

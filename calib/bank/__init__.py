@@ -5,5 +5,5 @@ from calib.bank.schema import KEYS
 from calib.bank.stats import compute_stats
 from calib.bank.validate import BankError, Problem, check, validate
 
-__all__ = ["Bank", "BankError", "KEYS", "Problem", "check", "compute_stats", "find_banks", "load",
+__all__ = ["KEYS", "Bank", "BankError", "Problem", "check", "compute_stats", "find_banks", "load",
            "validate", "write_bank", "write_json_atomic"]

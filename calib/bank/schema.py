@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
 import pyarrow as pa
 
 KEYS: tuple[str, ...] = ("model", "speculator", "config", "category", "prompt_idx", "turn", "round_idx")
@@ -137,3 +138,13 @@ def column_type(name: str, file: str) -> pa.DataType | None:
         if home == file and depth_columns([name], prefix):
             return typ
     return None
+
+
+def depth_matrix(table: pa.Table, prefix: str, n_depths: int | None = None) -> np.ndarray:
+    """The ``{prefix}{k}`` columns as float64 [rows, n_depths], null -> NaN; absent columns are NaN
+    (a bank narrower than ``n_depths``), so banks of any width line up."""
+    if n_depths is None:
+        n_depths = width(table.column_names, prefix)
+    cols = [table.column(f"{prefix}{k}").to_numpy(zero_copy_only=False).astype(np.float64)
+            if f"{prefix}{k}" in table.column_names else np.full(table.num_rows, np.nan) for k in range(n_depths)]
+    return np.stack(cols, axis=1) if cols else np.zeros((table.num_rows, 0))

@@ -10,12 +10,7 @@ from calib.bank import schema
 
 def acc_matrix(acceptance: pa.Table) -> np.ndarray:
     """acc columns as float [N, D]: 1.0 / 0.0, NaN where not drafted."""
-    cols = schema.depth_columns(acceptance.column_names, schema.ACC)
-    if not cols:
-        return np.zeros((acceptance.num_rows, 0))
-    return np.stack(
-        [acceptance.column(c).to_numpy(zero_copy_only=False).astype(np.float64) for c in cols], axis=1
-    )
+    return schema.depth_matrix(acceptance, schema.ACC)
 
 
 def _summary(accept: np.ndarray, acc: np.ndarray) -> dict:

@@ -227,7 +227,7 @@ class _Checker:
         self.first_bad(f, "accept", ~labelled & ~np.isnan(accept_raw), table,
                        "accept is set but label_source is 'none'")
         if "verified" in table.column_names:
-            ver = np.asarray(table.column("verified").to_pylist(), dtype=object) == True  # noqa: E712
+            ver = np.asarray(table.column("verified").to_pylist(), dtype=object) == True
             self.first_bad(f, "verified", ver & (src != "verified"), table,
                            "verified chain must have label_source 'verified'")
         acc = acc_matrix(table)

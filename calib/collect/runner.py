@@ -22,8 +22,7 @@ import pyarrow as pa
 from tqdm.auto import tqdm
 
 from calib.bank import load, write_bank, write_json_atomic
-from calib.collect.assemble import (RunKeys, build_tables, engine_request_prefix, read_capture,
-                                    reconcile)
+from calib.collect.assemble import RunKeys, build_tables, engine_request_prefix, read_capture, reconcile
 from calib.collect.prompts import load_prompts
 
 log = logging.getLogger("calib.collect")
@@ -116,7 +115,7 @@ def run(cfg: dict) -> Path | None:
     from calib.collect.target import prepare_target
 
     t_start = time.time()
-    spec_cfg, sampling, engine = cfg["speculative"], cfg["sampling"], cfg["engine"]
+    spec_cfg, sampling = cfg["speculative"], cfg["sampling"]
     prompts = load_prompts(cfg["prompts"]["files"], cfg["prompts"].get("limit_per_file"),
                            root=cfg.get("root", "."))
     folder = RunFolder(cfg["out_dir"], cfg)

@@ -12,45 +12,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
 import torch
 
 from calib.bank import Bank, load, schema
 from calib.labels import prompt_split
-
-NGRAM_FEATURE_ORDER = tuple(schema.NGRAM_FEATURES)
-
-
-def ngram_feature_tensor(table: pa.Table, names, width: int, prefix: str = "") -> torch.Tensor:
-    """n-gram features ``[R, L, F]`` (float32) in the order ``names`` from ngram.parquet round columns.
-
-    The chain's features are per round, so they are repeated across depths ``j < ngram_len``;
-    every feature is NaN at depths beyond the chain (feature 0 NaN = "no token", as the tables read
-    it). ``in_prompt`` becomes 0/1. ``prefix`` is ``"ng_"`` for ``Bank.rounds(with_ngram=True)``.
-    """
-    n = table.num_rows
-    length = np.nan_to_num(table.column(f"{prefix}ngram_len").to_numpy(zero_copy_only=False).astype(np.float64))
-    feats = np.empty((n, len(names)), dtype=np.float64)
-    for f, name in enumerate(names):
-        if name not in NGRAM_FEATURE_ORDER:
-            raise KeyError(f"unknown n-gram feature {name!r}; known: {NGRAM_FEATURE_ORDER}")
-        col = table.column(f"{prefix}{name}")
-        if pa.types.is_boolean(col.type):
-            col = col.cast(pa.int8())
-        feats[:, f] = col.to_numpy(zero_copy_only=False).astype(np.float64)
-    out = np.repeat(feats[:, None, :], width, axis=1)
-    beyond = np.arange(width)[None, :] >= length[:, None]
-    out[beyond] = np.nan
-    return torch.from_numpy(out.astype(np.float32))
-
-
-def _matrix(table: pa.Table, prefix: str, width: int) -> np.ndarray:
-    cols = []
-    for k in range(width):
-        name = f"{prefix}{k}"
-        cols.append(table.column(name).to_numpy(zero_copy_only=False).astype(np.float64)
-                    if name in table.column_names else np.full(table.num_rows, np.nan))
-    return np.stack(cols, axis=1)
+from calib.tables.features import ngram_feature_tensor
 
 
 @dataclass
@@ -110,8 +76,8 @@ def load_eval_bank(path, tables, fractions=(0.7, 0.15, 0.15), seed: int = 0, nam
     cats = np.asarray(t.column("category").to_pylist(), dtype=object)
     pidx = t.column("prompt_idx").to_numpy()
     split = prompt_split(cats, pidx, fractions=tuple(fractions), seed=seed)
-    acc = _matrix(t, schema.ACC, width)
-    conf = _matrix(t, schema.CONF, width)
+    acc = schema.depth_matrix(t, schema.ACC, width)
+    conf = schema.depth_matrix(t, schema.CONF, width)
     has_conf = bool((~np.isnan(conf)).any())
     temp = None
     if "temperature" in t.column_names:
@@ -121,7 +87,7 @@ def load_eval_bank(path, tables, fractions=(0.7, 0.15, 0.15), seed: int = 0, nam
     ng_chain = None
     if with_ng:
         ng_width = schema.width([c[3:] for c in t.column_names if c.startswith("ng_")], schema.NGRAM_TOK)
-        ng_acc = _matrix(t, "ng_acc", ng_width)
+        ng_acc = schema.depth_matrix(t, "ng_acc", ng_width)
         src = np.asarray(t.column("ng_label_source").to_pylist(), dtype=object)
         ng_acc[src == "none"] = np.nan  # an unlabelled chain cannot be scored or verified in replay
         ng_p = None

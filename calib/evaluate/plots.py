@@ -9,13 +9,12 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
-import numpy as np  # noqa: E402
+import numpy as np
 
-from calib import metrics as M  # noqa: E402
-from calib.evaluate.calibration import samples, variants  # noqa: E402
-from calib.presentation import reliability_figure  # noqa: E402
+from calib import metrics as M
+from calib.evaluate.calibration import samples, variants
+from calib.presentation import reliability_figure
 
-from calib.presentation.reliability import COLORS  # noqa: E402  (one palette for raw/calibrated)
 POLICY_ORDER = ("no_spec", "best_fixed", "homogeneous", "gated_uniform", "ragged_raw", "ragged_calibrated",
                 "two_drafter", "oracle")
 POLICY_COLORS = dict(zip(POLICY_ORDER, ("0.6", "0.35", "tab:olive", "tab:cyan", "tab:red", "tab:blue",

@@ -152,7 +152,7 @@ def replay_setting(sb: StepBatch, curve: CostCurve, cfg: ReplayConfig, train_cur
     S, B, K = sb.S, sb.B, sb.K
     c_b = curve.values[B]
     frac = {1: float(cfg.draft_cost.get(sb.bank.primary, 0.0)), 2: float(cfg.draft_cost.get("ngram", 0.0))}
-    draft = lambda passes, second=False: (frac[1] + (frac[2] if second else 0.0)) * passes * c_b  # noqa: E731
+    draft = lambda passes, second=False: (frac[1] + (frac[2] if second else 0.0)) * passes * c_b
     budget = None if cfg.mode == "price" else max(int(round(cfg.budget_per_request * B)), 0)
     out: dict[str, tuple] = {}
     zeros = np.zeros(S)
@@ -209,7 +209,7 @@ def _oracle(sb: StepBatch, curve: CostCurve, cfg: ReplayConfig, draft, budget):
     pay (0..K) — with a free drafter that is always K. The best per-step goodput is kept."""
     S, B, K = sb.S, sb.B, sb.K
     free = draft(1, second=sb.second) == 0
-    depths_to_try = [K] if (free or budget is not None) else list(range(0, K + 1))
+    depths_to_try = [K] if (free or budget is not None) else list(range(K + 1))
     best = (np.full(S, float(B)), np.full(S, curve.values[B]), np.zeros(S))  # γmax = 0: no drafting
     best_gp = best[0] / best[1]
     for gmax in depths_to_try:

@@ -8,11 +8,11 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import matplotlib.ticker  # noqa: E402
-import numpy as np  # noqa: E402
+import matplotlib.pyplot as plt
+import matplotlib.ticker
+import numpy as np
 
-from calib import metrics as M  # noqa: E402
+from calib import metrics as M
 
 COLORS = {"raw": "tab:red", "calibrated": "tab:blue"}
 

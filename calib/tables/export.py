@@ -101,7 +101,7 @@ def ngram_grid(model, samples: pd.DataFrame, table_features: list[str], edges: l
     return edge_arr, strides, grid.astype(np.float32), info
 
 
-def ngram_feature_tensor(samples: pd.DataFrame, table_features: list[str]) -> torch.Tensor:
+def _sample_features(samples: pd.DataFrame, table_features: list[str]) -> torch.Tensor:
     """[N, 1, F] features of single samples (for a per-depth lookup, see ngram_table_predict)."""
     X = samples[table_features].to_numpy(np.float64)
     return torch.from_numpy(X.astype(np.float32))[:, None, :]
@@ -111,7 +111,7 @@ def ngram_table_predict(tables: GridTables, samples: pd.DataFrame, table_feature
     """The table's P(accept | reached) for each n-gram sample at its own depth."""
     out = np.empty(len(samples))
     depth = samples["depth"].to_numpy()
-    x = ngram_feature_tensor(samples, table_features)
+    x = _sample_features(samples, table_features)
     for d in np.unique(depth):
         m = depth == d
         # Put each sample at column d of an [n, d+1, F] chain; earlier columns are only placeholders.

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from calib.bank import BankError, load, validate, write_bank
+from calib.bank import BankError, validate, write_bank
 from calib.bank.__main__ import main as cli
 from tests.synthetic import synthetic_tables
 

@@ -42,7 +42,7 @@ def test_calibrated_input_stays_put(make):
 @pytest.mark.parametrize("make", CALIBRATORS)
 def test_monotone_distortion_is_undone(make):
     # The drafter is overconfident: true acceptance is c**2 at depth 0 and c**3 deeper.
-    truth = lambda c, d: np.where(d == 0, c**2, c**3)  # noqa: E731
+    truth = lambda c, d: np.where(d == 0, c**2, c**3)
     c, d, y = draw(truth)
     cal = make().fit(c, d, y)
     c2, d2, y2 = draw(truth, seed=1)

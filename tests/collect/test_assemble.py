@@ -5,8 +5,14 @@ import json
 import pytest
 
 from calib.bank import validate, write_bank
-from calib.collect.assemble import (ReconciliationError, RunKeys, build_tables, engine_request_prefix,
-                                    read_capture, reconcile)
+from calib.collect.assemble import (
+    ReconciliationError,
+    RunKeys,
+    build_tables,
+    engine_request_prefix,
+    read_capture,
+    reconcile,
+)
 from calib.collect.runner import SUCCESS, RunFolder
 
 KEYS = RunKeys(model="m", speculator="draft_model:x", config="c", width=3, ngram_width=3,

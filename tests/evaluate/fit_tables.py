@@ -24,7 +24,8 @@ NGRAM_EDGES = ((2, 3, 4), (0.5, 0.99))
 def fit_tables(banks, out_dir, grid_points: int = 21, split: str = "train"):
     from sklearn.isotonic import IsotonicRegression
 
-    from calib.evaluate.data import load_eval_bank, ngram_feature_tensor  # noqa: F401
+    from calib.evaluate.data import load_eval_bank
+    from calib.tables.features import ngram_feature_tensor
 
     model_conf, model_acc, ng_feat, ng_acc = [], [], [], []
     for path in banks:

@@ -7,9 +7,17 @@ import torch
 
 from calib.bank import schema, write_bank
 from calib.evaluate.cost import CostCurve, make_curve
-from calib.evaluate.data import load_eval_bank, ngram_feature_tensor
-from calib.evaluate.replay import ReplayConfig, StepBatch, _committed, replay, replay_setting, train_mean_curve
+from calib.evaluate.data import load_eval_bank
+from calib.evaluate.replay import (
+    ReplayConfig,
+    StepBatch,
+    _committed,
+    replay,
+    replay_setting,
+    train_mean_curve,
+)
 from calib.tables import GridTables, save
+from calib.tables.features import ngram_feature_tensor
 
 # (accept mask, model confidences, n-gram chain mask) per round; K = 3
 ROUNDS = [

@@ -47,10 +47,10 @@ class NgramAcceptanceModel(Calibrator):
         onehot = (np.minimum(depth, self.n_depths_ - 1)[:, None] == np.arange(self.n_depths_)[None, :])
         return np.column_stack(cols + [onehot.astype(np.float64)])
 
-    def fit(self, df: pd.DataFrame, y, val=None):  # noqa: D102
+    def fit(self, df: pd.DataFrame, y, val=None):
         raise NotImplementedError
 
-    def predict_proba(self, df: pd.DataFrame) -> np.ndarray:  # noqa: D102
+    def predict_proba(self, df: pd.DataFrame) -> np.ndarray:
         raise NotImplementedError
 
 
