@@ -164,16 +164,10 @@ def run(cfg: dict) -> Path:
         tensors["model_grid"] = grid
         te = ms[ms.split == "test"]
         probe = GridTables(__import__("torch").from_numpy(grid), *_empty_ngram())
-        te_cal = model_table_predict(probe, te.conf.to_numpy(), te.depth.to_numpy())
-        per_depth = []
-        for d in ["all", *range(n_depths)]:
-            m = np.ones(len(te), bool) if d == "all" else (te.depth == d).to_numpy()
-            if not m.any():
-                continue
-            raw, cal = _metrics(te.conf[m], te.label[m]), _metrics(te_cal[m], te.label[m])
-            per_depth.append({"depth": d, "n": raw["n"], "raw_ece": raw["ece"], "cal_ece": cal["ece"],
-                              "raw_nll": raw["nll"], "cal_nll": cal["nll"], "raw_brier": raw["brier"],
-                              "cal_brier": cal["brier"]})
+        va = ms[ms.split == "val"]
+        per_depth = _per_depth(te, model_table_predict(probe, te.conf.to_numpy(), te.depth.to_numpy()), n_depths)
+        val_per_depth = _per_depth(va, model_table_predict(probe, va.conf.to_numpy(), va.depth.to_numpy()),
+                                   n_depths)
         test_prompts = set(zip(te.category, te.prompt_idx))
         rounds = _round_predictions(bank, test_prompts, probe)
         length = {"actual_mean": float(rounds.accept.mean()), "raw_predicted_mean": float(rounds.raw.mean()),
@@ -185,7 +179,7 @@ def run(cfg: dict) -> Path:
             "monotone_projection_max_change": change, "n_samples": {s: int((ms.split == s).sum()) for s in
                                                                    ("train", "val", "test")},
             "val_nll": {n: f["val_nll"] for n, f in res["fits"].items()},
-            "test": per_depth, "accept_length_test": length}
+            "val": val_per_depth, "test": per_depth, "accept_length_test": length}
         for n, f in res["fits"].items():
             fit_rows.append({"drafter": "model", "candidate": n, "val_nll": f["val_nll"], "fit_s": f["fit_s"],
                              "selected": n == res["best"]})
@@ -248,6 +242,19 @@ def run(cfg: dict) -> Path:
     return out_dir
 
 
+def _per_depth(samples: pd.DataFrame, calibrated: np.ndarray, n_depths: int) -> list[dict]:
+    """Raw vs calibrated ECE / NLL / Brier per depth and pooled ("all")."""
+    rows = []
+    for d in ["all", *range(n_depths)]:
+        m = np.ones(len(samples), bool) if d == "all" else (samples.depth == d).to_numpy()
+        if not m.any():
+            continue
+        raw, cal = _metrics(samples.conf[m], samples.label[m]), _metrics(calibrated[m], samples.label[m])
+        rows.append({"depth": d, "n": raw["n"], "raw_ece": raw["ece"], "cal_ece": cal["ece"], "raw_nll": raw["nll"],
+                     "cal_nll": cal["nll"], "raw_brier": raw["brier"], "cal_brier": cal["brier"]})
+    return rows
+
+
 def _empty_ngram():
     import torch
 
@@ -255,8 +262,9 @@ def _empty_ngram():
 
 
 def _log(tracker, out_dir: Path, meta: dict, per_depth: list[dict], fit_rows: list[dict], ms) -> None:
-    for row in per_depth:
-        tracker.log({f"test/depth_{row['depth']}/{k}": v for k, v in row.items() if k != "depth"})
+    for split in ("val", "test"):
+        for row in meta["drafters"].get("model", {}).get(split, []):
+            tracker.log({f"{split}/depth_{row['depth']}/{k}": v for k, v in row.items() if k != "depth"})
     tracker.log_table("fit", fit_rows)
     if per_depth:
         tracker.log_table("test_per_depth", per_depth)
