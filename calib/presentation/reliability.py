@@ -55,7 +55,7 @@ def reliability_figure(panels: dict[str, dict[str, tuple]], path: str | os.PathL
         if j == 0:
             ax.set_ylabel("observed accept rate")
             axc.set_ylabel("samples (log)")
-    fig.suptitle(title)
+    fig.suptitle(f"{title} — {n_bins} equal-width bins")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")
