@@ -44,8 +44,9 @@ def reliability(bank, drafter: str, path, n_bins: int = 10, split: str = "test")
 def length_scatter(bank, path, split: str = "test") -> Path:
     """2-D histogram of expected vs actual accepted length; points above the diagonal = under-confident."""
     panels = [(d, v, p) for d, c in bank.chains.items() for v, p in variants(c).items()]
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4.0), squeeze=False)
-    for ax, (drafter, variant, p) in zip(axes[0], panels):
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.0 * len(panels), 4.2), squeeze=False,
+                             layout="constrained")  # keeps colorbars clear of the next panel's labels
+    for i, (ax, (drafter, variant, p)) in enumerate(zip(axes[0], panels)):
         chain = bank.chains[drafter]
         keep = (bank.split == split) & chain.labelled
         pred = M.expected_accepted_length(p[keep])
@@ -53,7 +54,7 @@ def length_scatter(bank, path, split: str = "test") -> Path:
         K = chain.acc.shape[1]
         h = ax.hist2d(pred, actual, bins=[np.linspace(0, K, 4 * K + 1), np.arange(K + 2) - 0.5], cmin=1,
                       cmap="viridis", norm=matplotlib.colors.LogNorm())
-        fig.colorbar(h[3], ax=ax, label="rounds")
+        fig.colorbar(h[3], ax=ax, label="rounds" if i == len(panels) - 1 else None)
         ax.plot([0, K], [0, K], color="w", ls="--", lw=1.5)
         ax.plot([0, K], [0, K], color="k", ls=":", lw=1)
         # mean actual per predicted bin: a curve below the diagonal = over-confident
@@ -65,8 +66,9 @@ def length_scatter(bank, path, split: str = "test") -> Path:
         ax.plot(mid[cnt > 0], mean[cnt > 0], color="tab:orange", marker="o", label="mean actual per bin")
         s = M.accept_length_summary(pred, actual)
         ax.set_title(f"{drafter} / {variant}: bias {s['bias']:+.2f}, r={s['pearson']:.2f}", fontsize=10)
-        ax.set_xlabel("predicted accepted length Σ_k Π_j≤k p_j (tokens)")
-        ax.set_ylabel("actual accepted length (tokens)")
+        ax.set_xlabel("predicted Σ_k Π_j≤k p_j (tokens)")
+        if i == 0:
+            ax.set_ylabel("actual accepted length (tokens)")
         ax.set_xlim(0, K)
         ax.legend(fontsize=7, loc="upper left")
         ax.text(0.98, 0.02, "below diagonal: over-confident", transform=ax.transAxes, ha="right", fontsize=7)
