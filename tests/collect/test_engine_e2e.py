@@ -86,16 +86,19 @@ def test_draft_model_sampled_records_confidences(tmp_path):
     assert set(ng.column("label_source").to_pylist()) <= {"counterfactual", "none"}
 
 
-def test_eagle_method_records_confidences(tmp_path):
-    # A one-layer EAGLE head with random weights (vLLM's dummy loader): plumbing only, so nothing is
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_eagle_methods_record_confidences(tmp_path, method):
+    # A one-layer head with random weights (vLLM's dummy loader): plumbing only, so nothing is
     # accepted, but every drafted depth must carry the drafter's probability and reconcile.
-    head = tmp_path / "eagle-head"
+    head = tmp_path / f"{method}-head"
     head.mkdir()
     from calib.collect.target import prepare_target
 
-    config = json.loads((prepare_target() / "config.json").read_text())
-    (head / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 1}))
-    collect(tmp_path / "run", "speculative=eagle", f"speculative.model={head}",
+    config = {**json.loads((prepare_target() / "config.json").read_text()), "num_hidden_layers": 1}
+    if method == "eagle3":
+        config.update(architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=config["vocab_size"])
+    (head / "config.json").write_text(json.dumps(config))
+    collect(tmp_path / "run", f"speculative={method}", f"speculative.model={head}",
             "speculative.draft_load_format=dummy", "sampling.max_tokens=16")
     spec = load(tmp_path / "run" / "bank").table("speculator.parquet")
     for k in range(4):
