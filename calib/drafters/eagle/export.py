@@ -1,0 +1,42 @@
+"""Write an :class:`EagleHead` as the checkpoint vLLM 0.32 loads for ``method="eagle"``.
+
+vLLM maps ``fc.weight`` and ``layers.0.*`` (HF names; q/k/v and gate/up are stacked on load) into
+``EagleLlamaForCausalLM``; embeddings and lm_head are shared with the target when absent. The
+config is the target's with ``num_hidden_layers = 1`` (vLLM's EAGLEConfig renames the architecture).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+
+def export_head(head, out_dir: str | os.PathLike, dtype: torch.dtype = torch.bfloat16, extra: dict | None = None) -> Path:
+    out = Path(out_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tensors = {"fc.weight": head.fc.weight}
+    for name, t in head.layer.state_dict().items():
+        if name.startswith("input_layernorm"):
+            continue
+        tensors[f"layers.0.{name}"] = t
+    tensors = {k: v.detach().to(dtype).contiguous().cpu() for k, v in tensors.items()}
+    config = head.config.to_dict()
+    config.update(num_hidden_layers=1, architectures=["LlamaForCausalLM"], torch_dtype=str(dtype).split(".")[-1],
+                  **(extra or {}))
+    config.pop("_attn_implementation", None)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, default=str))
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
