@@ -43,39 +43,44 @@ def _metrics(p, y) -> dict:
             "auroc": None if np.isnan(a) else a}
 
 
+def _select(kind: str, candidates: dict, fit_one) -> dict:
+    """Fit every candidate (``fit_one(estimator) -> (val_nll, info)``), keep the lowest validation NLL."""
+    fits = {}
+    for name, spec in candidates.items():
+        t0 = time.time()
+        estimator = instantiate(spec)
+        val_nll, info = fit_one(estimator)
+        fits[name] = {"estimator": estimator, "val_nll": val_nll, "fit_s": round(time.time() - t0, 2), **info}
+        log.info("%s %-12s val NLL %.5f (%.1fs)", kind, name, val_nll, fits[name]["fit_s"])
+    return {"best": min(fits, key=lambda n: fits[n]["val_nll"]), "fits": fits}
+
+
 def fit_model_calibrator(samples: pd.DataFrame, candidates: dict, extra_names=()) -> dict:
     """Fit every candidate on the train split and pick the lowest validation NLL."""
     tr, va = samples[samples.split == "train"], samples[samples.split == "val"]
     if tr.empty or va.empty:
         raise ValueError("the model-based samples need train and val prompts; add prompts or banks")
-    fits = {}
-    for name, spec in candidates.items():
-        t0 = time.time()
-        cal = instantiate(spec)
+
+    def fit_one(cal):
         ex = _extra(tr, extra_names) if getattr(cal, "name", "") == "temperature" else None
         vex = _extra(va, extra_names) if ex is not None else None
         val = (va.conf, va.depth, va.label) + ((vex,) if vex is not None else ())
         cal.fit(tr.conf, tr.depth, tr.label, extra=ex, val=val)
-        fits[name] = {"calibrator": cal, "val_nll": nll(cal.predict_proba(va.conf, va.depth, vex), va.label),
-                      "fit_s": round(time.time() - t0, 2), "uses_extra": ex is not None}
-        log.info("model calibrator %-12s val NLL %.5f (%.1fs)", name, fits[name]["val_nll"], fits[name]["fit_s"])
-    best = min(fits, key=lambda n: fits[n]["val_nll"])
-    return {"best": best, "fits": fits}
+        return nll(cal.predict_proba(va.conf, va.depth, vex), va.label), {"uses_extra": ex is not None}
+
+    return _select("model calibrator", candidates, fit_one)
 
 
 def fit_ngram_model(samples: pd.DataFrame, candidates: dict) -> dict:
     tr, va = samples[samples.split == "train"], samples[samples.split == "val"]
     if tr.empty or va.empty:
         raise ValueError("the n-gram samples need train and val prompts")
-    fits = {}
-    for name, spec in candidates.items():
-        t0 = time.time()
-        model = instantiate(spec).fit(tr, tr.label.to_numpy(), val=(va, va.label.to_numpy()))
-        fits[name] = {"model": model, "val_nll": nll(model.predict_proba(va), va.label),
-                      "fit_s": round(time.time() - t0, 2)}
-        log.info("n-gram model %-10s val NLL %.5f (%.1fs)", name, fits[name]["val_nll"], fits[name]["fit_s"])
-    best = min(fits, key=lambda n: fits[n]["val_nll"])
-    return {"best": best, "fits": fits}
+
+    def fit_one(model):
+        model.fit(tr, tr.label.to_numpy(), val=(va, va.label.to_numpy()))
+        return nll(model.predict_proba(va), va.label), {}
+
+    return _select("n-gram model", candidates, fit_one)
 
 
 def ngram_transfer(samples: pd.DataFrame, spec: dict, baseline: dict, fit_on, eval_on) -> dict | None:
@@ -149,7 +154,7 @@ def run(cfg: dict) -> Path:
         ms["split"] = prompt_split(ms.category, ms.prompt_idx, fractions, seed)
         ccfg = cfg["calibrator"]
         res = fit_model_calibrator(ms, ccfg["candidates"], ccfg.get("extra", []))
-        best = res["fits"][res["best"]]["calibrator"]
+        best = res["fits"][res["best"]]["estimator"]
         n_depths = int(ms.depth.max()) + 1
         extra_by_depth = None
         if res["fits"][res["best"]]["uses_extra"]:  # tabulate E[p | conf, depth] over training extras
@@ -194,7 +199,7 @@ def run(cfg: dict) -> Path:
             ns["split"] = prompt_split(ns.category, ns.prompt_idx, fractions, seed)
             ncfg = cfg["ngram_model"]
             res = fit_ngram_model(ns, ncfg["candidates"])
-            best = res["fits"][res["best"]]["model"]
+            best = res["fits"][res["best"]]["estimator"]
             feats, edges = list(ncfg["table"]["features"]), [list(e) for e in ncfg["table"]["edges"]]
             n_depths = int(ns.depth.max()) + 1
             e_arr, strides, grid, info = ngram_grid(best, ns[ns.split == "train"], feats, edges, n_depths)
