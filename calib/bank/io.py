@@ -9,6 +9,7 @@ import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -36,10 +37,12 @@ def write_json_atomic(path: str | os.PathLike, obj) -> None:
 
 def write_bank(bank_dir: str | os.PathLike, acceptance: pa.Table, speculator: pa.Table,
                ngram: pa.Table | None = None, manifest: dict | None = None,
-               overwrite: bool = False) -> Path:
+               overwrite: bool = False, routing: tuple[np.ndarray, pa.Table] | None = None) -> Path:
     """Write a bank atomically: a temp folder beside ``bank_dir``, validated, then renamed.
 
     ``stats.json`` is computed from the data. A bank that fails validation is not written.
+    ``routing`` = (uint8 [N, layers, top_k] expert ids, routing_meta table) adds a routing capture
+    (describe it in ``manifest["routing"]``, see :data:`schema.ROUTING_INFO`).
     """
     bank_dir = Path(bank_dir)
     if bank_dir.exists() and not overwrite:
@@ -52,6 +55,13 @@ def write_bank(bank_dir: str | os.PathLike, acceptance: pa.Table, speculator: pa
         pq.write_table(_canonical(speculator, schema.SPECULATOR), tmp / schema.SPECULATOR)
         if ngram is not None:
             pq.write_table(_canonical(ngram, schema.NGRAM), tmp / schema.NGRAM)
+        if routing is not None:
+            experts, meta = routing
+            if experts.dtype != np.uint8 or experts.ndim != 3:
+                raise ValueError(f"routing: expected uint8 [N, layers, top_k], got {experts.dtype} "
+                                 f"{experts.shape}")
+            np.save(tmp / schema.ROUTING, np.ascontiguousarray(experts), allow_pickle=False)
+            pq.write_table(_canonical(meta, schema.ROUTING_META), tmp / schema.ROUTING_META)
         if manifest is not None:
             write_json_atomic(tmp / schema.MANIFEST, {**manifest, "n_rounds": acceptance.num_rows})
         problems = validate(str(tmp))
@@ -69,6 +79,43 @@ def write_bank(bank_dir: str | os.PathLike, acceptance: pa.Table, speculator: pa
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return bank_dir
+
+
+class Routing:
+    """A bank's routing capture: ``experts`` uint8 [N, layers, top_k] (memory-mapped), ``meta``
+    (routing_meta.parquet) and ``info`` (run_manifest.json's "routing" object, {} if absent)."""
+
+    def __init__(self, experts: np.ndarray, meta: pa.Table, info: dict):
+        self.experts, self.meta, self.info = experts, meta, info
+
+    @property
+    def n_experts(self) -> int:
+        """From the manifest, else 1 + the largest id seen."""
+        return int(self.info.get("n_experts") or int(np.asarray(self.experts).max()) + 1)
+
+    @property
+    def top_k(self) -> int:
+        return int(self.experts.shape[2])
+
+    @property
+    def layers(self) -> int:
+        return int(self.experts.shape[1])
+
+
+def read_routing(bank_dir: str | os.PathLike, validate_on_open: bool = True) -> Routing:
+    """The routing capture of the bank at ``bank_dir`` (validated with the bank by default)."""
+    bank_dir = Path(bank_dir)
+    if not (bank_dir / schema.ROUTING).exists():
+        raise FileNotFoundError(f"{bank_dir / schema.ROUTING}: missing file (the bank has no routing capture)")
+    if validate_on_open:
+        problems = validate(str(bank_dir))
+        if problems:
+            raise BankError(problems)
+    experts = np.load(bank_dir / schema.ROUTING, mmap_mode="r", allow_pickle=False)
+    meta = pq.read_table(bank_dir / schema.ROUTING_META)
+    manifest = bank_dir / schema.MANIFEST
+    info = json.loads(manifest.read_text()).get("routing", {}) if manifest.exists() else {}
+    return Routing(experts, meta, info if isinstance(info, dict) else {})
 
 
 def is_bank(path: str | os.PathLike) -> bool:

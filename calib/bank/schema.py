@@ -17,6 +17,17 @@ additively (a reader that knows only the public layout sees nothing new):
   ``batch_size`` (int64, requests in the verify step) and ``temperature`` (float64).
 * ngram.parquet (same keys) holds the n-gram (prompt-lookup) chain that the context offered at that
   round, its match features and, when known, its accept mask — see :data:`NGRAM_FEATURES`.
+
+Routing captures (MoE targets; see :data:`ROUTING_META_COLUMNS`): ``routing.npy`` row ``i`` holds,
+for one position the target verified, the ``top_k`` expert ids chosen in each MoE layer.
+``routing_meta.parquet`` has one row per routing row: the round's keys, ``routing_idx`` (the row of
+routing.npy), ``routing_block_idx`` (index of the position inside that round's verify block:
+0 = the position after the last committed token, j = draft token j), ``request_idx``, ``position``
+(absolute token position in the request) and ``accepted`` (the token at that position was
+committed). calib's rules: a round's block indices are distinct and do not exceed its drafted width,
+positions are ``block start + routing_block_idx``, and ``accepted`` is a prefix in block order that
+holds ``accept`` or ``accept + 1`` rows. ``run_manifest.json`` may describe the capture under
+``"routing"`` (:data:`ROUTING_INFO`); ``n_experts`` there bounds the expert ids.
 """
 
 from __future__ import annotations
@@ -96,6 +107,15 @@ ROUTING_META_COLUMNS: dict[str, pa.DataType] = {
     "accepted": pa.bool_(),
 }
 
+# run_manifest.json "routing" object: how a routing capture was made.
+ROUTING_INFO: dict[str, type] = {
+    "n_experts": int,  # experts per MoE layer (ids are < n_experts)
+    "top_k": int,  # experts chosen per position and layer (= routing.npy's last axis)
+    "layers": int,  # MoE layers captured (= routing.npy's middle axis)
+    "source": str,  # what produced it, e.g. "shadow-router proxy on SmolLM2-135M (dense model ran)"
+    "proxy": bool,  # True when the routing is not that of a real MoE model
+}
+
 _DEPTH_COL = re.compile(r"^([a-z_]+?)(\d+)$")
 
 
@@ -123,6 +143,8 @@ def column_type(name: str, file: str) -> pa.DataType | None:
     """The schema type of column ``name`` in ``file`` (None for a column calib does not define)."""
     if name in KEY_TYPES:
         return KEY_TYPES[name]
+    if file == ROUTING_META:
+        return ROUTING_META_COLUMNS.get(name)
     if file == NGRAM:
         if name in NGRAM_ROUND:
             return NGRAM_ROUND[name]
