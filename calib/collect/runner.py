@@ -85,6 +85,8 @@ def _speculative_config(spec: dict, model_dir: Path, cache_dir: Path | None) -> 
     from calib.collect.target import prepare_truncated_drafter
 
     method = spec["method"]
+    if method == "none":  # plain decoding: the reference for output-identity checks
+        return None, "none"
     out = {"method": method, "num_speculative_tokens": int(spec["num_speculative_tokens"])}
     if method == "ngram":
         out.update(prompt_lookup_min=int(spec["prompt_lookup_min"]),
@@ -125,10 +127,12 @@ def run(cfg: dict) -> Path | None:
     model_dir = prepare_target(cfg["model"].get("gguf"), cache_dir, cfg["model"]["name"],
                                cfg["model"].get("dtype", "bfloat16"))
     spec, speculator = _speculative_config(spec_cfg, model_dir, cache_dir)
-    k = spec["num_speculative_tokens"]
+    if spec is None:
+        cfg = {**cfg, "capture": False}
+    k = int(spec_cfg["num_speculative_tokens"])
     ng = spec_cfg.get("ngram") or {}
-    ngram_params = (int(spec.get("prompt_lookup_min", ng.get("min_n", 1))),
-                    int(spec.get("prompt_lookup_max", ng.get("max_n", 4))), int(ng.get("k", k)))
+    ngram_params = (int((spec or {}).get("prompt_lookup_min", ng.get("min_n", 1))),
+                    int((spec or {}).get("prompt_lookup_max", ng.get("max_n", 4))), int(ng.get("k", k)))
     capture_dir = Path(cfg["out_dir"]) / "capture"
     temperature = float(sampling["temperature"])
     keys = RunKeys(model=cfg["model"]["name"], speculator=speculator,
@@ -259,9 +263,9 @@ def _merge(folder: RunFolder, cfg: dict, keys: RunKeys, spec: dict, model_dir: P
 
 def _summary(bank_dir: Path, manifest: dict) -> None:
     stats = json.loads((bank_dir / "stats.json").read_text())
-    lines = [f"bank {bank_dir}: {stats['n_rounds']} rounds, mean accepted {stats['mean_accept']:.3f} "
-             f"(drafted {stats['mean_drafted']:.2f}), {manifest['output_tokens']} tokens at "
-             f"{manifest['output_tokens'] / max(manifest['generate_wall_s'], 1e-9):.1f} tok/s"]
+    lines = [(f"bank {bank_dir}: {stats['n_rounds']} rounds, mean accepted {stats['mean_accept']:.3f} "
+              f"(drafted {stats['mean_drafted']:.2f}), {manifest['output_tokens']} tokens at "
+              f"{manifest['output_tokens'] / max(manifest['generate_wall_s'], 1e-9):.1f} tok/s")]
     for cat, s in stats["by_category"].items():
         lines.append(f"  {cat:<12} rounds {s['n_rounds']:>6}  mean accepted {s['mean_accept']:.3f}")
     print("\n".join(lines))

@@ -42,7 +42,8 @@ class EagleHead(nn.Module):
 
 
 def eagle_loss(head: EagleHead, embed: nn.Module, lm_head: nn.Module, input_ids: torch.Tensor,
-               hidden: torch.Tensor, token_weight: float = 0.1) -> tuple[torch.Tensor, dict]:
+               hidden: torch.Tensor, token_weight: float = 0.1,
+               target_hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
     """EAGLE's objective on one batch of target outputs.
 
     ``input_ids`` [B, T] and ``hidden`` [B, T, H] (the target's post-norm states for those tokens).
@@ -50,7 +51,7 @@ def eagle_loss(head: EagleHead, embed: nn.Module, lm_head: nn.Module, input_ids:
     target's next-token distribution there.
     """
     pred = head(embed(input_ids[:, 1:]), hidden[:, :-1])
-    target = hidden[:, 1:]
+    target = (hidden if target_hidden is None else target_hidden)[:, 1:]
     feature = nn.functional.smooth_l1_loss(pred, target)
     with torch.no_grad():
         p_target = torch.softmax(lm_head(target).float(), dim=-1)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import lightning as L
 import torch
 from torch import nn
@@ -13,23 +15,31 @@ class EagleTrainingModule(L.LightningModule):
     """Trains the head against the target's frozen embeddings and lm_head.
 
     Batches are dicts with ``input_ids`` [B, T] and ``hidden`` [B, T, H] (the target's post-norm
-    states for those tokens, extracted beforehand).
+    states for those tokens, extracted beforehand). AdamW with linear warm-up then cosine decay over
+    ``total_steps`` optimizer steps (0: constant learning rate).
     """
 
     def __init__(self, head: EagleHead, embed: nn.Module, lm_head: nn.Module, lr: float = 1e-3,
-                 token_weight: float = 0.1):
+                 token_weight: float = 0.1, weight_decay: float = 0.0, warmup_steps: int = 0,
+                 total_steps: int = 0, hidden_noise: float = 0.0):
         super().__init__()
         self.head, self.embed, self.lm_head = head, embed, lm_head
         for p in [*embed.parameters(), *lm_head.parameters()]:
             p.requires_grad_(False)
-        self.lr, self.token_weight = lr, token_weight
+        self.lr, self.token_weight, self.weight_decay = lr, token_weight, weight_decay
+        self.warmup_steps, self.total_steps, self.hidden_noise = warmup_steps, total_steps, hidden_noise
 
     def _step(self, batch, stage: str):
-        loss, parts = eagle_loss(self.head, self.embed, self.lm_head, batch["input_ids"], batch["hidden"],
-                                 self.token_weight)
-        self.log(f"{stage}_loss", loss, prog_bar=True)
+        hidden = batch["hidden"]
+        if stage == "train" and self.hidden_noise > 0:
+            # EAGLE's robustness trick: at serve time deeper steps see the head's own (imperfect) states.
+            hidden = hidden + (torch.rand_like(hidden) * 2 - 1) * self.hidden_noise
+        loss, parts = eagle_loss(self.head, self.embed, self.lm_head, batch["input_ids"], hidden,
+                                 self.token_weight, target_hidden=batch["hidden"])
+        n = batch["input_ids"].shape[0]
+        self.log(f"{stage}_loss", loss, prog_bar=True, batch_size=n)
         for k, v in parts.items():
-            self.log(f"{stage}_{k}", v)
+            self.log(f"{stage}_{k}", v, prog_bar=k == "top1_agreement", batch_size=n)
         return loss
 
     def training_step(self, batch, _):
@@ -39,4 +49,15 @@ class EagleTrainingModule(L.LightningModule):
         self._step(batch, "val")
 
     def configure_optimizers(self):
-        return torch.optim.AdamW(self.head.parameters(), lr=self.lr)
+        opt = torch.optim.AdamW(self.head.parameters(), lr=self.lr, weight_decay=self.weight_decay)
+        if self.total_steps <= 0:
+            return opt
+
+        def factor(step):
+            if step < self.warmup_steps:
+                return (step + 1) / max(1, self.warmup_steps)
+            frac = (step - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps)
+            return 0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac)))
+
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}

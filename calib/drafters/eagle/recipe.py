@@ -1,0 +1,144 @@
+"""The EAGLE recipe, stage by stage (``python -m calib.drafters.eagle``, config ``conf/eagle.yaml``).
+
+Each stage writes one artifact into ``work_dir`` atomically and is skipped when it exists, so a
+killed run resumes where it stopped and a user can redo one stage by deleting its file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from calib.collect.target import prepare_target
+from calib.drafters.eagle.corpus import build_corpus
+from calib.drafters.eagle.distill import (
+    HiddenStateSequences,
+    extract_hidden_states,
+    generate_responses,
+    read_responses,
+)
+from calib.drafters.eagle.export import export_head
+from calib.drafters.eagle.model import EagleHead
+from calib.drafters.eagle.training import EagleTrainingModule
+
+
+def _lightning_logger(cfg: dict, out: Path):
+    kind = cfg["logger"]["kind"]
+    if kind == "wandb":
+        from lightning.pytorch.loggers import WandbLogger
+
+        mode = cfg["logger"].get("mode") or os.environ.get("WANDB_MODE", "offline")
+        return WandbLogger(project=cfg["logger"].get("project", "calib"), save_dir=str(out),
+                           offline=mode == "offline", job_type="eagle", name=cfg["logger"].get("name"),
+                           config=cfg)
+    if kind == "csv":
+        from lightning.pytorch.loggers import CSVLogger
+
+        return CSVLogger(str(out), name="eagle")
+    return False
+
+
+def _stage(name: str, path: Path, timings: dict, fn) -> Path:
+    if path.exists():
+        print(f"[eagle] {name}: cached {path}")
+        return path
+    t = time.time()
+    fn()
+    timings[name] = round(time.time() - t, 1)
+    print(f"[eagle] {name}: {timings[name]} s -> {path}")
+    return path
+
+
+def run(cfg: dict) -> Path:
+    root = Path(cfg["root"])
+    work = root / cfg["work_dir"]
+    work.mkdir(parents=True, exist_ok=True)
+    timings_path = work / "timings.json"
+    timings = json.loads(timings_path.read_text()) if timings_path.exists() else {}
+    model_dir = str(prepare_target(cfg["model"].get("gguf"), cfg["model"].get("cache_dir"), cfg["model"]["name"]))
+
+    corpus_path = work / "corpus.jsonl"
+
+    def corpus():
+        c = cfg["corpus"]
+        recs = build_corpus(c["n_chat"], c["n_rewrite"], c["n_code_edit"],
+                            [root / d for d in c["exclude_dirs"]], seed=cfg["seed"])
+        tmp = corpus_path.with_name(".corpus.jsonl.tmp")
+        tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in recs), encoding="utf-8")
+        os.replace(tmp, corpus_path)
+
+    _stage("corpus", corpus_path, timings, corpus)
+    records = [json.loads(line) for line in corpus_path.read_text(encoding="utf-8").splitlines()]
+
+    responses_path = work / "responses.jsonl"
+    d = cfg["distill"]
+    if not (work / ".responses.done").exists():
+        t = time.time()
+        generate_responses(records, model_dir, responses_path, d["max_tokens"], d["temperature"], cfg["seed"],
+                           d["max_num_seqs"], d["max_model_len"], d["kv_cache_gb"])
+        (work / ".responses.done").touch()
+        timings["distill"] = round(time.time() - t + timings.get("distill", 0), 1)
+        timings_path.write_text(json.dumps(timings, indent=2))
+
+    hidden_path = work / "hidden.safetensors"
+    f = cfg["features"]
+    _stage("hidden_states", hidden_path, timings,
+           lambda: extract_hidden_states(read_responses(responses_path), model_dir, hidden_path, f["max_len"],
+                                         f["threads"]))
+    timings_path.write_text(json.dumps(timings, indent=2))
+
+    head_dir = work / "head"
+    _stage("train", head_dir / "model.safetensors", timings, lambda: train(cfg, model_dir, hidden_path, head_dir, work))
+    timings_path.write_text(json.dumps(timings, indent=2))
+
+    export = root / cfg["export_dir"]
+    if export.exists():
+        shutil.rmtree(export)
+    shutil.copytree(head_dir, export)
+    print(f"[eagle] exported {export} ({sum(p.stat().st_size for p in export.iterdir()) / 1e6:.1f} MB)")
+    return export
+
+
+def train(cfg: dict, model_dir: str, hidden_path: Path, head_dir: Path, work: Path) -> None:
+    import lightning as L
+    from transformers import AutoModelForCausalLM
+
+    t = cfg["train"]
+    if t.get("threads"):
+        torch.set_num_threads(int(t["threads"]))
+    L.seed_everything(cfg["seed"], verbose=False)
+    target = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    head = EagleHead(target.config)
+    n_seq = len(read_responses(work / "responses.jsonl"))
+    order = list(range(n_seq))
+    random.Random(cfg["seed"]).shuffle(order)
+    n_val = max(1, int(n_seq * t["val_fraction"]))
+    train_ds = HiddenStateSequences(hidden_path, sorted(order[n_val:]), t["window"])
+    val_ds = HiddenStateSequences(hidden_path, sorted(order[:n_val]), t["window"])
+    steps = t["max_epochs"] * len(train_ds) // t["accumulate"]
+    module = EagleTrainingModule(head, target.get_input_embeddings(), target.get_output_embeddings(), lr=t["lr"],
+                                 token_weight=t["token_weight"], weight_decay=t["weight_decay"],
+                                 warmup_steps=t["warmup_steps"], total_steps=steps, hidden_noise=t["hidden_noise"])
+    collate = lambda b: {k: v[None] for k, v in b[0].items()}
+
+    class ExportEachEpoch(L.Callback):
+        """The head is written (atomically, safetensors) at every epoch's end: a time limit loses nothing."""
+
+        def on_train_epoch_end(self, trainer, pl_module):
+            export_head(head, head_dir, extra={"calib_eagle": {"epoch": trainer.current_epoch,
+                                                               "train_windows": len(train_ds)}})
+
+    trainer = L.Trainer(max_epochs=t["max_epochs"], max_time=t["max_time"], accumulate_grad_batches=t["accumulate"],
+                        logger=_lightning_logger(cfg, work), enable_checkpointing=False,
+                        enable_progress_bar=t["progress"], callbacks=[ExportEachEpoch()], log_every_n_steps=20,
+                        val_check_interval=0.5, gradient_clip_val=1.0, accelerator="cpu", devices=1)
+    trainer.fit(module, torch.utils.data.DataLoader(train_ds, batch_size=1, shuffle=True, collate_fn=collate),
+                torch.utils.data.DataLoader(val_ds, batch_size=1, collate_fn=collate))
+    if not (head_dir / "model.safetensors").exists():  # stopped by max_time inside the first epoch
+        export_head(head, head_dir)

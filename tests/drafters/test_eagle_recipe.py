@@ -1,0 +1,91 @@
+"""EAGLE recipe stages: the corpus keeps calib's own prompts out; hidden states are the post-norm
+states vLLM hands the head; the training stage fits and exports on a tiny random target (synthetic)."""
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from calib.drafters.eagle.corpus import build_corpus, excluded_prompts
+from calib.drafters.eagle.distill import HiddenStateSequences, extract_hidden_states
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_corpus_excludes_sample_and_test_prompts(tmp_path):
+    kw = {"n_chat": 40, "n_rewrite": 10, "n_code_edit": 12, "seed": 3}
+    corpus = build_corpus(exclude_dirs=[ROOT / "data" / "prompts"], **kw)
+    assert corpus == build_corpus(exclude_dirs=[ROOT / "data" / "prompts"], **kw)  # deterministic
+    assert {r["category"] for r in corpus} == {"chat", "code_edit"}
+    ids, texts, files = excluded_prompts([ROOT / "data" / "prompts"])
+    assert len(files) == 60 and len(texts) >= 120
+    assert not ids & {r["id"] for r in corpus}
+    assert not texts & {r["messages"][0]["content"] for r in corpus}
+    assert not files & {r["source"]["file"] for r in corpus if "source" in r}
+    # A prompt listed in an excluded file is dropped by its text (and, for code, by the file it quotes).
+    banned = corpus[5]["messages"][0]["content"]
+    code = next(r for r in corpus if "source" in r)
+    (tmp_path / "held_out.jsonl").write_text(
+        json.dumps({"id": "x-1", "category": "chat", "messages": [{"role": "user", "content": banned}]}) + "\n"
+        + json.dumps({"id": "x-2", "category": "code_edit", "messages": [{"role": "user", "content": "edit"}],
+                      "source": code["source"]}) + "\n")
+    again = build_corpus(exclude_dirs=[ROOT / "data" / "prompts", tmp_path], **kw)
+    assert banned not in {r["messages"][0]["content"] for r in again}
+    assert code["source"]["file"] not in {r["source"]["file"] for r in again if "source" in r}
+
+
+def _tiny_target_dir(path: Path) -> Path:
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    return path
+
+
+def _responses(n=12, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [{"id": f"s{i}", "category": "chat", "prompt_ids": torch.randint(0, 64, (5 + i,), generator=g).tolist(),
+             "output_ids": torch.randint(0, 64, (20 + 3 * i,), generator=g).tolist()} for i in range(n)]
+
+
+def test_hidden_states_are_post_norm_and_windows_cover_sequences(tmp_path):
+    target_dir = _tiny_target_dir(tmp_path / "target")
+    responses = _responses()
+    out = extract_hidden_states(responses, str(target_dir), tmp_path / "hidden.safetensors", max_len=40)
+    data = load_file(str(out))
+    lengths = [min(40, len(r["prompt_ids"]) + len(r["output_ids"])) for r in responses]
+    assert data["offsets"].tolist()[-1] == sum(lengths) == data["hidden"].shape[0]
+    model = LlamaForCausalLM.from_pretrained(target_dir).eval()
+    ids = torch.tensor([(responses[3]["prompt_ids"] + responses[3]["output_ids"])[:40]])
+    with torch.no_grad():
+        pre = model(ids, output_hidden_states=True).hidden_states
+        post = model.model(ids).last_hidden_state
+    a, b = data["offsets"][3].item(), data["offsets"][4].item()
+    torch.testing.assert_close(data["hidden"][a:b].float(), post[0], atol=2e-2, rtol=2e-2)
+    assert not torch.allclose(post[0], pre[-2][0], atol=1e-2)  # not a pre-norm residual state
+    ds = HiddenStateSequences(out, indices=[3, 11], max_len=16)
+    spans = [(w[0], w[1]) for w in ds.windows]
+    assert spans[0][0] == a and all(e - s <= 16 for s, e in spans)
+    assert sum(e - s for s, e in spans) == lengths[3] + lengths[11]
+    assert ds[0]["hidden"].shape == (16, 32) and ds[0]["input_ids"].dtype == torch.long
+
+
+def test_training_stage_fits_and_exports_on_a_tiny_target(tmp_path):
+    from calib.drafters.eagle.recipe import train
+
+    target_dir = _tiny_target_dir(tmp_path / "target")
+    responses = _responses(20)
+    (tmp_path / "responses.jsonl").write_text("".join(json.dumps(r) + "\n" for r in responses))
+    hidden = extract_hidden_states(responses, str(target_dir), tmp_path / "hidden.safetensors")
+    cfg = {"seed": 0, "logger": {"kind": "csv"},
+           "train": {"window": 32, "val_fraction": 0.1, "max_epochs": 2, "max_time": None, "lr": 3e-3,
+                     "weight_decay": 0.0, "warmup_steps": 2, "accumulate": 2, "token_weight": 0.3,
+                     "hidden_noise": 0.05, "threads": None, "progress": False}}
+    train(cfg, str(target_dir), hidden, tmp_path / "head", tmp_path)
+    tensors = load_file(str(tmp_path / "head" / "model.safetensors"))
+    config = json.loads((tmp_path / "head" / "config.json").read_text())
+    assert "fc.weight" in tensors and config["num_hidden_layers"] == 1 and config["calib_eagle"]["epoch"] == 1
+    metrics = next(tmp_path.glob("eagle/*/metrics.csv")).read_text().splitlines()
+    assert any("val_loss" in line for line in metrics[:1]) and len(metrics) > 2
