@@ -137,7 +137,7 @@ def run(cfg: dict) -> Path | None:
     temperature = float(sampling["temperature"])
     keys = RunKeys(model=cfg["model"]["name"], speculator=speculator,
                    config=f"{spec_cfg['name']}-k{k}-t{temperature:g}", width=k,
-                   ngram_width=ngram_params[2], ngram_verified=spec["method"] == "ngram",
+                   ngram_width=ngram_params[2], ngram_verified=spec_cfg["method"] == "ngram",
                    temperature=temperature)
 
     part_size = int(cfg["part_size"])
@@ -188,7 +188,7 @@ def _engine(cfg, model_dir, spec, capture_dir, ngram_params):
               enforce_eager=bool(cfg["engine"]["enforce_eager"]),
               max_model_len=int(cfg["engine"]["max_model_len"]),
               max_num_seqs=int(cfg["concurrency"]), seed=int(cfg["seed"]),
-              per_request_spec_decode_metrics="detailed")
+              **({"per_request_spec_decode_metrics": "detailed"} if spec else {}))
     return llm, llm.get_tokenizer()
 
 
