@@ -5,6 +5,11 @@ Two kinds, chosen in config (``conf/cost/``):
 * ``parametric``: ``C(T) = weight_read + per_position · T`` — a fixed term for reading the weights
   once per pass (what makes speculation pay on memory-bound hardware) plus a per-position compute
   term. Unit: one weight read.
+* ``moe``: a mixture-of-experts target whose cost depends on the verify *shape* (which request
+  verifies how many positions), not only on ``T``: distinct experts read (calib.moe). The replay
+  charges each step its actual shape (:meth:`CostCurve.charge`); the allocator sees, per batch size
+  (:meth:`CostCurve.for_batch`), the cost of ``T`` positions spread evenly over the ``B`` requests.
+  Unit: seconds (roofline; see conf/cost/moe.yaml).
 * ``measured``: a CSV with columns ``T, seconds[, seconds_min]`` (``bench/verify_cost.py``; the
   config's ``column`` picks median or minimum over repeats), interpolated linearly
   between its grid points and extrapolated linearly from its last two points. Unit: seconds.
@@ -31,10 +36,40 @@ class CostCurve:
     def __call__(self, t) -> np.ndarray:
         return self.values[np.asarray(t, dtype=np.int64)]
 
+    def for_batch(self, batch: int) -> CostCurve:
+        """The curve the allocator sees at batch size ``batch`` (the same for curves over T only)."""
+        return self
+
+    def charge(self, depth: np.ndarray) -> np.ndarray:
+        """Cost of each step [S] given the verified draft depths [S, B] (every request also verifies
+        its bonus position). A curve over total positions sees only ``B + Σ depth``."""
+        depth = np.asarray(depth)
+        return self(depth.shape[-1] + depth.sum(axis=-1))
+
     def tensor(self, extra: float = 0.0, t_max: int | None = None) -> torch.Tensor:
         """Price-mode tensor ``C(T) + extra`` (extra: a sunk per-step cost such as drafting)."""
         v = self.values if t_max is None else self.values[: t_max + 1]
         return torch.from_numpy(v + extra)
+
+
+class MoECurve(CostCurve):
+    """A shape-dependent MoE verify cost (:class:`calib.moe.cost.MoECost`). ``values`` is the even-spread
+    curve for the current batch size (1 until :meth:`for_batch`)."""
+
+    def __init__(self, name: str, cost, t_max: int, unit: str, batch: int = 1):
+        super().__init__(name, cost.even_curve(batch, t_max), unit)
+        self.cost, self.t_max, self.batch = cost, t_max, batch
+        if not np.all(np.isfinite(self.values)) or np.any(self.values <= 0):
+            raise ValueError(f"cost curve {name!r} has non-positive or non-finite values")
+
+    def for_batch(self, batch: int) -> MoECurve:
+        return self if batch == self.batch else MoECurve(self.name, self.cost, self.t_max, self.unit, batch)
+
+    def charge(self, depth: np.ndarray) -> np.ndarray:
+        from calib.moe.cost import depth_counts
+
+        depth = np.asarray(depth, dtype=np.int64)
+        return self.cost.step_cost(depth_counts(depth, int(depth.max(initial=0))))
 
 
 def read_curve_csv(path, column: str = "seconds") -> tuple[np.ndarray, np.ndarray]:
@@ -48,6 +83,10 @@ def read_curve_csv(path, column: str = "seconds") -> tuple[np.ndarray, np.ndarra
 
 def make_curve(name: str, cfg: dict, t_max: int, root: str | Path = ".") -> CostCurve:
     kind = cfg.get("kind", name)
+    if kind == "moe":
+        from calib.moe.cost import MoECost
+
+        return MoECurve(name, MoECost(cfg, root), t_max, cfg.get("unit", "s"))
     t = np.arange(t_max + 1, dtype=np.float64)
     if kind == "parametric":
         values = float(cfg["weight_read"]) + float(cfg["per_position"]) * t
@@ -68,7 +107,7 @@ def make_curve(name: str, cfg: dict, t_max: int, root: str | Path = ".") -> Cost
             # switch at some sizes: C(16) < C(15) here), so C(T) is at most every C(T' >= T).
             values = np.minimum.accumulate(values[::-1])[::-1]
     else:
-        raise ValueError(f"cost curve {name!r}: kind must be parametric or measured, got {kind!r}")
+        raise ValueError(f"cost curve {name!r}: kind must be parametric, measured or moe, got {kind!r}")
     values[0] = values[1] if t_max >= 1 else values[0]
     if not np.all(np.isfinite(values)) or np.any(values <= 0):
         raise ValueError(f"cost curve {name!r} has non-positive or non-finite values")

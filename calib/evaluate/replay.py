@@ -7,7 +7,8 @@ Accounting, exact by construction:
 
 * a round verified at depth ``d`` commits ``min(d, accepted) + 1`` tokens (the accepted draft
   prefix it verified plus the bonus/correction token the verify pass always yields);
-* the step costs ``C(B + Σ d)`` (one verify pass over every request's bonus position and its draft
+* the step costs ``C(B + Σ d)`` (shape-dependent curves, e.g. MoE: the cost of the actual depths,
+  :meth:`CostCurve.charge`) (one verify pass over every request's bonus position and its draft
   tokens) plus the drafting cost: ``draft_cost[drafter] · passes · C(B)``, one draft forward pass
   over the batch per drafted depth, priced as a fraction of the target's pass over the batch;
 * goodput = Σ committed / Σ cost over all steps (a stream's tokens per unit of time).
@@ -163,7 +164,7 @@ def replay_setting(sb: StepBatch, curve: CostCurve, cfg: ReplayConfig, train_cur
         depth = np.minimum(np.asarray(gamma_per_step)[:, None], sb.length[1])  # cannot verify past the chain
         tokens = _committed(sb, one, depth)
         positions = depth.sum(axis=1)
-        return tokens, curve(B + positions) + draft_cost, positions
+        return tokens, curve.charge(depth) + draft_cost, positions
 
     if pol & {"no_spec", "oracle", "best_fixed"}:
         out["no_spec"] = (np.full(S, float(B)), np.full(S, curve.values[B]), zeros, {})
@@ -191,7 +192,10 @@ def replay_setting(sb: StepBatch, curve: CostCurve, cfg: ReplayConfig, train_cur
         tok = _committed(sb, dr, de)
         pos = de.sum(axis=1)
         share2 = float((dr == 2).mean())
-        return tok, curve(B + pos) + extra_cost, pos, {"ngram_share": share2}
+        charged = curve.charge(de) + extra_cost
+        # What the allocator priced (a curve over T for this B) vs the shape's actual cost.
+        seen = curve(B + pos) + extra_cost
+        return tok, charged, pos, {"ngram_share": share2, "charged_vs_priced": float(charged.sum() / seen.sum())}
 
     if "ragged_raw" in pol and sb.p_raw is not None:
         out["ragged_raw"] = ragged(sb.p_raw, None, sunk)
@@ -229,7 +233,7 @@ def _oracle(sb: StepBatch, curve: CostCurve, cfg: ReplayConfig, draft, budget):
             dr[s], de[s] = _alloc(p1[s], None if p2 is None else p2[s], cost_t, budget, cfg.impl)
         tok = _committed(sb, dr, de)
         pos = de.sum(axis=1)
-        cost = curve(B + pos) + extra
+        cost = curve.charge(de) + extra
         gp = tok / cost
         better = gp > best_gp if budget is None else np.ones(S, bool)
         best = tuple(np.where(better, new, old) for new, old in zip((tok, cost, pos), best))
@@ -273,7 +277,7 @@ def ladder_rows(totals: dict, meta: dict, policies) -> list[dict]:
                      "tokens_per_round": v["tokens"] / v["rounds"],
                      "verified_per_round": v["positions"] / v["rounds"],
                      "steps": v["steps"], "rounds": v["rounds"],
-                     **{x: v[x] for x in ("gamma", "gamma_mean", "ngram_share") if x in v},
+                     **{x: v[x] for x in ("gamma", "gamma_mean", "ngram_share", "charged_vs_priced") if x in v},
                      "_tokens": v["tokens"], "_cost": v["cost"], "_positions": v["positions"]})
     return rows
 
@@ -299,7 +303,7 @@ def replay(banks, curves: dict[str, CostCurve], cfg: ReplayConfig, progress: boo
         sb = StepBatch(bank, rows, idx)
         train_curve = train_mean_curve(bank)
         for cname, curve in curves.items():
-            res = replay_setting(sb, curve, cfg, train_curve)
+            res = replay_setting(sb, curve.for_batch(b), cfg, train_curve)
             totals = summarise(res, b, sb.S)
             meta = {"bank": bank.name, "batch_size": b, "category": cat, "cost_model": cname, "unit": curve.unit}
             ladder.extend(ladder_rows(totals, meta, cfg.policies))

@@ -1,0 +1,111 @@
+"""MoE verify cost: from the predicted distinct experts of a verify shape to seconds.
+
+A verify pass reads every weight that is not routed once (attention, norms, routers, shared experts,
+lm_head: ``dense_params``) and, in each MoE layer, every expert that at least one of its positions
+routes to; it also computes ``flops_per_position`` per position. Roofline:
+
+    cost(shape) = max( (dense_params + expert_params · Σ_layers distinct_l(shape)) · bytes_per_param
+                       / bandwidth,  positions · flops_per_position / peak_flops )
+
+``distinct_l`` comes from one of the models in :mod:`calib.moe.models`, fitted on a routing capture
+(``distinct.routing``) or, without one, the uniform coupon collector. Shapes are given as counts:
+``counts[s, d]`` = sequences of step ``s`` verifying ``d`` positions (bonus + d − 1 drafts).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from calib.moe.models import MODELS, UniformCoupon
+
+
+class MoECost:
+    """Roofline cost of MoE verify shapes (config: ``conf/cost/moe*.yaml``)."""
+
+    def __init__(self, cfg: dict, root: str | Path = "."):
+        self.cfg = dict(cfg)
+        need = ("layers", "n_experts", "top_k", "expert_params", "dense_params", "bytes_per_param",
+                "bandwidth_gbs", "flops_per_position", "peak_tflops")
+        missing = [k for k in need if k not in cfg]
+        if missing:
+            raise ValueError(f"MoE cost config is missing {missing} (see conf/cost/moe.yaml)")
+        self.layers, self.n_experts, self.top_k = int(cfg["layers"]), int(cfg["n_experts"]), int(cfg["top_k"])
+        self.expert_bytes = float(cfg["expert_params"]) * float(cfg["bytes_per_param"])
+        self.dense_bytes = float(cfg["dense_params"]) * float(cfg["bytes_per_param"])
+        self.bandwidth = float(cfg["bandwidth_gbs"]) * 1e9
+        self.flops = float(cfg["flops_per_position"])
+        self.peak = float(cfg["peak_tflops"]) * 1e12
+        d = dict(cfg.get("distinct") or {})
+        self.model_name = d.get("model", "uniform")
+        if self.model_name not in MODELS:
+            raise ValueError(f"distinct.model={self.model_name!r}: expected one of {sorted(MODELS)}")
+        routing = d.get("routing")
+        if self.model_name == "uniform" or not routing:
+            if self.model_name != "uniform":
+                raise ValueError(f"distinct.model={self.model_name!r} needs distinct.routing (a capture)")
+            self.model = UniformCoupon(self.n_experts, self.top_k, self.layers).fit()
+        else:
+            from calib.moe.trajectories import Trajectories
+
+            path = Path(routing) if Path(routing).is_absolute() else Path(root) / routing
+            tr = Trajectories.from_bank(path)
+            if (tr.n_experts, tr.top_k, tr.layers) != (self.n_experts, self.top_k, self.layers):
+                raise ValueError(f"{path}: capture has {tr.layers} layers x {tr.n_experts} experts, top-{tr.top_k}; "
+                                 f"the cost config says {self.layers} x {self.n_experts}, top-{self.top_k}")
+            kwargs = {"max_chain": int(d.get("max_chain", 8))} if self.model_name == "maxent" else {}
+            self.model = MODELS[self.model_name](**kwargs).fit(tr)
+
+    # -- shapes ------------------------------------------------------------------------------------
+    def experts_read(self, counts: np.ndarray) -> np.ndarray:
+        """[S] distinct experts summed over layers for each shape (counts [S, D + 1])."""
+        counts = np.atleast_2d(np.asarray(counts, dtype=np.float64))
+        return self.model.predict_counts(counts).sum(axis=-1)
+
+    def step_cost(self, counts: np.ndarray) -> np.ndarray:
+        """[S] seconds per verify pass for shapes given as counts [S, D + 1]."""
+        counts = np.atleast_2d(np.asarray(counts, dtype=np.float64))
+        positions = counts @ np.arange(counts.shape[1])
+        memory = (self.dense_bytes + self.expert_bytes * self.experts_read(counts)) / self.bandwidth
+        return np.maximum(memory, positions * self.flops / self.peak)
+
+    def shape_cost(self, positions_per_sequence) -> float:
+        return float(self.step_cost(shape_counts([positions_per_sequence]))[0])
+
+    def even_curve(self, batch: int, t_max: int) -> np.ndarray:
+        """[t_max + 1] cost of ``batch`` sequences verifying T positions in all, spread as evenly as
+        possible (depths differ by at most one); entries T < batch repeat T = batch."""
+        t = np.maximum(np.arange(t_max + 1), batch)
+        base, extra = t // batch, t % batch
+        counts = np.zeros((t.size, int(base.max()) + 2))
+        rows = np.arange(t.size)
+        counts[rows, base] += batch - extra
+        counts[rows, base + 1] += extra
+        return self.step_cost(counts)
+
+
+def shape_counts(shapes, width: int | None = None) -> np.ndarray:
+    """Shapes (lists of positions per sequence) -> counts [S, width + 1]."""
+    width = width or max((max(s) for s in shapes if len(s)), default=0)
+    out = np.zeros((len(shapes), width + 1))
+    for i, s in enumerate(shapes):
+        for d in s:
+            out[i, int(d)] += 1
+    return out
+
+
+def depth_counts(depth: np.ndarray, width: int) -> np.ndarray:
+    """Verified draft depths [S, B] (each request also verifies its bonus position) -> counts
+    [S, width + 2] of sequences by positions verified (1 + depth)."""
+    depth = np.asarray(depth, dtype=np.int64)
+    S = depth.shape[0]
+    out = np.zeros((S, width + 2))
+    np.add.at(out, (np.repeat(np.arange(S), depth.shape[1]), 1 + depth.reshape(-1)), 1.0)
+    return out
+
+
+def break_even_alpha(depth2: float, width2: float) -> float:
+    """Acceptance α at which 1 sequence verifying 2 positions (1 + α tokens for ``depth2`` experts)
+    matches 2 sequences verifying 1 each (2 tokens for ``width2`` experts) in tokens per expert read."""
+    return 2.0 * depth2 / width2 - 1.0
