@@ -11,6 +11,12 @@ patch covers both):
   the wrapper counts accepted tokens per row, recomputes the n-gram chain of the context the draft
   was made from, and appends one JSON line per round to ``<capture dir>/capture-<pid>.jsonl``.
 
+* routing (MoE targets, ``CALIB_ROUTING=1``) — ``FusedMoERouter.select_experts`` is wrapped to keep
+  each MoE layer's ``topk_ids`` of the pass; the verify record then carries, per request, the experts
+  of every position of its verify block (``routing`` [positions][layers][top_k]) and the block's first
+  position (``routing_start``). vLLM 0.32's own ``enable_return_routed_experts`` needs Model Runner V2
+  (Triton), which CPU builds lack; this hook works on V1 runners.
+
 Capture never raises into the engine (failures are counted and logged once) and never changes what
 the engine computes: the greedy wrapper performs the same argmax vLLM does, on the same logits.
 """
@@ -32,6 +38,7 @@ log = logging.getLogger("calib.collect")
 
 ENV_DIR = "CALIB_COLLECT_DIR"
 ENV_NGRAM = "CALIB_NGRAM"  # "min_n,max_n,k" of the n-gram chain recorded beside each round
+ENV_ROUTING = "CALIB_ROUTING"  # "1": also record MoE routing of every verified position
 
 
 class Recorder:
@@ -47,6 +54,7 @@ class Recorder:
         self.errors = 0
         self.local = threading.local()
         self.pending: dict[str, dict] = {}  # req_id -> drafter signals of its last drafting pass
+        self.moe_rows: list = []  # topk_ids [tokens, top_k] of each MoE layer of the current pass, in call order
 
     def error(self, where: str, exc: BaseException) -> None:
         self.errors += 1
@@ -93,6 +101,11 @@ class Recorder:
         drafts = spec_decode_metadata.draft_token_ids.cpu().numpy()
         starts = np.concatenate([[0], np.cumsum(num_draft)])
         n_active = len(num_draft)
+        routing = token_starts = positions = None
+        if self.moe_rows:
+            routing = np.stack([r.cpu().numpy() for r in self.moe_rows], axis=1)  # [tokens, layers, top_k]
+            token_starts = runner.query_start_loc.np[: n_active + 1]
+            positions = runner.positions[: int(token_starts[-1])].cpu().numpy()
         min_n, max_n, k = self.ngram
         max_model_len = getattr(runner, "max_model_len", None)
         for i, req_id in enumerate(batch.req_ids[:n_active]):
@@ -114,6 +127,10 @@ class Recorder:
             }
             if signals is not None:
                 rec.update({name: v[:d] for name, v in signals.items()})
+            if routing is not None:
+                lo, hi = int(token_starts[i]), int(token_starts[i + 1])
+                rec["routing"] = routing[lo:hi].tolist()
+                rec["routing_start"] = int(positions[lo])
             self.fh.write(json.dumps(rec) + "\n")
         self.fh.flush()
 
@@ -144,6 +161,7 @@ def install(out_dir: str, ngram: tuple[int, int, int]) -> None:
                 rec.record_verify(self, spec_decode_metadata, out.sampled_token_ids)
             except Exception as exc:  # noqa: BLE001 - capture must never break the engine
                 rec.error("verify", exc)
+        rec.moe_rows = []  # this pass's routing is consumed (or a prefill's, not a round's)
         return out
 
     orig_propose = GPUModelRunner.propose_draft_token_ids
@@ -153,6 +171,7 @@ def install(out_dir: str, ngram: tuple[int, int, int]) -> None:
         try:
             return orig_propose(self, *args, **kwargs)
         finally:
+            rec.moe_rows = []  # a drafter's own MoE layers are not the target's routing
             try:
                 rec.finish_drafting(list(self.input_batch.req_ids))
             except Exception as exc:  # noqa: BLE001
@@ -188,4 +207,23 @@ def install(out_dir: str, ngram: tuple[int, int, int]) -> None:
     GPUModelRunner._sample = _sample
     GPUModelRunner.propose_draft_token_ids = propose_draft_token_ids
     SpecDecodeBaseProposer._sample_draft_tokens = _sample_draft_tokens
+    if os.environ.get(ENV_ROUTING) == "1":
+        _install_routing(rec)
     log.info("calib capture installed (pid %d) -> %s", os.getpid(), rec.path)
+
+
+def _install_routing(rec: Recorder) -> None:
+    """Keep every MoE layer's expert choice (``topk_ids``) of the current forward pass."""
+    from vllm.model_executor.layers.fused_moe.router.fused_moe_router import FusedMoERouter
+
+    orig_select = FusedMoERouter.select_experts
+
+    def select_experts(self, *args, **kwargs):
+        topk_weights, topk_ids = orig_select(self, *args, **kwargs)
+        try:
+            rec.moe_rows.append(topk_ids.detach().to("cpu", copy=True))
+        except Exception as exc:  # noqa: BLE001
+            rec.error("routing", exc)
+        return topk_weights, topk_ids
+
+    FusedMoERouter.select_experts = select_experts

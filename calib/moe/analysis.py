@@ -48,11 +48,11 @@ def draw(tr: Trajectories, family: str, n: int, samples: int, rng: np.random.Gen
             draws.append([(s, pos)])
             shapes.append([n])
         elif family == "width":
-            seqs = rng.choice(len(tr), size=min(n, len(tr)), replace=False)
+            seqs = _distinct_requests(tr, n, lengths, rng)
             draws.append([(int(s), np.array([int(rng.integers(0, lengths[s]))])) for s in seqs])
             shapes.append([1] * len(seqs))
         elif family == "mixed":
-            seqs = rng.choice(len(tr), size=min(n, len(tr)), replace=False)
+            seqs = _distinct_requests(tr, n, lengths, rng)
             item, shape = [], []
             for s in seqs:
                 d = int(min(1 + rng.integers(0, max_depth), lengths[s]))
@@ -64,6 +64,17 @@ def draw(tr: Trajectories, family: str, n: int, samples: int, rng: np.random.Gen
         else:
             raise ValueError(f"unknown shape family {family!r}")
     return draws, shapes
+
+
+def _distinct_requests(tr: Trajectories, n: int, lengths: np.ndarray, rng: np.random.Generator) -> list[int]:
+    """One segment from each of ``n`` different requests (a segment chosen in proportion to its length,
+    so every position of a request is equally likely)."""
+    reqs = np.unique(tr.request)
+    out = []
+    for r in rng.choice(reqs, size=min(n, reqs.size), replace=False):
+        segs = np.flatnonzero(tr.request == r)
+        out.append(int(rng.choice(segs, p=lengths[segs] / lengths[segs].sum())))
+    return out
 
 
 def distinct(tr: Trajectories, draws) -> np.ndarray:
@@ -110,9 +121,10 @@ def overlap_by_distance(tr: Trajectories, max_distance: int, rng: np.random.Gene
         same.append(num / den / tr.top_k if den else np.nan)
     lengths = [s.shape[0] for s in tr.seqs]
     a = rng.integers(0, len(tr), pairs)
-    b = (a + rng.integers(1, len(tr), pairs)) % len(tr)
+    b = rng.integers(0, len(tr), pairs)
+    ok = tr.request[a] != tr.request[b]
     cross = np.mean([(tr.seqs[i][rng.integers(0, lengths[i])] & tr.seqs[j][rng.integers(0, lengths[j])]).sum()
-                     / (tr.layers * tr.top_k) for i, j in zip(a, b)])
+                     / (tr.layers * tr.top_k) for i, j in zip(a[ok], b[ok])])
     return np.array(same), float(cross)
 
 
@@ -127,7 +139,9 @@ def evaluate_models(fit: Trajectories, held: Trajectories, a: dict, rng: np.rand
     for family, ns in configs.items():
         for n in ns:
             n = int(n)
-            if family == "width" and n > len(held):
+            if family in ("width", "mixed") and n > held.n_requests:
+                continue
+            if family in ("depth", "same_seq_random") and n > max(s.shape[0] for s in held.seqs):
                 continue
             draws, shapes = draw(held, family, n, int(a["samples"]), rng, int(a["mixed_max_depth"]))
             measured = distinct(held, draws).mean(axis=0)  # [L]
@@ -154,6 +168,8 @@ def evaluate_models(fit: Trajectories, held: Trajectories, a: dict, rng: np.rand
     for name in models:
         ls = [r["mare_per_layer"] for r in table if r["model"] == name]
         ts = [r["mare_total"] for r in table if r["model"] == name]
+        if not ls:
+            continue
         table.append({"family": "all", "model": name, "mare_per_layer": float(np.mean(ls)),
                       "mare_total": float(np.mean(ts)), "configs": sum(r["configs"] for r in table
                                                                       if r["model"] == name)})
@@ -203,7 +219,8 @@ def run_analysis(c: dict, root: str | Path = ".") -> dict:
 
     info = read_routing(bank, validate_on_open=False).info
     log.info("routing capture %s: %d requests (%d fit, %d held out), %d layers, %d experts, top-%d, proxy=%s",
-             bank, len(tr), len(fit), len(held), tr.layers, tr.n_experts, tr.top_k, info.get("proxy"))
+             bank, tr.n_requests, fit.n_requests, held.n_requests, tr.layers, tr.n_experts, tr.top_k,
+             info.get("proxy"))
 
     # Repeated random splits by request: with a few dozen requests one split's error is noisy.
     tables = []
@@ -254,8 +271,9 @@ def run_analysis(c: dict, root: str | Path = ".") -> dict:
     if cost_models:
         pics.append(plots.cost_curves(cost_models, out / "cost_curves.png"))
 
-    metrics = {"routing": str(bank), "routing_info": info, "requests": {"all": len(tr), "fit": len(fit),
-                                                                         "heldout": len(held)},
+    metrics = {"routing": str(bank), "routing_info": info,
+               "requests": {"all": tr.n_requests, "fit": fit.n_requests, "heldout": held.n_requests,
+                            "segments": len(tr)},
                "errors": table, "ipf": ipf, "break_even": be, "first_draft_acceptance": acc0,
                "popularity": pop, "overlap_same_sequence": same.tolist(), "overlap_other_sequence": cross,
                "curves": [{k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in r.items()} for r in curves],

@@ -3,7 +3,9 @@
 A request's *trajectory* is its accepted positions in order (each position is committed exactly once,
 as block index 0..accept of some round), so ``N`` consecutive trajectory positions are what one
 sequence verifying ``N`` positions in one pass routes to. Rejected draft positions are left out:
-they are wrong tokens at those positions (kept in the capture for whoever wants them).
+they are wrong tokens at those positions (kept in the capture for whoever wants them). Where a
+request decoded steps with nothing drafted (vLLM records no round then), its trajectory has gaps and
+is kept as contiguous *segments*; ``request`` says which request each segment belongs to.
 """
 
 from __future__ import annotations
@@ -17,14 +19,24 @@ from calib.bank import read_routing
 
 @dataclass
 class Trajectories:
-    """``seqs[r]``: bool [P_r, layers, n_experts] (True = expert used at that position), in position
-    order; ``category[r]``, ``prompt_idx[r]`` per request."""
+    """``seqs[r]``: bool [P_r, layers, n_experts] (True = expert used at that position) of segment
+    ``r`` (consecutive positions), in position order; ``category[r]``, ``prompt_idx[r]``,
+    ``request[r]`` per segment (``request`` defaults to one request per segment)."""
 
     seqs: list
     category: np.ndarray
     prompt_idx: np.ndarray
     n_experts: int
     top_k: int
+    request: np.ndarray | None = None
+
+    def __post_init__(self):
+        if self.request is None:
+            self.request = np.arange(len(self.seqs))
+
+    @property
+    def n_requests(self) -> int:
+        return int(np.unique(self.request).size)
 
     @property
     def layers(self) -> int:
@@ -45,37 +57,39 @@ class Trajectories:
         pidx = m.column("prompt_idx").to_numpy(zero_copy_only=False)[acc]
         experts = np.asarray(rt.experts)
         n_exp = rt.n_experts
-        seqs, cats, prompts = [], [], []
+        seqs, cats, prompts, reqs = [], [], [], []
         order = np.lexsort((pos, req))
         req, pos, ridx, cat, pidx = req[order], pos[order], ridx[order], cat[order], pidx[order]
-        bounds = np.flatnonzero(np.diff(req)) + 1
+        same_req = np.diff(req) == 0
+        repeated = same_req & (np.diff(pos) == 0)
+        if repeated.any():
+            i = int(np.flatnonzero(repeated)[0])
+            raise ValueError(f"{bank_dir}/routing_meta.parquet: request_idx {int(req[i])} has position "
+                             f"{int(pos[i])} accepted twice (a trajectory holds every position once)")
+        bounds = np.flatnonzero(~same_req | (np.diff(pos) != 1)) + 1  # new request or a gap
         for sl in np.split(np.arange(len(req)), bounds):
             if sl.size == 0:
                 continue
-            p = pos[sl]
-            if np.any(np.diff(p) != 1):
-                gap = int(np.flatnonzero(np.diff(p) != 1)[0])
-                raise ValueError(f"{bank_dir}/routing_meta.parquet: request_idx {int(req[sl[0]])} has accepted "
-                                 f"positions {int(p[gap])} then {int(p[gap + 1])} (a trajectory needs every "
-                                 "position once)")
             seqs.append(one_hot(experts[ridx[sl]], n_exp))
             cats.append(cat[sl[0]])
             prompts.append(int(pidx[sl[0]]))
-        return cls(seqs, np.asarray(cats, dtype=object), np.asarray(prompts), n_exp, rt.top_k)
+            reqs.append(int(req[sl[0]]))
+        return cls(seqs, np.asarray(cats, dtype=object), np.asarray(prompts), n_exp, rt.top_k, np.asarray(reqs))
 
     def subset(self, idx) -> Trajectories:
         idx = np.asarray(idx, dtype=np.int64)
         return Trajectories([self.seqs[i] for i in idx], self.category[idx], self.prompt_idx[idx],
-                            self.n_experts, self.top_k)
+                            self.n_experts, self.top_k, self.request[idx])
 
     def split(self, heldout_fraction: float, seed: int = 0) -> tuple[Trajectories, Trajectories]:
-        """(fit, held-out) by request, stratified by category so both keep every category."""
+        """(fit, held-out) by request (all its segments together), stratified by category so both keep
+        every category."""
         rng = np.random.default_rng(seed)
         held = np.zeros(len(self), dtype=bool)
         for c in sorted(set(self.category.tolist())):
-            members = np.flatnonzero(self.category == c)
+            members = np.unique(self.request[self.category == c])
             n = round(heldout_fraction * members.size)
-            held[rng.choice(members, size=n, replace=False)] = True
+            held |= np.isin(self.request, rng.choice(members, size=n, replace=False))
         return self.subset(np.flatnonzero(~held)), self.subset(np.flatnonzero(held))
 
     def marginals(self) -> np.ndarray:
