@@ -15,7 +15,10 @@ patch covers both):
   each MoE layer's ``topk_ids`` of the pass; the verify record then carries, per request, the experts
   of every position of its verify block (``routing`` [positions][layers][top_k]) and the block's first
   position (``routing_start``). vLLM 0.32's own ``enable_return_routed_experts`` needs Model Runner V2
-  (Triton), which CPU builds lack; this hook works on V1 runners.
+  (Triton), which CPU builds lack; this hook works on V1 runners. For a dense target,
+  ``CALIB_SHADOW_ROUTER=<dir>`` (a ``router.safetensors`` from ``python -m calib.moe stage=moefy``)
+  records instead what per-layer linear routers on the MLP inputs would pick (shadow routing, a PROXY:
+  the dense model runs unchanged).
 
 Capture never raises into the engine (failures are counted and logged once) and never changes what
 the engine computes: the greedy wrapper performs the same argmax vLLM does, on the same logits.
@@ -39,6 +42,7 @@ log = logging.getLogger("calib.collect")
 ENV_DIR = "CALIB_COLLECT_DIR"
 ENV_NGRAM = "CALIB_NGRAM"  # "min_n,max_n,k" of the n-gram chain recorded beside each round
 ENV_ROUTING = "CALIB_ROUTING"  # "1": also record MoE routing of every verified position
+ENV_SHADOW_ROUTER = "CALIB_SHADOW_ROUTER"  # folder of router.safetensors: shadow routing of a dense target
 
 
 class Recorder:
@@ -151,10 +155,21 @@ def install(out_dir: str, ngram: tuple[int, int, int]) -> None:
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     rec = _RECORDER = Recorder(out_dir, ngram)
+    shadow = None
+    if os.environ.get(ENV_ROUTING) == "1" and os.environ.get(ENV_SHADOW_ROUTER):
+        shadow = {"dir": os.environ[ENV_SHADOW_ROUTER], "hooked": False}
 
     orig_sample = GPUModelRunner._sample
 
     def _sample(self, logits, spec_decode_metadata):
+        if shadow is not None and not shadow["hooked"]:
+            # The first step is a pure prefill (no round), so hooking here loses no round's routing;
+            # load_model is overridden per platform, this method is not.
+            shadow["hooked"] = True
+            try:
+                _hook_shadow_router(rec, self.get_model(), shadow)
+            except Exception as exc:  # noqa: BLE001
+                rec.error("shadow-router", exc)
         out = orig_sample(self, logits, spec_decode_metadata)
         if spec_decode_metadata is not None:
             try:
@@ -207,7 +222,7 @@ def install(out_dir: str, ngram: tuple[int, int, int]) -> None:
     GPUModelRunner._sample = _sample
     GPUModelRunner.propose_draft_token_ids = propose_draft_token_ids
     SpecDecodeBaseProposer._sample_draft_tokens = _sample_draft_tokens
-    if os.environ.get(ENV_ROUTING) == "1":
+    if os.environ.get(ENV_ROUTING) == "1" and shadow is None:
         _install_routing(rec)
     log.info("calib capture installed (pid %d) -> %s", os.getpid(), rec.path)
 
@@ -227,3 +242,38 @@ def _install_routing(rec: Recorder) -> None:
         return topk_weights, topk_ids
 
     FusedMoERouter.select_experts = select_experts
+
+
+def _hook_shadow_router(rec: Recorder, model, shadow: dict) -> None:
+    """Forward pre-hooks on the target's ``layers.{i}.mlp``: the linear router's top-k of each token."""
+    import re
+
+    from safetensors.torch import load_file
+
+    folder = Path(shadow["dir"])
+    weights = load_file(folder / "router.safetensors")
+    top_k = int(json.loads((folder / "router.json").read_text())["top_k"])
+    found = {}
+    for name, module in model.named_modules():
+        m = re.search(r"(?:^|\.)layers\.(\d+)\.mlp$", name)
+        if m:
+            found[int(m.group(1))] = module
+    if sorted(found) != list(range(len(found))) or f"layers.{len(found) - 1}.weight" not in weights:
+        raise RuntimeError(f"shadow router in {folder} does not fit the model's {len(found)} MLP layers")
+
+    def hook(layer):
+        w = weights[f"layers.{layer}.weight"].float()
+        b = weights[f"layers.{layer}.bias"].float()
+
+        def fn(module, args):
+            try:
+                x = args[0].float()
+                rec.moe_rows.append(torch.topk(x @ w.t().to(x.device) + b.to(x.device), top_k, dim=-1)
+                                    .indices.to("cpu"))
+            except Exception as exc:  # noqa: BLE001
+                rec.error("shadow-router", exc)
+        return fn
+
+    for layer, module in sorted(found.items()):
+        module.register_forward_pre_hook(hook(layer))
+    log.info("calib shadow router hooked on %d MLP layers (top-%d)", len(found), top_k)

@@ -88,7 +88,8 @@ def routing_rows_from_capture(rounds: dict[int, list[dict]], categories: dict[in
     return np.stack(experts).astype(np.uint8) if experts else np.zeros((0, 0, 0), np.uint8), meta
 
 
-def attach(run_dir, out_dir=None, n_experts: int | None = None) -> str:
+def attach(run_dir, out_dir=None, n_experts: int | None = None, proxy: bool = False,
+           source: str | None = None) -> str:
     """Add the routing a collector run captured (``CALIB_ROUTING=1``) to its bank.
 
     Reads ``run_dir/bank`` and ``run_dir/capture/*.jsonl``; engine requests are matched to the bank's
@@ -124,8 +125,8 @@ def attach(run_dir, out_dir=None, n_experts: int | None = None) -> str:
     m = bank.manifests()[0]
     arr, meta = routing_rows_from_capture(rounds, cats, m.get("model") or acc.column("model")[0].as_py(),
                                           acc.column("speculator")[0].as_py(), acc.column("config")[0].as_py())
-    info = {"n_experts": n_experts, "top_k": int(arr.shape[2]), "layers": int(arr.shape[1]), "proxy": False,
-            "source": "vLLM FusedMoERouter.select_experts (calib.collect.hooks, CALIB_ROUTING=1)"}
+    info = {"n_experts": n_experts, "top_k": int(arr.shape[2]), "layers": int(arr.shape[1]), "proxy": proxy,
+            "source": source or "vLLM FusedMoERouter.select_experts (calib.collect.hooks, CALIB_ROUTING=1)"}
     manifest = {k: v for k, v in m.items() if k not in ("n_rounds", "part")}
     manifest["routing"] = {k: v for k, v in info.items() if v is not None}
     ng = bank.table(schema.NGRAM) if bank.has(schema.NGRAM) else None
