@@ -90,3 +90,55 @@ def test_collector_captures_moe_routing_from_vllm(tmp_path):
     # Every round's block: block index 0 sits at context_len - 1 and positions are consecutive.
     meta = rt.meta.to_pandas()
     assert (meta.groupby(["prompt_idx", "round_idx"])["position"].agg(lambda p: p.diff().dropna().eq(1).all())).all()
+
+
+def test_shadow_router_hook_matches_the_router(tmp_path):
+    """The collector's shadow-router hook picks what ShadowRouter.route picks (SYNTHETIC router)."""
+    import torch
+
+    from calib.collect.hooks import _hook_shadow_router
+    from calib.moe.moefy import ShadowRouter
+
+    rng = np.random.default_rng(0)
+    H, E, L = 8, 6, 3
+    router = ShadowRouter([rng.normal(size=(E, H)).astype(np.float32) for _ in range(L)],
+                          [rng.normal(size=E).astype(np.float32) for _ in range(L)],
+                          [np.arange(12) % E for _ in range(L)], 2, {"synthetic": True})
+    router.save(tmp_path / "router")
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mlp = torch.nn.Linear(H, H)
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList([Layer() for _ in range(L)])
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer.mlp(x)
+            return x
+
+    class Rec:
+        def __init__(self):
+            self.moe_rows = []
+
+        def error(self, where, exc):
+            raise exc
+
+    net, rec = Net(), Rec()
+    _hook_shadow_router(rec, net, {"dir": str(tmp_path / "router")})
+    x = torch.randn(5, H)
+    with torch.no_grad():
+        net(x)
+        rows = list(rec.moe_rows)  # the recomputation below fires the hooks again
+        inputs = [x]
+        for layer in net.layers[:-1]:
+            inputs.append(layer.mlp(inputs[-1]))
+    assert len(rows) == L
+    for layer in range(L):
+        got = np.sort(rows[layer].numpy(), axis=1)
+        want = np.sort(router.route(layer, inputs[layer].numpy()), axis=1)
+        np.testing.assert_array_equal(got, want)
