@@ -61,3 +61,36 @@ def test_config_errors_are_named():
         MoECost({"kind": "moe"})
     with pytest.raises(ValueError, match="needs distinct.routing"):
         MoECost({**CFG, "distinct": {"model": "maxent"}})
+
+
+def test_replay_charges_the_actual_shape(tmp_path):
+    """On the hand-made replay bank (SYNTHETIC), a shape-sensitive MoE cost charges each policy the
+    cost of the depths it chose, not the even-spread price the allocator saw."""
+    from calib.evaluate.cost import MoECurve
+    from calib.evaluate.data import load_eval_bank
+    from calib.evaluate.replay import ReplayConfig, StepBatch, replay_setting, train_mean_curve
+    from calib.moe.models import MaxEntPairwise
+    from calib.moe.trajectories import Trajectories, one_hot
+    from tests.evaluate.test_replay import identity_tables, tiny_bank
+
+    rng = np.random.default_rng(0)
+    # SYNTHETIC routing: a position keeps the previous position's experts half of the time, so
+    # consecutive positions share experts (depth is cheaper than width).
+    seqs = []
+    for _ in range(20):
+        ids = np.argsort(rng.random((30, 2, 8)), axis=2)[..., :2]
+        for p in range(1, 30):
+            if rng.random() < 0.5:
+                ids[p] = ids[p - 1]
+        seqs.append(one_hot(ids.astype(np.uint8), 8))
+    tr = Trajectories(seqs, np.array(["synthetic"] * 20, dtype=object), np.arange(20), 8, 2)
+    cm = MoECost(CFG)
+    cm.model = MaxEntPairwise(max_chain=5).fit(tr)
+    curve = MoECurve("moe", cm, t_max=40, unit="s").for_batch(4)
+    bank = load_eval_bank(tiny_bank(tmp_path), identity_tables(tmp_path), fractions=(0, 0, 1))
+    sb = StepBatch(bank, np.arange(4), np.array([[0, 1, 2, 3]]))
+    res = replay_setting(sb, curve, ReplayConfig(draft_cost={"model": 0.0, "ngram": 0.0}), train_mean_curve(bank))
+    assert float(res["fixed_3"][1][0]) == pytest.approx(cm.shape_cost([4, 4, 4, 3]))
+    # oracle depths 3, 2 (n-gram), 1, 2 -> positions 4, 3, 2, 3; the even spread of 12 would be 3, 3, 3, 3
+    assert float(res["oracle"][1][0]) == pytest.approx(cm.shape_cost([4, 3, 2, 3]))
+    assert cm.shape_cost([4, 3, 2, 3]) != pytest.approx(curve.values[12])
