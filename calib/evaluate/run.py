@@ -10,7 +10,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from calib.evaluate import plots
 from calib.evaluate.calibration import calibration_rows
-from calib.evaluate.cost import make_curve
+from calib.evaluate.cost import CostCurve, make_curve
 from calib.evaluate.data import load_eval_bank
 from calib.evaluate.replay import ReplayConfig, replay
 from calib.evaluate.report import ladder_notes, table, write_atomic, write_metrics
@@ -141,6 +141,14 @@ def render_report(banks, cal, length, ladder, notes, curves, rcfg, pics, out, ta
              "Goodput = committed tokens per unit cost; headroom captured = (G − G_best_fixed) / "
              "(G_oracle − G_best_fixed). Signal-based policies pay K draft passes before deciding; the "
              "oracle chooses in hindsight how many to pay. Category `all` sums both categories' steps.")
+    for n, c in curves.items():
+        if type(c).for_batch is not CostCurve.for_batch:  # shape-dependent (MoE): say what pricing missed
+            ratios = [r["charged_vs_priced"] for r in ladder if r["cost_model"] == n and "charged_vs_priced" in r]
+            L.append("")
+            L.append(f"`{n}` depends on the verify shape: each step is charged its actual shape, while the "
+                     "allocator priced T positions spread evenly over the batch"
+                     + (f"; charged / priced cost of the allocator's steps: {min(ratios):.4f} .. {max(ratios):.4f}."
+                        if ratios else "."))
     L += ["", "### Checks", ""] + [f"- {n}" for n in notes]
     key_pols = ["no_spec", "best_fixed", "homogeneous", "gated_uniform", "ragged_raw", "ragged_calibrated",
                 "two_drafter", "oracle"]
