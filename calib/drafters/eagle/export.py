@@ -40,3 +40,15 @@ def export_head(head, out_dir: str | os.PathLike, dtype: torch.dtype = torch.bfl
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def load_exported(head, path: str | os.PathLike):
+    """Load an :func:`export_head` checkpoint back into ``head`` (strict: every tensor must match)."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(Path(path) / "model.safetensors"))
+    head.fc.weight.data.copy_(tensors.pop("fc.weight").float())
+    layer = {k.removeprefix("layers.0."): v.float() for k, v in tensors.items()}
+    head.layer.load_state_dict({**layer, **{k: v for k, v in head.layer.state_dict().items()
+                                            if k.startswith("input_layernorm")}}, strict=True)
+    return head

@@ -23,7 +23,7 @@ from calib.drafters.eagle.distill import (
     generate_responses,
     read_responses,
 )
-from calib.drafters.eagle.export import export_head
+from calib.drafters.eagle.export import export_head, load_exported
 from calib.drafters.eagle.model import EagleHead
 from calib.drafters.eagle.training import EagleTrainingModule
 
@@ -115,6 +115,8 @@ def train(cfg: dict, model_dir: str, hidden_path: Path, head_dir: Path, work: Pa
     L.seed_everything(cfg["seed"], verbose=False)
     target = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     head = EagleHead(target.config)
+    if t.get("init_from"):  # warm start from an exported head (continue training on more epochs or data)
+        load_exported(head, Path(cfg["root"]) / t["init_from"])
     n_seq = len(read_responses(work / "responses.jsonl"))
     order = list(range(n_seq))
     random.Random(cfg["seed"]).shuffle(order)
