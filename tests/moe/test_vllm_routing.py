@@ -14,7 +14,7 @@ from calib.collect.assemble import RunKeys, build_tables
 from calib.moe.trajectories import Trajectories
 from calib.moe.vllm_routing import routing_rows
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _rounds(rng, prompt_len, n_rounds, k=3):
