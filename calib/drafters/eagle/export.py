@@ -34,6 +34,9 @@ def export_head(head, out_dir: str | os.PathLike, dtype: torch.dtype = torch.bfl
     try:
         save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2, default=str))
+        for f in tmp.iterdir():  # mkdtemp/mkstemp permissions are owner-only; a checkpoint is for sharing
+            f.chmod(0o644)
+        tmp.chmod(0o755)
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
