@@ -77,8 +77,9 @@ def prepare_truncated_drafter(target_dir: str | os.PathLike, num_layers: int,
                               cache_dir: str | os.PathLike | None = None) -> Path:
     """A drafter made of the target's first ``num_layers`` layers + final norm + lm_head.
 
-    An interim model-based drafter for ``method=draft_model`` until a trained EAGLE head exists;
-    it shares the tokenizer, so vLLM accepts it as a draft model.
+    A training-free model-based drafter for ``method=draft_model`` (the interim drafter of
+    ``data/banks/draft_model-*``; the default model-based banks now use the trained EAGLE head).
+    It shares the tokenizer, so vLLM accepts it as a draft model.
     """
     import torch
     from safetensors.torch import load_file, save_file
