@@ -57,6 +57,9 @@ def generate_responses(records: list[dict], model_dir: str, out_path: Path, max_
             ids = [tok(tok.apply_chat_template(r["messages"], add_generation_prompt=True, tokenize=False),
                        add_special_tokens=False).input_ids for r in batch]
             keep = [(r, p) for r, p in zip(batch, ids) if len(p) + max_tokens <= max_model_len]
+            if len(keep) < len(batch):
+                bar.write(f"distill: skipped {len(batch) - len(keep)} prompt(s) longer than "
+                          f"max_model_len - max_tokens = {max_model_len - max_tokens} tokens")
             outs = llm.generate([{"prompt_token_ids": p} for _, p in keep], params, use_tqdm=False)
             lines = [json.dumps({"id": r["id"], "category": r["category"], "prompt_ids": p,
                                  "output_ids": list(o.outputs[0].token_ids)}) for (r, p), o in zip(keep, outs)]

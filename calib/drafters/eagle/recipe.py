@@ -98,9 +98,13 @@ def run(cfg: dict) -> Path:
     timings_path.write_text(json.dumps(timings, indent=2))
 
     export = root / cfg["export_dir"]
+    export.parent.mkdir(parents=True, exist_ok=True)
+    tmp = export.with_name(f".{export.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(head_dir, tmp)  # a complete copy first, then swap: never half a checkpoint
     if export.exists():
         shutil.rmtree(export)
-    shutil.copytree(head_dir, export)
+    os.replace(tmp, export)
     print(f"[eagle] exported {export} ({sum(p.stat().st_size for p in export.iterdir()) / 1e6:.1f} MB)")
     return export
 
