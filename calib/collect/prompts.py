@@ -15,6 +15,13 @@ class Prompt:
     messages: list
 
 
+def encode_chat(tokenizer, messages) -> list[int]:
+    """Token ids of ``messages`` with the chat template and the generation prompt, as calib sends them
+    to vLLM (the template's own special tokens only: none added on top)."""
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
 def load_prompts(files, limit_per_file: int | None = None, root: str | Path = ".") -> list[Prompt]:
     out: list[Prompt] = []
     for f in files:

@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 
 from calib.bank import load, write_bank, write_json_atomic
 from calib.collect.assemble import RunKeys, build_tables, engine_request_prefix, read_capture, reconcile
-from calib.collect.prompts import load_prompts
+from calib.collect.prompts import encode_chat, load_prompts
 
 log = logging.getLogger("calib.collect")
 
@@ -153,9 +153,7 @@ def run(cfg: dict) -> Path | None:
                    initial=(n_parts - len(todo)) * part_size, disable=not cfg.get("progress", True))
         for i in todo:
             batch = prompts[i * part_size: (i + 1) * part_size]
-            token_ids = [tokenizer(tokenizer.apply_chat_template(p.messages, add_generation_prompt=True,
-                                                                 tokenize=False),
-                                   add_special_tokens=False).input_ids for p in batch]
+            token_ids = [encode_chat(tokenizer, p.messages) for p in batch]
             params = [SamplingParams(temperature=temperature, top_p=float(sampling.get("top_p", 1.0)),
                                      max_tokens=int(sampling["max_tokens"]),
                                      seed=int(cfg["seed"]) + p.idx if temperature > 0 else None)

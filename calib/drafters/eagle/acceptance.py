@@ -10,13 +10,11 @@ Calibrating those confidences is train.py's job; this is the drafter's report ca
 from __future__ import annotations
 
 import argparse
-import json
-import os
 from pathlib import Path
 
 import numpy as np
 
-from calib.bank import load, schema
+from calib.bank import load, schema, write_json_atomic
 from calib.labels import model_samples
 from calib.metrics import ece, expected_accepted_length
 
@@ -60,9 +58,7 @@ def main(argv=None) -> None:
         print(f"{cat:<10} {r['rounds']:>7} {r['mean_accepted']:>9.3f} {r['predicted_mean_accepted_raw']:>15.3f} "
               f"{r['ece_raw']:>8.4f}  {depths}")
     if args.json:
-        tmp = args.json.with_name(f".{args.json.name}.tmp")
-        tmp.write_text(json.dumps(rep, indent=2))
-        os.replace(tmp, args.json)
+        write_json_atomic(args.json, rep)
 
 
 if __name__ == "__main__":

@@ -20,12 +20,6 @@ from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-
-
 def generate_responses(records: list[dict], model_dir: str, out_path: Path, max_tokens: int,
                        temperature: float = 0.0, seed: int = 0, max_num_seqs: int = 64,
                        max_model_len: int = 2048, kv_cache_gb: int = 4, chunk: int = 128) -> Path:
@@ -39,6 +33,8 @@ def generate_responses(records: list[dict], model_dir: str, out_path: Path, max_
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gb))
     os.environ.pop("CALIB_COLLECT_DIR", None)  # no capture: this is plain generation
     from vllm import LLM, SamplingParams
+
+    from calib.collect.prompts import encode_chat
 
     done = set()
     if out_path.exists():
@@ -54,8 +50,7 @@ def generate_responses(records: list[dict], model_dir: str, out_path: Path, max_
     with open(out_path, "a", encoding="utf-8") as f:
         for i in range(0, len(todo), chunk):
             batch = todo[i:i + chunk]
-            ids = [tok(tok.apply_chat_template(r["messages"], add_generation_prompt=True, tokenize=False),
-                       add_special_tokens=False).input_ids for r in batch]
+            ids = [encode_chat(tok, r["messages"]) for r in batch]
             keep = [(r, p) for r, p in zip(batch, ids) if len(p) + max_tokens <= max_model_len]
             if len(keep) < len(batch):
                 bar.write(f"distill: skipped {len(batch) - len(keep)} prompt(s) longer than "
@@ -98,12 +93,19 @@ def extract_hidden_states(responses: list[dict], model_dir: str, out_path: Path,
     return out_path
 
 
-class HiddenStateSequences(torch.utils.data.Dataset):
-    """Sequences of (input_ids, hidden) from :func:`extract_hidden_states`, cut into windows of at
-    most ``max_len`` tokens (positions restart at 0 per window, as RoPE is relative)."""
+def load_hidden_states(path: Path) -> dict[str, torch.Tensor]:
+    """The file :func:`extract_hidden_states` wrote; load it once and share it between datasets."""
+    return load_file(str(path))
 
-    def __init__(self, path: Path, indices=None, max_len: int = 1024):
-        data = load_file(str(path))
+
+class HiddenStateSequences(torch.utils.data.Dataset):
+    """Sequences of (input_ids, hidden) from :func:`extract_hidden_states` (its path, or the tensors
+    :func:`load_hidden_states` returned), cut into windows of at most ``max_len`` tokens (positions
+    restart at 0 per window, as RoPE is relative)."""
+
+    def __init__(self, data, indices=None, max_len: int = 1024):
+        if not isinstance(data, dict):
+            data = load_hidden_states(data)
         self.ids, self.hidden, off = data["input_ids"].long(), data["hidden"], data["offsets"].tolist()
         seqs = range(len(off) - 1) if indices is None else indices
         self.windows = [(a, min(a + max_len, off[i + 1])) for i in seqs

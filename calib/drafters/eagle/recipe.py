@@ -15,12 +15,14 @@ from pathlib import Path
 
 import torch
 
+from calib.bank import write_json_atomic
 from calib.collect.target import prepare_target
 from calib.drafters.eagle.corpus import build_corpus
 from calib.drafters.eagle.distill import (
     HiddenStateSequences,
     extract_hidden_states,
     generate_responses,
+    load_hidden_states,
     read_responses,
 )
 from calib.drafters.eagle.export import export_head, load_exported
@@ -44,13 +46,14 @@ def _lightning_logger(cfg: dict, out: Path):
     return False
 
 
-def _stage(name: str, path: Path, timings: dict, fn) -> Path:
+def _stage(name: str, path: Path, timings: dict, timings_path: Path, fn) -> Path:
     if path.exists():
         print(f"[eagle] {name}: cached {path}")
         return path
     t = time.time()
     fn()
     timings[name] = round(time.time() - t, 1)
+    write_json_atomic(timings_path, timings)
     print(f"[eagle] {name}: {timings[name]} s -> {path}")
     return path
 
@@ -73,7 +76,7 @@ def run(cfg: dict) -> Path:
         tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in recs), encoding="utf-8")
         os.replace(tmp, corpus_path)
 
-    _stage("corpus", corpus_path, timings, corpus)
+    _stage("corpus", corpus_path, timings, timings_path, corpus)
     records = [json.loads(line) for line in corpus_path.read_text(encoding="utf-8").splitlines()]
 
     responses_path = work / "responses.jsonl"
@@ -84,18 +87,17 @@ def run(cfg: dict) -> Path:
                            d["max_num_seqs"], d["max_model_len"], d["kv_cache_gb"])
         (work / ".responses.done").touch()
         timings["distill"] = round(time.time() - t + timings.get("distill", 0), 1)
-        timings_path.write_text(json.dumps(timings, indent=2))
+        write_json_atomic(timings_path, timings)
 
     hidden_path = work / "hidden.safetensors"
     f = cfg["features"]
-    _stage("hidden_states", hidden_path, timings,
+    _stage("hidden_states", hidden_path, timings, timings_path,
            lambda: extract_hidden_states(read_responses(responses_path), model_dir, hidden_path, f["max_len"],
                                          f["threads"]))
-    timings_path.write_text(json.dumps(timings, indent=2))
 
     head_dir = work / "head"
-    _stage("train", head_dir / "model.safetensors", timings, lambda: train(cfg, model_dir, hidden_path, head_dir, work))
-    timings_path.write_text(json.dumps(timings, indent=2))
+    _stage("train", head_dir / "model.safetensors", timings, timings_path,
+           lambda: train(cfg, model_dir, hidden_path, head_dir, work))
 
     export = root / cfg["export_dir"]
     export.parent.mkdir(parents=True, exist_ok=True)
@@ -121,12 +123,13 @@ def train(cfg: dict, model_dir: str, hidden_path: Path, head_dir: Path, work: Pa
     head = EagleHead(target.config)
     if t.get("init_from"):  # warm start from an exported head (continue training on more epochs or data)
         load_exported(head, Path(cfg["root"]) / t["init_from"])
-    n_seq = len(read_responses(work / "responses.jsonl"))
+    data = load_hidden_states(hidden_path)  # ~0.5 GB for the default corpus: loaded once, split by sequence
+    n_seq = len(data["offsets"]) - 1
     order = list(range(n_seq))
     random.Random(cfg["seed"]).shuffle(order)
     n_val = max(1, int(n_seq * t["val_fraction"]))
-    train_ds = HiddenStateSequences(hidden_path, sorted(order[n_val:]), t["window"])
-    val_ds = HiddenStateSequences(hidden_path, sorted(order[:n_val]), t["window"])
+    train_ds = HiddenStateSequences(data, sorted(order[n_val:]), t["window"])
+    val_ds = HiddenStateSequences(data, sorted(order[:n_val]), t["window"])
     steps = t["max_epochs"] * len(train_ds) // t["accumulate"]
     module = EagleTrainingModule(head, target.get_input_embeddings(), target.get_output_embeddings(), lr=t["lr"],
                                  token_weight=t["token_weight"], weight_decay=t["weight_decay"],
