@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from calib.drafters.eagle.corpus import build_corpus, excluded_prompts
-from calib.drafters.eagle.distill import HiddenStateSequences, extract_hidden_states
+from calib.drafters.eagle.distill import HiddenStateSequences, extract_hidden_states, hidden_state_count
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -83,9 +83,42 @@ def test_training_stage_fits_and_exports_on_a_tiny_target(tmp_path):
            "train": {"window": 32, "val_fraction": 0.1, "max_epochs": 2, "max_time": None, "lr": 3e-3,
                      "weight_decay": 0.0, "warmup_steps": 2, "accumulate": 2, "token_weight": 0.3,
                      "hidden_noise": 0.05, "threads": None, "progress": False}}
-    train(cfg, str(target_dir), hidden, tmp_path / "head", tmp_path)
+    train(cfg, cfg["train"], str(target_dir), hidden, tmp_path / "head", tmp_path)
     tensors = load_file(str(tmp_path / "head" / "model.safetensors"))
     config = json.loads((tmp_path / "head" / "config.json").read_text())
     assert "fc.weight" in tensors and config["num_hidden_layers"] == 1 and config["calib_eagle"]["epoch"] == 1
     metrics = next(tmp_path.glob("eagle/*/metrics.csv")).read_text().splitlines()
-    assert any("val_loss" in line for line in metrics[:1]) and len(metrics) > 2
+    assert any("val_loss" in line and "val_accept_len" in line for line in metrics[:1]) and len(metrics) > 2
+    # refinement (training-time test) starts from that head and writes its own
+    refine = {**cfg["train"], "steps": 3, "step_decay": 0.8, "max_epochs": 1}
+    train(cfg, refine, str(target_dir), hidden, tmp_path / "refined", tmp_path, init_from=tmp_path / "head")
+    refined = load_file(str(tmp_path / "refined" / "model.safetensors"))
+    assert refined.keys() == tensors.keys() and not torch.equal(refined["fc.weight"], tensors["fc.weight"])
+
+
+def test_corpus_grows_without_changing_earlier_prompts():
+    kw = {"n_chat": 30, "exclude_dirs": [ROOT / "data" / "prompts"], "seed": 1}
+    small = build_corpus(n_rewrite=5, n_code_edit=6, **kw)
+    big = build_corpus(n_rewrite=9, n_code_edit=10, n_howto=25, **kw)
+    by_id = {r["id"]: r for r in big}
+    assert all(by_id[r["id"]] == r for r in small)  # cached answers stay valid: same id, same prompt
+    assert sum(r["id"].startswith("eagle-howto-") for r in big) == 25 and len(big) == len(small) + 33
+
+
+def test_hidden_states_extend_when_the_corpus_grows(tmp_path):
+    import pytest
+
+    target_dir = _tiny_target_dir(tmp_path / "target")
+    responses = _responses(10)
+    whole = load_file(str(extract_hidden_states(responses, str(target_dir), tmp_path / "whole.safetensors")))
+    part = tmp_path / "part.safetensors"
+    extract_hidden_states(responses[:6], str(target_dir), part)
+    assert hidden_state_count(part) == 6
+    grown = load_file(str(extract_hidden_states(responses, str(target_dir), part)))
+    assert hidden_state_count(part) == 10
+    for k in whole:
+        torch.testing.assert_close(grown[k], whole[k])
+    changed = [dict(r) for r in responses]
+    changed[2]["output_ids"] = changed[2]["output_ids"][::-1]
+    with pytest.raises(ValueError, match="part.safetensors.*delete it"):
+        extract_hidden_states(changed, str(target_dir), part)

