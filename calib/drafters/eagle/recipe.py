@@ -123,6 +123,9 @@ def run(cfg: dict) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.copytree(head_dir, tmp)  # a complete copy first, then swap: never half a checkpoint
     if export.exists():
+        for extra in export.iterdir():  # files the head does not write (a README) stay
+            if extra.is_file() and not (tmp / extra.name).exists():
+                shutil.copy2(extra, tmp / extra.name)
         shutil.rmtree(export)
     os.replace(tmp, export)
     print(f"[eagle] exported {export} ({sum(p.stat().st_size for p in export.iterdir()) / 1e6:.1f} MB)")
@@ -170,13 +173,16 @@ def train(cfg: dict, t: dict, model_dir: str, hidden_path: Path, head_dir: Path,
                         enable_progress_bar=t["progress"], callbacks=[ExportEachEpoch()], log_every_n_steps=20,
                         val_check_interval=0.5, gradient_clip_val=1.0, accelerator="cpu", devices=1)
     val_loader = torch.utils.data.DataLoader(val_ds, batch_size=1, collate_fn=collate)
-    if init_from is not None:  # the starting point, in the same metrics, before any update
-        before = trainer.validate(module, val_loader, verbose=False)[0]
-        print(f"[eagle] {init_from.name} before training: " + ", ".join(
-            f"{k} {v:.3f}" for k, v in sorted(before.items()) if "accept" in k or "top1_step" in k))
+
+    def report(when: str) -> None:  # the same metrics before and after (a time limit can stop mid-epoch)
+        metrics = trainer.validate(module, val_loader, verbose=False)[0]
+        print(f"[eagle] {head_dir.name} {when}: " + ", ".join(
+            f"{k} {v:.3f}" for k, v in sorted(metrics.items()) if "accept" in k or "top1_step" in k))
+
+    if init_from is not None:
+        report(f"before training (from {init_from.name})")
     trainer.fit(module, torch.utils.data.DataLoader(train_ds, batch_size=1, shuffle=True, collate_fn=collate),
                 val_loader)
-    print("[eagle] after training: " + ", ".join(f"{k} {float(v):.3f}" for k, v in sorted(trainer.callback_metrics.items())
-                                                  if k.startswith("val_") and ("accept" in k or "top1_step" in k)))
+    report("after training")
     if not (head_dir / "model.safetensors").exists():  # stopped by max_time inside the first epoch
         export_head(head, head_dir)
