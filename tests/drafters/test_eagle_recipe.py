@@ -90,7 +90,7 @@ def test_training_stage_fits_and_exports_on_a_tiny_target(tmp_path):
     metrics = next(tmp_path.glob("eagle/*/metrics.csv")).read_text().splitlines()
     assert any("val_loss" in line and "val_accept_len" in line for line in metrics[:1]) and len(metrics) > 2
     # refinement (training-time test) starts from that head and writes its own
-    refine = {**cfg["train"], "steps": 3, "step_decay": 0.8, "max_epochs": 1}
+    refine = {**cfg["train"], "steps": 3, "step_decay": 0.8, "max_epochs": 1, "epoch_fraction": 0.5}
     train(cfg, refine, str(target_dir), hidden, tmp_path / "refined", tmp_path, init_from=tmp_path / "head")
     refined = load_file(str(tmp_path / "refined" / "model.safetensors"))
     assert refined.keys() == tensors.keys() and not torch.equal(refined["fc.weight"], tensors["fc.weight"])

@@ -153,7 +153,8 @@ def train(cfg: dict, t: dict, model_dir: str, hidden_path: Path, head_dir: Path,
     n_val = max(1, int(n_seq * t["val_fraction"]))
     train_ds = HiddenStateSequences(data, sorted(order[n_val:]), t["window"])
     val_ds = HiddenStateSequences(data, sorted(order[:n_val]), t["window"])
-    total_steps = t["max_epochs"] * len(train_ds) // t["accumulate"]
+    fraction = float(t.get("epoch_fraction", 1.0))  # of the training windows per epoch (a random subset)
+    total_steps = t["max_epochs"] * max(1, int(len(train_ds) * fraction)) // t["accumulate"]
     module = EagleTrainingModule(head, target.get_input_embeddings(), target.get_output_embeddings(), lr=t["lr"],
                                  token_weight=t["token_weight"], weight_decay=t["weight_decay"],
                                  warmup_steps=t["warmup_steps"], total_steps=total_steps, hidden_noise=t["hidden_noise"],
@@ -171,7 +172,8 @@ def train(cfg: dict, t: dict, model_dir: str, hidden_path: Path, head_dir: Path,
     trainer = L.Trainer(max_epochs=t["max_epochs"], max_time=t["max_time"], accumulate_grad_batches=t["accumulate"],
                         logger=_lightning_logger(cfg, work), enable_checkpointing=False,
                         enable_progress_bar=t["progress"], callbacks=[ExportEachEpoch()], log_every_n_steps=20,
-                        val_check_interval=0.5, gradient_clip_val=1.0, accelerator="cpu", devices=1)
+                        val_check_interval=0.5, gradient_clip_val=1.0, accelerator="cpu", devices=1,
+                        limit_train_batches=fraction)
     val_loader = torch.utils.data.DataLoader(val_ds, batch_size=1, collate_fn=collate)
 
     def report(when: str) -> None:  # the same metrics before and after (a time limit can stop mid-epoch)
