@@ -108,6 +108,6 @@ def test_shipped_head_runs_in_vllm_accepts_and_keeps_greedy_output(tmp_path):
     bank = tmp_path / "eagle" / "bank"
     assert validate(str(bank)) == []
     accepted = load(bank).table("acceptance.parquet").column("accept").to_pylist()
-    # Measured 0.27 accepted per round on these prompts (0.48 on the 120 sample prompts); a random
+    # Measured 0.35 accepted per round on these prompts (0.60 on the 120 sample prompts); a random
     # head accepts ~0.
-    assert len(accepted) > 10 and sum(accepted) / len(accepted) > 0.15
+    assert len(accepted) > 10 and sum(accepted) / len(accepted) > 0.2
