@@ -96,8 +96,8 @@ def run(cfg: dict) -> Path:
     hidden_path = work / "hidden.safetensors"
     f = cfg["features"]
     responses = read_responses(responses_path)
-    if hidden_path.exists() and hidden_state_count(hidden_path) < len(responses):  # the corpus grew
-        print(f"[eagle] hidden_states: extending {hidden_path} to {len(responses)} sequences")
+    if hidden_path.exists() and hidden_state_count(hidden_path) != len(responses):  # grew (or shrank: an error)
+        print(f"[eagle] hidden_states: updating {hidden_path} to {len(responses)} sequences")
         t0 = time.time()
         extract_hidden_states(responses, model_dir, hidden_path, f["max_len"], f["threads"])
         timings["hidden_states"] = round(time.time() - t0 + timings.get("hidden_states", 0), 1)
