@@ -67,8 +67,11 @@ class EagleHead(nn.Module):
 
         causal = torch.ones(T, T, dtype=torch.bool, device=hidden.device).tril()
         diagonals = [causal.diagonal(-m).diag_embed(-m) for m in range(steps)]  # [T, T] masks of (j, j-m)
+        replaced = torch.zeros(T, T, dtype=torch.bool, device=hidden.device)  # diagonals 0..s-1 at step s
         keys, values, outs, feat = [], [], [], hidden
         for s in range(steps):
+            if s:
+                replaced = replaced | diagonals[s - 1]
             x = self.fc(torch.cat([token_embeds, feat], dim=-1))
             q = attn.q_proj(x).view(B, T, n_heads, d).transpose(1, 2)
             k = attn.k_proj(x).view(B, T, n_kv, d).transpose(1, 2)
@@ -81,9 +84,6 @@ class EagleHead(nn.Module):
                 own = (q[:, :, m:] * keys[s - m][:, :, :T - m]).sum(-1) * attn.scaling  # [B, heads, T-m]
                 scores = torch.where(diagonals[m], torch.diag_embed(own, -m), scores)
             probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-            replaced = torch.zeros(T, T, dtype=torch.bool, device=hidden.device)
-            for m in range(s):
-                replaced |= diagonals[m]
             ctx = probs.masked_fill(replaced, 0.0) @ values[0]
             for m in range(s):  # the replaced diagonals' weights times the values of step s-m
                 w = torch.diagonal(probs, -m, -2, -1)[..., None]  # [B, heads, T-m, 1]
@@ -134,7 +134,6 @@ def eagle_loss(head: EagleHead, embed: nn.Module, lm_head: nn.Module, input_ids:
         suffix = "" if s == 0 else f"_step{s}"
         parts[f"feature{suffix}"], parts[f"token{suffix}"] = feature.detach(), token.detach()
         parts[f"top1_step{s}"] = correct[-1].mean()
-    parts["top1_agreement"] = parts["top1_step0"]
     n = correct[0].shape[1] - steps + 1  # anchors whose whole chain lies inside the window
     if n > 0:
         run, total = torch.ones_like(correct[0][:, :n]), torch.zeros_like(correct[0][:, :n])

@@ -47,13 +47,14 @@ def _lightning_logger(cfg: dict, out: Path):
     return False
 
 
-def _stage(name: str, path: Path, timings: dict, timings_path: Path, fn) -> Path:
-    if path.exists():
+def _stage(name: str, path: Path, done: bool, timings: dict, timings_path: Path, fn, resumed: bool = False) -> Path:
+    """Run ``fn`` unless ``done``; record its time (added to the earlier time if it ``resumed`` work)."""
+    if done:
         print(f"[eagle] {name}: cached {path}")
         return path
     t = time.time()
     fn()
-    timings[name] = round(time.time() - t, 1)
+    timings[name] = round(time.time() - t + (timings.get(name, 0) if resumed else 0), 1)
     write_json_atomic(timings_path, timings)
     print(f"[eagle] {name}: {timings[name]} s -> {path}")
     return path
@@ -85,35 +86,33 @@ def run(cfg: dict) -> Path:
 
     responses_path = work / "responses.jsonl"
     d = cfg["distill"]
-    if not (work / ".responses.done").exists():
-        t = time.time()
+    distilled = work / ".responses.done"
+
+    def distill():
         generate_responses(records, model_dir, responses_path, d["max_tokens"], d["temperature"], cfg["seed"],
                            d["max_num_seqs"], d["max_model_len"], d["kv_cache_gb"])
-        (work / ".responses.done").touch()
-        timings["distill"] = round(time.time() - t + timings.get("distill", 0), 1)
-        write_json_atomic(timings_path, timings)
+        distilled.touch()
+
+    _stage("distill", responses_path, distilled.exists(), timings, timings_path, distill, resumed=True)
 
     hidden_path = work / "hidden.safetensors"
     f = cfg["features"]
     responses = read_responses(responses_path)
-    if hidden_path.exists() and hidden_state_count(hidden_path) != len(responses):  # grew (or shrank: an error)
-        print(f"[eagle] hidden_states: updating {hidden_path} to {len(responses)} sequences")
-        t0 = time.time()
-        extract_hidden_states(responses, model_dir, hidden_path, f["max_len"], f["threads"])
-        timings["hidden_states"] = round(time.time() - t0 + timings.get("hidden_states", 0), 1)
-        write_json_atomic(timings_path, timings)
-    _stage("hidden_states", hidden_path, timings, timings_path,
-           lambda: extract_hidden_states(responses, model_dir, hidden_path, f["max_len"], f["threads"]))
+    # extract_hidden_states extends a file that holds the first answers (the corpus grew), else fails
+    have = hidden_path.exists()
+    _stage("hidden_states", hidden_path, have and hidden_state_count(hidden_path) == len(responses), timings,
+           timings_path, lambda: extract_hidden_states(responses, model_dir, hidden_path, f["max_len"], f["threads"]),
+           resumed=have)
 
     head_dir = work / "head"
     t = cfg["train"]
     init = Path(cfg["root"]) / t["init_from"] if t.get("init_from") else None
-    _stage("train", head_dir / "model.safetensors", timings, timings_path,
+    _stage("train", head_dir, (head_dir / "model.safetensors").exists(), timings, timings_path,
            lambda: train(cfg, t, model_dir, hidden_path, head_dir, work, init))
     r = cfg.get("refine") or {}
     if r.get("steps", 0) > 1:  # training-time test: the trained head, fine-tuned on its own drafts
         refined = work / "head-refined"
-        _stage("refine", refined / "model.safetensors", timings, timings_path,
+        _stage("refine", refined, (refined / "model.safetensors").exists(), timings, timings_path,
                lambda: train(cfg, {**t, **r}, model_dir, hidden_path, refined, work, head_dir))
         head_dir = refined
 

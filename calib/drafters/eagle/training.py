@@ -48,7 +48,7 @@ class EagleTrainingModule(L.LightningModule):
         n = batch["input_ids"].shape[0]
         self.log(f"{stage}_loss", loss, prog_bar=True, batch_size=n)
         for k, v in parts.items():
-            self.log(f"{stage}_{k}", v, prog_bar=k in ("top1_agreement", "accept_per_round"), batch_size=n)
+            self.log(f"{stage}_{k}", v, prog_bar=k in ("top1_step0", "accept_per_round"), batch_size=n)
         return loss
 
     def training_step(self, batch, _):
