@@ -33,10 +33,10 @@ DEFAULT_GRID = (list(range(1, 17)) + list(range(20, 65, 4)) + list(range(72, 129
 
 
 def model_dir() -> Path:
-    """The HF folder calib.collect.target.prepare_target() creates (converted once from the GGUF wheel)."""
+    """The HF folder calib.target.prepare_target() creates (converted once from the GGUF wheel)."""
     d = Path.home() / ".cache" / "calib" / "SmolLM2-135M-Instruct"
     if not (d / "config.json").exists():
-        from calib.collect.target import prepare_target
+        from calib.target import prepare_target
 
         d = Path(prepare_target())
     return d

@@ -13,6 +13,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from calib.atomic import publish_dir, write_json_atomic
 from calib.bank import schema
 from calib.bank.stats import compute_stats
 from calib.bank.validate import BankError, Problem, validate
@@ -24,15 +25,6 @@ def _canonical(table: pa.Table, file: str) -> pa.Table:
     table = table.cast(pa.schema(fields))
     keys = [k for k in schema.KEYS if k in table.column_names]
     return table.select(keys + [c for c in table.column_names if c not in keys])
-
-
-def write_json_atomic(path: str | os.PathLike, obj) -> None:
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "w") as fh:
-        json.dump(obj, fh, indent=2, sort_keys=True)
-        fh.write("\n")
-    os.replace(tmp, path)
 
 
 def write_bank(bank_dir: str | os.PathLike, acceptance: pa.Table, speculator: pa.Table,
@@ -69,13 +61,7 @@ def write_bank(bank_dir: str | os.PathLike, acceptance: pa.Table, speculator: pa
             raise BankError([Problem(p.file.replace(str(tmp), str(bank_dir)), p.column, p.row, p.message)
                              for p in problems])
         write_json_atomic(tmp / schema.STATS, compute_stats(acceptance))
-        if bank_dir.exists():
-            old = bank_dir.with_name(f".{bank_dir.name}.old-{os.getpid()}")
-            os.replace(bank_dir, old)
-            os.replace(tmp, bank_dir)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, bank_dir)
+        publish_dir(tmp, bank_dir)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return bank_dir

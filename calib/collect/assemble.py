@@ -10,7 +10,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from calib.bank import schema
-from calib.collect.ngram import label_chain
+from calib.ngram import label_chain
 
 
 class ReconciliationError(RuntimeError):

@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from calib.collect.ngram import find_match
+from calib.ngram import find_match
 
 log = logging.getLogger("calib.collect")
 

@@ -21,9 +21,10 @@ from pathlib import Path
 import pyarrow as pa
 from tqdm.auto import tqdm
 
-from calib.bank import load, write_bank, write_json_atomic
+from calib.atomic import write_json_atomic
+from calib.bank import load, write_bank
 from calib.collect.assemble import RunKeys, build_tables, engine_request_prefix, read_capture, reconcile
-from calib.collect.prompts import encode_chat, load_prompts
+from calib.prompts import encode_chat, load_prompts
 
 log = logging.getLogger("calib.collect")
 
@@ -82,7 +83,7 @@ class RunFolder:
 
 def _speculative_config(spec: dict, model_dir: Path, cache_dir: Path | None) -> tuple[dict, str]:
     """vLLM's speculative_config and the bank's speculator id."""
-    from calib.collect.target import prepare_truncated_drafter
+    from calib.target import prepare_truncated_drafter
 
     method = spec["method"]
     if method == "none":  # plain decoding: the reference for output-identity checks
@@ -114,7 +115,7 @@ def run(cfg: dict) -> Path | None:
     With ``capture: false`` the engine runs plain (for overhead and output-identity checks): the
     outputs and timing are written, no bank (returns None).
     """
-    from calib.collect.target import prepare_target
+    from calib.target import prepare_target
 
     t_start = time.time()
     spec_cfg, sampling = cfg["speculative"], cfg["sampling"]

@@ -4,19 +4,9 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 from pathlib import Path
 
-
-def write_atomic(path, text: str) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "w") as fh:
-        fh.write(text)
-    os.replace(tmp, path)
-    return path
+from calib.atomic import write_text_atomic
 
 
 def _clean(x):
@@ -32,7 +22,7 @@ def _clean(x):
 
 
 def write_metrics(path, obj: dict) -> Path:
-    return write_atomic(path, json.dumps(_clean(obj), indent=2) + "\n")
+    return write_text_atomic(path, json.dumps(_clean(obj), indent=2) + "\n")
 
 
 def _f(x, nd=3):

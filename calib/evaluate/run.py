@@ -13,7 +13,8 @@ from calib.evaluate.calibration import calibration_rows
 from calib.evaluate.cost import CostCurve, make_curve
 from calib.evaluate.data import load_eval_bank
 from calib.evaluate.replay import ReplayConfig, replay
-from calib.evaluate.report import ladder_notes, table, write_atomic, write_metrics
+from calib.atomic import write_text_atomic
+from calib.evaluate.report import ladder_notes, table, write_metrics
 
 CAL_COLS = ["bank", "drafter", "variant", "category", "n", "ece", "ece_ci", "ece_equal_mass", "ece_debiased",
             "mce", "brier", "nll", "auroc", "mean_conf", "accept_rate"]
@@ -76,7 +77,7 @@ def run(cfg: DictConfig) -> dict:
                                                                         "ngram_features", "banks")}},
                "runtime_s": {"total": elapsed, "replay": replay_s}}
     write_metrics(out / "metrics.json", metrics)
-    write_atomic(out / "report.md", render_report(banks, cal, length, ladder, notes, curves, rcfg, pics, out,
+    write_text_atomic(out / "report.md", render_report(banks, cal, length, ladder, notes, curves, rcfg, pics, out,
                                                   tables, elapsed))
 
     tracker = make_tracker(OmegaConf.to_container(cfg.logger, resolve=True), out,

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from calib.moe.cost import MoECost, break_even_alpha, shape_counts
+from calib.evaluate.cost.moe import MoECost, break_even_alpha, shape_counts
 from calib.moe.models import MODELS
 from calib.moe.trajectories import Trajectories
 
@@ -202,7 +202,7 @@ def load_cost_configs(names, root) -> dict:
 
 
 def run_analysis(c: dict, root: str | Path = ".") -> dict:
-    from calib.bank import write_json_atomic
+    from calib.atomic import write_json_atomic
     from calib.moe import plots
     from calib.tracking import make_tracker
 

@@ -2,7 +2,7 @@
 
 A transformers-based stand-in for the vLLM collector (the vLLM hook route is left for a real MoE
 target, see README): greedy speculative decoding with vLLM's prompt-lookup (n-gram) drafter rule
-(:func:`calib.collect.ngram.find_match`), one request at a time. Each round verifies the block
+(:func:`calib.ngram.find_match`), one request at a time. Each round verifies the block
 ``[last committed token, d_1 .. d_k]`` in one forward pass with a KV cache; the router of every
 layer reads the MLP input of every block position and its top-k is recorded. Accepted = the greedy
 prediction matched, exactly as vLLM's rejection sampler at temperature 0, so the output equals plain
@@ -25,8 +25,9 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from calib.bank import schema, write_bank, write_json_atomic
-from calib.collect.ngram import find_match
+from calib.atomic import write_json_atomic
+from calib.bank import schema, write_bank
+from calib.ngram import find_match
 from calib.moe.moefy import ShadowRouter, encode_prompt, load_dense
 
 log = logging.getLogger("calib.moe")
@@ -107,7 +108,7 @@ def capture(cfg: dict, root: str | Path = ".") -> Path:
     """Run the capture described by ``conf/moe.yaml`` → ``capture``; returns the bank folder."""
     import torch
 
-    from calib.collect.prompts import load_prompts
+    from calib.prompts import load_prompts
 
     torch.set_num_threads(int(cfg.get("threads", 1)))
     root = Path(root)

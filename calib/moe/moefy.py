@@ -99,11 +99,11 @@ class ShadowRouter:
 
 # -- 1. calibration activations ----------------------------------------------------------------
 def load_dense(target_dir: str | os.PathLike | None = None):
-    """The dense target in float32 (HF folder from :func:`calib.collect.target.prepare_target`)."""
+    """The dense target in float32 (HF folder from :func:`calib.target.prepare_target`)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from calib.collect.target import prepare_target
+    from calib.target import prepare_target
 
     path = Path(target_dir) if target_dir else prepare_target()
     tok = AutoTokenizer.from_pretrained(path)
@@ -237,7 +237,7 @@ def moefy(cfg: dict, root: str | Path = ".") -> ShadowRouter:
     """The whole recipe (config: ``conf/moe.yaml`` → ``moefy``). Returns and saves the router."""
     import torch
 
-    from calib.collect.prompts import load_prompts
+    from calib.prompts import load_prompts
 
     torch.set_num_threads(int(cfg.get("threads", 1)))
     t0 = time.perf_counter()
@@ -275,7 +275,7 @@ def moefy(cfg: dict, root: str | Path = ".") -> ShadowRouter:
         labels_all.append(labels)
         log.info("moefy layer %d: top-%d recall %.3f, energy %.3f (ideal %.3f)", l, k, rec, got, ideal)
     meta = {"proxy": True, "what": "shadow-routed MoEfied dense model (PROXY: not a real MoE)",
-            "target": str(cfg.get("target") or "SmolLM2-135M-Instruct (calib.collect.target)"),
+            "target": str(cfg.get("target") or "SmolLM2-135M-Instruct (calib.target)"),
             "expert_size": int(cfg["expert_size"]), "calibration_tokens": int(n_tok),
             "calibration_sequences": len(seqs), "heldout_tokens": int(held.sum()),
             "quality": quality, "mean_topk_recall": float(np.mean([q["topk_recall"] for q in quality])),

@@ -92,7 +92,7 @@ def test_eagle_methods_record_confidences(tmp_path, method):
     # accepted, but every drafted depth must carry the drafter's probability and reconcile.
     head = tmp_path / f"{method}-head"
     head.mkdir()
-    from calib.collect.target import prepare_target
+    from calib.target import prepare_target
 
     config = {**json.loads((prepare_target() / "config.json").read_text()), "num_hidden_layers": 1}
     if method == "eagle3":

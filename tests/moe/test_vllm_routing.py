@@ -59,7 +59,7 @@ def test_collector_captures_moe_routing_from_vllm(tmp_path):
     import torch
     from transformers import AutoTokenizer, MixtralConfig, MixtralForCausalLM
 
-    from calib.collect.target import prepare_target
+    from calib.target import prepare_target
     from calib.moe.vllm_routing import attach
 
     tok = AutoTokenizer.from_pretrained(prepare_target())

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
-from calib.bank import load, schema, write_json_atomic
+from calib.atomic import write_json_atomic
+from calib.bank import load, schema
 from calib.labels import model_samples
 from calib.metrics import ece, expected_accepted_length
 

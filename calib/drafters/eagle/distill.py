@@ -37,7 +37,7 @@ def generate_responses(records: list[dict], model_dir: str, out_path: Path, max_
     os.environ.pop("CALIB_COLLECT_DIR", None)  # no capture: this is plain generation
     from vllm import LLM, SamplingParams
 
-    from calib.collect.prompts import encode_chat
+    from calib.prompts import encode_chat
 
     done = set()
     if out_path.exists():

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from calib.bank import write_json_atomic
-from calib.collect.target import prepare_target
+from calib.atomic import write_json_atomic
+from calib.target import prepare_target
 from calib.drafters.eagle.corpus import build_corpus
 from calib.drafters.eagle.distill import (
     HiddenStateSequences,

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from calib.evaluate.cost import CostCurve, make_curve
-from calib.moe.cost import MoECost, break_even_alpha, depth_counts, shape_counts
+from calib.evaluate.cost.moe import MoECost, break_even_alpha, depth_counts, shape_counts
 
 CFG = {"kind": "moe", "unit": "s", "layers": 2, "n_experts": 8, "top_k": 2, "expert_params": 1e6,
        "dense_params": 4e6, "bytes_per_param": 1, "bandwidth_gbs": 1.0, "flops_per_position": 1e3,

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from calib.collect.ngram import find_match, label_chain
+from calib.ngram import find_match, label_chain
 
 
 @settings(max_examples=400, deadline=None)

@@ -53,7 +53,7 @@ class CostCurve:
 
 
 class MoECurve(CostCurve):
-    """A shape-dependent MoE verify cost (:class:`calib.moe.cost.MoECost`). ``values`` is the even-spread
+    """A shape-dependent MoE verify cost (:class:`calib.evaluate.cost.moe.MoECost`). ``values`` is the even-spread
     curve for the current batch size (1 until :meth:`for_batch`)."""
 
     def __init__(self, name: str, cost, t_max: int, unit: str, batch: int = 1):
@@ -66,7 +66,7 @@ class MoECurve(CostCurve):
         return self if batch == self.batch else MoECurve(self.name, self.cost, self.t_max, self.unit, batch)
 
     def charge(self, depth: np.ndarray) -> np.ndarray:
-        from calib.moe.cost import depth_counts
+        from calib.evaluate.cost.moe import depth_counts
 
         depth = np.asarray(depth, dtype=np.int64)
         return self.cost.step_cost(depth_counts(depth, int(depth.max(initial=0))))
@@ -84,7 +84,7 @@ def read_curve_csv(path, column: str = "seconds") -> tuple[np.ndarray, np.ndarra
 def make_curve(name: str, cfg: dict, t_max: int, root: str | Path = ".") -> CostCurve:
     kind = cfg.get("kind", name)
     if kind == "moe":
-        from calib.moe.cost import MoECost
+        from calib.evaluate.cost.moe import MoECost
 
         return MoECurve(name, MoECost(cfg, root), t_max, cfg.get("unit", "s"))
     t = np.arange(t_max + 1, dtype=np.float64)
