@@ -184,6 +184,7 @@ def _engine(cfg, model_dir, spec, capture_dir, ngram_params):
     from vllm import LLM
 
     llm = LLM(model=str(model_dir), speculative_config=spec,
+              dtype=str(cfg["engine"].get("dtype", "auto")),  # float32 for output-identity checks
               enforce_eager=bool(cfg["engine"]["enforce_eager"]),
               max_model_len=int(cfg["engine"]["max_model_len"]),
               max_num_seqs=int(cfg["concurrency"]), seed=int(cfg["seed"]),
