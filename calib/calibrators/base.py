@@ -1,12 +1,16 @@
 """Base class and input checks shared by the calibrators (scikit-learn conventions).
 
-Constructors store parameters only; ``fit`` validates its inputs, learns state in attributes ending
-in ``_`` and returns ``self``; ``predict_proba`` returns P(accept at depth | reached depth).
+Constructors store parameters only; ``fit`` validates its parameters (against the class's
+declarative ``_parameter_constraints``) and its inputs, learns state in attributes ending in ``_``
+and returns ``self``; ``predict_proba`` returns P(accept at depth | reached depth).
 """
 
 from __future__ import annotations
 
 import inspect
+import numbers
+from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 
@@ -15,14 +19,123 @@ class NotFittedError(RuntimeError):
     pass
 
 
+@dataclass(frozen=True)
+class Options:
+    """A parameter that must be one of ``values`` (an enum-like option)."""
+
+    values: tuple
+
+    def accepts(self, value) -> bool:
+        return isinstance(value, str) == isinstance(self.values[0], str) and value in self.values
+
+    def __str__(self) -> str:
+        return "one of " + ", ".join(repr(v) for v in self.values)
+
+
+@dataclass(frozen=True)
+class Interval:
+    """A number of ``kind`` (``numbers.Integral`` or ``numbers.Real``; never a bool) in the interval
+    from ``low`` to ``high`` (None = unbounded); ``closed`` says which ends belong to it."""
+
+    kind: type
+    low: float | None = None
+    high: float | None = None
+    closed: str = "both"  # both | left | right | neither
+
+    def accepts(self, value) -> bool:
+        if isinstance(value, bool) or not isinstance(value, self.kind):
+            return False
+        if self.kind is numbers.Real and not np.isfinite(value):
+            return False
+        left_in, right_in = self.closed in ("both", "left"), self.closed in ("both", "right")
+        if self.low is not None and (value < self.low or (value == self.low and not left_in)):
+            return False
+        return not (self.high is not None and (value > self.high or (value == self.high and not right_in)))
+
+    def __str__(self) -> str:
+        kind = "an integer" if self.kind is numbers.Integral else "a finite number"
+        lo = "-inf" if self.low is None else self.low
+        hi = "inf" if self.high is None else self.high
+        left = "[" if self.closed in ("both", "left") and self.low is not None else "("
+        right = "]" if self.closed in ("both", "right") and self.high is not None else ")"
+        return f"{kind} in {left}{lo}, {hi}{right}"
+
+
+@dataclass(frozen=True)
+class Subset:
+    """A non-empty sequence of distinct names, each one of ``values`` (e.g. feature names)."""
+
+    values: tuple
+
+    def accepts(self, value) -> bool:
+        if isinstance(value, str):
+            return False
+        try:
+            items = list(value)
+        except TypeError:
+            return False
+        return bool(items) and len(set(items)) == len(items) and all(v in self.values for v in items)
+
+    def __str__(self) -> str:
+        return "a non-empty list of distinct names from " + ", ".join(repr(v) for v in self.values)
+
+
+@dataclass(frozen=True)
+class Boolean:
+    """``True`` or ``False`` (a numpy bool too; not 0/1 nor the string "false")."""
+
+    def accepts(self, value) -> bool:
+        return isinstance(value, (bool, np.bool_))
+
+    def __str__(self) -> str:
+        return "a bool"
+
+
+def validate_params(owner: str, params: dict, constraints: dict) -> None:
+    """Raise ``ValueError`` naming the parameter, its value and what it may be, for the first
+    parameter of ``params`` that none of its ``constraints[name]`` accepts (sklearn's convention)."""
+    for name, allowed in constraints.items():
+        if name not in params:
+            raise KeyError(f"{owner}._parameter_constraints names {name!r}, which is not a parameter")
+        value = params[name]
+        if not any(c.accepts(value) for c in allowed):
+            want = " or ".join(str(c) for c in allowed)
+            raise ValueError(f"{owner}: parameter {name}={value!r} is invalid; it must be {want}")
+
+
 class Calibrator:
-    """A per-depth map from a drafter's raw confidence to a calibrated acceptance probability."""
+    """A per-depth map from a drafter's raw confidence to a calibrated acceptance probability.
+
+    ``_parameter_constraints`` maps every constructor parameter to the constraints it may satisfy
+    (:class:`Options`, :class:`Interval`, :class:`Subset`, :class:`Boolean`); ``fit`` checks them
+    through :meth:`_validate_params` before touching the data.
+    """
 
     name = "calibrator"
+    _parameter_constraints: ClassVar[dict] = {}
+
+    @classmethod
+    def _get_param_names(cls) -> list[str]:
+        """The constructor's parameters (none for a class without its own ``__init__``)."""
+        init = cls.__init__
+        if init is object.__init__:
+            return []
+        params = [p for p in inspect.signature(init).parameters.values() if p.name != "self"]
+        varargs = [p.name for p in params if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        if varargs:
+            raise TypeError(f"{cls.__name__}.__init__ takes *{varargs[0]}: calibrators list their "
+                            "parameters explicitly (scikit-learn convention)")
+        return [p.name for p in params]
 
     def get_params(self) -> dict:
-        sig = inspect.signature(type(self).__init__)
-        return {k: getattr(self, k) for k in sig.parameters if k != "self"}
+        return {k: getattr(self, k) for k in self._get_param_names()}
+
+    def _validate_params(self) -> None:
+        names = set(self._get_param_names())
+        unconstrained = names - set(self._parameter_constraints)
+        if unconstrained:
+            raise TypeError(f"{type(self).__name__}._parameter_constraints lacks {sorted(unconstrained)}")
+        validate_params(type(self).__name__, self.get_params(), self._parameter_constraints)
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.get_params().items())
@@ -91,6 +204,7 @@ class PerDepthCalibrator(Calibrator):
         raise NotImplementedError
 
     def fit(self, conf, depth, y, extra=None, val=None):
+        self._validate_params()
         conf, depth, y, _ = check_inputs(conf, depth, y)
         if conf.size == 0:
             raise ValueError("no samples to fit")

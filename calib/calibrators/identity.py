@@ -11,6 +11,7 @@ class Identity(Calibrator):
     name = "identity"
 
     def fit(self, conf, depth, y, extra=None, val=None) -> Identity:
+        self._validate_params()
         check_inputs(conf, depth, y)
         self.fitted_ = True
         return self

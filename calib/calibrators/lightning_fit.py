@@ -2,7 +2,29 @@
 
 from __future__ import annotations
 
+import logging
 import warnings
+
+LIGHTNING_LOGGERS = ("lightning", "lightning.pytorch", "lightning.fabric")
+
+
+def single_lightning_log() -> None:
+    """Make Lightning's info lines ("GPU available: ...") appear once.
+
+    Importing ``lightning`` gives its loggers a console handler of their own, while they still
+    propagate to the root logger; once the application has configured the root logger (Hydra does,
+    before ``train.py``'s job imports Lightning) every line is printed twice. When the root logger
+    has handlers, Lightning's own console handlers are removed and its records propagate to the
+    root handlers (and so into Hydra's job log); otherwise Lightning keeps its console handler.
+    """
+    if not logging.getLogger().handlers:
+        return
+    for name in LIGHTNING_LOGGERS:
+        logger = logging.getLogger(name)
+        for handler in list(logger.handlers):
+            if type(handler) is logging.StreamHandler:  # Lightning's console, not a file handler
+                logger.removeHandler(handler)
+        logger.propagate = True
 
 
 def fit_module(module, train_loader, val_loader, *, max_epochs: int, patience: int, progress: bool,
@@ -11,6 +33,7 @@ def fit_module(module, train_loader, val_loader, *, max_epochs: int, patience: i
     import lightning as L
     from lightning.pytorch.callbacks import EarlyStopping
 
+    single_lightning_log()
     L.seed_everything(seed, verbose=False)
     trainer = L.Trainer(max_epochs=max_epochs, accelerator="cpu", devices=1, logger=False,
                         enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=progress,

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import numbers
+from typing import ClassVar
+
 import numpy as np
 
-from calib.calibrators.base import PerDepthCalibrator
+from calib.calibrators.base import Interval, PerDepthCalibrator
 
 
 class HistogramBinning(PerDepthCalibrator):
@@ -12,6 +15,11 @@ class HistogramBinning(PerDepthCalibrator):
     a bin's value is (accepted + 2·prior·base) / (n + 2·prior), shrunk toward the depth's base rate."""
 
     name = "histogram"
+    _parameter_constraints: ClassVar[dict] = {
+        "n_bins": [Interval(numbers.Integral, 1, None)],
+        "min_samples": [Interval(numbers.Integral, 1, None)],
+        "prior": [Interval(numbers.Real, 0, None)],
+    }
 
     def __init__(self, n_bins: int = 15, min_samples: int = 200, prior: float = 1.0):
         self.n_bins = n_bins

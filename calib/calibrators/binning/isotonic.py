@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import numbers
+from typing import ClassVar
+
 from sklearn.isotonic import IsotonicRegression
 
-from calib.calibrators.base import PerDepthCalibrator
+from calib.calibrators.base import Interval, PerDepthCalibrator
 
 
 class IsotonicPerDepth(PerDepthCalibrator):
@@ -15,6 +18,10 @@ class IsotonicPerDepth(PerDepthCalibrator):
     """
 
     name = "isotonic"
+    _parameter_constraints: ClassVar[dict] = {
+        "min_samples": [Interval(numbers.Integral, 1, None)],
+        "clip": [Interval(numbers.Real, 0, 0.5, closed="left")],
+    }
 
     def __init__(self, min_samples: int = 200, clip: float = 1e-3):
         self.min_samples = min_samples

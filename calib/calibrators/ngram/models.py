@@ -8,18 +8,25 @@ log1p (their effect is multiplicative); gradient boosting takes them raw.
 from __future__ import annotations
 
 import logging
+import numbers
+import time
+from contextlib import redirect_stdout
+from typing import ClassVar
 
 import numpy as np
 import pandas as pd
 import torch
 
-from calib.calibrators.base import Calibrator
+from calib.bank.schema import NGRAM_FEATURES
+from calib.calibrators.base import Boolean, Calibrator, Interval, Subset
 
 log = logging.getLogger(__name__)
 
+FEATURE_NAMES = tuple(NGRAM_FEATURES)  # the match features a bank records (calib.bank.schema)
 LOG_FEATURES = {"match_n", "occurrences", "distance", "distinct_next", "cont_len", "context_len"}
 DEFAULT_FEATURES = ("match_n", "occurrences", "distance", "in_prompt", "distinct_next", "agreement",
                     "cont_len", "context_len")
+PROGRESS_EVERY_S = 10.0  # the HGB fit logs one boosting-progress line per this many seconds at most
 
 
 def _check_frame(df: pd.DataFrame, features, y=None):
@@ -41,6 +48,7 @@ def _check_frame(df: pd.DataFrame, features, y=None):
 
 class NgramAcceptanceModel(Calibrator):
     features: tuple
+    _parameter_constraints: ClassVar[dict] = {"features": [Subset(FEATURE_NAMES)], "seed": [Interval(numbers.Integral, 0, None)]}
 
     def _design(self, X: np.ndarray, depth: np.ndarray) -> np.ndarray:
         cols = [np.log1p(X[:, i]) if f in LOG_FEATURES else X[:, i] for i, f in enumerate(self.features)]
@@ -58,6 +66,11 @@ class LogisticAcceptance(NgramAcceptanceModel):
     """Standardised logistic regression on (log) features + depth one-hot."""
 
     name = "logistic"
+    _parameter_constraints: ClassVar[dict] = {
+        "features": NgramAcceptanceModel._parameter_constraints["features"],
+        "C": [Interval(numbers.Real, 0, None, closed="neither")],
+        "max_iter": [Interval(numbers.Integral, 1, None)],
+    }
 
     def __init__(self, features=DEFAULT_FEATURES, C: float = 1.0, max_iter: int = 1000):
         self.features = tuple(features)
@@ -69,6 +82,7 @@ class LogisticAcceptance(NgramAcceptanceModel):
         from sklearn.pipeline import make_pipeline
         from sklearn.preprocessing import StandardScaler
 
+        self._validate_params()
         X, depth, y = _check_frame(df, self.features, y)
         self.n_depths_ = int(depth.max()) + 1
         self.pipeline_ = make_pipeline(StandardScaler(), LogisticRegression(C=self.C, max_iter=self.max_iter))
@@ -85,6 +99,12 @@ class GradientBoostingAcceptance(NgramAcceptanceModel):
     """scikit-learn HistGradientBoostingClassifier on raw features + depth (early stopping)."""
 
     name = "hgb"
+    _parameter_constraints: ClassVar[dict] = {
+        **NgramAcceptanceModel._parameter_constraints,
+        "max_iter": [Interval(numbers.Integral, 1, None)],
+        "learning_rate": [Interval(numbers.Real, 0, None, closed="neither")],
+        "max_leaf_nodes": [Interval(numbers.Integral, 2, None)],
+    }
 
     def __init__(self, features=DEFAULT_FEATURES, max_iter: int = 300, learning_rate: float = 0.1,
                  max_leaf_nodes: int = 31, seed: int = 0):
@@ -97,12 +117,19 @@ class GradientBoostingAcceptance(NgramAcceptanceModel):
     def fit(self, df, y, val=None) -> GradientBoostingAcceptance:
         from sklearn.ensemble import HistGradientBoostingClassifier
 
+        self._validate_params()
         X, depth, y = _check_frame(df, self.features, y)
         self.n_depths_ = int(depth.max()) + 1
         self.model_ = HistGradientBoostingClassifier(
             max_iter=self.max_iter, learning_rate=self.learning_rate, max_leaf_nodes=self.max_leaf_nodes,
-            early_stopping=True, validation_fraction=0.1, random_state=self.seed)
-        self.model_.fit(np.column_stack([X, depth]), y)
+            early_stopping=True, validation_fraction=0.1, random_state=self.seed, verbose=2)
+        log.info("hgb: fitting up to %d boosting iterations on %d samples x %d features", self.max_iter,
+                 len(y), X.shape[1] + 1)
+        t0 = time.perf_counter()
+        with redirect_stdout(_ThrottledLog(log)):  # sklearn reports its progress by print()
+            self.model_.fit(np.column_stack([X, depth]), y)
+        log.info("hgb: %d boosting iterations (early stopping) in %.1f s", self.model_.n_iter_,
+                 time.perf_counter() - t0)
         return self
 
     def predict_proba(self, df) -> np.ndarray:
@@ -111,10 +138,50 @@ class GradientBoostingAcceptance(NgramAcceptanceModel):
         return self.model_.predict_proba(np.column_stack([X, depth]))[:, 1]
 
 
+class _ThrottledLog:
+    """A text stream that turns sklearn's per-iteration ``print`` lines into INFO log records, at most
+    one every :data:`PROGRESS_EVERY_S` seconds (the first iteration's line is always logged)."""
+
+    def __init__(self, logger: logging.Logger, every_s: float = PROGRESS_EVERY_S):
+        self.logger, self.every_s = logger, every_s
+        self._buffer, self._last = "", None
+
+    def write(self, text: str) -> int:
+        self._buffer += text
+        while "\n" in self._buffer:
+            line, self._buffer = self._buffer.split("\n", 1)
+            self._line(line.strip())
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+    def _line(self, line: str) -> None:
+        if line.startswith("Binning"):  # "Binning 0.1 GB of training data: 2.0 s"
+            self.logger.info("hgb: %s", line)
+            return
+        if not line.startswith("["):  # header and timing summary: the caller logs its own summary
+            return
+        now = time.perf_counter()
+        if self._last is None or now - self._last >= self.every_s:
+            self._last = now
+            self.logger.info("hgb %s", line)
+
+
 class MLPAcceptance(NgramAcceptanceModel):
     """A small MLP (Lightning, Adam, early stopping on validation NLL) on standardised features."""
 
     name = "mlp"
+    _parameter_constraints: ClassVar[dict] = {
+        **NgramAcceptanceModel._parameter_constraints,
+        "hidden": [Interval(numbers.Integral, 1, None)],
+        "lr": [Interval(numbers.Real, 0, None, closed="neither")],
+        "max_epochs": [Interval(numbers.Integral, 1, None)],
+        "batch_size": [Interval(numbers.Integral, 1, None)],
+        "patience": [Interval(numbers.Integral, 0, None)],
+        "max_train_samples": [Interval(numbers.Integral, 4, None)],
+        "progress": [Boolean()],
+    }
 
     def __init__(self, features=DEFAULT_FEATURES, hidden: int = 32, lr: float = 3e-3, max_epochs: int = 20,
                  batch_size: int = 8192, patience: int = 3, max_train_samples: int = 200_000,
@@ -139,6 +206,7 @@ class MLPAcceptance(NgramAcceptanceModel):
 
         from calib.calibrators.lightning_fit import fit_module
 
+        self._validate_params()
         X, depth, y = _check_frame(df, self.features, y)
         self.n_depths_ = int(depth.max()) + 1
         D = self._design(X, depth)

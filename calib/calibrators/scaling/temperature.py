@@ -10,13 +10,17 @@ the NLL, early stopping on validation NLL. Depths deeper than any seen use the d
 from __future__ import annotations
 
 import logging
+import numbers
+from typing import ClassVar
 
 import numpy as np
 import torch
 
-from calib.calibrators.base import Calibrator, check_inputs, logit
+from calib.calibrators.base import Boolean, Calibrator, Interval, Options, check_inputs, logit
 
 log = logging.getLogger(__name__)
+
+OPTIMIZERS = ("lbfgs", "adam")  # full-batch L-BFGS (strong Wolfe line search) or Adam
 
 
 def _module(n_depths, n_extra, per_depth, optimizer, lr):
@@ -51,13 +55,24 @@ def _module(n_depths, n_extra, per_depth, optimizer, lr):
         def configure_optimizers(self):
             if optimizer == "lbfgs":
                 return torch.optim.LBFGS(self.parameters(), lr=lr, max_iter=20, line_search_fn="strong_wolfe")
-            return torch.optim.Adam(self.parameters(), lr=lr)
+            if optimizer == "adam":
+                return torch.optim.Adam(self.parameters(), lr=lr)
+            raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
 
     return PlattModule()
 
 
 class TemperatureScaling(Calibrator):
     name = "temperature"
+    _parameter_constraints: ClassVar[dict] = {
+        "per_depth": [Boolean()],
+        "optimizer": [Options(OPTIMIZERS)],
+        "lr": [Interval(numbers.Real, 0, None, closed="neither")],
+        "max_epochs": [Interval(numbers.Integral, 1, None)],
+        "patience": [Interval(numbers.Integral, 0, None)],
+        "progress": [Boolean()],
+        "seed": [Interval(numbers.Integral, 0, None)],
+    }
 
     def __init__(self, per_depth: bool = True, optimizer: str = "lbfgs", lr: float = 1.0,
                  max_epochs: int = 50, patience: int = 3, progress: bool = True, seed: int = 0):
@@ -84,6 +99,7 @@ class TemperatureScaling(Calibrator):
 
         from calib.calibrators.lightning_fit import fit_module
 
+        self._validate_params()
         conf, depth, y, extra = check_inputs(conf, depth, y, extra)
         if conf.size == 0:
             raise ValueError("no samples to fit")
