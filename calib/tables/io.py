@@ -11,10 +11,19 @@ ngram_strides    int64 [F]       cell = Σ_f bucket_f · stride_f
 ngram_grid       float32 [Dn, C] P(accept at depth k | reached) per feature cell
 ===============  ==============  =========================================================
 
-``tables.json`` carries ``schema_version``, ``tensors_sha256`` (of the tensor file),
-``ngram_features`` (the F feature names, in order: an engine passes features [B, L, F] in this
-order; feature 0 is NaN where there is no token), ``drafters`` (ids, depths, calibrator, metrics),
-``banks`` (identity and size of the banks fitted on), ``calib_version`` and ``git_commit``.
+``tables.json`` carries ``schema_version``, ``tensors_sha256`` (of the tensor file), ``json_sha256``
+(of the JSON's own content, see :func:`json_digest`), ``target_models`` (the target models of the
+banks fitted on), ``ngram_features`` (the F feature names, in order: an engine passes features
+[B, L, F] in this order; feature 0 is NaN where there is no token), ``drafters`` (per chain: ``ids``
+of the drafters fitted on, ``k`` = the drafted depth the tables cover, calibrator, metrics),
+``banks`` (identity of the banks fitted on: path, ``acceptance_sha256``, rounds; eval uses the
+fingerprint to tell a training bank from an unseen one), ``split``, ``calib_version`` and
+``git_commit``.
+
+:func:`load` refuses tables whose schema version, tensor checksum or JSON digest is off: an edited
+feature order or bin edge changes what the tensors mean without any error downstream, so tables
+are re-exported, never edited. :meth:`Tables.check_bank` refuses a bank the tables do not fit
+(target model, drafter, depth, n-gram features), naming both sides.
 """
 
 from __future__ import annotations
@@ -22,32 +31,150 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import subprocess
 import tempfile
+import warnings
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from calib.atomic import set_public_mode, write_text_atomic
 from calib.tables.layout import GridTables
 
-SCHEMA_VERSION = 1
+# 2: tables.json carries json_sha256 (its own digest), target_models and per-chain ids / k.
+SCHEMA_VERSION = 2
 TENSORS = "tables.safetensors"
 META = "tables.json"
 NAMES = ("model_grid", "ngram_edges", "ngram_strides", "ngram_grid")
 
 
 class TablesError(ValueError):
-    """Tables that cannot be trusted: wrong schema version, checksum mismatch, missing pieces."""
+    """Tables that cannot be trusted (wrong schema version, checksum mismatch, missing pieces) or that
+    do not fit the bank they are applied to."""
+
+
+class TablesWarning(UserWarning):
+    """A tables/bank cross-check that could not be made (the bank or the tables do not record it)."""
 
 
 class Tables(GridTables):
-    """Loaded tables: the allocator's :class:`GridTables` plus their metadata."""
+    """Loaded tables: the allocator's :class:`GridTables` plus their metadata.
 
-    def __init__(self, model_grid, ngram_edges, ngram_strides, ngram_grid, meta: dict | None = None):
+    Attributes:
+        meta: the content of ``tables.json``.
+        path: the tables folder (set by :func:`load`; None for tables built in memory), named in errors.
+    """
+
+    def __init__(self, model_grid, ngram_edges, ngram_strides, ngram_grid, meta: dict | None = None,
+                 path: str | os.PathLike | None = None):
         super().__init__(model_grid, ngram_edges, ngram_strides, ngram_grid)
         self.meta = dict(meta or {})
+        self.path = None if path is None else Path(path)
+
+    @property
+    def target_models(self) -> list[str] | None:
+        """Target models of the banks the tables were fitted on (None: not recorded)."""
+        t = self.meta.get("target_models")
+        return None if t is None else list(t)
+
+    def chain_depth(self, chain: str) -> int:
+        """The drafted depth K the tables cover for ``chain`` ("model" | "ngram"): the recorded ``k``,
+        else the rows of its grid (deeper depths would reuse the last row)."""
+        k = self.meta.get("drafters", {}).get(chain, {}).get("k")
+        if k is not None:
+            return int(k)
+        return int((self.model_grid if chain == "model" else self.ngram_grid).shape[0])
+
+    def check_bank(self, bank, path: str | os.PathLike | None = None) -> list[str]:
+        """Refuse a bank these tables were not fitted for; return (and warn) what could not be checked.
+
+        ``bank`` is a bank folder, a :class:`calib.bank.Bank` (each of its folders is checked) or a
+        bank's ``run_manifest.json`` content as a dict (then ``path`` names it in messages). Checked:
+
+        - the bank's target model (manifest ``model``) is one the tables were fitted for;
+        - the tables calibrate the bank's verified chain (the n-gram chain for ``speculator: ngram``,
+          else the model drafter), and for the model drafter the bank's ``speculator`` is one of the
+          tables' drafter ids (EAGLE tables on a draft_model bank are refused);
+        - the bank's drafted depth K (acceptance.parquet width; manifest ``num_speculative_tokens``
+          for a dict) is at most the tables' K for that chain: a deeper bank would read its extra
+          depths from the last row, fitted on another depth. A shallower bank is fine (its depths
+          are all calibrated, and acceptance at depth d does not depend on how deep drafting goes);
+        - where the bank has an n-gram chain the tables calibrate, its depth (``ngram_tok`` width)
+          and the tables' feature columns (``ngram_features``, in ngram.parquet).
+
+        Where the bank's manifest lacks ``model`` or ``speculator``, or the tables do not record a
+        field, that check is skipped with a :class:`TablesWarning` naming it.
+
+        Raises:
+            TablesError: listing every mismatch with the tables folder, the bank path and both values.
+        """
+        if hasattr(bank, "paths") and hasattr(bank, "manifests"):  # a calib.bank.Bank: check each folder
+            return [w for p in bank.paths for w in self.check_bank(p)]
+        facts = _bank_facts(bank, path)
+        tdir = str(self.path) if self.path is not None else "(tables not loaded from a folder)"
+        bdir = facts["path"]
+        drafters = self.meta.get("drafters", {})
+        problems, notes = [], []
+
+        model, targets = facts["model"], self.target_models
+        if model is None:
+            notes.append(f"bank {bdir}: run_manifest.json records no `model`; cannot check that it was "
+                         f"collected with the target the tables {tdir} were fitted for "
+                         f"({targets if targets is not None else 'not recorded either'})")
+        elif targets is None:
+            notes.append(f"tables {tdir}: tables.json records no target_models; cannot check the bank "
+                         f"{bdir}'s target {model!r}")
+        elif model not in targets:
+            problems.append(f"target model: tables {tdir} were fitted for {targets}, bank {bdir} was "
+                            f"collected with {model!r}")
+
+        spec, chain = facts["speculator"], facts["chain"]
+        if chain is None:
+            notes.append(f"bank {bdir}: run_manifest.json records no `speculator`; cannot check its "
+                         f"drafter against the tables {tdir} ({self._ids_text()})")
+        elif chain not in drafters:
+            problems.append(f"drafter: tables {tdir} calibrate {sorted(drafters) or 'no drafter'}, bank {bdir}'s "
+                            f"verified chain is the {chain} drafter ({spec!r})")
+        else:
+            ids = drafters[chain].get("ids")
+            if chain == "model":
+                if ids is None:
+                    notes.append(f"tables {tdir}: tables.json records no model drafter ids; cannot check the "
+                                 f"bank {bdir}'s speculator {spec!r}")
+                elif spec not in ids:
+                    problems.append(f"drafter: tables {tdir} were fitted for the model drafter(s) {list(ids)}, "
+                                    f"bank {bdir} was drafted by {spec!r}")
+            k_bank, k_tab = facts["k"], self.chain_depth(chain)
+            if k_bank is not None and k_bank > k_tab:
+                problems.append(f"depth: tables {tdir} cover {chain}-drafter depths 0..{k_tab - 1} (K={k_tab}), "
+                                f"bank {bdir} drafts K={k_bank}; depths {k_tab}..{k_bank - 1} would silently "
+                                f"reuse depth {k_tab - 1}'s calibration")
+
+        if "ngram" in drafters and (facts["has_ngram"] or chain == "ngram"):
+            k_bank, k_tab = facts["k_ngram"], self.chain_depth("ngram")
+            if chain != "ngram" and k_bank is not None and k_bank > k_tab:
+                problems.append(f"depth: tables {tdir} cover n-gram depths 0..{k_tab - 1} (K={k_tab}), bank "
+                                f"{bdir}'s n-gram chain (ngram.parquet) is {k_bank} deep")
+            cols, feats = facts["ngram_columns"], self.ngram_feature_names
+            if cols is not None:
+                missing = [f for f in feats if f not in cols]
+                if missing:
+                    problems.append(f"n-gram features: tables {tdir} read {feats}, bank {bdir}'s ngram.parquet "
+                                    f"lacks {missing}")
+
+        if problems:
+            raise TablesError("tables and bank do not match:\n  - " + "\n  - ".join(problems)
+                              + "\nuse tables fitted on banks of this target and drafter (python train.py "
+                              "data.train=[BANK,...] out_dir=DIR), or evaluate the banks these tables were fitted for")
+        for n in notes:
+            warnings.warn(n, TablesWarning, stacklevel=2)
+        return notes
+
+    def _ids_text(self) -> str:
+        d = self.meta.get("drafters", {})
+        return "; ".join(f"{c}: {d[c].get('ids', 'ids not recorded')}" for c in sorted(d)) or "no drafter"
 
     @property
     def ngram_feature_names(self) -> list[str]:
@@ -61,17 +188,29 @@ class Tables(GridTables):
     def has_ngram(self) -> bool:
         return "ngram" in self.meta.get("drafters", {})
 
-    def model_accept_prob(self, conf: torch.Tensor, depth: int | None = None) -> torch.Tensor:
+    def model_accept_prob(self, conf, depth: int | None = None) -> torch.Tensor:
         """Calibrated P(accept | reached) for raw confidences [rounds, K] (column = depth), NaN kept.
 
-        With ``depth`` given, ``conf`` is any shape and every value is read at that depth.
+        With ``depth`` given, ``conf`` is any shape and every value is read at that depth, which must
+        be one the tables hold (``0 <= depth < D``; any ``depth >= 0`` when ``reuse_last_row``).
+        ``conf`` is a float tensor, a numpy array or a list (converted to float32); its values are
+        probabilities in ``[0, 1]`` (NaN = no token); anything else is a ``ValueError``.
+        Returns a float32 tensor of ``conf``'s shape.
         """
+        from calib.tables.layout import as_float_tensor, model_grid_lookup
+
+        conf = as_float_tensor(conf, "conf")
         if depth is None:
             return super().model_accept_prob(conf)
+        n_depths = self.model_grid.shape[0]
+        if isinstance(depth, bool) or not isinstance(depth, (int, np.integer)):
+            raise TypeError(f"depth must be an int, got {depth!r}")
+        if depth < 0 or (depth >= n_depths and not self.reuse_last_row):
+            raise ValueError(f"depth={depth}: these tables hold model depths 0..{n_depths - 1} "
+                             f"(model_grid is [D={n_depths}, G]); deeper depths need tables fitted on "
+                             "them, or tables built with reuse_last_row=True")
         flat = conf.reshape(-1, 1)
-        grid = self.model_grid[min(depth, self.model_grid.shape[0] - 1)][None, :]
-        from calib.tables.layout import model_grid_lookup
-
+        grid = self.model_grid[min(int(depth), n_depths - 1)][None, :]
         return model_grid_lookup(grid, flat).reshape(conf.shape)
 
 
@@ -81,6 +220,56 @@ def _sha256(path: Path) -> str:
         for block in iter(lambda: fh.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
+
+
+def bank_fingerprint(bank_dir: str | os.PathLike) -> str:
+    """A bank's content fingerprint: the sha256 of its acceptance.parquet (``banks[].acceptance_sha256``
+    in tables.json). The same bank copied or moved elsewhere keeps it."""
+    from calib.bank import schema
+
+    return _sha256(Path(bank_dir) / schema.ACCEPTANCE)
+
+
+def json_digest(meta: dict) -> str:
+    """sha256 of ``meta`` without its ``json_sha256`` field, as canonical JSON (sorted keys, no spaces).
+
+    Computed on the JSON as written (numbers already plain floats/ints), so a reader re-parsing the
+    file gets the same digest; it covers ``tensors_sha256`` too, so one digest vouches for the pair.
+    """
+    body = {k: v for k, v in meta.items() if k != "json_sha256"}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _bank_facts(bank, path=None) -> dict:
+    """What :meth:`Tables.check_bank` compares: from a bank folder (manifest + parquet schemas) or a
+    manifest dict."""
+    import pyarrow.parquet as pq
+
+    from calib.bank import schema
+
+    if isinstance(bank, dict):
+        man, folder = bank, None
+        where = str(path) if path is not None else "(a run_manifest.json given as a dict)"
+    else:
+        folder = Path(bank)
+        where = str(folder)
+        f = folder / schema.MANIFEST
+        man = json.loads(f.read_text()) if f.exists() else {}
+    spec = man.get("speculator")
+    chain = None if spec is None else ("ngram" if spec == "ngram" or man.get("method") == "ngram" else "model")
+    ng_man = man.get("ngram_chain") if isinstance(man.get("ngram_chain"), dict) else {}
+    facts = {"path": where, "model": man.get("model"), "speculator": spec, "chain": chain,
+             "k": man.get("num_speculative_tokens"), "has_ngram": bool(ng_man), "k_ngram": ng_man.get("width"),
+             "ngram_columns": None}
+    if folder is not None:  # the data's own widths beat the manifest's
+        facts["k"] = schema.width(pq.read_schema(folder / schema.ACCEPTANCE).names) or facts["k"]
+        if (folder / schema.NGRAM).exists():
+            names = pq.read_schema(folder / schema.NGRAM).names
+            facts.update(has_ngram=True, k_ngram=schema.width(names, schema.NGRAM_TOK), ngram_columns=set(names))
+        else:
+            facts["has_ngram"] = False
+    return facts
 
 
 def git_commit() -> str | None:
@@ -93,28 +282,35 @@ def git_commit() -> str | None:
 
 
 def save(out_dir: str | os.PathLike, tables: GridTables, meta: dict) -> Path:
-    """Write ``tables.safetensors`` + ``tables.json`` into ``out_dir`` atomically (temp, then rename).
+    """Write ``tables.safetensors`` + ``tables.json`` into ``out_dir``, each via a temp file + rename.
 
-    Both files are replaced together: they are written into a temp folder beside ``out_dir`` and
-    moved in one by one, the JSON (which names the tensor file's checksum) last.
+    The tensor file goes in first and the JSON (which carries the tensor file's checksum) last, so
+    a reader sees the old pair, the new pair, or (killed between the two renames) a pair that
+    :func:`load` refuses by checksum, never a silent mix. For the pair *and* what goes with it
+    (summary, pictures) to land as one unit, save into a staging folder and publish that
+    (:func:`calib.atomic.staged_output`, as ``train.py`` does). Files get mode 0644.
     """
     from calib import __version__
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tables.tmp-", dir=out))
+    tensors = {n: getattr(tables, n).detach().cpu().contiguous() for n in NAMES}
+    tensors = {n: t.to(torch.int64 if n == "ngram_strides" else torch.float32) for n, t in tensors.items()}
+    fd, tmp = tempfile.mkstemp(prefix=f".{TENSORS}.", dir=out)
+    os.close(fd)
     try:
-        tensors = {n: getattr(tables, n).detach().cpu().contiguous() for n in NAMES}
-        tensors = {n: t.to(torch.int64 if n == "ngram_strides" else torch.float32) for n, t in tensors.items()}
-        save_file(tensors, tmp / TENSORS, metadata={"schema_version": str(SCHEMA_VERSION)})
+        save_file(tensors, tmp, metadata={"schema_version": str(SCHEMA_VERSION)})
         full = {"schema_version": SCHEMA_VERSION, "calib_version": __version__, "git_commit": git_commit(),
-                **meta, "tensors_sha256": _sha256(tmp / TENSORS),
+                **meta, "tensors_sha256": _sha256(Path(tmp)),
                 "shapes": {n: list(t.shape) for n, t in tensors.items()}}
-        (tmp / META).write_text(json.dumps(full, indent=2, sort_keys=True, default=float) + "\n")
-        os.replace(tmp / TENSORS, out / TENSORS)
-        os.replace(tmp / META, out / META)
+        full.pop("json_sha256", None)
+        full = json.loads(json.dumps(full, default=float))  # the digest is over what a reader parses back
+        full["json_sha256"] = json_digest(full)
+        set_public_mode(tmp)
+        os.replace(tmp, out / TENSORS)
+        write_text_atomic(out / META, json.dumps(full, indent=2, sort_keys=True) + "\n")
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        Path(tmp).unlink(missing_ok=True)
     return out
 
 
@@ -135,14 +331,25 @@ def load(path: str | os.PathLike) -> Tables:
     version = meta.get("schema_version")
     if version != SCHEMA_VERSION:
         raise TablesError(f"{meta_path}: schema_version {version!r}, this calib reads {SCHEMA_VERSION}; "
-                          "re-export the tables with this calib version (python train.py ...)")
+                          "re-export the tables with this calib version (python train.py out_dir=DIR)")
+    recorded, actual = meta.get("json_sha256"), json_digest(meta)
+    if actual != recorded:
+        raise TablesError(f"{meta_path}: content sha256 {actual[:12]}… does not match its json_sha256 "
+                          f"({str(recorded)[:12]}…): tables.json was edited after export. A changed feature "
+                          "order, edge or depth changes what the tensors mean without any other error; "
+                          "re-export the tables (python train.py out_dir=DIR overwrite=true) instead of "
+                          "editing them")
     digest = _sha256(tensor_path)
     if digest != meta.get("tensors_sha256"):
         raise TablesError(f"{tensor_path}: sha256 {digest[:12]}… does not match tables.json "
                           f"({str(meta.get('tensors_sha256'))[:12]}…); the files are from different "
-                          "exports or were modified")
+                          "exports or were modified; re-export the tables (python train.py out_dir=DIR)")
     tensors = load_file(tensor_path)
     missing = [n for n in NAMES if n not in tensors]
     if missing:
         raise TablesError(f"{tensor_path}: missing tensors {missing}")
-    return Tables(*(tensors[n] for n in NAMES), meta=meta)
+    feats = meta.get("ngram_features") or []
+    if "ngram" in meta.get("drafters", {}) and feats and len(feats) != tensors["ngram_edges"].shape[0]:
+        raise TablesError(f"{d}: tables.json names {len(feats)} n-gram features {feats}, ngram_edges has "
+                          f"{tensors['ngram_edges'].shape[0]} rows; re-export the tables")
+    return Tables(*(tensors[n] for n in NAMES), meta=meta, path=d)

@@ -70,3 +70,119 @@ def test_version_refusal(tmp_path, tables):
 def test_missing_files(tmp_path):
     with pytest.raises(TablesError, match="not found"):
         load(tmp_path)
+
+
+def test_edited_json_is_refused(tmp_path, tables):
+    """tables.json is covered by its own digest: an edited feature order no longer loads (it used to,
+    silently dropping n-gram AUROC 0.81 -> 0.67 on the sample banks)."""
+    save(tmp_path, tables, {"drafters": {"model": {}, "ngram": {}}, "ngram_features": ["match_n", "agreement"]})
+    meta = json.loads((tmp_path / "tables.json").read_text())
+    assert meta["json_sha256"] and meta["tensors_sha256"]
+    meta["ngram_features"] = ["agreement", "match_n"]  # same tensors, another meaning
+    (tmp_path / "tables.json").write_text(json.dumps(meta, indent=2, sort_keys=True))
+    with pytest.raises(TablesError, match="edited after export.*re-export"):
+        load(tmp_path)
+    # Re-indenting alone (same content) is not an edit.
+    meta["ngram_features"] = ["match_n", "agreement"]
+    (tmp_path / "tables.json").write_text(json.dumps(meta))
+    assert load(tmp_path).ngram_feature_names == ["match_n", "agreement"]
+
+
+def test_feature_count_must_match_edges(tmp_path, tables):
+    save(tmp_path, tables, {"drafters": {"ngram": {}}, "ngram_features": ["match_n"]})  # edges have 2 rows
+    with pytest.raises(TablesError, match="1 n-gram features.*2 rows"):
+        load(tmp_path)
+
+
+def test_saved_files_are_public(tmp_path, tables):
+    import os
+
+    umask = os.umask(0o022)
+    try:
+        save(tmp_path / "t", tables, {"drafters": {}})
+    finally:
+        os.umask(umask)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "t").iterdir()}
+    assert modes == {"tables.safetensors": 0o644, "tables.json": 0o644}  # was 0600 (tempfile)
+
+
+# --- tables x bank cross-checks (issue 12 item 2) ---------------------------------------------------
+
+MANIFEST = {"model": "synthetic-model", "speculator": "eagle:head", "method": "eagle", "num_speculative_tokens": 4}
+
+
+def _bank(tmp_path, name="bank", width=4, speculator="eagle:head", manifest=None):
+    from calib.bank import write_bank
+    from tests.synthetic import synthetic_tables
+
+    man = {**MANIFEST, "speculator": speculator, "num_speculative_tokens": width} if manifest is None else manifest
+    return write_bank(tmp_path / name, *synthetic_tables(n_prompts=6, rounds_per_prompt=4, width=width,
+                                                          speculator=speculator), manifest=man)
+
+
+def _fitted(tmp_path, tables, k=4, ids=("eagle:head",), target="synthetic-model", feats=("match_n", "agreement")):
+    meta = {"target_models": [target], "ngram_features": list(feats),
+            "drafters": {"model": {"ids": list(ids), "k": k}, "ngram": {"ids": ["ngram"], "k": k}}}
+    return load(save(tmp_path / "tables", tables, meta))
+
+
+def test_check_bank_accepts_a_matching_bank(tmp_path, tables):
+    import warnings
+
+    t = _fitted(tmp_path, tables)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing unchecked either
+        assert t.check_bank(_bank(tmp_path)) == []
+        assert t.check_bank(_bank(tmp_path, "shallow", width=2)) == []  # K=2 bank: depths 0-1 are calibrated
+
+
+def test_check_bank_refuses_a_deeper_bank(tmp_path, tables):
+    """K=2 tables on a K=4 bank used to read depths 2-3 from row 1, silently."""
+    t = _fitted(tmp_path, tables, k=2)
+    bank = _bank(tmp_path)
+    with pytest.raises(TablesError, match=r"depth: tables .*tables cover model-drafter depths 0..1 \(K=2\), bank "
+                                          rf"{bank} drafts K=4"):
+        t.check_bank(bank)
+
+
+def test_check_bank_refuses_another_drafter_or_target(tmp_path, tables):
+    t = _fitted(tmp_path, tables)
+    other = _bank(tmp_path, "dm", speculator="draft_model:first24layers")
+    with pytest.raises(TablesError, match=r"\['eagle:head'\], bank .*dm was drafted by 'draft_model:first24layers'"):
+        t.check_bank(other)
+    renamed = _bank(tmp_path, "renamed", manifest={**MANIFEST, "model": "synthetic-model"})
+    t2 = _fitted(tmp_path / "x", tables, target="Other-7B")
+    with pytest.raises(TablesError, match=r"fitted for \['Other-7B'\], bank .*renamed was collected with "
+                                          r"'synthetic-model'"):
+        t2.check_bank(renamed)
+    # as a manifest dict (the serve path has no bank folder)
+    with pytest.raises(TablesError, match="bank engine-config was drafted by 'draft_model:x'"):
+        t.check_bank({**MANIFEST, "speculator": "draft_model:x"}, path="engine-config")
+    # the tables do not calibrate the bank's verified chain at all
+    only_ngram = load(save(tmp_path / "ng", tables, {"target_models": ["synthetic-model"],
+                                                       "ngram_features": ["match_n", "agreement"],
+                                                       "drafters": {"ngram": {"ids": ["ngram"], "k": 4}}}))
+    with pytest.raises(TablesError, match=r"calibrate \['ngram'\], bank .* verified chain is the model drafter"):
+        only_ngram.check_bank(_bank(tmp_path))
+
+
+def test_check_bank_refuses_missing_ngram_features(tmp_path, tables):
+    t = _fitted(tmp_path, tables, feats=("match_n", "agreement"))
+    bank = _bank(tmp_path)
+    import pyarrow.parquet as pq
+
+    ng = pq.read_table(bank / "ngram.parquet")
+    pq.write_table(ng.drop(["agreement"]), bank / "ngram.parquet")
+    with pytest.raises(TablesError, match=r"read \['match_n', 'agreement'\], bank .*ngram.parquet lacks \['agreement'\]"):
+        t.check_bank(bank)
+
+
+def test_check_bank_warns_what_it_cannot_check(tmp_path, tables):
+    from calib.tables.io import TablesWarning
+
+    t = _fitted(tmp_path, tables)
+    bank = _bank(tmp_path, manifest={"num_speculative_tokens": 4})
+    with pytest.warns(TablesWarning) as rec:
+        notes = t.check_bank(bank)
+    assert len(notes) == 2 and "records no `model`" in notes[0] and "records no `speculator`" in notes[1]
+    assert {str(w.message) for w in rec} == set(notes)
