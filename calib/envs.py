@@ -120,15 +120,23 @@ def _encode(value: Any) -> str:
     return str(value)
 
 
-def export(values: Mapping[str, Any]) -> None:
+def export(values: Mapping[str, Any]) -> dict[str, str]:
     """Set registered variables from config values (None removes one), for vLLM's processes.
 
-    Config wins: an inherited value is overwritten, never kept by ``setdefault``.
+    Config wins: an inherited value is overwritten, never kept by ``setdefault``. Returns the
+    inherited values that were replaced by a different one (name -> old text), so a caller can say
+    that a variable set by hand was ignored.
     """
+    unknown = [name for name in values if name not in REGISTRY]
+    if unknown:
+        raise KeyError(f"{unknown} not registered calib environment variable(s): add them to calib/envs.py")
+    replaced = {}
     for name, value in values.items():
-        if name not in REGISTRY:
-            raise KeyError(f"{name} is not a registered calib environment variable (calib/envs.py)")
+        old = os.environ.get(name)
         if value is None:
             os.environ.pop(name, None)
         else:
             os.environ[name] = _encode(value)
+        if old is not None and old != os.environ.get(name):
+            replaced[name] = old
+    return replaced

@@ -23,6 +23,17 @@ def encode_chat(tokenizer, messages) -> list[int]:
 
 
 def load_prompts(files, limit_per_file: int | None = None, root: str | Path = ".") -> list[Prompt]:
+    """The prompts of ``files`` in order (at most ``limit_per_file`` from each), relative to ``root``.
+
+    A file without a single prompt, or a set without any, is an error naming the file: callers load
+    prompts before a model, so a typo or an empty file fails at once, not after an engine started.
+    """
+    if limit_per_file is not None and int(limit_per_file) < 1:
+        raise ValueError(f"limit_per_file={limit_per_file!r} would keep no prompts: use a number >= 1, "
+                         "or null for every prompt")
+    files = list(files)
+    if not files:
+        raise ValueError("no prompt files given: list at least one JSONL file (prompts.files)")
     out: list[Prompt] = []
     for f in files:
         path = Path(f) if Path(f).is_absolute() else Path(root) / f
@@ -44,6 +55,9 @@ def load_prompts(files, limit_per_file: int | None = None, root: str | Path = ".
             n += 1
             if limit_per_file is not None and n >= limit_per_file:
                 break
+        if n == 0:
+            raise ValueError(f"prompt file {path} holds no prompts: add JSONL records "
+                             '{"id": ..., "category": ..., "messages": [...]} or drop it from the list')
     ids = [p.id for p in out]
     if len(set(ids)) != len(ids):
         dup = sorted({i for i in ids if ids.count(i) > 1})

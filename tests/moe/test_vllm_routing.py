@@ -53,7 +53,7 @@ def test_routed_experts_become_a_valid_routing_bank(tmp_path):
 @pytest.mark.engine
 def test_collector_captures_moe_routing_from_vllm(tmp_path):
     """Slow (~40 s): a tiny RANDOM-weight Mixtral (SYNTHETIC, 2 layers, 8 experts, top-2) through
-    `CALIB_ROUTING=1 python collect.py`; the routing hook's records become a valid routing bank whose
+    `python collect.py routing.capture=true`; the routing hook's records become a valid routing bank whose
     accepted positions agree with vLLM's committed tokens, and capture does not change the output."""
     pytest.importorskip("vllm")
     import torch
@@ -72,10 +72,10 @@ def test_collector_captures_moe_routing_from_vllm(tmp_path):
     tok.save_pretrained(tmp_path / "tiny-mixtral")
 
     def collect(out, routing):
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_LOGGING_LEVEL": "WARNING",
-               "CALIB_ROUTING": "1" if routing else "0"}
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
         cmd = [sys.executable, "collect.py", f"out_dir={out}", "prompts=smoke", "sampling.max_tokens=32",
-               "progress=false", "model.name=tiny-mixtral", f"model.cache_dir={tmp_path}", "engine.max_model_len=1024"]
+               "progress=false", "model.name=tiny-mixtral", f"model.cache_dir={tmp_path}", "engine.max_model_len=1024",
+               f"routing.capture={'true' if routing else 'false'}"]
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False)
         assert proc.returncode == 0, proc.stderr[-4000:]
 

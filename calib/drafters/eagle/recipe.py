@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from calib import envs
 from calib.atomic import write_json_atomic
 from calib.target import prepare_target
 from calib.drafters.eagle.corpus import build_corpus
@@ -36,7 +37,7 @@ def _lightning_logger(cfg: dict, out: Path):
     if kind == "wandb":
         from lightning.pytorch.loggers import WandbLogger
 
-        mode = cfg["logger"].get("mode") or os.environ.get("WANDB_MODE", "offline")
+        mode = cfg["logger"].get("mode") or envs.WANDB_MODE
         return WandbLogger(project=cfg["logger"].get("project", "calib"), save_dir=str(out),
                            offline=mode == "offline", job_type="eagle", name=cfg["logger"].get("name"),
                            config=cfg)
