@@ -65,14 +65,14 @@ def routing_rows(rounds: dict[int, list[dict]], routed: dict[int, np.ndarray], c
 
 def routing_rows_from_capture(rounds: dict[int, list[dict]], categories: dict[int, str], model: str,
                               speculator: str, config: str) -> tuple[np.ndarray, pa.Table]:
-    """The same layout from the collector's own routing hook (``CALIB_ROUTING=1``): every position of
+    """The same layout from the collector's own routing hook (``routing.capture=true``): every position of
     every verify block, rejected drafts included (``accepted`` = block index <= accepted)."""
     experts, cols = [], {k: [] for k in (*schema.KEYS, *schema.ROUTING_META_COLUMNS)}
     for req, idx in enumerate(sorted(rounds)):
         for r_idx, rec in enumerate(rounds[idx]):
             if "routing" not in rec:
                 raise ValueError(f"prompt {idx} round {r_idx}: the capture has no routing (collect with "
-                                 "CALIB_ROUTING=1 on an MoE target)")
+                                 "`python collect.py routing.capture=true` on an MoE target)")
             block = np.asarray(rec["routing"])
             for j in range(block.shape[0]):
                 for k, v in (("model", model), ("speculator", speculator), ("config", config),
@@ -90,7 +90,7 @@ def routing_rows_from_capture(rounds: dict[int, list[dict]], categories: dict[in
 
 def attach(run_dir, out_dir=None, n_experts: int | None = None, proxy: bool = False,
            source: str | None = None) -> str:
-    """Add the routing a collector run captured (``CALIB_ROUTING=1``) to its bank.
+    """Add the routing a collector run captured (``routing.capture=true``) to its bank.
 
     Reads ``run_dir/bank`` and ``run_dir/capture/*.jsonl``; engine requests are matched to the bank's
     prompts by their (accepted, drafted tokens) sequence of rounds. Writes ``out_dir`` (default
@@ -126,7 +126,7 @@ def attach(run_dir, out_dir=None, n_experts: int | None = None, proxy: bool = Fa
     arr, meta = routing_rows_from_capture(rounds, cats, m.get("model") or acc.column("model")[0].as_py(),
                                           acc.column("speculator")[0].as_py(), acc.column("config")[0].as_py())
     info = {"n_experts": n_experts, "top_k": int(arr.shape[2]), "layers": int(arr.shape[1]), "proxy": proxy,
-            "source": source or "vLLM FusedMoERouter.select_experts (calib.collect.hooks, CALIB_ROUTING=1)"}
+            "source": source or "vLLM FusedMoERouter.select_experts (calib.collect.hooks, routing.capture=true)"}
     manifest = {k: v for k, v in m.items() if k not in ("n_rounds", "part")}
     manifest["routing"] = {k: v for k, v in info.items() if v is not None}
     ng = bank.table(schema.NGRAM) if bank.has(schema.NGRAM) else None
