@@ -4,6 +4,11 @@ Every file calib writes goes to a temp name beside its target and is renamed int
 artifacts that belong together (tables + summary + pictures) is built in a temp folder beside its
 target and swapped in as one unit (:func:`publish_dir`). Files get ``0644`` and folders ``0755``
 (less what the process umask removes), not the ``0600``/``0700`` of :mod:`tempfile`.
+
+A job's whole output folder (``train.py``, ``eval.py``) goes through :func:`staged_output`: the
+folder is refused when it holds something else or an earlier run (unless ``overwrite``), built in a
+staging folder with the run's log, and published on success only; a failed run leaves the previous
+folder as it was and removes its staging folder.
 """
 
 from __future__ import annotations
@@ -11,9 +16,12 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import json
+import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 FILE_MODE, DIR_MODE = 0o644, 0o755
@@ -29,13 +37,15 @@ def set_public_mode(path: str | os.PathLike) -> None:
     """chmod ``path`` to 0644 (file) or 0755 (folder), less the umask; folders recursively."""
     mask = _umask()
     path = Path(path)
+    if path.is_symlink():  # chmod follows links: never touch what a link points at (W&B links into ~/.cache)
+        return
     if path.is_dir():
         os.chmod(path, DIR_MODE & ~mask)
         for root, dirs, files in os.walk(path):
-            for d in dirs:
-                os.chmod(os.path.join(root, d), DIR_MODE & ~mask)
-            for f in files:
-                os.chmod(os.path.join(root, f), FILE_MODE & ~mask)
+            for name in dirs + files:
+                p = os.path.join(root, name)
+                if not os.path.islink(p):
+                    os.chmod(p, (DIR_MODE if name in dirs else FILE_MODE) & ~mask)
     else:
         os.chmod(path, FILE_MODE & ~mask)
 
@@ -104,3 +114,78 @@ def publish_dir(staged: str | os.PathLike, target: str | os.PathLike) -> Path:
     os.replace(staged, target)
     shutil.rmtree(old, ignore_errors=True)
     return target
+
+
+def check_out_dir(target: str | os.PathLike, overwrite: bool, markers: Sequence[str], job: str) -> None:
+    """Refuse to replace ``target`` unless that is safe and was asked for.
+
+    Publishing swaps the whole folder, so ``target`` must be absent, empty, or an earlier output of
+    the same job (it holds one of ``markers``, e.g. ``tables.json``), and the last only with
+    ``overwrite``. A folder holding anything else is never replaced, whatever ``overwrite`` says.
+
+    Raises:
+        FileExistsError: naming the folder, what it holds and what to do.
+    """
+    target = Path(target)
+    if not target.exists():
+        return
+    if not target.is_dir():
+        raise FileExistsError(f"out_dir {target} is a file, not a folder; choose another out_dir")
+    entries = sorted(e.name for e in target.iterdir())
+    if not entries:
+        return
+    found = [m for m in markers if (target / m).exists()]
+    if not found:
+        shown = ", ".join(entries[:5]) + (f" and {len(entries) - 5} more" if len(entries) > 5 else "")
+        raise FileExistsError(
+            f"out_dir {target} exists and holds files that are not {job} output ({shown}); {job} replaces "
+            "its out_dir as a whole, so it will not write there: choose another out_dir (or empty this one)")
+    if not overwrite:
+        raise FileExistsError(
+            f"out_dir {target} already holds {found[0]} from an earlier {job} run; pass overwrite=true to "
+            "replace that folder as a whole, or choose another out_dir")
+
+
+_LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"  # Hydra's job-log format
+
+
+@contextmanager
+def staged_output(target: str | os.PathLike, *, overwrite: bool = False, markers: Sequence[str] = (),
+                  job: str = "calib", log_file: str | None = None) -> Iterator[Path]:
+    """Build a job's output folder in a staging folder; publish it at ``target`` as one unit on success.
+
+    Yields the staging folder: write everything there (the tracker's files too, finished before the
+    block ends). ``target`` is checked with :func:`check_out_dir` before the work and again before
+    publishing (another run may have published meanwhile). With ``log_file``, the ``calib`` loggers
+    (and everything else reaching the root logger) at INFO and above also go to that file in the
+    staging folder, so the log travels with the outputs it describes. On any exception the staging
+    folder is removed and ``target`` is left as it was.
+    """
+    check_out_dir(target, overwrite, markers, job)
+    stage = staging_dir(target)
+    handler, calib_logger, level = None, logging.getLogger("calib"), None
+    try:
+        if log_file:
+            handler = logging.FileHandler(stage / log_file)
+            handler.setFormatter(logging.Formatter(_LOG_FORMAT))
+            handler.setLevel(logging.INFO)
+            logging.getLogger().addHandler(handler)
+            if calib_logger.getEffectiveLevel() > logging.INFO:  # e.g. no Hydra logging config (tests)
+                level = calib_logger.level
+                calib_logger.setLevel(logging.INFO)
+        yield stage
+        if handler is not None:
+            logging.getLogger().removeHandler(handler)
+            handler.close()
+            handler = None
+        check_out_dir(target, overwrite, markers, job)
+        publish_dir(stage, target)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+    finally:
+        if handler is not None:
+            logging.getLogger().removeHandler(handler)
+            handler.close()
+        if level is not None:
+            calib_logger.setLevel(level)

@@ -3,11 +3,15 @@
 Stages, each a function so tests and other tools can call them: :func:`fit_model_calibrator`,
 :func:`fit_ngram_model`, :func:`ngram_transfer`, and :func:`run` which wires them to a config,
 writes ``tables.safetensors`` + ``tables.json``, logs to the tracker and prints a summary.
+
+A run owns its ``out_dir``: everything it writes (tables, summary, pictures, the resolved config,
+its log, the tracker's files) is built in a staging folder and published as one unit when the run
+succeeds (:func:`calib.atomic.staged_output`). An ``out_dir`` holding earlier tables is replaced only
+with ``overwrite=true``; a failed or killed run leaves it as it was.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 from pathlib import Path
@@ -15,15 +19,22 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 from hydra.utils import instantiate
+from omegaconf import OmegaConf
 
+from calib.atomic import staged_output, write_text_atomic
 from calib.bank import load, schema
 from calib.labels import model_samples, ngram_samples, prompt_split
 from calib.metrics import auroc, brier, ece, nll
 from calib.tables import GridTables, save
+from calib.tables.io import META, TENSORS, bank_fingerprint
 from calib.tables.export import model_grid, model_table_predict, ngram_grid, ngram_table_predict
 from calib.tracking import make_tracker
 
 log = logging.getLogger("calib.train")
+
+# What marks a folder as an earlier train.py output (replaced only with overwrite=true); .hydra and
+# train.log are what runs before the staged layout left in a folder whose tables were never written.
+OUT_MARKERS = (META, TENSORS, "summary.txt", "train.log", ".hydra")
 
 
 def _extra(df: pd.DataFrame, names) -> np.ndarray | None:
@@ -102,7 +113,7 @@ def ngram_transfer(samples: pd.DataFrame, spec: dict, baseline: dict, fit_on, ev
 def _bank_identity(bank) -> list[dict]:
     out = []
     for path, man in zip(bank.paths, bank.manifests()):
-        digest = hashlib.sha256((Path(path) / schema.ACCEPTANCE).read_bytes()).hexdigest()
+        digest = bank_fingerprint(path)  # eval tells training banks from unseen ones by it
         out.append({"path": str(path), "acceptance_sha256": digest,
                     **{k: man.get(k) for k in ("model", "speculator", "config", "n_rounds", "engine",
                                                "engine_version")}})
@@ -136,16 +147,67 @@ def _round_predictions(bank, test_prompts: set, tables) -> pd.DataFrame:
     return pd.DataFrame({"category": cats, "accept": accept, "raw": expected(conf), "calibrated": expected(cal)})
 
 
+def _target_models(bank) -> list[str]:
+    """The target models the banks were collected with (the ``model`` key of their rounds)."""
+    return sorted(map(str, bank.table(schema.ACCEPTANCE, ["model"]).column("model").unique().to_pylist()))
+
+
+def _chain_depths(bank) -> dict[str, int]:
+    """Drafted depth K per chain over the banks: ``model`` = the widest conf columns holding data,
+    ``ngram`` = the widest n-gram chain (ngram_tok columns). Recorded so that eval and serving can
+    refuse a deeper bank (whose extra depths would reuse the last row)."""
+    import pyarrow.parquet as pq
+
+    out = {"model": 0, "ngram": 0}
+    for p in bank.paths:
+        spec = Path(p) / schema.SPECULATOR
+        w = schema.width(pq.read_schema(spec).names, schema.CONF)
+        if w:
+            conf0 = pq.read_table(spec, columns=[schema.col(schema.CONF, 0)]).column(0)
+            if conf0.null_count < len(conf0):
+                out["model"] = max(out["model"], w)
+        ng = Path(p) / schema.NGRAM
+        if ng.exists():
+            out["ngram"] = max(out["ngram"], schema.width(pq.read_schema(ng).names, schema.NGRAM_TOK))
+    return out
+
+
 def run(cfg: dict) -> Path:
-    """The whole job for a resolved ``conf/train.yaml``; returns the tables folder."""
-    t_start = time.time()
+    """The whole job for a resolved ``conf/train.yaml``; returns the tables folder (``out_dir``).
+
+    ``out_dir`` must be absent, empty, or (with ``overwrite: true``) an earlier train.py output; a
+    folder holding anything else is refused. The tables, ``summary.txt``, ``reliability_test.png``,
+    ``config.yaml`` (this resolved config), ``train.log`` and the tracker's files are staged beside
+    ``out_dir`` and published as one unit on success; on failure the staging folder is removed and
+    ``out_dir`` keeps what it held.
+    """
     out_dir = Path(cfg["out_dir"])
-    out_dir.mkdir(parents=True, exist_ok=True)
+    with staged_output(out_dir, overwrite=bool(cfg.get("overwrite", False)), markers=OUT_MARKERS,
+                       job="train.py", log_file="train.log") as stage:
+        write_text_atomic(stage / "config.yaml", OmegaConf.to_yaml(OmegaConf.create(cfg)))
+        log.info("train.py -> %s (staged in %s)", out_dir, stage.name)
+        summary = _fit_and_export(cfg, stage, out_dir)
+    print(summary)
+    return out_dir
+
+
+def _fit_and_export(cfg: dict, stage: Path, out_dir: Path) -> str:
+    """Fit, export and log into ``stage`` (published later as ``out_dir``); returns the summary text."""
     bank = load(cfg["data"]["train"])
-    tracker = make_tracker(cfg.get("logger"), out_dir, cfg, job_type="train")
+    tracker = make_tracker(cfg.get("logger"), stage, cfg, job_type="train")
+    try:
+        return _fit_and_export_tracked(cfg, bank, tracker, stage, out_dir)
+    finally:
+        tracker.finish()  # before publishing: the tracker's files are part of the unit
+
+
+def _fit_and_export_tracked(cfg: dict, bank, tracker, stage: Path, out_dir: Path) -> str:
+    t_start = time.time()
     split_cfg = cfg["split"]
     fractions, seed = tuple(split_cfg["fractions"]), int(split_cfg["seed"])
-    meta: dict = {"drafters": {}, "banks": _bank_identity(bank), "split": dict(split_cfg)}
+    widths = _chain_depths(bank)
+    meta: dict = {"drafters": {}, "banks": _bank_identity(bank), "split": dict(split_cfg),
+                  "target_models": _target_models(bank)}
     summary_rows, fit_rows = [], []
     tensors = {}
 
@@ -178,7 +240,7 @@ def run(cfg: dict) -> Path:
         length = {"actual_mean": float(rounds.accept.mean()), "raw_predicted_mean": float(rounds.raw.mean()),
                   "calibrated_predicted_mean": float(rounds.calibrated.mean()), "n_rounds": len(rounds)}
         meta["drafters"]["model"] = {
-            "ids": sorted(set(ms.speculator.astype(str))), "depths": n_depths,
+            "ids": sorted(set(ms.speculator.astype(str))), "depths": n_depths, "k": max(widths["model"], n_depths),
             "grid_points": int(grid.shape[1]), "grid": "uniform raw confidence in [0, 1], linear interpolation",
             "calibrator": res["best"], "params": best.get_params(),
             "monotone_projection_max_change": change, "n_samples": {s: int((ms.split == s).sum()) for s in
@@ -216,7 +278,8 @@ def run(cfg: dict) -> Path:
             if tcfg:
                 transfer = ngram_transfer(ns, ncfg["candidates"][res["best"]], tcfg["baseline"],
                                           tcfg["fit_on"], tcfg["eval_on"])
-            ng_meta = {"model": res["best"], "features": feats, "edges": edges, "depths": n_depths, **info,
+            ng_meta = {"model": res["best"], "features": feats, "edges": edges, "depths": n_depths,
+                       "ids": ["ngram"], "k": max(widths["ngram"], n_depths), **info,
                        "val_nll": {n: f["val_nll"] for n, f in res["fits"].items()}, "test": test,
                        "transfer": transfer, "n_samples": {s: int((ns.split == s).sum()) for s in
                                                            ("train", "val", "test")},
@@ -241,10 +304,9 @@ def run(cfg: dict) -> Path:
                                                                   "ngram_grid")))
     meta["fit"] = fit_rows
     meta["train_wall_s"] = round(time.time() - t_start, 2)
-    save(out_dir, tables, meta)
-    _log(tracker, out_dir, meta, summary_rows, fit_rows, ms)
-    _print_summary(out_dir, meta)
-    return out_dir
+    save(stage, tables, meta)
+    _log(tracker, stage, meta, summary_rows, fit_rows, ms)
+    return _write_summary(stage, out_dir, meta)
 
 
 def _per_depth(samples: pd.DataFrame, calibrated: np.ndarray, n_depths: int) -> list[dict]:
@@ -287,12 +349,12 @@ def _log(tracker, out_dir: Path, meta: dict, per_depth: list[dict], fit_rows: li
         png = reliability_figure(panels, out_dir / "reliability_test.png",
                                  f"model drafter, test prompts: raw vs {meta['drafters']['model']['calibrator']}")
         tracker.log_image("reliability/test", png)
-    tracker.log_artifact("calib-tables", "tables", [out_dir / "tables.safetensors", out_dir / "tables.json"],
+    tracker.log_artifact("calib-tables", "tables", [out_dir / TENSORS, out_dir / META],
                          metadata={k: meta[k] for k in ("drafters",) if k in meta} | {"banks": meta["banks"]})
-    tracker.finish()
 
 
-def _print_summary(out_dir: Path, meta: dict) -> None:
+def _write_summary(stage: Path, out_dir: Path, meta: dict) -> str:
+    """``summary.txt`` in the staging folder; returns its text (printed once published)."""
     lines = [f"tables written to {out_dir} ({meta['train_wall_s']:.1f}s)"]
     m = meta["drafters"].get("model")
     if m:
@@ -316,5 +378,6 @@ def _print_summary(out_dir: Path, meta: dict) -> None:
                          f"Brier {t['model']['brier']:.4f} AUROC {t['model']['auroc']:.3f} | baseline "
                          f"({'+'.join(t['baseline']['features'])}) Brier {t['baseline']['brier']:.4f} "
                          f"AUROC {t['baseline']['auroc']:.3f}")
-    print("\n".join(lines))
-    (out_dir / "summary.txt").write_text("\n".join(lines) + "\n")
+    text = "\n".join(lines)
+    write_text_atomic(stage / "summary.txt", text + "\n")
+    return text

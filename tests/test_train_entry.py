@@ -2,6 +2,7 @@
 
 from pathlib import Path
 
+import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
@@ -45,3 +46,142 @@ def test_train_with_extra_inputs_exports_a_marginal_table(tmp_path):
     tables = load(run(OmegaConf.to_container(cfg, resolve=True)))
     grid = tables.model_grid
     assert not grid.isnan().any() and (grid.diff(dim=1) >= 0).all()
+
+
+# --- a run owns its out_dir: refusal, staging, one-unit publishing (issue 12 item 4) ------------------
+
+FAST = ["logger=none", "ngram_model=logistic", "trainer.progress=false"]
+
+
+def _compose(bank, out, *overrides):
+    with initialize_config_dir(CONF, version_base="1.3"):
+        cfg = compose("train", overrides=[f"data.train=[{bank}]", f"out_dir={out}", *FAST, *overrides])
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+def _snapshot(folder: Path) -> dict:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def small_bank(tmp_path_factory):
+    return write_bank(tmp_path_factory.mktemp("bank") / "bank", *synthetic_tables(n_prompts=30, rounds_per_prompt=20))
+
+
+def test_existing_tables_are_replaced_only_with_overwrite(tmp_path, small_bank):
+    out = tmp_path / "out"
+    run(_compose(small_bank, out, "calibrator=isotonic"))
+    before = _snapshot(out)
+    with pytest.raises(FileExistsError, match=r"already holds tables.json .*pass overwrite=true"):
+        run(_compose(small_bank, out, "calibrator=histogram"))
+    assert _snapshot(out) == before
+    run(_compose(small_bank, out, "calibrator=histogram", "overwrite=true"))
+    assert load(out).meta["drafters"]["model"]["calibrator"] == "histogram"
+    assert "histogram" in (out / "config.yaml").read_text() and "model calibrator histogram" in (
+        out / "train.log").read_text()
+    # A folder that is not a train.py output is never replaced as a whole, overwrite or not.
+    foreign = tmp_path / "mine"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("keep me")
+    with pytest.raises(FileExistsError, match=r"holds files that are not train.py output \(notes.txt\)"):
+        run(_compose(small_bank, foreign, "calibrator=isotonic", "overwrite=true"))
+    assert (foreign / "notes.txt").read_text() == "keep me"
+
+
+def test_failed_run_leaves_previous_out_dir_untouched(tmp_path, small_bank, monkeypatch):
+    out = tmp_path / "out"
+    run(_compose(small_bank, out, "calibrator=isotonic"))
+    before = _snapshot(out)
+
+    def boom(*a, **k):
+        raise RuntimeError("picture failed")
+
+    import calib.presentation
+
+    monkeypatch.setattr(calib.presentation, "reliability_figure", boom)  # after the tables are saved
+    with pytest.raises(RuntimeError, match="picture failed"):
+        run(_compose(small_bank, out, "calibrator=histogram", "overwrite=true"))
+    assert _snapshot(out) == before  # was: new tables beside the old summary and picture
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no staging folder left behind
+
+
+KILL = r'''
+import json, os, sys
+import calib.atomic, calib.tables.io
+from calib.training import run
+
+point, cfg = sys.argv[1], json.loads(sys.argv[2])
+real_replace, real_exchange = os.replace, calib.atomic._exchange
+
+def replace(src, dst):
+    if point == "tables_json" and str(dst).endswith("tables.json"):
+        os._exit(9)  # the tensor file is already in place, the JSON is not
+    return real_replace(src, dst)
+
+def exchange(a, b):
+    if point == "before_swap":
+        os._exit(9)
+    ok = real_exchange(a, b)
+    if point == "after_swap":
+        os._exit(9)
+    return ok
+
+def figure(*a, **k):
+    os._exit(9)
+
+os.replace = replace
+calib.atomic._exchange = exchange
+if point == "picture":
+    import calib.presentation
+    calib.presentation.reliability_figure = figure
+run(cfg)
+'''
+
+
+@pytest.mark.parametrize("point,expect", [("tables_json", "isotonic"), ("picture", "isotonic"),
+                                          ("before_swap", "isotonic"), ("after_swap", "histogram")])
+def test_kill_during_save_leaves_old_or_new_set(tmp_path, small_bank, point, expect):
+    """A kill at any moment of the export leaves the old set (tables, summary, picture) or the new one."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    run(_compose(small_bank, out, "calibrator=isotonic"))
+    cfg = _compose(small_bank, out, "calibrator=histogram", "overwrite=true")
+    proc = subprocess.run([sys.executable, "-c", KILL, point, json.dumps(cfg)], cwd=str(Path(CONF).parent),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 9, proc.stderr[-2000:]
+    tables = load(out)  # a consistent pair (was: new tensors beside the old JSON -> checksum error)
+    chosen = tables.meta["drafters"]["model"]["calibrator"]
+    assert chosen == expect
+    assert f"selected {chosen}" in (out / "summary.txt").read_text()
+    assert f"name: {chosen}" in (out / "config.yaml").read_text()
+    assert (out / "reliability_test.png").exists()
+    assert not list(out.glob(".tables*"))
+
+
+def test_train_py_writes_only_into_its_out_dir(tmp_path, small_bank):
+    """train.py as a subprocess: config and log go into out_dir; Hydra writes no .hydra/ or log anywhere;
+    a second run into the same out_dir is refused; artifacts are 0644 / 0755."""
+    import subprocess
+    import sys
+
+    root = Path(CONF).parent
+    out = tmp_path / "out"
+    cmd = [sys.executable, str(root / "train.py"), f"data.train=[{small_bank}]", f"out_dir={out}",
+           "calibrator=isotonic", *FAST]
+    proc = subprocess.run(["bash", "-c", 'umask 022 && exec "$@"', "_", *cmd], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert {"tables.json", "tables.safetensors", "summary.txt", "reliability_test.png", "config.yaml",
+            "train.log"} <= {p.name for p in out.iterdir()}
+    assert "model calibrator isotonic" in (out / "train.log").read_text()
+    assert "calibrator" in (out / "config.yaml").read_text()
+    assert not list(tmp_path.rglob(".hydra")) and not list(tmp_path.rglob("*.tmp-*"))
+    assert not [p for p in tmp_path.rglob("train.log") if p.parent != out]  # was: runs/train/default/train.log
+    for p in [out, *out.rglob("*")]:
+        assert p.stat().st_mode & 0o777 == (0o755 if p.is_dir() else 0o644), p  # was 0600 / 0700
+    again = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert again.returncode != 0 and "pass overwrite=true" in again.stderr
+    assert not list(tmp_path.rglob(".hydra"))

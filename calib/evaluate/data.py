@@ -4,10 +4,18 @@ each chain, split by prompt exactly as training splits them.
 A bank has a *primary* chain (the one the engine verified: the model drafter's when the speculator
 has confidences, else the n-gram chain) and, where ``ngram.parquet`` labels it, the n-gram chain
 (for a model-drafter bank that is the counterfactual chain the context offered at the same round).
+
+Which rounds count as test data depends on whether training saw the bank: a bank whose content
+fingerprint (sha256 of acceptance.parquet) matches one of the tables' training banks is split by
+prompt exactly as training split it (the tables' recorded fractions and seed) and only its held-out
+prompts are scored; a bank training never saw is evaluated whole. Before anything is read, the
+tables are cross-checked against the bank (:meth:`calib.tables.Tables.check_bank`: target model,
+drafter, depth, n-gram features), and a mismatch is refused.
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,6 +25,10 @@ import torch
 from calib.bank import Bank, load, schema
 from calib.labels import prompt_split
 from calib.tables.features import ngram_feature_tensor
+from calib.tables.io import bank_fingerprint
+
+SEEN = "held-out split of a training bank"
+UNSEEN = "whole bank (not seen in training)"
 
 
 @dataclass
@@ -59,23 +71,74 @@ class EvalBank:
     chains: dict[str, Chain] = field(default_factory=dict)
     primary: str = "model"
     temperature: float | None = None
+    seen: bool = True  # the prompt split applies (training saw this bank); False: every round is "test"
+    scope: str = SEEN  # one line for the report: which part of the bank is evaluated, and why
+    notes: list[str] = field(default_factory=list)  # cross-checks that could not be made
 
     def subset(self, mask: np.ndarray) -> EvalBank:
         chains = {k: Chain(c.drafter, c.acc[mask], None if c.p_cal is None else c.p_cal[mask],
                            None if c.p_raw is None else c.p_raw[mask]) for k, c in self.chains.items()}
         return EvalBank(self.name, self.path, self.category[mask], self.prompt_idx[mask], self.split[mask],
-                        chains, self.primary, self.temperature)
+                        chains, self.primary, self.temperature, self.seen, self.scope, list(self.notes))
+
+
+def eval_scope(path, tables, fractions=(0.7, 0.15, 0.15), seed: int = 0) -> tuple[bool, str, tuple, int, list]:
+    """Whether the bank at ``path`` was a training bank of ``tables``, and the split to apply.
+
+    Returns ``(seen, scope, fractions, seed, notes)``. A bank whose acceptance.parquet sha256 is
+    among the tables' ``banks[].acceptance_sha256`` is *seen*: split by prompt with the split the
+    tables record (the one training used; ``fractions``/``seed`` only where none is recorded, with a
+    note where they differ). Any other bank is evaluated whole. Without tables, or with tables that
+    record no fingerprints (hand-made stand-ins), nothing can be told, and the split is applied:
+    never scoring training prompts as test is the safe side.
+    """
+    fractions, seed = tuple(fractions), int(seed)
+    if tables is None:
+        return True, f"{SEEN} (no tables given: split applied)", fractions, seed, []
+    recorded = [b for b in tables.meta.get("banks", []) if isinstance(b, dict) and b.get("acceptance_sha256")]
+    if not recorded:
+        return (True, "held-out split (the tables record no training-bank fingerprints; assumed seen)",
+                fractions, seed, [])
+    fp = bank_fingerprint(path)
+    match = [b for b in recorded if b["acceptance_sha256"] == fp]
+    if not match:
+        return False, UNSEEN, fractions, seed, []
+    notes = []
+    sp = tables.meta.get("split") or {}
+    if "fractions" in sp and "seed" in sp:
+        rec = (tuple(float(f) for f in sp["fractions"]), int(sp["seed"]))
+        if rec != (tuple(float(f) for f in fractions), seed):
+            notes.append(f"{path}: split fractions {list(rec[0])} seed {rec[1]} recorded by the tables used (the "
+                         f"split training held out), not the config's {list(fractions)} seed {seed}")
+        fractions, seed = rec
+    return True, f"{SEEN} ({match[0].get('path')})", fractions, seed, notes
 
 
 def load_eval_bank(path, tables, fractions=(0.7, 0.15, 0.15), seed: int = 0, name: str | None = None) -> EvalBank:
-    """Read one bank, split by prompt, and attach calibrated probabilities from ``tables``."""
+    """Read one bank, split it (see :func:`eval_scope`), and attach calibrated probabilities from ``tables``.
+
+    ``tables`` (a loaded :class:`calib.tables.Tables`, or None for raw arrays only) is first checked
+    against the bank with ``tables.check_bank``, which raises :class:`calib.tables.TablesError` on a
+    mismatch; what could not be checked is warned about and kept in ``EvalBank.notes``.
+    """
+    notes = []
+    if tables is not None:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            tables.check_bank(path)
+        for w in caught:  # re-emit (the caller's filters decide) and keep them for the report
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+            notes.append(str(w.message))
+    seen, scope, fractions, seed, split_notes = eval_scope(path, tables, fractions, seed)
+    notes += split_notes
     bank: Bank = load(path)
     with_ng = bank.has(schema.NGRAM)
     t = bank.rounds(with_ngram=with_ng)
     width = schema.width(t.column_names)
     cats = np.asarray(t.column("category").to_pylist(), dtype=object)
     pidx = t.column("prompt_idx").to_numpy()
-    split = prompt_split(cats, pidx, fractions=tuple(fractions), seed=seed)
+    split = (prompt_split(cats, pidx, fractions=tuple(fractions), seed=seed) if seen
+             else np.full(len(cats), "test", dtype=object))
     acc = schema.depth_matrix(t, schema.ACC, width)
     conf = schema.depth_matrix(t, schema.CONF, width)
     has_conf = bool((~np.isnan(conf)).any())
@@ -112,4 +175,4 @@ def load_eval_bank(path, tables, fractions=(0.7, 0.15, 0.15), seed: int = 0, nam
         primary = "ngram"
     if name is None:  # runs/banks/<name>/bank -> <name>
         name = Path(path).parent.name if Path(path).name == "bank" else Path(path).name
-    return EvalBank(name, Path(path), cats, pidx, split, chains, primary, temp)
+    return EvalBank(name, Path(path), cats, pidx, split, chains, primary, temp, seen, scope, notes)

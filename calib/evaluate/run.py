@@ -1,4 +1,11 @@
-"""``eval.py``'s body: load banks + tables, score calibration, replay policies, write outputs."""
+"""``eval.py``'s body: load banks + tables, score calibration, replay policies, write outputs.
+
+The tables are cross-checked against every bank before anything is scored (a mismatch is refused);
+a training bank is scored on its held-out prompts, any other bank whole. Everything the run writes
+(metrics.json, report.md, pictures, config.yaml, eval.log, the tracker's files) is staged beside
+``out_dir`` and published as one unit, so a report never sits beside an earlier run's pictures; an
+``out_dir`` holding an earlier report is replaced only with ``overwrite=true``.
+"""
 
 from __future__ import annotations
 
@@ -13,12 +20,14 @@ from calib.evaluate.calibration import calibration_rows
 from calib.evaluate.cost import CostCurve, make_curve
 from calib.evaluate.data import load_eval_bank
 from calib.evaluate.replay import ReplayConfig, replay
-from calib.atomic import write_text_atomic
+from calib.atomic import staged_output, write_text_atomic
 from calib.evaluate.report import ladder_notes, table, write_metrics
 
 CAL_COLS = ["bank", "drafter", "variant", "category", "n", "ece", "ece_ci", "ece_equal_mass", "ece_debiased",
             "mce", "brier", "nll", "auroc", "mean_conf", "accept_rate"]
 LEN_COLS = ["bank", "drafter", "variant", "category", "n", "predicted_mean", "actual_mean", "bias", "mae", "pearson"]
+# What marks a folder as an earlier eval.py output (replaced only with overwrite=true).
+OUT_MARKERS = ("metrics.json", "report.md", "eval.log", ".hydra")
 
 
 def _path(root, p) -> Path:
@@ -27,20 +36,38 @@ def _path(root, p) -> Path:
 
 
 def run(cfg: DictConfig) -> dict:
+    """The whole job for a composed ``conf/eval.yaml``; returns the metrics written to ``out_dir``.
+
+    ``out_dir`` must be absent, empty, or (with ``overwrite: true``) an earlier eval.py output; a
+    folder holding anything else is refused. Outputs are staged and published as one unit on
+    success; a failed run leaves ``out_dir`` as it was and no staging folder behind.
+    """
+    root = cfg.get("root") or "."
+    target = _path(root, cfg.out_dir)
+    with staged_output(target, overwrite=bool(cfg.get("overwrite", False)), markers=OUT_MARKERS, job="eval.py",
+                       log_file="eval.log") as stage:
+        write_text_atomic(stage / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
+        metrics = _evaluate(cfg, stage)
+    print(f"eval: {len(metrics['calibration'])} calibration slices, {len(metrics['ladder'])} ladder rows in "
+          f"{metrics['runtime_s']['total']:.1f} s (replay {metrics['runtime_s']['replay']:.1f} s) -> "
+          f"{target}/metrics.json, report.md")
+    return metrics
+
+
+def _evaluate(cfg: DictConfig, out: Path) -> dict:
+    """Load, check, score, replay and write everything into ``out`` (the staging folder)."""
     import calib.tables
     from calib.tracking import make_tracker
 
     t0 = time.perf_counter()
     root = cfg.get("root") or "."
-    out = _path(root, cfg.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     tables = calib.tables.load(_path(root, cfg.tables))
     fractions = tuple(cfg.split.fractions)
     split = cfg.split.get("name", "test")
     tests = [cfg.data.test] if isinstance(cfg.data.test, str) else list(cfg.data.test)
     banks = [load_eval_bank(_path(root, p), tables, fractions, cfg.split.seed) for p in tests]
     for b in banks:
-        if split != "test":
+        if split != "test" and b.seen:  # an unseen bank is evaluated whole whatever split is named
             b.split = np.where(b.split == split, "test", "other")  # replay and metrics read "test"
 
     cal, length = calibration_rows(banks, cfg.metrics.n_bins, cfg.metrics.n_boot, cfg.metrics.seed)
@@ -75,6 +102,8 @@ def run(cfg: DictConfig) -> dict:
                "tables": {"dir": str(_path(root, cfg.tables)), "meta": {k: tables.meta.get(k) for k in
                                                                        ("git_commit", "calib_version", "drafters",
                                                                         "ngram_features", "banks")}},
+               "banks": [{"name": b.name, "path": str(b.path), "evaluated": b.scope, "seen_in_training": b.seen,
+                          "notes": b.notes} for b in banks],
                "runtime_s": {"total": elapsed, "replay": replay_s}}
     write_metrics(out / "metrics.json", metrics)
     write_text_atomic(out / "report.md", render_report(banks, cal, length, ladder, notes, curves, rcfg, pics, out,
@@ -102,17 +131,19 @@ def run(cfg: DictConfig) -> dict:
         for p in pics:
             tracker.log_image(f"eval/{Path(p).stem}", p)
     finally:
-        tracker.finish()
-    print(f"eval: {len(cal)} calibration slices, {len(ladder)} ladder rows in {elapsed:.1f} s "
-          f"(replay {replay_s:.1f} s) -> {out}/metrics.json, report.md")
+        tracker.finish()  # before publishing: the tracker's files are part of the unit
     return metrics
 
 
 def render_report(banks, cal, length, ladder, notes, curves, rcfg, pics, out, tables, elapsed) -> str:
     L = ["# Evaluation report", ""]
-    L.append(f"Tables: `{tables.meta.get('git_commit') or '?'}` ({', '.join(tables.meta.get('drafters', {}))}); "
-             f"banks: {', '.join(f'`{b.name}`' for b in banks)}; evaluated on the held-out **test** prompts "
-             f"(split by prompt, as in training). Runtime {elapsed:.0f} s.")
+    L.append(f"Tables: `{tables.meta.get('git_commit') or '?'}` ({', '.join(tables.meta.get('drafters', {}))}). "
+             f"Runtime {elapsed:.0f} s. Banks (a training bank is scored on its held-out **test** prompts, "
+             "split by prompt as in training; a bank training never saw is scored whole):")
+    L.append("")
+    for b in banks:
+        L.append(f"- `{b.name}` ({b.path}): {b.scope}")
+        L += [f"  - note: {n}" for n in b.notes]
     L += ["", "Raw = the drafter's own confidence of the token it proposed, read as P(accept | reached). "
           "The n-gram drafter has no confidence, so only its calibrated tables are scored. `ece_debiased` is "
           "the L2 estimator with the binomial variance removed (≈ 0 for a calibrated sample); `ece_ci` is a "

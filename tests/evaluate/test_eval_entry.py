@@ -42,3 +42,98 @@ def test_eval_compose_run(tmp_path):
     assert "Policy ladder" in report and "reliability_" in report
     assert len(list(out.glob("*.png"))) >= 5
     assert (out / "csv" / "ladder.csv").exists()
+
+
+# --- tables x bank checks, the split of unseen banks, out_dir as one unit (issue 12 items 2-4) -------
+
+import os  # noqa: E402
+
+import pyarrow.parquet as pq  # noqa: E402
+import pytest  # noqa: E402
+
+import calib.tables  # noqa: E402
+from calib.tables import TablesError  # noqa: E402
+from calib.tables.io import bank_fingerprint  # noqa: E402
+
+FAST = ["logger=csv", "metrics.n_boot=5", "replay.batch_sizes=[1,4]", "replay.max_steps=4", "replay.min_steps=2",
+        "replay.progress=false", "cost=parametric"]
+
+
+def _cfg(banks, tables, out, *overrides):
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return compose("eval", overrides=[f"root={ROOT}", f"data.test=[{','.join(map(str, banks))}]",
+                                          f"tables={tables}", f"out_dir={out}", *FAST, *overrides])
+
+
+def _bank(path, width=4, seed=3, speculator="synthetic"):
+    man = {"model": "synthetic-model", "speculator": speculator, "num_speculative_tokens": width}
+    return write_bank(path, *synthetic_tables(n_prompts=24, rounds_per_prompt=12, width=width, seed=seed,
+                                              speculator=speculator), manifest=man)
+
+
+def _retag(src, dst, **meta):
+    """The stand-in tables of ``src`` re-exported with ``meta`` merged into tables.json."""
+    t = calib.tables.load(src)
+    return calib.tables.save(dst, t, {**{k: v for k, v in t.meta.items() if k not in ("json_sha256",)}, **meta})
+
+
+def test_eval_refuses_tables_of_another_depth_or_drafter(tmp_path):
+    shallow = _bank(tmp_path / "k2", width=2)
+    fit_tables([shallow], tmp_path / "t2")  # K=2 tables (2 grid rows)
+    deep = _bank(tmp_path / "k4")
+    with pytest.raises(TablesError, match=rf"tables {tmp_path / 't2'} cover model-drafter depths 0..1 \(K=2\), "
+                                          rf"bank {deep} drafts K=4"):
+        run(_cfg([deep], tmp_path / "t2", tmp_path / "out"))  # was: depths 2-3 silently read row 1
+    assert not (tmp_path / "out").exists()
+    fit_tables([deep], tmp_path / "t4")
+    _retag(tmp_path / "t4", tmp_path / "eagle", target_models=["synthetic-model"],
+           drafters={"model": {"ids": ["eagle:head"], "k": 4}, "ngram": {"ids": ["ngram"], "k": 4}})
+    dm = _bank(tmp_path / "dm", speculator="draft_model:first24")
+    with pytest.raises(TablesError, match=r"\['eagle:head'\], bank .*dm was drafted by 'draft_model:first24'"):
+        run(_cfg([dm], tmp_path / "eagle", tmp_path / "out"))
+
+
+def test_unseen_bank_is_evaluated_whole(tmp_path):
+    seen, unseen = _bank(tmp_path / "seen"), _bank(tmp_path / "unseen", seed=4)
+    fit_tables([seen], tmp_path / "stand-in")
+    _retag(tmp_path / "stand-in", tmp_path / "tables", target_models=["synthetic-model"],
+           split={"fractions": [0.7, 0.15, 0.15], "seed": 0},
+           banks=[{"path": "elsewhere/seen", "acceptance_sha256": bank_fingerprint(seen)}])
+    m = run(_cfg([seen, unseen], tmp_path / "tables", tmp_path / "out"))
+    scope = {b["name"]: b for b in m["banks"]}
+    assert scope["seen"]["evaluated"].startswith("held-out split of a training bank (elsewhere/seen)")
+    assert scope["unseen"]["evaluated"] == "whole bank (not seen in training)"
+    n = {r["bank"]: r["n"] for r in m["accept_length"]
+         if r["drafter"] == "model" and r["variant"] == "raw" and r["category"] == "all"}
+    assert n["unseen"] == pq.read_metadata(unseen / "acceptance.parquet").num_rows  # was: ~15% of it
+    assert n["seen"] < 0.4 * pq.read_metadata(seen / "acceptance.parquet").num_rows
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert "- `unseen` (" in report and "whole bank (not seen in training)" in report
+    assert "held-out split of a training bank" in report
+
+
+def test_eval_out_dir_is_one_unit(tmp_path):
+    bank = _bank(tmp_path / "bank")
+    fit_tables([bank], tmp_path / "tables")
+    out = tmp_path / "out"
+    old_umask = os.umask(0o022)
+    try:
+        run(_cfg([bank], tmp_path / "tables", out, "logger=wandb"))
+        first = {p.name for p in out.iterdir()}
+        (out / "ladder_stale_parametric.png").write_bytes(b"from an earlier run")
+        with pytest.raises(FileExistsError, match=r"already holds metrics.json .*pass overwrite=true"):
+            run(_cfg([bank], tmp_path / "tables", out))
+        run(_cfg([bank], tmp_path / "tables", out, "overwrite=true"))
+    finally:
+        os.umask(old_umask)
+    assert not (out / "ladder_stale_parametric.png").exists()  # was: kept beside the new report
+    assert {"metrics.json", "report.md", "config.yaml", "eval.log", "wandb"} <= first
+    assert {"metrics.json", "report.md", "config.yaml", "eval.log", "csv"} <= {p.name for p in out.iterdir()}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bank", "out", "tables"]  # no staging folder
+    for p in [out, *out.rglob("*")]:
+        if not p.is_symlink():
+            assert p.stat().st_mode & 0o777 == (0o755 if p.is_dir() else 0o644), p
+    foreign = tmp_path / "tables"  # a train.py out_dir is not eval output: never replaced
+    with pytest.raises(FileExistsError, match="not eval.py output"):
+        run(_cfg([bank], tmp_path / "tables", foreign, "overwrite=true"))
+    assert calib.tables.load(foreign)
