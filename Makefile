@@ -23,10 +23,12 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $@
 
 # The main job on the embedded default: fit calibrators on the shipped sample banks (data/banks)
-# and export tables to runs/train/default, then evaluate them on the held-out prompts.
+# and export tables to runs/train/default, then evaluate them on the held-out prompts
+# (runs/eval/default). Both replace their previous default output (overwrite=true), so `make run`
+# can be repeated; each folder is swapped in whole, only once its run has succeeded.
 run: $(STAMP)
-	$(PY) train.py
-	$(PY) eval.py
+	$(PY) train.py overwrite=true
+	$(PY) eval.py overwrite=true
 
 # A short real collection (vLLM + SmolLM2-135M, n-gram drafts, smoke prompts) into runs/collect-smoke.
 collect-smoke: $(STAMP)

@@ -3,7 +3,10 @@
     python eval.py                                   # default tables on the sample banks' test split
     python eval.py data.test=[PATH] tables=DIR out_dir=OUT cost=measured
 
-Writes OUT/metrics.json, OUT/report.md and OUT/*.png (see calib/evaluate/README.md).
+Writes OUT/metrics.json, OUT/report.md, OUT/*.png, OUT/config.yaml and OUT/eval.log as one unit
+(see calib/evaluate/README.md); an OUT holding an earlier report needs overwrite=true. Tables that do
+not fit a bank (target, drafter, depth, n-gram features) are refused; a bank training never saw is
+evaluated whole, a training bank on its held-out prompts.
 """
 
 import hydra
