@@ -13,22 +13,19 @@ grid, and nothing is read back to the host, so a launch can be captured in a CUD
 * price mode sorts the gains in-kernel (``tl.sort``) and computes each prefix's goodput as one
   float64 division of an exact integer, like the reference.
 
-Without a CUDA device this module sets ``TRITON_INTERPRET=1`` before importing Triton, so the same
-kernel runs (slowly) on CPU tensors for testing.
+On CPU tensors the same kernel runs (slowly, for testing) under Triton's interpreter, which must be
+switched on by the caller: ``TRITON_INTERPRET=1`` in the environment before ``triton`` is first
+imported (tests/allocate/conftest.py does it). Importing this module changes no environment
+variable; a launch on CPU tensors without the interpreter is a ``RuntimeError`` that says so.
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first `import triton`
-
 import triton
 import triton.language as tl
 
+from calib import envs
 from calib.allocate.reference import SCALE
 
 MAX_WIDTH = 64  # per-row surplus sums stay below 2**31 in int32
@@ -274,7 +271,22 @@ def _allocate_kernel(
 
 
 def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    """Whether Triton runs interpreted: decided when ``triton`` was first imported (its own library of
+    ``@jit`` functions, such as ``tl.sum``, is built then) and when this module was (our kernels)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(tl.sum, InterpretedFunction) and isinstance(_allocate_kernel, InterpretedFunction)
+
+
+def _check_runnable(device: torch.device) -> None:
+    if device.type == "cuda" or _interpreting():
+        return
+    state = ("is set now, but was not when triton (or this module) was first imported"
+             if envs.TRITON_INTERPRET else "is not set")
+    raise RuntimeError(
+        f"the Triton allocator got {device.type} tensors and no CUDA device runs them: on the CPU it needs "
+        f"Triton's interpreter, and TRITON_INTERPRET {state}. Set TRITON_INTERPRET=1 in the environment "
+        "before the first `import triton` (e.g. `TRITON_INTERPRET=1 python ...`), or use impl='reference'")
 
 
 def allocate_triton(
@@ -289,13 +301,19 @@ def allocate_triton(
     raw confidences ``[B, K]`` and match features ``[B, L, F]``. Returns device tensors
     ``(drafter int8, depth int32, expected_accepted float32)``."""
     device = model.device
-    n_requests, k = model.shape
-    n_ngram = 0 if ngram is None else ngram.shape[1]
+    _check_runnable(device)
+    n_requests, k = model.shape  # model: [B, K]
+    n_ngram = 0 if ngram is None else ngram.shape[1]  # ngram: [B, L] or [B, L, F]
     width = max(k, n_ngram, 1)
     block_b = max(triton.next_power_of_2(n_requests), 2)
     block_k = max(triton.next_power_of_2(width), 2)
     if width > MAX_WIDTH or block_b * block_k > MAX_TILE:
         raise ValueError(f"B={n_requests}, width={width} exceeds the kernel's tile ({MAX_TILE}, {MAX_WIDTH})")
+    n_table_features = None if tables is None else tables.ngram_edges.shape[0]
+    if ngram is not None and tables is not None and (ngram.ndim != 3 or ngram.shape[2] != n_table_features):
+        # The kernel reads the tables' F features per depth: another count would read past the row.
+        raise ValueError(f"ngram features must be [B, L, F] with the tables' F={n_table_features}, "
+                         f"got shape {tuple(ngram.shape)}")
 
     model = model.contiguous()
     if tables is not None:
@@ -328,7 +346,14 @@ def allocate_triton(
         budget_t = torch.zeros(1, dtype=torch.int32, device=device)
     else:
         cost_t = torch.ones(1, dtype=torch.float64, device=device)
-        budget_t = torch.as_tensor(budget, device=device).reshape(1).to(torch.int32)
+        # The kernel counts in int32: a budget of B * width slots or more already takes every slot, so
+        # clamp to that (on the host for an int, on the device for a tensor: no sync) instead of
+        # letting 2**31 wrap to a negative budget.
+        slots = n_requests * width
+        if isinstance(budget, torch.Tensor):
+            budget_t = budget.to(device=device, dtype=torch.int64).reshape(1).clamp(0, slots).to(torch.int32)
+        else:
+            budget_t = torch.full((1,), min(max(int(budget), 0), slots), dtype=torch.int32, device=device)
 
     drafter = torch.empty(n_requests, dtype=torch.int8, device=device)
     depth = torch.empty(n_requests, dtype=torch.int32, device=device)

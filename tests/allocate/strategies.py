@@ -31,10 +31,11 @@ def instance(draw, max_b: int = 4, max_k: int = 3, two: bool = False):
 
 
 @st.composite
-def cost_curve(draw, max_len: int) -> torch.Tensor:
+def cost_curve(draw, max_len: int, min_len: int = 1) -> torch.Tensor:
     """Verify-cost curves: increasing, flat-then-steep, or arbitrary (non-convex) positive values;
-    sometimes too short for every allocation, sometimes with an unusable (0 / NaN) entry."""
-    n = draw(st.integers(1, max_len))
+    sometimes too short for most allocations, sometimes with an infeasible (+inf) total. Pass
+    ``min_len = B + 1``: shorter curves, and 0 / NaN entries, are refused (test_boundary.py)."""
+    n = draw(st.integers(min_len, max(max_len, min_len)))
     kind = draw(st.sampled_from(["increasing", "arbitrary", "step"]))
     if kind == "increasing":
         steps = draw(st.lists(st.floats(0.0, 1.0), min_size=n, max_size=n))
@@ -44,8 +45,8 @@ def cost_curve(draw, max_len: int) -> torch.Tensor:
         values = [1.0 + 0.5 * (t // width) for t in range(n)]
     else:
         values = draw(st.lists(st.floats(0.5, 3.0), min_size=n, max_size=n))
-    if n > 2 and draw(st.booleans()):
-        values[draw(st.integers(1, n - 1))] = draw(st.sampled_from([0.0, NAN]))
+    if n > min_len + 1 and draw(st.booleans()):
+        values[draw(st.integers(min_len, n - 1))] = math.inf
     return torch.tensor(values, dtype=torch.float32)
 
 

@@ -7,7 +7,7 @@ import torch
 
 from calib.allocate import allocate_probs
 
-NAN = float("nan")
+NAN, INF = float("nan"), float("inf")
 IMPLS = ["reference", "triton"]
 
 
@@ -74,12 +74,12 @@ def test_missing_ngram_equals_single_drafter(impl):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-def test_price_mode_with_unusable_costs(impl):
+def test_price_mode_with_infeasible_totals(impl):
     p = torch.full((2, 3), 0.9)
-    too_short = torch.ones(2)  # even T = B = 2 has no cost entry
-    assert run(impl, p, cost=too_short).depth.tolist() == [0, 0]
-    nan_beyond = torch.tensor([1.0, 1.0, 1.0, 1.0, NAN, NAN, NAN, NAN])
-    assert run(impl, p, cost=nan_beyond).depth.sum().item() == 1  # T = 3 is the only usable total
+    just_b = torch.ones(3)  # only T = B = 2 is priced: no draft token fits
+    assert run(impl, p, cost=just_b).depth.tolist() == [0, 0]
+    inf_beyond = torch.tensor([1.0, 1.0, 1.0, 1.0, INF, INF, INF, INF])
+    assert run(impl, p, cost=inf_beyond).depth.sum().item() == 1  # T = 3 is the only usable total
 
 
 @pytest.mark.parametrize("impl", IMPLS)

@@ -64,7 +64,7 @@ def test_single_drafter_budget_is_optimal(inst, budget):
 def test_single_drafter_price_is_optimal(inst, data):
     model_p, _ = inst
     b = model_p.shape[0]
-    cost = data.draw(cost_curve(max_len=b * (model_p.shape[1] + 1) + 2))
+    cost = data.draw(cost_curve(max_len=b * (model_p.shape[1] + 1) + 2, min_len=b + 1))
     out = allocate_probs(model_p, cost=cost)
     pairs = check_structure(out, model_p, None)
     costs = cost.tolist()
@@ -99,7 +99,7 @@ def test_two_drafter_budget_bounds(inst, budget):
 def test_two_drafter_price_bounds(inst, data):
     model_p, ngram_p = inst
     b = model_p.shape[0]
-    cost = data.draw(cost_curve(max_len=b * (model_p.shape[1] + 1) + 2))
+    cost = data.draw(cost_curve(max_len=b * (model_p.shape[1] + 1) + 2, min_len=b + 1))
     out = allocate_probs(model_p, ngram_p, cost=cost)
     pairs = check_structure(out, model_p, ngram_p)
     costs = cost.tolist()

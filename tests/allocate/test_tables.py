@@ -12,26 +12,34 @@ from calib.allocate import AcceptanceTables, GridTables, allocate, allocate_prob
 INF, NAN = float("inf"), float("nan")
 
 
-def make_tables() -> GridTables:
+def make_tables(reuse_last_row: bool = False) -> GridTables:
     model_grid = torch.tensor([[0.0, 0.5, 1.0], [0.2, 0.4, 0.6]])  # D = 2, G = 3
     edges = torch.tensor([[1.0, 3.0], [0.5, INF]])  # feature 0: 3 buckets, feature 1: 2 buckets
     strides = torch.tensor([1, 3])
     ngram_grid = torch.arange(12, dtype=torch.float32).reshape(2, 6) / 20  # D_ng = 2, 6 cells
-    return GridTables(model_grid, edges, strides, ngram_grid)
+    return GridTables(model_grid, edges, strides, ngram_grid, reuse_last_row=reuse_last_row)
 
 
 def test_protocol():
     assert isinstance(make_tables(), AcceptanceTables)
 
 
-def test_model_lookup_interpolates_and_clamps():
+def test_model_lookup_interpolates():
     t = make_tables()
-    conf = torch.tensor([[0.0, 0.5, 1.0], [0.25, 0.75, 2.0], [-1.0, NAN, 0.75]])
+    conf = torch.tensor([[0.0, 0.5, 1.0], [0.25, 0.75, 1.0], [0.0, NAN, 0.75]])
     p = t.model_accept_prob(conf)
-    # depth 0 uses row 0, depths 1 and 2 use row 1 (the last).
+    # depth 0 uses row 0, depths 1 and 2 use row 1 (the last: the offline lookup reuses it).
     assert p[0].tolist() == pytest.approx([0.0, 0.4, 0.6])
     assert p[1].tolist() == pytest.approx([0.25, 0.5, 0.6])
     assert p[2, 0].item() == 0.0 and math.isnan(p[2, 1].item()) and p[2, 2].item() == pytest.approx(0.5)
+
+
+def test_model_lookup_refuses_confidences_outside_0_1():
+    # Before: clamped, so logits passed by mistake gave nonsense probabilities silently.
+    t = make_tables()
+    for bad in (2.0, -1.0, INF):
+        with pytest.raises(ValueError, match=r"conf\[1, 0\] = .*in \[0, 1\].*logits"):
+            t.model_accept_prob(torch.tensor([[0.5, 0.5], [bad, NAN]]))
 
 
 def test_ngram_lookup_buckets_cells_and_depths():
@@ -55,7 +63,7 @@ def test_bad_tables_are_rejected():
 
 
 def test_allocate_goes_through_the_tables():
-    t = make_tables()
+    t = make_tables(reuse_last_row=True)  # K = 3 > D = 2: the tables say row 1 stands for depth 2
     conf = torch.tensor([[0.9, 0.8, NAN], [0.3, 0.95, 0.7]])
     feats = torch.tensor([[[4.0, 1.0], [4.0, 1.0]], [[0.0, 0.0], [NAN, 0.0]]])
     for mode in ({"budget": 3}, {"cost": 1 + 0.2 * torch.arange(12.0)}):

@@ -12,7 +12,6 @@ import pandas as pd
 import pytest
 
 from calib.calibrators.binning import HistogramBinning, IsotonicPerDepth
-from calib.calibrators.identity import Identity
 from calib.calibrators.ngram import GradientBoostingAcceptance, LogisticAcceptance, MLPAcceptance
 from calib.calibrators.scaling import TemperatureScaling
 
@@ -38,7 +37,8 @@ def test_identity_wins_selection_and_reports_params():
     # Before: get_params read object.__init__'s (*args, **kwargs) -> AttributeError after all fitting.
     from calib.training import fit_model_calibrator
 
-    res = fit_model_calibrator(model_samples(), {"identity": {"_target_": "calib.calibrators.identity.Identity"}})
+    candidates = {"identity": {"_target_": "calib.calibrators.identity.Identity"}}
+    res = fit_model_calibrator(model_samples(), candidates)
     best = res["fits"][res["best"]]["estimator"]
     assert res["best"] == "identity" and best.get_params() == {} and repr(best) == "Identity()"
 
@@ -59,7 +59,8 @@ def test_get_params_of_every_estimator():
 def test_model_calibrator_params_are_validated_in_fit(make, param, value, allowed):
     # Before: optimizer="lbgfs" silently trained Adam; the others failed deep inside or not at all.
     c = np.array([0.2, 0.8, 0.5, 0.9])
-    with pytest.raises(ValueError, match=re.escape(f"parameter {param}={value} is invalid; it must be {allowed}")):
+    message = f"parameter {param}={value} is invalid; it must be {allowed}"
+    with pytest.raises(ValueError, match=re.escape(message)):
         make().fit(c, [0, 0, 1, 1], [0, 1, 0, 1])
 
 
@@ -98,9 +99,11 @@ def test_lightning_lines_are_printed_once_under_a_configured_root_logger():
         "import numpy as np\n"
         "from calib.calibrators.scaling import TemperatureScaling\n"
         "rng = np.random.default_rng(0); c = rng.uniform(size=200)\n"
-        "TemperatureScaling(progress=False, max_epochs=1).fit(c, rng.integers(0, 2, 200), (rng.uniform(size=200) < c))\n"
+        "y = rng.uniform(size=200) < c\n"
+        "TemperatureScaling(progress=False, max_epochs=1).fit(c, rng.integers(0, 2, 200), y)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, cwd=ROOT,
+                         timeout=300)
     assert out.returncode == 0, out.stderr
     gpu = [line for line in (out.stdout + out.stderr).splitlines() if "GPU available" in line]
     assert len(gpu) == 1 and gpu[0].startswith("ROOT lightning.pytorch"), gpu
