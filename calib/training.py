@@ -187,8 +187,14 @@ def run(cfg: dict) -> Path:
         write_text_atomic(stage / "config.yaml", OmegaConf.to_yaml(OmegaConf.create(cfg)))
         log.info("train.py -> %s (staged in %s)", out_dir, stage.name)
         summary = _fit_and_export(cfg, stage, out_dir)
-    print(summary)
+    print(summary + wandb_note(out_dir))
     return out_dir
+
+
+def wandb_note(out_dir: Path) -> str:
+    """Where the W&B offline runs ended up: W&B names the staging folder they were written in."""
+    runs = sorted(Path(out_dir).glob("wandb/offline-run-*"))
+    return "".join(f"\nW&B offline run published with the outputs: wandb sync {r}" for r in runs)
 
 
 def _fit_and_export(cfg: dict, stage: Path, out_dir: Path) -> str:

@@ -83,7 +83,8 @@ class EvalBank:
 
 
 def eval_scope(path, tables, fractions=(0.7, 0.15, 0.15), seed: int = 0) -> tuple[bool, str, tuple, int, list]:
-    """Whether the bank at ``path`` was a training bank of ``tables``, and the split to apply.
+    """Whether the bank at ``path`` (a bank folder, or a list of them read as one) was a training bank
+    of ``tables``, and the split to apply.
 
     Returns ``(seen, scope, fractions, seed, notes)``. A bank whose acceptance.parquet sha256 is
     among the tables' ``banks[].acceptance_sha256`` is *seen*: split by prompt with the split the
@@ -99,11 +100,16 @@ def eval_scope(path, tables, fractions=(0.7, 0.15, 0.15), seed: int = 0) -> tupl
     if not recorded:
         return (True, "held-out split (the tables record no training-bank fingerprints; assumed seen)",
                 fractions, seed, [])
-    fp = bank_fingerprint(path)
-    match = [b for b in recorded if b["acceptance_sha256"] == fp]
-    if not match:
+    paths = [path] if isinstance(path, (str, Path)) else list(path)
+    by_fp = {b["acceptance_sha256"]: b for b in recorded}
+    match = [by_fp.get(bank_fingerprint(p)) for p in paths]
+    if not any(match):
         return False, UNSEEN, fractions, seed, []
     notes = []
+    if not all(match):  # a union of seen and unseen folders: never score training prompts as test
+        notes.append(f"{[str(p) for p, m in zip(paths, match) if m is None]} not seen in training, but read "
+                     "together with training banks: the held-out split is applied to all of them")
+    match = [m for m in match if m]
     sp = tables.meta.get("split") or {}
     if "fractions" in sp and "seed" in sp:
         rec = (tuple(float(f) for f in sp["fractions"]), int(sp["seed"]))
@@ -121,17 +127,17 @@ def load_eval_bank(path, tables, fractions=(0.7, 0.15, 0.15), seed: int = 0, nam
     against the bank with ``tables.check_bank``, which raises :class:`calib.tables.TablesError` on a
     mismatch; what could not be checked is warned about and kept in ``EvalBank.notes``.
     """
+    bank: Bank = load(path)  # validated first: a typo or a broken bank is named as such
     notes = []
     if tables is not None:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            tables.check_bank(path)
+            tables.check_bank(bank)  # each folder of the bank
         for w in caught:  # re-emit (the caller's filters decide) and keep them for the report
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
             notes.append(str(w.message))
-    seen, scope, fractions, seed, split_notes = eval_scope(path, tables, fractions, seed)
+    seen, scope, fractions, seed, split_notes = eval_scope(bank.paths, tables, fractions, seed)
     notes += split_notes
-    bank: Bank = load(path)
     with_ng = bank.has(schema.NGRAM)
     t = bank.rounds(with_ngram=with_ng)
     width = schema.width(t.column_names)

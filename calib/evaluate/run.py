@@ -50,8 +50,14 @@ def run(cfg: DictConfig) -> dict:
         metrics = _evaluate(cfg, stage)
     print(f"eval: {len(metrics['calibration'])} calibration slices, {len(metrics['ladder'])} ladder rows in "
           f"{metrics['runtime_s']['total']:.1f} s (replay {metrics['runtime_s']['replay']:.1f} s) -> "
-          f"{target}/metrics.json, report.md")
+          f"{target}/metrics.json, report.md" + _wandb_note(target))
     return metrics
+
+
+def _wandb_note(out: Path) -> str:
+    """Where the W&B offline runs ended up: W&B names the staging folder they were written in."""
+    return "".join(f"\nW&B offline run published with the outputs: wandb sync {r}"
+                   for r in sorted(Path(out).glob("wandb/offline-run-*")))
 
 
 def _evaluate(cfg: DictConfig, out: Path) -> dict:
@@ -73,10 +79,9 @@ def _evaluate(cfg: DictConfig, out: Path) -> dict:
     cal, length = calibration_rows(banks, cfg.metrics.n_bins, cfg.metrics.n_boot, cfg.metrics.seed)
 
     rc = OmegaConf.to_container(cfg.replay, resolve=True)
-    rcfg = ReplayConfig(batch_sizes=tuple(rc["batch_sizes"]), policies=tuple(rc["policies"]), mode=rc["mode"],
-                        budget_per_request=rc["budget_per_request"], min_steps=rc["min_steps"],
-                        max_steps=rc["max_steps"], passes=rc["passes"], seed=rc["seed"],
-                        draft_cost=dict(OmegaConf.to_container(cfg.draft_cost)), impl=rc["impl"])
+    # Every field comes from the composed config (conf/eval.yaml + overrides); `progress` is replay()'s.
+    rcfg = ReplayConfig(**{k: v for k, v in rc.items() if k != "progress"},
+                        draft_cost=OmegaConf.to_container(cfg.draft_cost, resolve=True))
     width = max(c.acc.shape[1] for b in banks for c in b.chains.values())
     t_max = max(rcfg.batch_sizes) * (width + 1)
     curves = {name: make_curve(name, dict(c), t_max, root) for name, c in cfg.cost.items()}
