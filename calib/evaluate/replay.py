@@ -37,33 +37,110 @@ rule accounts for it. ``mode: budget`` swaps the goodput rule for a token budget
 
 from __future__ import annotations
 
+import functools
 import math
-from dataclasses import dataclass, field
+import numbers
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import torch
 
 from calib.allocate import allocate_probs
+from calib.allocate.api import IMPLEMENTATIONS
+from calib.calibrators.base import Interval, Options, Subset, validate_params
 from calib.evaluate.cost import CostCurve
 from calib.evaluate.data import EvalBank
 from calib.labels import censored
 
 UNIFORM = ("homogeneous", "gated_uniform")
+POLICIES = ("no_spec", "fixed", "best_fixed", "homogeneous", "gated_uniform", "ragged_raw",
+            "ragged_calibrated", "two_drafter", "oracle")
+MODES = ("price", "budget")  # price: goodput rule on the cost curve; budget: tokens per request
+DRAFTERS = ("model", "ngram")  # the chains a draft cost can be given for
+EVAL_YAML = Path(__file__).resolve().parents[2] / "conf" / "eval.yaml"
+
+
+@functools.cache
+def yaml_defaults() -> dict:
+    """ReplayConfig's defaults: ``conf/eval.yaml``'s ``replay:`` block and its ``draft_cost:`` (the one
+    place they are written; ``eval.py`` passes the composed values, overrides included)."""
+    from omegaconf import OmegaConf
+
+    if not EVAL_YAML.exists():
+        raise FileNotFoundError(f"{EVAL_YAML} not found: ReplayConfig takes its defaults from it; pass "
+                                "every field explicitly when calib runs outside its repository")
+    cfg = OmegaConf.load(EVAL_YAML)
+    replay = OmegaConf.to_container(cfg.replay, resolve=True)
+    return {**{f.name: replay[f.name] for f in fields(ReplayConfig) if f.name in replay},
+            "draft_cost": OmegaConf.to_container(cfg.draft_cost, resolve=True)}
+
+
+def _from_yaml(name: str):
+    """A ``default_factory`` reading field ``name`` from :func:`yaml_defaults` at construction."""
+    return lambda: yaml_defaults()[name]
 
 
 @dataclass
 class ReplayConfig:
-    batch_sizes: tuple[int, ...] = (1, 4, 16, 64, 128)
-    policies: tuple[str, ...] = ("no_spec", "fixed", "best_fixed", "homogeneous", "gated_uniform",
-                                 "ragged_raw", "ragged_calibrated", "two_drafter", "oracle")
-    mode: str = "price"  # price: goodput rule on the cost curve; budget: tokens per request
-    budget_per_request: float = 2.0
-    min_steps: int = 24
-    max_steps: int = 160
-    passes: float = 1.0  # steps ≈ passes · rounds / B (clipped to [min_steps, max_steps])
-    seed: int = 0
-    draft_cost: dict = field(default_factory=lambda: {"model": 0.1, "ngram": 0.0})
-    impl: str = "reference"
+    """How the replay runs; fields not given take their value from ``conf/eval.yaml`` (``replay:``
+    and ``draft_cost:``), so the YAML is the one source of every default. Checked on construction:
+    an unknown policy, mode or implementation is a ``ValueError`` listing the valid ones.
+
+    Attributes:
+        batch_sizes: the B of each replayed setting.
+        policies: names from :data:`POLICIES` (``fixed`` = every ``fixed_<γ>``).
+        mode: from :data:`MODES`; ``price``: the allocator's goodput rule on the cost curve,
+            ``budget``: a batch budget of ``round(budget_per_request * B)`` draft tokens.
+        min_steps, max_steps, passes: steps per setting ≈ ``passes · rounds / B``, clipped.
+        seed: of the step draws.
+        draft_cost: ``{drafter: cost of one draft pass as a fraction of the target's pass over B}``,
+            drafters from :data:`DRAFTERS`.
+        impl: the allocator implementation (``calib.allocate``'s ``IMPLEMENTATIONS``).
+    """
+
+    batch_sizes: tuple[int, ...] = field(default_factory=_from_yaml("batch_sizes"))
+    policies: tuple[str, ...] = field(default_factory=_from_yaml("policies"))
+    mode: str = field(default_factory=_from_yaml("mode"))
+    budget_per_request: float = field(default_factory=_from_yaml("budget_per_request"))
+    min_steps: int = field(default_factory=_from_yaml("min_steps"))
+    max_steps: int = field(default_factory=_from_yaml("max_steps"))
+    passes: float = field(default_factory=_from_yaml("passes"))
+    seed: int = field(default_factory=_from_yaml("seed"))
+    draft_cost: dict = field(default_factory=_from_yaml("draft_cost"))
+    impl: str = field(default_factory=_from_yaml("impl"))
+
+    _constraints: ClassVar[dict] = {  # declarative checks (calib.calibrators.base), batch_sizes below
+        "policies": [Subset(POLICIES)],
+        "mode": [Options(MODES)],
+        "budget_per_request": [Interval(numbers.Real, 0, None)],
+        "min_steps": [Interval(numbers.Integral, 1, None)],
+        "max_steps": [Interval(numbers.Integral, 1, None)],
+        "passes": [Interval(numbers.Real, 0, None, closed="neither")],
+        "seed": [Interval(numbers.Integral, 0, None)],
+        "impl": [Options(IMPLEMENTATIONS)],
+    }
+
+    def __post_init__(self) -> None:
+        self.batch_sizes = tuple(self.batch_sizes)
+        self.policies = tuple(self.policies)
+        self.draft_cost = dict(self.draft_cost)
+        params = {f.name: getattr(self, f.name) for f in fields(self)}
+        validate_params("ReplayConfig", {k: params[k] for k in self._constraints}, self._constraints)
+        positive = Interval(numbers.Integral, 1, None)
+        if not self.batch_sizes or not all(positive.accepts(b) for b in self.batch_sizes):
+            raise ValueError(f"ReplayConfig: batch_sizes={list(self.batch_sizes)} is invalid; it must be a "
+                             "non-empty list of integers >= 1")
+        if self.min_steps > self.max_steps:
+            raise ValueError(f"ReplayConfig: min_steps={self.min_steps} > max_steps={self.max_steps}")
+        unknown = sorted(set(self.draft_cost) - set(DRAFTERS))
+        if unknown:
+            raise ValueError(f"ReplayConfig: draft_cost names {unknown}; the drafters are {list(DRAFTERS)}")
+        for name, cost in self.draft_cost.items():
+            if not Interval(numbers.Real, 0, None).accepts(cost):
+                raise ValueError(f"ReplayConfig: draft_cost[{name!r}]={cost!r} is invalid; it must be a "
+                                 "finite number >= 0 (a fraction of the target's verify pass over the batch)")
 
 
 def train_mean_curve(bank: EvalBank) -> np.ndarray:

@@ -147,3 +147,85 @@ def test_measured_curve_interpolates_and_extrapolates(tmp_path):
     (tmp_path / "d.csv").write_text("T,seconds\n1,0.1\n2,0.3\n3,0.2\n")  # a faster shape at T = 3
     d = make_curve("measured", {"kind": "measured", "path": str(tmp_path / "d.csv")}, 3)
     np.testing.assert_allclose(d.values[1:], [0.1, 0.2, 0.2])  # T = 2 is padded up to the faster T = 3
+
+
+def test_replay_config_defaults_are_the_yaml():
+    # Before: the dataclass said max_steps=160 and a model draft cost of 0.1, conf/eval.yaml 128 and 0.24.
+    from omegaconf import OmegaConf
+
+    from calib.evaluate.replay import EVAL_YAML
+
+    yaml = OmegaConf.load(EVAL_YAML)
+    cfg = ReplayConfig()
+    assert cfg.max_steps == yaml.replay.max_steps and cfg.draft_cost == dict(yaml.draft_cost)
+    assert cfg.policies == tuple(yaml.replay.policies) and cfg.batch_sizes == tuple(yaml.replay.batch_sizes)
+    assert ReplayConfig(min_steps=4, max_steps=9).max_steps == 9
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"mode": "prices"}, "parameter mode='prices' is invalid; it must be one of 'price', 'budget'"),
+    ({"policies": ["no_spec", "ragged"]}, "parameter policies=.* must be .*'ragged_calibrated'"),
+    ({"impl": "cuda"}, "parameter impl='cuda' is invalid; it must be one of 'reference', 'triton'"),
+    ({"batch_sizes": [4, 0]}, r"batch_sizes=\[4, 0\] is invalid"),
+    ({"min_steps": 9, "max_steps": 8}, "min_steps=9 > max_steps=8"),
+    ({"passes": 0.0}, "parameter passes=0.0 is invalid"),
+    ({"draft_cost": {"eagle": 0.2}}, r"draft_cost names \['eagle'\]; the drafters are \['model', 'ngram'\]"),
+    ({"draft_cost": {"model": -0.1}}, r"draft_cost\['model'\]=-0.1 is invalid"),
+])
+def test_replay_config_refuses_unknown_options(kwargs, match):
+    # Before: mode="prices" silently meant budget mode; unknown policies were silently skipped.
+    with pytest.raises(ValueError, match=match):
+        ReplayConfig(**kwargs)
+
+
+def test_eval_config_composes_into_replay_config():
+    # run.py builds ReplayConfig(**replay, draft_cost=...) from the composed config: an override with an
+    # unknown value fails there, before any replay.
+    from pathlib import Path
+
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    conf = Path(__file__).resolve().parents[2] / "conf"
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+        good = compose("eval", overrides=["replay.min_steps=4", "replay.max_steps=8"])
+        bad = compose("eval", overrides=["replay.mode=prices"])
+
+    def build(cfg):
+        rc = OmegaConf.to_container(cfg.replay, resolve=True)
+        return ReplayConfig(**{k: v for k, v in rc.items() if k != "progress"},
+                            draft_cost=OmegaConf.to_container(cfg.draft_cost, resolve=True))
+
+    assert build(good).max_steps == 8
+    with pytest.raises(ValueError, match="mode='prices'"):
+        build(bad)
+
+
+@pytest.mark.parametrize("rows, match", [
+    ("T,seconds\n1,0.1\n2,abc\n", r"c.csv, line 3: T='2', seconds='abc': expected an integer T and a"),
+    ("T,seconds\n1,0.1\n2,0\n", r"c.csv, line 3: seconds=0.0 at T=2; a verify cost must be finite and"),
+    ("T,seconds\n1,0.1\n2,-0.3\n", r"line 3: seconds=-0.3"),
+    ("T,seconds\n1,nan\n2,0.2\n", r"line 2: seconds=nan"),
+    ("T,seconds\n1,0.1\n1,0.2\n", r"line 3: T=1 again \(first on line 2\)"),
+    ("T,seconds\n1,0.1\n", r"c.csv: 1 row\(s\); a measured curve needs at least two"),
+    ("T,secs\n1,0.1\n2,0.2\n", r"c.csv: no column \['seconds'\]"),
+])
+def test_measured_curve_rows_are_checked(tmp_path, rows, match):
+    # Before: zero/negative rows reached the allocator (every request then verified nothing) or failed
+    # with a bare float() error; a one-row file gave a flat curve.
+    (tmp_path / "c.csv").write_text(rows)
+    with pytest.raises(ValueError, match=match):
+        make_curve("measured", {"kind": "measured", "path": str(tmp_path / "c.csv")}, 8)
+
+
+@pytest.mark.parametrize("cfg, t_max, match", [
+    ({"weight_read": 0.0, "per_position": 0.0}, 8, r"cost curve 'p': C\(0\) = 0.0; every verify cost"),
+    ({"weight_read": 1.0, "per_position": -0.5}, 8, r"C\(2\) = 0.0"),
+    ({"weight_read": float("nan"), "per_position": 0.01}, 8, r"C\(0\) = nan"),
+    ({"weight_read": 1.0, "per_position": 0.01}, 0, r"t_max=0"),
+])
+def test_parametric_curve_is_checked(cfg, t_max, match):
+    with pytest.raises(ValueError, match=match):
+        make_curve("p", {"kind": "parametric", **cfg}, t_max)
+    with pytest.raises(ValueError, match="every verify cost must be finite and positive"):
+        CostCurve("direct", np.array([1.0, 1.0, 0.0]), "s")

@@ -48,7 +48,10 @@ def _check_frame(df: pd.DataFrame, features, y=None):
 
 class NgramAcceptanceModel(Calibrator):
     features: tuple
-    _parameter_constraints: ClassVar[dict] = {"features": [Subset(FEATURE_NAMES)], "seed": [Interval(numbers.Integral, 0, None)]}
+    _parameter_constraints: ClassVar[dict] = {
+        "features": [Subset(FEATURE_NAMES)],
+        "seed": [Interval(numbers.Integral, 0, None)],
+    }
 
     def _design(self, X: np.ndarray, depth: np.ndarray) -> np.ndarray:
         cols = [np.log1p(X[:, i]) if f in LOG_FEATURES else X[:, i] for i, f in enumerate(self.features)]

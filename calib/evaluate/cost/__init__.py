@@ -15,6 +15,9 @@ Two kinds, chosen in config (``conf/cost/``):
   between its grid points and extrapolated linearly from its last two points. Unit: seconds.
 
 Curves are returned as the allocator's price-mode tensor: float64 ``[T_max + 1]``, index = ``T``.
+Every curve is checked where it is made: at least ``C(0..1)`` (``T_max >= 1``), and every ``C(T)``
+finite and positive; a measured CSV's rows are checked as they are read (file and line named).
+A zero, negative or NaN cost would make the allocator's goodput rule refuse every draft token.
 """
 
 from __future__ import annotations
@@ -32,6 +35,9 @@ class CostCurve:
     name: str
     values: np.ndarray  # [T_max + 1], values[T] = C(T); values[0] = C(1) (never used: T >= B >= 1)
     unit: str
+
+    def __post_init__(self) -> None:
+        check_values(self.name, self.values)
 
     def __call__(self, t) -> np.ndarray:
         return self.values[np.asarray(t, dtype=np.int64)]
@@ -57,10 +63,8 @@ class MoECurve(CostCurve):
     curve for the current batch size (1 until :meth:`for_batch`)."""
 
     def __init__(self, name: str, cost, t_max: int, unit: str, batch: int = 1):
-        super().__init__(name, cost.even_curve(batch, t_max), unit)
+        super().__init__(name, cost.even_curve(batch, t_max), unit)  # checks the values
         self.cost, self.t_max, self.batch = cost, t_max, batch
-        if not np.all(np.isfinite(self.values)) or np.any(self.values <= 0):
-            raise ValueError(f"cost curve {name!r} has non-positive or non-finite values")
 
     def for_batch(self, batch: int) -> MoECurve:
         return self if batch == self.batch else MoECurve(self.name, self.cost, self.t_max, self.unit, batch)
@@ -72,17 +76,59 @@ class MoECurve(CostCurve):
         return self.cost.step_cost(depth_counts(depth, int(depth.max(initial=0))))
 
 
+def check_values(name: str, values: np.ndarray) -> None:
+    """A curve ``[T_max + 1]`` must price at least ``T = 1`` and every ``C(T)`` must be finite and > 0."""
+    values = np.asarray(values)
+    if values.ndim != 1 or values.size < 2:
+        raise ValueError(f"cost curve {name!r} has shape {values.shape}: it must be 1-D [T_max + 1] with "
+                         "T_max >= 1 (a verify pass scores at least one position)")
+    bad = ~np.isfinite(values) | (values <= 0)
+    if bad.any():
+        t = int(np.flatnonzero(bad)[0])
+        raise ValueError(f"cost curve {name!r}: C({t}) = {float(values[t])!r}; every verify cost must be "
+                         f"finite and positive ({int(bad.sum())} of {values.size} entries are not); check the "
+                         "curve's config (conf/cost/)")
+
+
 def read_curve_csv(path, column: str = "seconds") -> tuple[np.ndarray, np.ndarray]:
+    """``(T, cost)`` sorted by ``T`` from a CSV with columns ``T`` and ``column``; a row with a missing,
+    non-numeric, non-positive or non-finite value, or a repeated or non-positive ``T``, is an error
+    naming the file and line, and so is a file with fewer than two rows (nothing to interpolate)."""
+    rows = []
     with open(path, newline="") as fh:
-        rows = [(int(r["T"]), float(r[column])) for r in csv.DictReader(fh)]
-    if not rows:
-        raise ValueError(f"{path}: no rows (expected columns T, seconds)")
+        reader = csv.DictReader(fh)
+        missing = [c for c in ("T", column) if c not in (reader.fieldnames or [])]
+        if missing:
+            raise ValueError(f"{path}: no column {missing} (columns: {reader.fieldnames}); a measured curve "
+                             f"has columns T, seconds[, seconds_min] (bench/verify_cost.py)")
+        seen: dict[int, int] = {}
+        for r in reader:
+            line = reader.line_num
+            try:
+                t, c = int(r["T"]), float(r[column])
+            except (TypeError, ValueError):
+                raise ValueError(f"{path}, line {line}: T={r['T']!r}, {column}={r[column]!r}: expected an "
+                                 f"integer T and a number") from None
+            if t < 1:
+                raise ValueError(f"{path}, line {line}: T={t}; a verify pass scores T >= 1 positions")
+            if not (np.isfinite(c) and c > 0):
+                raise ValueError(f"{path}, line {line}: {column}={c!r} at T={t}; a verify cost must be "
+                                 "finite and positive")
+            if t in seen:
+                raise ValueError(f"{path}, line {line}: T={t} again (first on line {seen[t]})")
+            seen[t] = line
+            rows.append((t, c))
+    if len(rows) < 2:
+        raise ValueError(f"{path}: {len(rows)} row(s); a measured curve needs at least two "
+                         f"(T, {column}) rows to interpolate and extrapolate")
     rows.sort()
     return np.array([r[0] for r in rows], dtype=np.float64), np.array([r[1] for r in rows])
 
 
 def make_curve(name: str, cfg: dict, t_max: int, root: str | Path = ".") -> CostCurve:
     kind = cfg.get("kind", name)
+    if t_max < 1:
+        raise ValueError(f"cost curve {name!r}: t_max={t_max}; a curve prices T = 1..t_max positions")
     if kind == "moe":
         from calib.evaluate.cost.moe import MoECost
 
@@ -108,7 +154,5 @@ def make_curve(name: str, cfg: dict, t_max: int, root: str | Path = ".") -> Cost
             values = np.minimum.accumulate(values[::-1])[::-1]
     else:
         raise ValueError(f"cost curve {name!r}: kind must be parametric, measured or moe, got {kind!r}")
-    values[0] = values[1] if t_max >= 1 else values[0]
-    if not np.all(np.isfinite(values)) or np.any(values <= 0):
-        raise ValueError(f"cost curve {name!r} has non-positive or non-finite values")
-    return CostCurve(name, values, unit)
+    values[0] = values[1]
+    return CostCurve(name, values, unit)  # checks every C(T)
