@@ -306,8 +306,15 @@ def _fit_and_export_tracked(cfg: dict, bank, tracker, stage: Path, out_dir: Path
 
     import torch
 
+    # A drafted depth no training round reached has no row of its own: the last row stands for it
+    # (the calibrators' rule), and the tables say so, or the allocator would refuse K > D at serve time.
+    short = {c: (d["k"], tensors[f"{c}_grid"].shape[0]) for c, d in meta["drafters"].items()
+             if d["k"] > tensors[f"{c}_grid"].shape[0]}
+    if short:
+        log.warning("depths without training rounds (chain: drafted K, fitted rows): %s; their "
+                    "calibration is the last row's (reuse_last_row=True)", short)
     tables = GridTables(*(torch.from_numpy(tensors[n]) for n in ("model_grid", "ngram_edges", "ngram_strides",
-                                                                  "ngram_grid")))
+                                                                  "ngram_grid")), reuse_last_row=bool(short))
     meta["fit"] = fit_rows
     meta["train_wall_s"] = round(time.time() - t_start, 2)
     save(stage, tables, meta)

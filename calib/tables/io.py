@@ -65,11 +65,12 @@ class Tables(GridTables):
     Attributes:
         meta: the content of ``tables.json``.
         path: the tables folder (set by :func:`load`; None for tables built in memory), named in errors.
+        reuse_last_row: see :mod:`calib.tables.layout`; saved in tables.json and restored by :func:`load`.
     """
 
     def __init__(self, model_grid, ngram_edges, ngram_strides, ngram_grid, meta: dict | None = None,
-                 path: str | os.PathLike | None = None):
-        super().__init__(model_grid, ngram_edges, ngram_strides, ngram_grid)
+                 path: str | os.PathLike | None = None, reuse_last_row: bool = False):
+        super().__init__(model_grid, ngram_edges, ngram_strides, ngram_grid, reuse_last_row=bool(reuse_last_row))
         self.meta = dict(meta or {})
         self.path = None if path is None else Path(path)
 
@@ -79,12 +80,15 @@ class Tables(GridTables):
         t = self.meta.get("target_models")
         return None if t is None else list(t)
 
-    def chain_depth(self, chain: str) -> int:
-        """The drafted depth K the tables cover for ``chain`` ("model" | "ngram"): the recorded ``k``,
-        else the rows of its grid (deeper depths would reuse the last row)."""
+    def chain_depth(self, chain: str) -> int | None:
+        """The drafted depth K the tables cover for ``chain`` ("model" | "ngram"): the recorded ``k``
+        (the training banks' drafted width), else the rows of its grid, or None (any depth) for
+        tables without a record that say ``reuse_last_row``."""
         k = self.meta.get("drafters", {}).get(chain, {}).get("k")
         if k is not None:
             return int(k)
+        if self.reuse_last_row:
+            return None
         return int((self.model_grid if chain == "model" else self.ngram_grid).shape[0])
 
     def check_bank(self, bank, path: str | os.PathLike | None = None) -> list[str]:
@@ -147,14 +151,14 @@ class Tables(GridTables):
                     problems.append(f"drafter: tables {tdir} were fitted for the model drafter(s) {list(ids)}, "
                                     f"bank {bdir} was drafted by {spec!r}")
             k_bank, k_tab = facts["k"], self.chain_depth(chain)
-            if k_bank is not None and k_bank > k_tab:
+            if k_bank is not None and k_tab is not None and k_bank > k_tab:
                 problems.append(f"depth: tables {tdir} cover {chain}-drafter depths 0..{k_tab - 1} (K={k_tab}), "
                                 f"bank {bdir} drafts K={k_bank}; depths {k_tab}..{k_bank - 1} would silently "
                                 f"reuse depth {k_tab - 1}'s calibration")
 
         if "ngram" in drafters and (facts["has_ngram"] or chain == "ngram"):
             k_bank, k_tab = facts["k_ngram"], self.chain_depth("ngram")
-            if chain != "ngram" and k_bank is not None and k_bank > k_tab:
+            if chain != "ngram" and k_bank is not None and k_tab is not None and k_bank > k_tab:
                 problems.append(f"depth: tables {tdir} cover n-gram depths 0..{k_tab - 1} (K={k_tab}), bank "
                                 f"{bdir}'s n-gram chain (ngram.parquet) is {k_bank} deep")
             cols, feats = facts["ngram_columns"], self.ngram_feature_names
@@ -301,7 +305,8 @@ def save(out_dir: str | os.PathLike, tables: GridTables, meta: dict) -> Path:
     try:
         save_file(tensors, tmp, metadata={"schema_version": str(SCHEMA_VERSION)})
         full = {"schema_version": SCHEMA_VERSION, "calib_version": __version__, "git_commit": git_commit(),
-                **meta, "tensors_sha256": _sha256(Path(tmp)),
+                **meta, "reuse_last_row": bool(getattr(tables, "reuse_last_row", False)),
+                "tensors_sha256": _sha256(Path(tmp)),
                 "shapes": {n: list(t.shape) for n, t in tensors.items()}}
         full.pop("json_sha256", None)
         full = json.loads(json.dumps(full, default=float))  # the digest is over what a reader parses back
@@ -352,4 +357,4 @@ def load(path: str | os.PathLike) -> Tables:
     if "ngram" in meta.get("drafters", {}) and feats and len(feats) != tensors["ngram_edges"].shape[0]:
         raise TablesError(f"{d}: tables.json names {len(feats)} n-gram features {feats}, ngram_edges has "
                           f"{tensors['ngram_edges'].shape[0]} rows; re-export the tables")
-    return Tables(*(tensors[n] for n in NAMES), meta=meta, path=d)
+    return Tables(*(tensors[n] for n in NAMES), meta=meta, path=d, reuse_last_row=meta.get("reuse_last_row", False))

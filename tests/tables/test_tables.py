@@ -186,3 +186,18 @@ def test_check_bank_warns_what_it_cannot_check(tmp_path, tables):
         notes = t.check_bank(bank)
     assert len(notes) == 2 and "records no `model`" in notes[0] and "records no `speculator`" in notes[1]
     assert {str(w.message) for w in rec} == set(notes)
+
+
+def test_reuse_last_row_survives_save_and_load(tmp_path, tables):
+    """Tables saying their last row stands for deeper depths keep saying so on disk; without a recorded
+    K, check_bank then accepts a deeper bank (with one, the recorded K still binds)."""
+    deep = GridTables(tables.model_grid[:2], tables.ngram_edges, tables.ngram_strides, tables.ngram_grid[:2],
+                      reuse_last_row=True)
+    meta = {"target_models": ["synthetic-model"], "ngram_features": ["match_n", "agreement"],
+            "drafters": {"model": {"ids": ["eagle:head"]}, "ngram": {"ids": ["ngram"]}}}
+    t = load(save(tmp_path / "t", deep, meta))
+    assert t.reuse_last_row and not load(save(tmp_path / "u", tables, meta)).reuse_last_row
+    assert t.check_bank(_bank(tmp_path)) == []  # K=4 bank on 2 rows: allowed, the tables say so
+    with pytest.raises(TablesError, match=r"K=2\), bank .* drafts K=4"):
+        load(save(tmp_path / "v", GridTables(tables.model_grid[:2], tables.ngram_edges, tables.ngram_strides,
+                                             tables.ngram_grid[:2]), meta)).check_bank(_bank(tmp_path, "b2"))
