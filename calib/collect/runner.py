@@ -199,7 +199,7 @@ def run(cfg: dict, command: str | None = None) -> Path | None:
         part_size = int(cfg["part_size"])
         n_parts = (len(prompts) + part_size - 1) // part_size
         kept = len(folder.finished_parts()) if folder.parts.exists() else 0
-        print(f"\ninterrupted: {kept} of {n_parts} parts kept in {folder.dir}; resume with: "
+        print(f"interrupted: {kept} of {n_parts} parts kept in {folder.dir}; resume with: "
               f"{command or resume_command()}", file=sys.stderr, flush=True)
         raise SystemExit(130) from None
 
@@ -260,27 +260,27 @@ def _collect(cfg: dict, prompts: list, folder: RunFolder) -> Path | None:
 
         progress = bool(cfg.get("progress", True))
         done_prompts = len(prompts) - sum(len(prompts[i * part_size: (i + 1) * part_size]) for i in todo)
-        bar = tqdm(total=len(prompts), desc=f"collect {keys.config}", unit="prompt", initial=done_prompts,
-                   disable=not progress)
-        for i in todo:
-            batch = prompts[i * part_size: (i + 1) * part_size]
-            token_ids = [encode_chat(tokenizer, p.messages) for p in batch]
-            params = [SamplingParams(temperature=temperature, top_p=float(sampling.get("top_p", 1.0)),
-                                     max_tokens=int(sampling["max_tokens"]),
-                                     seed=int(cfg["seed"]) + p.idx if temperature > 0 else None)
-                      for p in batch]
-            t0 = time.time()
-            outputs = llm.generate([{"prompt_token_ids": t} for t in token_ids], params,
-                                   use_tqdm=_per_request_progress(bar) if progress else False)
-            wall = time.time() - t0
-            info = _finish_part(folder, i, batch, token_ids, outputs, capture_dir, keys, wall,
-                                capture_on=bool(cfg.get("capture", True)),
-                                reconcile_on=bool(cfg.get("reconcile", True)))
-            done_prompts += len(batch)
-            if bar.n < done_prompts:  # vLLM reported fewer requests (or the bar is off): catch up
-                bar.update(done_prompts - bar.n)
-            bar.set_postfix(rounds=info["n_rounds"], tok_s=f"{info['output_tokens'] / wall:.1f}")
-        bar.close()
+        # closed on any exit, so a Ctrl-C message starts on a line of its own
+        with tqdm(total=len(prompts), desc=f"collect {keys.config}", unit="prompt", initial=done_prompts,
+                  disable=not progress) as bar:
+            for i in todo:
+                batch = prompts[i * part_size: (i + 1) * part_size]
+                token_ids = [encode_chat(tokenizer, p.messages) for p in batch]
+                params = [SamplingParams(temperature=temperature, top_p=float(sampling.get("top_p", 1.0)),
+                                         max_tokens=int(sampling["max_tokens"]),
+                                         seed=int(cfg["seed"]) + p.idx if temperature > 0 else None)
+                          for p in batch]
+                t0 = time.time()
+                outputs = llm.generate([{"prompt_token_ids": t} for t in token_ids], params,
+                                       use_tqdm=_per_request_progress(bar) if progress else False)
+                wall = time.time() - t0
+                info = _finish_part(folder, i, batch, token_ids, outputs, capture_dir, keys, wall,
+                                    capture_on=bool(cfg.get("capture", True)),
+                                    reconcile_on=bool(cfg.get("reconcile", True)))
+                done_prompts += len(batch)
+                if bar.n < done_prompts:  # vLLM reported fewer requests (or the bar is off): catch up
+                    bar.update(done_prompts - bar.n)
+                bar.set_postfix(rounds=info["n_rounds"], tok_s=f"{info['output_tokens'] / wall:.1f}")
         del llm
     return _merge(folder, cfg, keys, spec, model_dir, time.time() - t_start)
 
