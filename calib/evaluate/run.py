@@ -9,6 +9,7 @@ a training bank is scored on its held-out prompts, any other bank whole. Everyth
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from calib.evaluate.report import ladder_notes, table, write_metrics
 CAL_COLS = ["bank", "drafter", "variant", "category", "n", "ece", "ece_ci", "ece_equal_mass", "ece_debiased",
             "mce", "brier", "nll", "auroc", "mean_conf", "accept_rate"]
 LEN_COLS = ["bank", "drafter", "variant", "category", "n", "predicted_mean", "actual_mean", "bias", "mae", "pearson"]
+log = logging.getLogger("calib.eval")
 # What marks a folder as an earlier eval.py output (replaced only with overwrite=true).
 OUT_MARKERS = ("metrics.json", "report.md", "eval.log", ".hydra")
 
@@ -47,7 +49,10 @@ def run(cfg: DictConfig) -> dict:
     with staged_output(target, overwrite=bool(cfg.get("overwrite", False)), markers=OUT_MARKERS, job="eval.py",
                        log_file="eval.log") as stage:
         write_text_atomic(stage / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
+        log.info("eval.py -> %s (staged in %s); tables %s", target, stage.name, _path(root, cfg.tables))
         metrics = _evaluate(cfg, stage)
+        log.info("%d calibration slices, %d ladder rows in %.1f s", len(metrics["calibration"]),
+                 len(metrics["ladder"]), metrics["runtime_s"]["total"])
     print(f"eval: {len(metrics['calibration'])} calibration slices, {len(metrics['ladder'])} ladder rows in "
           f"{metrics['runtime_s']['total']:.1f} s (replay {metrics['runtime_s']['replay']:.1f} s) -> "
           f"{target}/metrics.json, report.md" + _wandb_note(target))
@@ -73,6 +78,9 @@ def _evaluate(cfg: DictConfig, out: Path) -> dict:
     tests = [cfg.data.test] if isinstance(cfg.data.test, str) else list(cfg.data.test)
     banks = [load_eval_bank(_path(root, p), tables, fractions, cfg.split.seed) for p in tests]
     for b in banks:
+        log.info("bank %s (%s): %s", b.name, b.path, b.scope)
+        for n in b.notes:
+            log.warning("bank %s: %s", b.name, n)
         if split != "test" and b.seen:  # an unseen bank is evaluated whole whatever split is named
             b.split = np.where(b.split == split, "test", "other")  # replay and metrics read "test"
 
