@@ -129,7 +129,7 @@ def test_eval_out_dir_is_one_unit(tmp_path):
     assert not (out / "ladder_stale_parametric.png").exists()  # was: kept beside the new report
     assert {"metrics.json", "report.md", "config.yaml", "eval.log", "wandb"} <= first
     assert {"metrics.json", "report.md", "config.yaml", "eval.log", "csv"} <= {p.name for p in out.iterdir()}
-    assert f"bank bank ({bank}): held-out split" in (out / "eval.log").read_text()
+    assert f"({bank}): held-out split" in (out / "eval.log").read_text()
     assert "overwrite: true" in (out / "config.yaml").read_text()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bank", "out", "tables"]  # no staging folder
     for p in [out, *out.rglob("*")]:
