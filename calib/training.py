@@ -26,8 +26,8 @@ from calib.bank import load, schema
 from calib.labels import model_samples, ngram_samples, prompt_split
 from calib.metrics import auroc, brier, ece, nll
 from calib.tables import GridTables, save
-from calib.tables.io import META, TENSORS, bank_fingerprint
 from calib.tables.export import model_grid, model_table_predict, ngram_grid, ngram_table_predict
+from calib.tables.io import META, TENSORS, bank_fingerprint
 from calib.tracking import make_tracker
 
 log = logging.getLogger("calib.train")

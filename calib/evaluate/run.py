@@ -16,12 +16,12 @@ from pathlib import Path
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
+from calib.atomic import staged_output, write_text_atomic
 from calib.evaluate import plots
 from calib.evaluate.calibration import calibration_rows
 from calib.evaluate.cost import CostCurve, make_curve
 from calib.evaluate.data import load_eval_bank
 from calib.evaluate.replay import ReplayConfig, replay
-from calib.atomic import staged_output, write_text_atomic
 from calib.evaluate.report import ladder_notes, table, write_metrics
 
 CAL_COLS = ["bank", "drafter", "variant", "category", "n", "ece", "ece_ci", "ece_equal_mass", "ece_debiased",

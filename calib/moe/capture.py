@@ -27,8 +27,8 @@ import pyarrow as pa
 
 from calib.atomic import write_json_atomic
 from calib.bank import schema, write_bank
-from calib.ngram import find_match
 from calib.moe.moefy import ShadowRouter, encode_prompt, load_dense
+from calib.ngram import find_match
 
 log = logging.getLogger("calib.moe")
 

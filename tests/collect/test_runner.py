@@ -37,7 +37,8 @@ def clean_env(monkeypatch):
 
 
 def compose(*overrides: str) -> dict:
-    from hydra import compose as hydra_compose, initialize_config_dir
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
 
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = hydra_compose("collect", overrides=[f"root={ROOT}", *overrides])

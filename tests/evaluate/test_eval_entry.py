@@ -46,14 +46,14 @@ def test_eval_compose_run(tmp_path):
 
 # --- tables x bank checks, the split of unseen banks, out_dir as one unit (issue 12 items 2-4) -------
 
-import os  # noqa: E402
+import os
 
-import pyarrow.parquet as pq  # noqa: E402
-import pytest  # noqa: E402
+import pyarrow.parquet as pq
+import pytest
 
-import calib.tables  # noqa: E402
-from calib.tables import TablesError  # noqa: E402
-from calib.tables.io import bank_fingerprint  # noqa: E402
+import calib.tables
+from calib.tables import TablesError
+from calib.tables.io import bank_fingerprint
 
 FAST = ["logger=csv", "metrics.n_boot=5", "replay.batch_sizes=[1,4]", "replay.max_steps=4", "replay.min_steps=2",
         "replay.progress=false", "cost=parametric"]

@@ -17,7 +17,6 @@ import torch
 
 from calib import envs
 from calib.atomic import write_json_atomic
-from calib.target import prepare_target
 from calib.drafters.eagle.corpus import build_corpus
 from calib.drafters.eagle.distill import (
     HiddenStateSequences,
@@ -30,6 +29,7 @@ from calib.drafters.eagle.distill import (
 from calib.drafters.eagle.export import export_head, load_exported
 from calib.drafters.eagle.model import EagleHead
 from calib.drafters.eagle.training import EagleTrainingModule
+from calib.target import prepare_target
 
 
 def _lightning_logger(cfg: dict, out: Path):
