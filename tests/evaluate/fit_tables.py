@@ -27,16 +27,21 @@ def fit_tables(banks, out_dir, grid_points: int = 21, split: str = "train"):
     from calib.evaluate.data import load_eval_bank
     from calib.tables.features import ngram_feature_tensor
 
+    from calib.bank import load
+
     model_conf, model_acc, ng_feat, ng_acc = [], [], [], []
+    targets, model_ids = set(), set()
     for path in banks:
         eb = load_eval_bank(path, None)
+        keys = load(path).table("acceptance.parquet")
+        targets |= set(keys.column("model").to_pylist())
+        if "model" in eb.chains:
+            model_ids |= set(keys.column("speculator").to_pylist())
         keep = eb.split == split
         if "model" in eb.chains:
             model_conf.append(eb.chains["model"].p_raw[keep])
             model_acc.append(eb.chains["model"].acc[keep])
         if "ngram" in eb.chains:
-            from calib.bank import load
-
             t = load(path).rounds(with_ngram=True)
             feats = ngram_feature_tensor(t, NGRAM_FEATURES, eb.chains["ngram"].acc.shape[1], prefix="ng_").numpy()
             ng_feat.append(feats[keep])
@@ -54,7 +59,8 @@ def fit_tables(banks, out_dir, grid_points: int = 21, split: str = "train"):
             m = reached[:, k] & ~np.isnan(conf[:, k])
             iso = IsotonicRegression(y_min=0.0, y_max=1.0, out_of_bounds="clip").fit(conf[m, k], label[m, k])
             grid[k] = torch.from_numpy(iso.predict(xs)).float()
-        drafters["model"] = {"calibrator": "isotonic (test stand-in)", "depths": K}
+        drafters["model"] = {"calibrator": "isotonic (test stand-in)", "depths": K, "k": K,
+                             "ids": sorted(model_ids)}
     edges = torch.full((len(NGRAM_FEATURES), 3), float("inf"))
     for f, e in enumerate(NGRAM_EDGES):
         edges[f, : len(e)] = torch.tensor(e)
@@ -73,9 +79,10 @@ def fit_tables(banks, out_dir, grid_points: int = 21, split: str = "train"):
             n = np.bincount(cell[m], minlength=cells)
             a = np.bincount(cell[m], weights=label[m, k], minlength=cells)
             ng_grid[k] = torch.from_numpy((a + 1) / (n + 2)).float()
-        drafters["ngram"] = {"calibrator": "cell rate (test stand-in)", "depths": K}
+        drafters["ngram"] = {"calibrator": "cell rate (test stand-in)", "depths": K, "k": K, "ids": ["ngram"]}
     return save(out_dir, GridTables(grid, edges, strides, ng_grid),
                 meta={"ngram_features": list(NGRAM_FEATURES), "drafters": drafters,
+                      "target_models": sorted(targets),
                       "banks": [str(b) for b in banks], "note": "stand-in tables from tests/evaluate/fit_tables.py"})
 
 

@@ -14,7 +14,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_eval_compose_run(tmp_path):
-    bank = write_bank(tmp_path / "bank", *synthetic_tables(n_prompts=24, rounds_per_prompt=12, width=4, seed=3))
+    bank = write_bank(tmp_path / "bank", *synthetic_tables(n_prompts=24, rounds_per_prompt=12, width=4, seed=3),
+                      manifest={"model": "synthetic-model", "speculator": "synthetic"})
     fit_tables([bank], tmp_path / "tables", split="train")
     out = tmp_path / "out"
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):

@@ -55,7 +55,8 @@ def tiny_bank(tmp_path):
     ng_fields += [pa.field(f"ngram_tok{k}", pa.int64()) for k in range(3)]
     ng_fields += [pa.field(f"acc{k}", pa.int8()) for k in range(3)]
     ng_t = pa.table(ng, schema=pa.schema(ng_fields))
-    return write_bank(tmp_path / "bank", acc_t, spec_t, ng_t)
+    return write_bank(tmp_path / "bank", acc_t, spec_t, ng_t,
+                      manifest={"model": "synthetic", "speculator": "synthetic-draft"})
 
 
 def identity_tables(tmp_path, ngram_p=0.5):
@@ -63,7 +64,9 @@ def identity_tables(tmp_path, ngram_p=0.5):
     grid = torch.linspace(0, 1, 11).repeat(3, 1)
     t = GridTables(grid, torch.full((1, 1), float("inf")), torch.zeros(1, dtype=torch.int64),
                    torch.full((3, 1), ngram_p))
-    save(tmp_path / "tables", t, {"ngram_features": ["match_n"], "drafters": {"model": {}, "ngram": {}}})
+    save(tmp_path / "tables", t, {"ngram_features": ["match_n"], "target_models": ["synthetic"],
+                                  "drafters": {"model": {"ids": ["synthetic-draft"], "k": 3},
+                                               "ngram": {"ids": ["ngram"], "k": 3}}})
     import calib.tables
 
     return calib.tables.load(tmp_path / "tables")
