@@ -84,3 +84,58 @@ def test_expected_accepted_length_and_summary():
 
 def test_auroc_undefined_with_one_class():
     assert np.isnan(M.auroc([0.2, 0.8], [1, 1]))
+
+
+# --- ece_ci contains its own estimate (issue 13 item 4) -------------------------------------------------
+
+
+def _exactly_calibrated(per_bin=100, n_bins=10):
+    """SYNTHETIC: confidences at the bin centres, each bin accepting exactly its confidence: ECE = 0."""
+    p = np.repeat((np.arange(n_bins) + 0.5) / n_bins, per_bin)
+    y = np.concatenate([np.r_[np.ones(int(round(c * per_bin))), np.zeros(per_bin - int(round(c * per_bin)))]
+                        for c in (np.arange(n_bins) + 0.5) / n_bins])
+    return p, y
+
+
+def test_ece_ci_contains_its_estimate_where_every_replicate_lies_above_it():
+    p, y = _exactly_calibrated()
+    groups = np.repeat(np.arange(100), 10)  # 100 prompts of 10 samples, spread over every bin
+    rng = np.random.default_rng(0)
+    groups = rng.permutation(groups)
+    est = M.ece(p, y, 10)
+    assert est == pytest.approx(0.0, abs=1e-12)
+    lo, hi = M.calibration_summary(p, y, groups, n_bins=10, n_boot=200)["ece_ci"]
+    assert lo <= est <= hi and hi > 0  # was: [0.019, 0.048] around an estimate of 0
+    assert [lo, hi] == pytest.approx(M.ece_bootstrap_ci(p, y, groups, n_bins=10, n_boot=200))
+    reps = M.ece_bootstrap_replicates(p, y, groups, n_bins=10, n_boot=200)
+    assert (reps > est).all()  # resampling only adds noise to |gap|: the replicates are biased upwards
+    lo_pct, _ = M.ece_bootstrap_ci(p, y, groups, n_bins=10, n_boot=200, method="percentile")
+    assert lo_pct > est  # why the percentile interval excluded its own estimate
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_recentred_interval_keeps_the_percentile_width_and_brackets_the_estimate(seed):
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(40, 3000))
+    p = rng.beta(2, 2, size=n)
+    y = (rng.uniform(size=n) < p ** rng.uniform(0.8, 1.6)).astype(float)  # from calibrated to over-confident
+    groups = rng.integers(0, max(n // 15, 2), size=n)
+    est = M.ece(p, y, 15)
+    lo, hi = M.ece_bootstrap_ci(p, y, groups, n_boot=100, seed=seed)
+    assert 0.0 <= lo <= est <= hi
+    reps = M.ece_bootstrap_replicates(p, y, groups, n_boot=100, seed=seed)
+    q_lo, q_hi = np.quantile(reps, [0.025, 0.975])
+    if lo > 0:  # unclipped: the percentile interval moved down by the replicates' median shift
+        assert hi - lo == pytest.approx(q_hi - q_lo)
+        assert hi - est == pytest.approx(q_hi - np.median(reps))
+
+
+def test_ece_ci_methods_and_refusal():
+    p, y = _exactly_calibrated()
+    g = np.arange(p.size)
+    for method in M.ECE_CI_METHODS:
+        lo, hi = M.ece_bootstrap_ci(p, y, g, n_bins=10, n_boot=50, method=method)
+        assert 0.0 <= lo <= hi
+    with pytest.raises(ValueError, match="method='bca'"):
+        M.ece_bootstrap_ci(p, y, g, method="bca")
+    assert np.isnan(M.ece_bootstrap_ci([], [], [])[0])
