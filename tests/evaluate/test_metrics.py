@@ -92,8 +92,8 @@ def test_auroc_undefined_with_one_class():
 def _exactly_calibrated(per_bin=100, n_bins=10):
     """SYNTHETIC: confidences at the bin centres, each bin accepting exactly its confidence: ECE = 0."""
     p = np.repeat((np.arange(n_bins) + 0.5) / n_bins, per_bin)
-    y = np.concatenate([np.r_[np.ones(int(round(c * per_bin))), np.zeros(per_bin - int(round(c * per_bin)))]
-                        for c in (np.arange(n_bins) + 0.5) / n_bins])
+    hits = np.rint((np.arange(n_bins) + 0.5) / n_bins * per_bin).astype(int)
+    y = np.concatenate([np.r_[np.ones(h), np.zeros(per_bin - h)] for h in hits])
     return p, y
 
 
