@@ -13,6 +13,35 @@ from calib import metrics as M
 from calib.evaluate.data import EvalBank
 from calib.labels import censored
 
+TEMPERATURE_DECIMALS = 4  # temperatures are grouped after rounding (0.8 stored as 0.800000011920929 is 0.8)
+
+
+def round_temperatures(bank: EvalBank) -> np.ndarray:
+    """Sampling temperature per round, rounded; NaN where the bank does not record one.
+
+    Per round where the bank carries the column (a folder list read as one bank may mix temperatures),
+    else the bank-level value.
+    """
+    if bank.round_temperature is not None:
+        t = np.asarray(bank.round_temperature, dtype=np.float64)
+    else:
+        t = np.full(len(bank.category), np.nan if bank.temperature is None else float(bank.temperature))
+    return np.round(t, TEMPERATURE_DECIMALS)
+
+
+def temperature_groups(bank: EvalBank, keep: np.ndarray | None = None) -> list[tuple[float | None, np.ndarray]]:
+    """``[(temperature or None, round mask)]`` over the rounds in ``keep``, lowest temperature first.
+
+    None collects rounds without a recorded temperature. A bank of one temperature gives one group.
+    """
+    t = round_temperatures(bank)
+    keep = np.ones(len(t), bool) if keep is None else keep
+    known = sorted({float(v) for v in t[keep & ~np.isnan(t)]})
+    groups = [(v, keep & (t == v)) for v in known]
+    if (keep & np.isnan(t)).any():
+        groups.append((None, keep & np.isnan(t)))
+    return groups or [(None, keep)]  # nothing kept: one empty group, so pooled rows still say n = 0
+
 
 def variants(chain) -> dict[str, np.ndarray]:
     """raw (the drafter's own confidence; model drafter only) and calibrated probabilities."""
@@ -37,6 +66,13 @@ def samples(bank: EvalBank, drafter: str, p: np.ndarray, split: str = "test"):
 
 
 def calibration_rows(banks, n_bins: int, n_boot: int, seed: int = 0, split: str = "test"):
+    """``(calibration rows, accepted-length rows)`` of metrics.json.
+
+    Calibration rows are per (bank, drafter, variant, category, depth), pooled slices included.
+    Accepted-length rows are per (bank, drafter, variant, temperature, category): the temperature
+    is that of the rounds (None where not recorded), so a bank of one temperature gives one row per
+    (drafter, variant, category) as before, and a bank mixing temperatures one per temperature.
+    """
     cal, length = [], []
     for bank in banks:
         for drafter, chain in bank.chains.items():
@@ -54,11 +90,12 @@ def calibration_rows(banks, n_bins: int, n_boot: int, seed: int = 0, split: str 
                         cal.append(row)
                 # accepted length: survival-based expectation vs the realised accepted prefix
                 keep = (bank.split == split) & chain.labelled
-                pred = M.expected_accepted_length(p[keep])
-                actual = chain.accept[keep]
-                cats = bank.category[keep]
-                for c in [*sorted(set(cats.tolist())), "all"]:
-                    m = np.ones_like(actual, bool) if c == "all" else cats == c
-                    length.append({"bank": bank.name, "drafter": drafter, "variant": variant, "category": c,
-                                   **M.accept_length_summary(pred[m], actual[m])})
+                pred = M.expected_accepted_length(p)
+                for temp, in_t in temperature_groups(bank, keep):
+                    cats = bank.category[in_t]
+                    for c in [*sorted(set(cats.tolist())), "all"]:
+                        m = in_t if c == "all" else in_t & (bank.category == c)
+                        length.append({"bank": bank.name, "drafter": drafter, "variant": variant,
+                                       "temperature": temp, "category": c,
+                                       **M.accept_length_summary(pred[m], chain.accept[m])})
     return cal, length

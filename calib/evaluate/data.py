@@ -74,12 +74,14 @@ class EvalBank:
     seen: bool = True  # the prompt split applies (training saw this bank); False: every round is "test"
     scope: str = SEEN  # one line for the report: which part of the bank is evaluated, and why
     notes: list[str] = field(default_factory=list)  # cross-checks that could not be made
+    round_temperature: np.ndarray | None = None  # [R] sampling temperature per round (NaN: not recorded)
 
     def subset(self, mask: np.ndarray) -> EvalBank:
         chains = {k: Chain(c.drafter, c.acc[mask], None if c.p_cal is None else c.p_cal[mask],
                            None if c.p_raw is None else c.p_raw[mask]) for k, c in self.chains.items()}
         return EvalBank(self.name, self.path, self.category[mask], self.prompt_idx[mask], self.split[mask],
-                        chains, self.primary, self.temperature, self.seen, self.scope, list(self.notes))
+                        chains, self.primary, self.temperature, self.seen, self.scope, list(self.notes),
+                        None if self.round_temperature is None else self.round_temperature[mask])
 
 
 def eval_scope(path, tables, fractions=(0.7, 0.15, 0.15), seed: int = 0) -> tuple[bool, str, tuple, int, list]:
@@ -148,9 +150,9 @@ def load_eval_bank(path, tables, fractions=(0.7, 0.15, 0.15), seed: int = 0, nam
     acc = schema.depth_matrix(t, schema.ACC, width)
     conf = schema.depth_matrix(t, schema.CONF, width)
     has_conf = bool((~np.isnan(conf)).any())
-    temp = None
+    temp, temps = None, None
     if "temperature" in t.column_names:
-        temps = t.column("temperature").to_numpy(zero_copy_only=False)
+        temps = np.asarray(t.column("temperature").to_numpy(zero_copy_only=False), dtype=np.float64)
         temp = float(np.nanmedian(temps)) if len(temps) else None
     chains: dict[str, Chain] = {}
     ng_chain = None
@@ -181,4 +183,4 @@ def load_eval_bank(path, tables, fractions=(0.7, 0.15, 0.15), seed: int = 0, nam
         primary = "ngram"
     if name is None:  # runs/banks/<name>/bank -> <name>
         name = Path(path).parent.name if Path(path).name == "bank" else Path(path).name
-    return EvalBank(name, Path(path), cats, pidx, split, chains, primary, temp, seen, scope, notes)
+    return EvalBank(name, Path(path), cats, pidx, split, chains, primary, temp, seen, scope, notes, temps)

@@ -12,7 +12,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from calib import metrics as M
-from calib.evaluate.calibration import samples, variants
+from calib.evaluate.calibration import samples, temperature_groups, variants
 from calib.presentation import reliability_figure
 
 POLICY_ORDER = ("no_spec", "best_fixed", "homogeneous", "gated_uniform", "ragged_raw", "ragged_calibrated",
@@ -39,6 +39,39 @@ def reliability(bank, drafter: str, path, n_bins: int = 10, split: str = "test")
             m = np.ones_like(y, bool) if d == "all" else depth == d
             panels.setdefault("all depths" if d == "all" else f"depth {d}", {})[variant] = (p_s[m], y[m])
     return reliability_figure(panels, path, f"Reliability — {bank.name}, {drafter} chain ({split} split)", n_bins)
+
+
+def temperatures(banks) -> list[float | None]:
+    """The temperatures the banks' rounds were sampled at (rounded), lowest first; None = not recorded."""
+    found = {t for b in banks for t, m in temperature_groups(b) if m.any()}
+    return sorted(found - {None}) + ([None] if None in found else [])
+
+
+def temperature_label(temperature: float | None) -> str:
+    return "T unknown" if temperature is None else f"T={temperature:g}"
+
+
+def reliability_by_temperature(banks, temperature: float | None, path, n_bins: int = 10,
+                               split: str = "test") -> Path | None:
+    """One panel per chain of every bank with rounds at ``temperature`` (all depths pooled), raw and
+    calibrated overlaid: how calibration holds across drafters at one sampling temperature, the setting
+    an engine serves with. None when no bank has scored rounds at that temperature."""
+    panels: dict[str, dict[str, tuple]] = {}
+    for bank in banks:
+        at_t = [m for t, m in temperature_groups(bank) if t == temperature]
+        if not at_t:
+            continue
+        sub = bank.subset(at_t[0])
+        for drafter, chain in sub.chains.items():
+            role = "" if drafter == sub.primary else " (counterfactual)"  # the engine verified the other chain
+            for variant, p in variants(chain).items():
+                p_s, y, *_ = samples(sub, drafter, p, split)
+                if p_s.size:
+                    panels.setdefault(f"{bank.name}\n{drafter} chain{role}", {})[variant] = (p_s, y)
+    if not panels:
+        return None
+    return reliability_figure(panels, path, f"Reliability at {temperature_label(temperature)}, every chain "
+                                            f"(all depths, {split} split)", n_bins)
 
 
 def length_scatter(bank, path, split: str = "test") -> Path:

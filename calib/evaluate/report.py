@@ -43,6 +43,65 @@ def table(rows, cols, headers=None) -> str:
     return "\n".join(out)
 
 
+# Issue 13's target for accepted-length prediction: within 5 % of the actual mean on every slice large
+# enough to tell (≥ 2,000 rounds; a smaller slice's mean moves by more than that from noise alone).
+SLICE_MIN_ROUNDS = 2000
+SLICE_MAX_ERROR = 0.05
+
+
+def length_slices(length, min_rounds: int = SLICE_MIN_ROUNDS, max_error: float = SLICE_MAX_ERROR) -> list[dict]:
+    """Relative error of the predicted mean accepted length per (temperature, chain, category, bank).
+
+    ``length`` are metrics.json's ``accept_length`` rows. One row per slice with ``rounds`` (test
+    rounds), ``actual_mean``, ``predicted_calibrated`` / ``error_calibrated`` and, where the chain has a
+    raw confidence, ``predicted_raw`` / ``error_raw``; error = ``|predicted − actual| / actual`` of the
+    slice means (None when the actual mean is 0). ``flagged``: the slice has ``≥ min_rounds`` rounds
+    and its calibrated error exceeds ``max_error``. Slices of different banks are not pooled: an
+    over- and an under-predicting bank would cancel. Sorted by temperature, chain, bank, category.
+    """
+    by: dict[tuple, dict] = {}
+    for r in length:
+        key = (r.get("temperature"), r["drafter"], r["category"], r["bank"])
+        s = by.setdefault(key, {"temperature": key[0], "chain": key[1], "category": key[2], "bank": key[3],
+                                "rounds": r["n"], "actual_mean": r["actual_mean"]})
+        err = (abs(r["predicted_mean"] - r["actual_mean"]) / r["actual_mean"]
+               if r["n"] and r["actual_mean"] and math.isfinite(r["predicted_mean"]) else None)
+        s[f"predicted_{r['variant']}"] = r["predicted_mean"]
+        s[f"error_{r['variant']}"] = err
+    out = []
+    for s in by.values():
+        e = s.get("error_calibrated")
+        s["flagged"] = bool(s["rounds"] >= min_rounds and e is not None and e > max_error)
+        out.append(s)
+    return sorted(out, key=lambda s: (s["temperature"] is None, s["temperature"] or 0.0, s["chain"], s["bank"],
+                                      s["category"] == "all", s["category"]))
+
+
+def length_headline(slices, min_rounds: int = SLICE_MIN_ROUNDS, max_error: float = SLICE_MAX_ERROR) -> str:
+    """One sentence: the worst calibrated slice error, among slices large enough for the target and overall."""
+    def worst(rows):
+        rows = [s for s in rows if s.get("error_calibrated") is not None]
+        return max(rows, key=lambda s: s["error_calibrated"]) if rows else None
+
+    def say(s):
+        t = "T=?" if s["temperature"] is None else f"T={s['temperature']:g}"
+        return (f"{s['error_calibrated']:.1%} ({t}, {s['chain']} chain, {s['category']}, `{s['bank']}`, "
+                f"{s['rounds']:,} rounds: predicted {s['predicted_calibrated']:.3f} vs actual {s['actual_mean']:.3f})")
+
+    big = [s for s in slices if s["rounds"] >= min_rounds]
+    flagged = [s for s in big if s["flagged"]]
+    w_all, w_big = worst(slices), worst(big)
+    if w_all is None:
+        return "Accepted length: no slice has a calibrated prediction to score."
+    head = (f"**Accepted length: worst calibrated slice error {say(w_big)}** among the {len(big)} slices with "
+            f"≥ {min_rounds:,} rounds; {len(flagged)} of them exceed the {max_error:.0%} target."
+            if w_big else f"**Accepted length: no slice has ≥ {min_rounds:,} test rounds**, so none is held to the "
+                          f"{max_error:.0%} target.")
+    if w_big is not w_all:
+        head += f" Worst over all {len(slices)} slices: {say(w_all)}."
+    return head
+
+
 def ladder_notes(ladder) -> list[str]:
     """Sanity checks the report states instead of hiding: oracle on top, and who loses to no_spec, why."""
     notes = []
