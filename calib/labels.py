@@ -13,6 +13,7 @@ an n-gram and a model-based run) share their test prompts.
 from __future__ import annotations
 
 import hashlib
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -75,7 +76,10 @@ NGRAM_SAMPLE_FEATURES = tuple(schema.NGRAM_FEATURES)
 
 
 def ngram_samples(bank: Bank) -> pd.DataFrame:
-    """One row per (labelled n-gram chain, depth reached): keys, depth, match features, label."""
+    """One row per (labelled n-gram chain, depth reached): keys, depth, match features, label.
+    A bank without ngram.parquet yields nothing."""
+    if not bank.has(schema.NGRAM):
+        return pd.DataFrame()
     t = bank.table(schema.NGRAM)
     src = np.asarray(t.column("label_source").to_pylist(), dtype=object)
     t = t.filter(pa.array(src != "none"))
@@ -86,6 +90,26 @@ def ngram_samples(bank: Bank) -> pd.DataFrame:
     if "temperature" in t.column_names:
         rounds["temperature"] = t.column("temperature").to_numpy(zero_copy_only=False).astype(float)
     return _explode(t, acc, {}, rounds)
+
+
+def model_drafted_depth(bank_dir) -> int:
+    """Drafted depth K of the model chain in one bank folder: the widest conf columns holding data."""
+    import pyarrow.parquet as pq
+
+    spec = Path(bank_dir) / schema.SPECULATOR
+    w = schema.width(pq.read_schema(spec).names, schema.CONF)
+    if not w:
+        return 0
+    conf0 = pq.read_table(spec, columns=[schema.col(schema.CONF, 0)]).column(0)
+    return w if conf0.null_count < len(conf0) else 0
+
+
+def ngram_drafted_depth(bank_dir) -> int:
+    """Drafted depth K of the n-gram chain in one bank folder: the widest chain (ngram_tok columns)."""
+    import pyarrow.parquet as pq
+
+    ng = Path(bank_dir) / schema.NGRAM
+    return schema.width(pq.read_schema(ng).names, schema.NGRAM_TOK) if ng.exists() else 0
 
 
 def prompt_split(category, prompt_idx, fractions=(0.7, 0.15, 0.15), seed: int = 0) -> np.ndarray:

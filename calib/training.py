@@ -1,8 +1,11 @@
 """``train.py``'s job: banks → censored labels → calibrators (selected on validation NLL) → tables.
 
-Stages, each a function so tests and other tools can call them: :func:`fit_model_calibrator`,
-:func:`fit_ngram_model`, :func:`ngram_transfer`, and :func:`run` which wires them to a config,
-writes ``tables.safetensors`` + ``tables.json``, logs to the tracker and prints a summary.
+Every registered chain kind (:mod:`calib.chains`) goes through the same stages, each a function so
+tests and other tools can call them: its samples (``ChainKind.samples``), :func:`fit_chain` (one
+candidate-selection loop over its config group's ``candidates``), the table encoding
+(:func:`calib.tables.export.encode_chain`) and, where configured, :func:`transfer_check`. :func:`run`
+wires them to a config, writes ``tables.safetensors`` + ``tables.json``, logs to the tracker and
+prints a summary.
 
 A run owns its ``out_dir``: everything it writes (tables, summary, pictures, the resolved config,
 its log, the tracker's files) is built in a staging folder and published as one unit when the run
@@ -23,10 +26,11 @@ from omegaconf import OmegaConf
 
 from calib.atomic import staged_output, write_text_atomic
 from calib.bank import load, schema
-from calib.labels import model_samples, ngram_samples, prompt_split
+from calib.chains import ChainKind, chain, chains
+from calib.labels import prompt_split
 from calib.metrics import auroc, brier, ece, nll
 from calib.tables import GridTables, save
-from calib.tables.export import model_grid, model_table_predict, ngram_grid, ngram_table_predict
+from calib.tables.export import encode_chain, model_table_predict, ngram_table_predict
 from calib.tables.io import META, TENSORS, bank_fingerprint
 from calib.tracking import make_tracker
 
@@ -35,17 +39,6 @@ log = logging.getLogger("calib.train")
 # What marks a folder as an earlier train.py output (replaced only with overwrite=true); .hydra and
 # train.log are what runs before the staged layout left in a folder whose tables were never written.
 OUT_MARKERS = (META, TENSORS, "summary.txt", "train.log", ".hydra")
-
-
-def _extra(df: pd.DataFrame, names) -> np.ndarray | None:
-    names = list(names or [])
-    if not names:
-        return None
-    missing = [n for n in names if n not in df.columns]
-    if missing:
-        raise ValueError(f"calibrator.extra asks for {missing}, which the bank does not have "
-                         f"(available: entropy, margin, temperature where recorded)")
-    return df[names].to_numpy(np.float64)
 
 
 def _metrics(p, y) -> dict:
@@ -66,45 +59,43 @@ def _select(kind: str, candidates: dict, fit_one) -> dict:
     return {"best": min(fits, key=lambda n: fits[n]["val_nll"]), "fits": fits}
 
 
+def fit_chain(kind: ChainKind, samples: pd.DataFrame, chain_cfg: dict) -> dict:
+    """Fit every candidate estimator of ``chain_cfg["candidates"]`` on the train split of ``samples``
+    (the chain's feature matrix, :meth:`ChainKind.X`) and keep the lowest validation NLL.
+
+    Returns ``{"best": name, "fits": {name: {"estimator", "val_nll", "fit_s", "uses_context"}}}``.
+    """
+    tr, va = samples[samples.split == "train"], samples[samples.split == "val"]
+    if tr.empty or va.empty:
+        raise ValueError(f"the {kind.name} chain's samples need train and val prompts; add prompts or banks")
+    X_tr, X_va = kind.X(tr, chain_cfg), kind.X(va, chain_cfg)
+
+    def fit_one(est):
+        est.fit(X_tr, tr.depth, tr.label, val=(X_va, va.depth, va.label))
+        uses_context = bool(kind.confidence) and getattr(est, "uses_context", False) and X_tr.shape[1] > 1
+        return nll(est.predict_proba(X_va, va.depth), va.label), {"uses_context": uses_context}
+
+    return _select(f"{kind.name} chain", chain_cfg["candidates"], fit_one)
+
+
 def fit_model_calibrator(samples: pd.DataFrame, candidates: dict, extra_names=()) -> dict:
-    """Fit every candidate on the train split and pick the lowest validation NLL."""
-    tr, va = samples[samples.split == "train"], samples[samples.split == "val"]
-    if tr.empty or va.empty:
-        raise ValueError("the model-based samples need train and val prompts; add prompts or banks")
-
-    def fit_one(cal):
-        ex = _extra(tr, extra_names) if getattr(cal, "name", "") == "temperature" else None
-        vex = _extra(va, extra_names) if ex is not None else None
-        val = (va.conf, va.depth, va.label) + ((vex,) if vex is not None else ())
-        cal.fit(tr.conf, tr.depth, tr.label, extra=ex, val=val)
-        return nll(cal.predict_proba(va.conf, va.depth, vex), va.label), {"uses_extra": ex is not None}
-
-    return _select("model calibrator", candidates, fit_one)
+    """:func:`fit_chain` on the model chain (``samples`` from :func:`calib.labels.model_samples`)."""
+    return fit_chain(chain("model"), samples, {"candidates": candidates, "extra": list(extra_names or [])})
 
 
-def fit_ngram_model(samples: pd.DataFrame, candidates: dict) -> dict:
-    tr, va = samples[samples.split == "train"], samples[samples.split == "val"]
-    if tr.empty or va.empty:
-        raise ValueError("the n-gram samples need train and val prompts")
-
-    def fit_one(model):
-        model.fit(tr, tr.label.to_numpy(), val=(va, va.label.to_numpy()))
-        return nll(model.predict_proba(va), va.label), {}
-
-    return _select("n-gram model", candidates, fit_one)
-
-
-def ngram_transfer(samples: pd.DataFrame, spec: dict, baseline: dict, fit_on, eval_on) -> dict | None:
+def transfer_check(kind: ChainKind, samples: pd.DataFrame, chain_cfg: dict, spec: dict, baseline: dict, fit_on,
+                   eval_on) -> dict | None:
     """Fit on some categories (e.g. chat), score on others (e.g. code edits) against a baseline."""
     src = samples[samples.category.isin(fit_on) & samples.split.isin(["train", "val"])]
     dst = samples[samples.category.isin(eval_on)]
     if src.empty or dst.empty or dst.label.nunique() < 2:
         return None
     out = {"fit_on": list(fit_on), "eval_on": list(eval_on), "n_fit": len(src), "n_eval": len(dst)}
+    X_src, X_dst = kind.X(src, chain_cfg), kind.X(dst, chain_cfg)
     for name, s in (("model", spec), ("baseline", baseline)):
-        m = instantiate(s).fit(src, src.label.to_numpy())
-        p = m.predict_proba(dst)
-        out[name] = {"kind": getattr(m, "name", name), "features": list(m.features),
+        m = instantiate(s).fit(X_src, src.depth, src.label.to_numpy())
+        p = m.predict_proba(X_dst, dst.depth)
+        out[name] = {"kind": getattr(m, "name", name), "features": list(getattr(m, "features", X_src.columns)),
                      "brier": brier(p, dst.label), "auroc": auroc(p, dst.label),
                      "nll": nll(p, dst.label)}
     return out
@@ -153,23 +144,10 @@ def _target_models(bank) -> list[str]:
 
 
 def _chain_depths(bank) -> dict[str, int]:
-    """Drafted depth K per chain over the banks: ``model`` = the widest conf columns holding data,
-    ``ngram`` = the widest n-gram chain (ngram_tok columns). Recorded so that eval and serving can
-    refuse a deeper bank (whose extra depths would reuse the last row)."""
-    import pyarrow.parquet as pq
-
-    out = {"model": 0, "ngram": 0}
-    for p in bank.paths:
-        spec = Path(p) / schema.SPECULATOR
-        w = schema.width(pq.read_schema(spec).names, schema.CONF)
-        if w:
-            conf0 = pq.read_table(spec, columns=[schema.col(schema.CONF, 0)]).column(0)
-            if conf0.null_count < len(conf0):
-                out["model"] = max(out["model"], w)
-        ng = Path(p) / schema.NGRAM
-        if ng.exists():
-            out["ngram"] = max(out["ngram"], schema.width(pq.read_schema(ng).names, schema.NGRAM_TOK))
-    return out
+    """Drafted depth K per registered chain over the banks (the widest a bank folder records).
+    Recorded so that eval and serving can refuse a deeper bank (whose extra depths would reuse the
+    last row)."""
+    return {kind.name: max((kind.drafted_depth(p) for p in bank.paths), default=0) for kind in chains()}
 
 
 def run(cfg: dict) -> Path:
@@ -214,91 +192,64 @@ def _fit_and_export_tracked(cfg: dict, bank, tracker, stage: Path, out_dir: Path
     widths = _chain_depths(bank)
     meta: dict = {"drafters": {}, "banks": _bank_identity(bank), "split": dict(split_cfg),
                   "target_models": _target_models(bank)}
-    summary_rows, fit_rows = [], []
-    tensors = {}
+    summary_rows, fit_rows, tensors, reports = [], [], {}, {}
 
-    ms = model_samples(bank)
-    if len(ms):
-        ms["split"] = prompt_split(ms.category, ms.prompt_idx, fractions, seed)
-        ccfg = cfg["calibrator"]
-        res = fit_model_calibrator(ms, ccfg["candidates"], ccfg.get("extra", []))
-        best = res["fits"][res["best"]]["estimator"]
-        n_depths = int(ms.depth.max()) + 1
-        extra_by_depth = None
-        if res["fits"][res["best"]]["uses_extra"]:  # tabulate E[p | conf, depth] over training extras
-            tr = ms[ms.split == "train"]
-            rng = np.random.default_rng(seed)
-            extra_by_depth = {}
-            for d in range(n_depths):
-                ex = _extra(tr[tr.depth == d], ccfg.get("extra"))
-                extra_by_depth[d] = (ex[rng.choice(len(ex), min(len(ex), 256), replace=False)] if len(ex)
-                                     else extra_by_depth[d - 1])  # no training rounds reached depth d
-        grid, change = model_grid(best, n_depths, int(ccfg.get("grid_points", 1025)), extra_by_depth)
-        tensors["model_grid"] = grid
-        te = ms[ms.split == "test"]
-        probe = GridTables(__import__("torch").from_numpy(grid), *_empty_ngram())
-        va = ms[ms.split == "val"]
-        per_depth = _per_depth(te, model_table_predict(probe, te.conf.to_numpy(), te.depth.to_numpy()), n_depths)
-        val_per_depth = _per_depth(va, model_table_predict(probe, va.conf.to_numpy(), va.depth.to_numpy()),
-                                   n_depths)
-        test_prompts = set(zip(te.category, te.prompt_idx))
-        rounds = _round_predictions(bank, test_prompts, probe)
-        length = {"actual_mean": float(rounds.accept.mean()), "raw_predicted_mean": float(rounds.raw.mean()),
-                  "calibrated_predicted_mean": float(rounds.calibrated.mean()), "n_rounds": len(rounds)}
-        meta["drafters"]["model"] = {
-            "ids": sorted(set(ms.speculator.astype(str))), "depths": n_depths, "k": max(widths["model"], n_depths),
-            "grid_points": int(grid.shape[1]), "grid": "uniform raw confidence in [0, 1], linear interpolation",
-            "calibrator": res["best"], "params": best.get_params(),
-            "monotone_projection_max_change": change, "n_samples": {s: int((ms.split == s).sum()) for s in
-                                                                   ("train", "val", "test")},
-            "val_nll": {n: f["val_nll"] for n, f in res["fits"].items()},
-            "val": val_per_depth, "test": per_depth, "accept_length_test": length}
+    for kind in chains():  # one loop: every registered chain kind the config and the banks have
+        chain_cfg = cfg.get(kind.config)
+        if chain_cfg is None:
+            log.info("%s chain: no `%s` config group, not trained", kind.name, kind.config)
+            continue
+        samples = kind.samples(bank)
+        if not len(samples):
+            continue
+        samples["split"] = prompt_split(samples.category, samples.prompt_idx, fractions, seed)
+        res = fit_chain(kind, samples, chain_cfg)
+        chosen = res["fits"][res["best"]]
+        best = chosen["estimator"]
+        n_depths = int(samples.depth.max()) + 1
+        tr, va, te = (samples[samples.split == s] for s in ("train", "val", "test"))
+        chain_tensors, info = encode_chain(kind, best, tr, chain_cfg, n_depths, chosen["uses_context"], seed)
+        tensors.update({f"{kind.name}_{role}": t for role, t in chain_tensors.items()})
+        chain_meta = {"id": kind.id, **_chain_ids(kind, samples), "depths": n_depths,
+                      "k": max(widths[kind.name], n_depths), "estimator": res["best"], "params": best.get_params(),
+                      "features": list(kind.feature_names(chain_cfg)), **info,
+                      "n_samples": {s: int((samples.split == s).sum()) for s in ("train", "val", "test")},
+                      "val_nll": {n: f["val_nll"] for n, f in res["fits"].items()}}
+        if kind.confidence:  # raw vs calibrated per depth, and the accepted length per round
+            probe = _probe(tensors)
+            per_depth = _per_depth(te, model_table_predict(probe, te[kind.confidence].to_numpy(), te.depth.to_numpy()),
+                                   n_depths, kind.confidence)
+            chain_meta["val"] = _per_depth(va, model_table_predict(probe, va[kind.confidence].to_numpy(),
+                                                                   va.depth.to_numpy()), n_depths, kind.confidence)
+            chain_meta["test"] = per_depth
+            rounds = _round_predictions(bank, set(zip(te.category, te.prompt_idx)), probe)
+            chain_meta["accept_length_test"] = {
+                "actual_mean": float(rounds.accept.mean()), "raw_predicted_mean": float(rounds.raw.mean()),
+                "calibrated_predicted_mean": float(rounds.calibrated.mean()), "n_rounds": len(rounds)}
+            summary_rows = per_depth
+            reports[kind.name] = samples
+        else:  # the estimator itself vs its table on the test split
+            table_p = ngram_table_predict(_probe(tensors), te, info["features"]) if len(te) else None
+            chain_meta["test"] = ({"model": _metrics(best.predict_proba(kind.X(te, chain_cfg), te.depth), te.label),
+                                   "table": _metrics(table_p, te.label)} if len(te) else {})
+        tcfg = chain_cfg.get("transfer")
+        if tcfg:
+            chain_meta["transfer"] = transfer_check(kind, samples, chain_cfg, chain_cfg["candidates"][res["best"]],
+                                                    tcfg["baseline"], tcfg["fit_on"], tcfg["eval_on"])
+        if "counterfactual" in samples.columns:
+            chain_meta["label_sources"] = samples.groupby("counterfactual").size().rename(
+                lambda c: "counterfactual" if c else "verified").to_dict()
+        meta["drafters"][kind.name] = chain_meta
+        if not kind.confidence and "features" in info:
+            meta["ngram_features"] = info["features"]
         for n, f in res["fits"].items():
-            fit_rows.append({"drafter": "model", "candidate": n, "val_nll": f["val_nll"], "fit_s": f["fit_s"],
+            fit_rows.append({"drafter": kind.name, "candidate": n, "val_nll": f["val_nll"], "fit_s": f["fit_s"],
                              "selected": n == res["best"]})
-        summary_rows = per_depth
-    else:
-        tensors["model_grid"] = np.full((1, 2), np.nan, np.float32)  # no model-based drafter in the banks
-
-    ng_meta = None
-    if bank.has(schema.NGRAM):
-        ns = ngram_samples(bank)
-        if len(ns):
-            ns["split"] = prompt_split(ns.category, ns.prompt_idx, fractions, seed)
-            ncfg = cfg["ngram_model"]
-            res = fit_ngram_model(ns, ncfg["candidates"])
-            best = res["fits"][res["best"]]["estimator"]
-            feats, edges = list(ncfg["table"]["features"]), [list(e) for e in ncfg["table"]["edges"]]
-            n_depths = int(ns.depth.max()) + 1
-            e_arr, strides, grid, info = ngram_grid(best, ns[ns.split == "train"], feats, edges, n_depths)
-            tensors.update(ngram_edges=e_arr, ngram_strides=strides, ngram_grid=grid)
-            import torch
-
-            probe = GridTables(torch.zeros(1, 2), torch.from_numpy(e_arr), torch.from_numpy(strides),
-                               torch.from_numpy(grid))
-            te = ns[ns.split == "test"]
-            test = {"model": _metrics(best.predict_proba(te), te.label),
-                    "table": _metrics(ngram_table_predict(probe, te, feats), te.label)} if len(te) else {}
-            transfer = None
-            tcfg = ncfg.get("transfer")
-            if tcfg:
-                transfer = ngram_transfer(ns, ncfg["candidates"][res["best"]], tcfg["baseline"],
-                                          tcfg["fit_on"], tcfg["eval_on"])
-            ng_meta = {"model": res["best"], "features": feats, "edges": edges, "depths": n_depths,
-                       "ids": ["ngram"], "k": max(widths["ngram"], n_depths), **info,
-                       "val_nll": {n: f["val_nll"] for n, f in res["fits"].items()}, "test": test,
-                       "transfer": transfer, "n_samples": {s: int((ns.split == s).sum()) for s in
-                                                           ("train", "val", "test")},
-                       "label_sources": ns.groupby("counterfactual").size().rename(
-                           lambda c: "counterfactual" if c else "verified").to_dict()}
-            meta["drafters"]["ngram"] = ng_meta
-            meta["ngram_features"] = feats
-            for n, f in res["fits"].items():
-                fit_rows.append({"drafter": "ngram", "candidate": n, "val_nll": f["val_nll"], "fit_s": f["fit_s"],
-                                 "selected": n == res["best"]})
     if not meta["drafters"]:
         raise ValueError(f"{cfg['data']['train']}: no model-based confidences and no labelled n-gram chains "
                          "to fit; check the banks (python -m calib.bank stats PATH)")
+    if "model_grid" not in tensors:
+        tensors["model_grid"] = np.full((1, 2), np.nan, np.float32)  # no model-based drafter in the banks
     if "ngram_grid" not in tensors:  # a placeholder the allocator never reads (no n-gram drafter)
         tensors.update(ngram_edges=np.full((1, 1), np.inf, np.float32), ngram_strides=np.ones(1, np.int64),
                        ngram_grid=np.full((1, 1), np.nan, np.float32))
@@ -318,27 +269,37 @@ def _fit_and_export_tracked(cfg: dict, bank, tracker, stage: Path, out_dir: Path
     meta["fit"] = fit_rows
     meta["train_wall_s"] = round(time.time() - t_start, 2)
     save(stage, tables, meta)
-    _log(tracker, stage, meta, summary_rows, fit_rows, ms)
+    _log(tracker, stage, meta, summary_rows, fit_rows, reports.get("model"))
     return _write_summary(stage, out_dir, meta)
 
 
-def _per_depth(samples: pd.DataFrame, calibrated: np.ndarray, n_depths: int) -> list[dict]:
+def _chain_ids(kind: ChainKind, samples: pd.DataFrame) -> dict:
+    """The drafters a chain's tables were fitted on: the banks' speculator names for a chain with a
+    confidence (EAGLE tables must not calibrate a draft model), else the chain's own name."""
+    return {"ids": sorted(set(samples.speculator.astype(str))) if kind.confidence else [kind.name]}
+
+
+def _probe(tensors: dict) -> GridTables:
+    """In-memory tables of what has been encoded so far (placeholders for chains not yet there)."""
+    import torch
+
+    t = {"model_grid": np.zeros((1, 2), np.float32), "ngram_edges": np.full((1, 1), np.inf, np.float32),
+         "ngram_strides": np.ones(1, np.int64), "ngram_grid": np.zeros((1, 1), np.float32), **tensors}
+    return GridTables(*(torch.from_numpy(t[n]) for n in ("model_grid", "ngram_edges", "ngram_strides", "ngram_grid")))
+
+
+def _per_depth(samples: pd.DataFrame, calibrated: np.ndarray, n_depths: int, raw: str = "conf") -> list[dict]:
     """Raw vs calibrated ECE / NLL / Brier per depth and pooled ("all")."""
     rows = []
     for d in ["all", *range(n_depths)]:
         m = np.ones(len(samples), bool) if d == "all" else (samples.depth == d).to_numpy()
         if not m.any():
             continue
-        raw, cal = _metrics(samples.conf[m], samples.label[m]), _metrics(calibrated[m], samples.label[m])
-        rows.append({"depth": d, "n": raw["n"], "raw_ece": raw["ece"], "cal_ece": cal["ece"], "raw_nll": raw["nll"],
-                     "cal_nll": cal["nll"], "raw_brier": raw["brier"], "cal_brier": cal["brier"]})
+        raw_m, cal = _metrics(samples[raw][m], samples.label[m]), _metrics(calibrated[m], samples.label[m])
+        rows.append({"depth": d, "n": raw_m["n"], "raw_ece": raw_m["ece"], "cal_ece": cal["ece"],
+                     "raw_nll": raw_m["nll"], "cal_nll": cal["nll"], "raw_brier": raw_m["brier"],
+                     "cal_brier": cal["brier"]})
     return rows
-
-
-def _empty_ngram():
-    import torch
-
-    return torch.full((1, 1), float("inf")), torch.ones(1, dtype=torch.int64), torch.zeros(1, 1)
 
 
 def _log(tracker, out_dir: Path, meta: dict, per_depth: list[dict], fit_rows: list[dict], ms) -> None:
@@ -360,7 +321,7 @@ def _log(tracker, out_dir: Path, meta: dict, per_depth: list[dict], fit_rows: li
             panels["all depths" if d == "all" else f"depth {d}"] = {
                 "raw": (te.conf[m].to_numpy(), te.label[m].to_numpy()), "calibrated": (cal[m], te.label[m].to_numpy())}
         png = reliability_figure(panels, out_dir / "reliability_test.png",
-                                 f"model drafter, test prompts: raw vs {meta['drafters']['model']['calibrator']}")
+                                 f"model drafter, test prompts: raw vs {meta['drafters']['model']['estimator']}")
         tracker.log_image("reliability/test", png)
     tracker.log_artifact("calib-tables", "tables", [out_dir / TENSORS, out_dir / META],
                          metadata={k: meta[k] for k in ("drafters",) if k in meta} | {"banks": meta["banks"]})
@@ -371,7 +332,7 @@ def _write_summary(stage: Path, out_dir: Path, meta: dict) -> str:
     lines = [f"tables written to {out_dir} ({meta['train_wall_s']:.1f}s)"]
     m = meta["drafters"].get("model")
     if m:
-        lines.append(f"model drafter {m['ids']}: selected {m['calibrator']} (val NLL); test split:")
+        lines.append(f"model drafter {m['ids']}: selected {m['estimator']} (val NLL); test split:")
         lines.append(f"  {'depth':>5} {'n':>7} {'ECE raw':>8} {'ECE cal':>8} {'NLL raw':>8} {'NLL cal':>8}")
         for r in m["test"]:
             lines.append(f"  {r['depth']!s:>5} {r['n']:>7} {r['raw_ece']:>8.4f} {r['cal_ece']:>8.4f} "
@@ -382,7 +343,7 @@ def _write_summary(stage: Path, out_dir: Path, meta: dict) -> str:
                      f"({L['n_rounds']} test rounds)")
     n = meta["drafters"].get("ngram")
     if n:
-        lines.append(f"n-gram drafter: selected {n['model']}; test "
+        lines.append(f"n-gram drafter: selected {n['estimator']}; test "
                      + ", ".join(f"{k} Brier {v['brier']:.4f} AUROC {v['auroc']:.3f}" for k, v in n["test"].items()
                                  if v.get("auroc") is not None))
         t = n.get("transfer")

@@ -22,7 +22,7 @@ def test_train_entry_point(tmp_path):
     out = run(OmegaConf.to_container(cfg, resolve=True))
     tables = load(out)
     assert tables.has_model and tables.has_ngram
-    assert tables.meta["drafters"]["model"]["calibrator"] == "isotonic"
+    assert tables.meta["drafters"]["model"]["estimator"] == "isotonic"
     assert tables.ngram_feature_names == list(cfg.ngram_model.table.features)
     assert (out / "reliability_test.png").exists() and (out / "csv" / "fit.csv").exists()
     assert "ECE raw" in (out / "summary.txt").read_text()
@@ -76,8 +76,8 @@ def test_existing_tables_are_replaced_only_with_overwrite(tmp_path, small_bank):
         run(_compose(small_bank, out, "calibrator=histogram"))
     assert _snapshot(out) == before
     run(_compose(small_bank, out, "calibrator=histogram", "overwrite=true"))
-    assert load(out).meta["drafters"]["model"]["calibrator"] == "histogram"
-    assert "histogram" in (out / "config.yaml").read_text() and "model calibrator histogram" in (
+    assert load(out).meta["drafters"]["model"]["estimator"] == "histogram"
+    assert "histogram" in (out / "config.yaml").read_text() and "model chain histogram" in (
         out / "train.log").read_text()
     # A folder that is not a train.py output is never replaced as a whole, overwrite or not.
     foreign = tmp_path / "mine"
@@ -153,7 +153,7 @@ def test_kill_during_save_leaves_old_or_new_set(tmp_path, small_bank, point, exp
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 9, proc.stderr[-2000:]
     tables = load(out)  # a consistent pair (was: new tensors beside the old JSON -> checksum error)
-    chosen = tables.meta["drafters"]["model"]["calibrator"]
+    chosen = tables.meta["drafters"]["model"]["estimator"]
     assert chosen == expect
     assert f"selected {chosen}" in (out / "summary.txt").read_text()
     assert f"name: {chosen}" in (out / "config.yaml").read_text()
@@ -176,7 +176,7 @@ def test_train_py_writes_only_into_its_out_dir(tmp_path, small_bank):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert {"tables.json", "tables.safetensors", "summary.txt", "reliability_test.png", "config.yaml",
             "train.log"} <= {p.name for p in out.iterdir()}
-    assert "model calibrator isotonic" in (out / "train.log").read_text()
+    assert "model chain isotonic" in (out / "train.log").read_text()
     assert "calibrator" in (out / "config.yaml").read_text()
     assert not list(tmp_path.rglob(".hydra")) and not list(tmp_path.rglob("*.tmp-*"))
     assert not [p for p in tmp_path.rglob("train.log") if p.parent != out]  # was: runs/train/default/train.log

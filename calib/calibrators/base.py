@@ -3,6 +3,15 @@
 Constructors store parameters only; ``fit`` validates its parameters (against the class's
 declarative ``_parameter_constraints``) and its inputs, learns state in attributes ending in ``_``
 and returns ``self``; ``predict_proba`` returns P(accept at depth | reached depth).
+
+One protocol for every chain kind (:mod:`calib.chains`)::
+
+    est.fit(X, depth, y, *, val=None) -> est        # val = (X_val, depth_val, y_val)
+    est.predict_proba(X, depth) -> float64 [n]
+
+``X`` is the chain's feature matrix ``[n, F]`` (a DataFrame with the chain's feature names, or an
+array in that column order). For a chain with a raw confidence (the model chain) it is column 0,
+then context features (netcal's convention); a 1-D ``X`` is the confidence alone.
 """
 
 from __future__ import annotations
@@ -113,6 +122,9 @@ class Calibrator:
 
     name = "calibrator"
     _parameter_constraints: ClassVar[dict] = {}
+    # Whether the estimator reads X's context columns (after the confidence); those that do not
+    # are functions of the confidence alone, and their table needs no marginalising over context.
+    uses_context: ClassVar[bool] = False
 
     @classmethod
     def _get_param_names(cls) -> list[str]:
@@ -141,10 +153,10 @@ class Calibrator:
         args = ", ".join(f"{k}={v!r}" for k, v in self.get_params().items())
         return f"{type(self).__name__}({args})"
 
-    def fit(self, conf, depth, y, extra=None, val=None) -> Calibrator:
+    def fit(self, X, depth, y, *, val=None) -> Calibrator:
         raise NotImplementedError
 
-    def predict_proba(self, conf, depth, extra=None) -> np.ndarray:
+    def predict_proba(self, X, depth) -> np.ndarray:
         raise NotImplementedError
 
     def _check_fitted(self) -> None:
@@ -152,9 +164,20 @@ class Calibrator:
             raise NotFittedError(f"{type(self).__name__} is not fitted; call fit() first")
 
 
-def check_inputs(conf, depth, y=None, extra=None) -> tuple:
-    """Validate calibrator inputs at the boundary; return float/int numpy arrays."""
-    conf = np.asarray(conf, dtype=np.float64).ravel()
+def split_confidence(X) -> tuple[np.ndarray, np.ndarray | None]:
+    """``X [n, 1 + F]`` (array, DataFrame or 1-D confidences) -> (confidence [n], context [n, F] or None)."""
+    X = np.asarray(X, dtype=np.float64)
+    if X.ndim <= 1:
+        return X.ravel(), None
+    if X.ndim != 2 or X.shape[1] < 1:
+        raise ValueError(f"X must be [n, 1 + F] with the confidence in column 0, got shape {X.shape}")
+    return np.ascontiguousarray(X[:, 0]), (np.ascontiguousarray(X[:, 1:]) if X.shape[1] > 1 else None)
+
+
+def check_inputs(X, depth, y=None) -> tuple:
+    """Validate calibrator inputs at the boundary: ``(conf, depth, y, context)`` as numpy arrays,
+    ``context`` = X's columns after the confidence (None when there are none)."""
+    conf, extra = split_confidence(X)
     depth = np.asarray(depth).ravel()
     if depth.shape != conf.shape:
         raise ValueError(f"conf has {conf.size} values but depth has {depth.size}")
@@ -175,14 +198,8 @@ def check_inputs(conf, depth, y=None, extra=None) -> tuple:
         if not np.isin(y, (0, 1)).all():
             raise ValueError("labels must be 0 or 1")
         y = y.astype(np.float64)
-    if extra is not None:
-        extra = np.asarray(extra, dtype=np.float64)
-        if extra.ndim == 1:
-            extra = extra[:, None]
-        if extra.shape[0] != conf.size:
-            raise ValueError(f"extra has {extra.shape[0]} rows, conf has {conf.size}")
-        if not np.isfinite(extra).all():
-            raise ValueError("extra inputs must be finite")
+    if extra is not None and not np.isfinite(extra).all():
+        raise ValueError("context features (X's columns after the confidence) must be finite")
     return conf, depth.astype(np.int64), y, extra
 
 
@@ -203,9 +220,9 @@ class PerDepthCalibrator(Calibrator):
     def _predict_one(self, model, conf: np.ndarray) -> np.ndarray:
         raise NotImplementedError
 
-    def fit(self, conf, depth, y, extra=None, val=None):
+    def fit(self, X, depth, y, *, val=None):
         self._validate_params()
-        conf, depth, y, _ = check_inputs(conf, depth, y)
+        conf, depth, y, _ = check_inputs(X, depth, y)  # a function of the confidence alone
         if conf.size == 0:
             raise ValueError("no samples to fit")
         self.pooled_ = self._fit_one(conf, y)
@@ -217,9 +234,9 @@ class PerDepthCalibrator(Calibrator):
                 self.per_depth_[d] = self._fit_one(conf[m], y[m])
         return self
 
-    def predict_proba(self, conf, depth, extra=None) -> np.ndarray:
+    def predict_proba(self, X, depth) -> np.ndarray:
         self._check_fitted()
-        conf, depth, _, _ = check_inputs(conf, depth)
+        conf, depth, _, _ = check_inputs(X, depth)
         out = np.empty_like(conf)
         for d in np.unique(depth):
             m = depth == d

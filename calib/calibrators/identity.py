@@ -10,12 +10,12 @@ from calib.calibrators.base import Calibrator, check_inputs
 class Identity(Calibrator):
     name = "identity"
 
-    def fit(self, conf, depth, y, extra=None, val=None) -> Identity:
+    def fit(self, X, depth, y, *, val=None) -> Identity:
         self._validate_params()
-        check_inputs(conf, depth, y)
+        check_inputs(X, depth, y)
         self.fitted_ = True
         return self
 
-    def predict_proba(self, conf, depth, extra=None) -> np.ndarray:
-        conf, _, _, _ = check_inputs(conf, depth)
+    def predict_proba(self, X, depth) -> np.ndarray:
+        conf, _, _, _ = check_inputs(X, depth)
         return conf

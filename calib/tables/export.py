@@ -18,13 +18,48 @@ from sklearn.isotonic import IsotonicRegression
 from calib.tables.layout import GridTables
 
 
+def encode_chain(kind, estimator, train_samples: pd.DataFrame, chain_cfg: dict, n_depths: int,
+                 uses_context: bool = False, seed: int = 0) -> tuple[dict[str, np.ndarray], dict]:
+    """A fitted estimator of chain ``kind`` -> its table tensors and what tables.json says about them.
+
+    The encoding follows the chain's axes (``kind.table_axes(chain_cfg)``): one interpolated axis
+    (the raw confidence) -> ``{"grid": [D, G]}`` by :func:`model_grid`, context columns the
+    estimator reads marginalised over (up to 256 training rows per depth, drawn with ``seed``);
+    binned axes only -> ``{"edges", "strides", "grid"}`` by :func:`ngram_grid`.
+    """
+    axes = tuple(kind.table_axes(chain_cfg))
+    if len(axes) == 1 and axes[0].interpolated:
+        context_by_depth = None
+        if uses_context:  # tabulate E[p | conf, depth] over training context
+            X = kind.X(train_samples, chain_cfg).to_numpy(np.float64)[:, 1:]
+            depth = train_samples.depth.to_numpy()
+            rng = np.random.default_rng(seed)
+            context_by_depth = {}
+            for d in range(n_depths):
+                ex = X[depth == d]
+                context_by_depth[d] = (ex[rng.choice(len(ex), min(len(ex), 256), replace=False)] if len(ex)
+                                       else context_by_depth[d - 1])  # no training rounds reached depth d
+        grid, change = model_grid(estimator, n_depths, axes[0].points, context_by_depth)
+        return {"grid": grid}, {"axes": [a.to_json() for a in axes], "grid_points": int(grid.shape[1]),
+                                "grid": "uniform raw confidence in [0, 1], linear interpolation",
+                                "monotone_projection_max_change": change}
+    if all(not a.interpolated for a in axes):
+        feats, edges = [a.name for a in axes], [list(a.edges) for a in axes]
+        e_arr, strides, grid, info = ngram_grid(estimator, train_samples, feats, edges, n_depths,
+                                                lambda df: kind.X(df, chain_cfg))
+        return {"edges": e_arr, "strides": strides, "grid": grid}, {"axes": [a.to_json() for a in axes],
+                                                                    "features": feats, "edges": edges, **info}
+    raise NotImplementedError(f"chain {kind.name!r}: a table with an interpolated axis and binned axes "
+                              "together is not encoded yet (issue 13 item 2)")
+
+
 def model_grid(calibrator, n_depths: int, grid_points: int = 1025,
                extra_by_depth: dict[int, np.ndarray] | None = None) -> tuple[np.ndarray, float]:
     """[n_depths, grid_points] calibrated probabilities, and the monotone projection's largest change.
 
-    A calibrator fitted with extra inputs (entropy, margin, ...) cannot be a function of the
-    confidence alone; ``extra_by_depth[d]`` (rows of training extras at depth d) is then averaged
-    over, so the table holds E[p | conf, depth] under the training distribution of the extras.
+    A calibrator fitted with context features (entropy, margin, ...) cannot be a function of the
+    confidence alone; ``extra_by_depth[d]`` (rows of training context at depth d) is then averaged
+    over, so the table holds E[p | conf, depth] under the training distribution of the context.
     """
     conf = np.linspace(0.0, 1.0, grid_points)
     rows, change = [], 0.0
@@ -33,8 +68,8 @@ def model_grid(calibrator, n_depths: int, grid_points: int = 1025,
             p = calibrator.predict_proba(conf, np.full(grid_points, d))
         else:
             ex = extra_by_depth[min(d, max(extra_by_depth))]
-            p = calibrator.predict_proba(np.repeat(conf, len(ex)), np.full(grid_points * len(ex), d),
-                                         np.tile(ex, (grid_points, 1))).reshape(grid_points, len(ex)).mean(1)
+            X = np.column_stack([np.repeat(conf, len(ex)), np.tile(ex, (grid_points, 1))])
+            p = calibrator.predict_proba(X, np.full(grid_points * len(ex), d)).reshape(grid_points, len(ex)).mean(1)
         p = np.clip(p, 0.0, 1.0)
         mono = IsotonicRegression(increasing=True).fit_transform(conf, p)
         change = max(change, float(np.max(np.abs(mono - p))))
@@ -49,8 +84,11 @@ def buckets(values: np.ndarray, edges) -> np.ndarray:
 
 
 def ngram_grid(model, samples: pd.DataFrame, table_features: list[str], edges: list[list[float]],
-               n_depths: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict]:
-    """(edges [F, E] +inf padded, strides [F], grid [n_depths, C], info) for a fitted n-gram model."""
+               n_depths: int, design=None) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict]:
+    """(edges [F, E] +inf padded, strides [F], grid [n_depths, C], info) for a fitted estimator on
+    binned axes. ``design(df)`` builds the estimator's X from samples (default: the samples frame,
+    from which an n-gram model reads its features by name)."""
+    design = design or (lambda df: df)
     sizes = [len(e) + 1 for e in edges]
     strides = np.array([int(np.prod(sizes[f + 1:])) for f in range(len(sizes))], dtype=np.int64)
     n_cells = int(np.prod(sizes))
@@ -62,7 +100,7 @@ def ngram_grid(model, samples: pd.DataFrame, table_features: list[str], edges: l
     b = np.stack([buckets(samples[name].to_numpy(np.float64), edges[f]) for f, name in enumerate(table_features)],
                  axis=1)
     cell = (b * strides).sum(axis=1)
-    pred = model.predict_proba(samples)
+    pred = model.predict_proba(design(samples), samples["depth"].to_numpy())
     depth = np.minimum(samples["depth"].to_numpy(), n_depths - 1)
 
     # Representative point of every cell: per feature, the median training value in its bucket
@@ -90,7 +128,7 @@ def ngram_grid(model, samples: pd.DataFrame, table_features: list[str], edges: l
         for f, name in enumerate(table_features):
             synth[name] = np.asarray(reps[f])[idx[:, f]]
         synth["depth"] = d
-        grid[d] = model.predict_proba(synth)
+        grid[d] = model.predict_proba(design(synth), np.full(n_cells, d))
         m = depth == d
         n = np.bincount(cell[m], minlength=n_cells)
         s = np.bincount(cell[m], weights=pred[m], minlength=n_cells)

@@ -101,8 +101,8 @@ def test_ngram_models_learn_match_length():
     y = (rng.uniform(size=n) < p).astype(int)
     for model in (LogisticAcceptance(features=["match_n", "occurrences", "agreement"]),
                   GradientBoostingAcceptance(features=["match_n", "occurrences", "agreement"])):
-        pred = model.fit(df, y).predict_proba(df)
+        pred = model.fit(df, df.depth, y).predict_proba(df, df.depth)
         by_n = pd.Series(pred).groupby(df.match_n).mean()
         assert by_n.is_monotonic_increasing and abs(by_n.iloc[-1] - 0.75) < 0.05
     with pytest.raises(ValueError, match="lack columns"):
-        LogisticAcceptance(features=["distance"]).fit(df, y)
+        LogisticAcceptance(features=["distance"]).fit(df, df.depth, y)

@@ -73,7 +73,7 @@ def test_model_calibrator_params_are_validated_in_fit(make, param, value, allowe
 def test_ngram_params_are_validated_in_fit(make, param):
     df, y = ngram_frame()
     with pytest.raises(ValueError, match=rf"parameter {param}=.* is invalid; it must be") as err:
-        make().fit(df, y)
+        make().fit(df, df.depth, y)
     if param == "features":
         assert "'match_n'" in str(err.value) and "'context_len'" in str(err.value)  # the valid names
 
@@ -83,7 +83,7 @@ def test_hgb_fit_reports_progress_through_logging(caplog, capsys):
     df, y = ngram_frame(n=2000)
     with caplog.at_level(logging.INFO, logger="calib.calibrators.ngram.models"):
         model = GradientBoostingAcceptance(features=["match_n", "occurrences", "agreement"], max_iter=30)
-        model.fit(df, y)
+        model.fit(df, df.depth, y)
     lines = [r.getMessage() for r in caplog.records if r.name == "calib.calibrators.ngram.models"]
     assert any(m.startswith("hgb: fitting up to 30 boosting iterations") for m in lines)
     assert any(m.startswith("hgb [1/30]") for m in lines)  # the first iteration is always shown

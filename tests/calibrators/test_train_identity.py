@@ -21,4 +21,4 @@ def test_train_with_the_identity_calibrator(tmp_path):
                                           "calibrator=identity", "ngram_model=logistic", "trainer.progress=false"])
     tables = load(run(OmegaConf.to_container(cfg, resolve=True)))
     model = tables.meta["drafters"]["model"]
-    assert model["calibrator"] == "identity" and model["params"] == {}
+    assert model["estimator"] == "identity" and model["params"] == {}

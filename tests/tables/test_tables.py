@@ -24,11 +24,11 @@ def tables():
     df = pd.DataFrame({"match_n": rng.integers(1, 5, 5000), "agreement": rng.uniform(size=5000),
                        "depth": rng.integers(0, 3, 5000)})
     yy = (rng.uniform(size=5000) < 0.2 * df.match_n).astype(int)
-    model = LogisticAcceptance(features=["match_n", "agreement"]).fit(df, yy)
+    model = LogisticAcceptance(features=["match_n", "agreement"]).fit(df, df.depth, yy)
     edges, strides, ngrid, info = ngram_grid(model, df, ["match_n", "agreement"], [[1.5, 2.5, 3.5], [0.5]], 3)
     assert info["cells"] == 8 and strides.tolist() == [2, 1]
     # A cell's value is the mean prediction of the samples in it.
-    pred = model.predict_proba(df)
+    pred = model.predict_proba(df, df.depth)
     m = (df.depth == 1) & (df.match_n == 2) & (df.agreement >= 0.5)
     assert ngrid[1, 1 * 2 + 1] == pytest.approx(pred[m.to_numpy()].mean(), rel=1e-5)
     t = GridTables(torch.from_numpy(grid), torch.from_numpy(edges), torch.from_numpy(strides), torch.from_numpy(ngrid))

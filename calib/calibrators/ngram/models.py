@@ -1,8 +1,11 @@
 """N-gram acceptance models over match features (columns of ``calib.labels.ngram_samples``).
 
-Every model takes a DataFrame with the named feature columns plus ``depth`` and predicts
-P(accept at depth | reached depth). Counts and distances enter the linear and MLP models as
-log1p (their effect is multiplicative); gradient boosting takes them raw.
+Every model follows the calibrators' protocol (:mod:`calib.calibrators.base`):
+``fit(X, depth, y, *, val=None)`` / ``predict_proba(X, depth)`` -> P(accept at depth | reached depth).
+``X`` is the n-gram chain's feature matrix: a DataFrame, from which the model reads its
+``features`` by name, or an array holding exactly those columns in that order. Counts and distances
+enter the linear and MLP models as log1p (their effect is multiplicative); gradient boosting takes
+them raw.
 """
 
 from __future__ import annotations
@@ -29,11 +32,21 @@ DEFAULT_FEATURES = ("match_n", "occurrences", "distance", "in_prompt", "distinct
 PROGRESS_EVERY_S = 10.0  # the HGB fit logs one boosting-progress line per this many seconds at most
 
 
-def _check_frame(df: pd.DataFrame, features, y=None):
-    missing = [c for c in (*features, "depth") if c not in df.columns]
-    if missing:
-        raise ValueError(f"n-gram samples lack columns {missing}; they come from calib.labels.ngram_samples")
-    X = df[list(features)].astype(np.float64).to_numpy()
+def _check_frame(X, depth, features, y=None):
+    """(features [n, F] float64, depth [n] int64, y) from the protocol's inputs, checked."""
+    if isinstance(X, pd.DataFrame):
+        missing = [c for c in features if c not in X.columns]
+        if missing:
+            raise ValueError(f"n-gram samples lack columns {missing}; they come from calib.labels.ngram_samples")
+        X = X[list(features)].astype(np.float64).to_numpy()
+    else:
+        X = np.asarray(X, dtype=np.float64)
+        if X.ndim != 2 or X.shape[1] != len(features):
+            raise ValueError(f"X must be [n, {len(features)}] holding {list(features)} in this order (or a "
+                             f"DataFrame with those columns), got shape {X.shape}")
+    depth = np.asarray(depth)
+    if depth.shape != (X.shape[0],):
+        raise ValueError(f"X has {X.shape[0]} rows but depth has shape {depth.shape}")
     bad = ~np.isfinite(X)
     if bad.any():
         r, c = np.argwhere(bad)[0]
@@ -43,7 +56,7 @@ def _check_frame(df: pd.DataFrame, features, y=None):
         if not np.isin(y, (0, 1)).all():
             raise ValueError("labels must be 0 or 1")
         y = y.astype(np.float64)
-    return X, df["depth"].to_numpy().astype(np.int64), y
+    return X, depth.astype(np.int64), y
 
 
 class NgramAcceptanceModel(Calibrator):
@@ -58,11 +71,6 @@ class NgramAcceptanceModel(Calibrator):
         onehot = (np.minimum(depth, self.n_depths_ - 1)[:, None] == np.arange(self.n_depths_)[None, :])
         return np.column_stack(cols + [onehot.astype(np.float64)])
 
-    def fit(self, df: pd.DataFrame, y, val=None):
-        raise NotImplementedError
-
-    def predict_proba(self, df: pd.DataFrame) -> np.ndarray:
-        raise NotImplementedError
 
 
 class LogisticAcceptance(NgramAcceptanceModel):
@@ -80,21 +88,21 @@ class LogisticAcceptance(NgramAcceptanceModel):
         self.C = C
         self.max_iter = max_iter
 
-    def fit(self, df, y, val=None) -> LogisticAcceptance:
+    def fit(self, X, depth, y, *, val=None) -> LogisticAcceptance:
         from sklearn.linear_model import LogisticRegression
         from sklearn.pipeline import make_pipeline
         from sklearn.preprocessing import StandardScaler
 
         self._validate_params()
-        X, depth, y = _check_frame(df, self.features, y)
+        X, depth, y = _check_frame(X, depth, self.features, y)
         self.n_depths_ = int(depth.max()) + 1
         self.pipeline_ = make_pipeline(StandardScaler(), LogisticRegression(C=self.C, max_iter=self.max_iter))
         self.pipeline_.fit(self._design(X, depth), y)
         return self
 
-    def predict_proba(self, df) -> np.ndarray:
+    def predict_proba(self, X, depth) -> np.ndarray:
         self._check_fitted()
-        X, depth, _ = _check_frame(df, self.features)
+        X, depth, _ = _check_frame(X, depth, self.features)
         return self.pipeline_.predict_proba(self._design(X, depth))[:, 1]
 
 
@@ -117,11 +125,11 @@ class GradientBoostingAcceptance(NgramAcceptanceModel):
         self.max_leaf_nodes = max_leaf_nodes
         self.seed = seed
 
-    def fit(self, df, y, val=None) -> GradientBoostingAcceptance:
+    def fit(self, X, depth, y, *, val=None) -> GradientBoostingAcceptance:
         from sklearn.ensemble import HistGradientBoostingClassifier
 
         self._validate_params()
-        X, depth, y = _check_frame(df, self.features, y)
+        X, depth, y = _check_frame(X, depth, self.features, y)
         self.n_depths_ = int(depth.max()) + 1
         self.model_ = HistGradientBoostingClassifier(
             max_iter=self.max_iter, learning_rate=self.learning_rate, max_leaf_nodes=self.max_leaf_nodes,
@@ -135,9 +143,9 @@ class GradientBoostingAcceptance(NgramAcceptanceModel):
                  time.perf_counter() - t0)
         return self
 
-    def predict_proba(self, df) -> np.ndarray:
+    def predict_proba(self, X, depth) -> np.ndarray:
         self._check_fitted()
-        X, depth, _ = _check_frame(df, self.features)
+        X, depth, _ = _check_frame(X, depth, self.features)
         return self.model_.predict_proba(np.column_stack([X, depth]))[:, 1]
 
 
@@ -203,19 +211,19 @@ class MLPAcceptance(NgramAcceptanceModel):
         Z = (self._design(X, depth) - self.mean_) / self.std_
         return torch.from_numpy(Z.astype(np.float32))
 
-    def fit(self, df, y, val=None) -> MLPAcceptance:
+    def fit(self, X, depth, y, *, val=None) -> MLPAcceptance:
         import lightning as L
         from torch.utils.data import BatchSampler, DataLoader, RandomSampler, SequentialSampler, TensorDataset
 
         from calib.calibrators.lightning_fit import fit_module
 
         self._validate_params()
-        X, depth, y = _check_frame(df, self.features, y)
+        X, depth, y = _check_frame(X, depth, self.features, y)
         self.n_depths_ = int(depth.max()) + 1
         D = self._design(X, depth)
         self.mean_, self.std_ = D.mean(0), D.std(0) + 1e-9
         if val is not None:
-            vX, vd, vy = _check_frame(val[0], self.features, val[1])
+            vX, vd, vy = _check_frame(val[0], val[1], self.features, val[2])
             if len(vy) > self.max_train_samples // 4:  # early stopping needs a sample, not all of it
                 keep = np.random.default_rng(self.seed + 1).choice(len(vy), self.max_train_samples // 4, replace=False)
                 vX, vd, vy = vX[keep], vd[keep], vy[keep]
@@ -266,8 +274,8 @@ class MLPAcceptance(NgramAcceptanceModel):
         self.net_ = net.eval()
         return self
 
-    def predict_proba(self, df) -> np.ndarray:
+    def predict_proba(self, X, depth) -> np.ndarray:
         self._check_fitted()
-        X, depth, _ = _check_frame(df, self.features)
+        X, depth, _ = _check_frame(X, depth, self.features)
         with torch.no_grad():
             return torch.sigmoid(self.net_(self._tensor(X, depth))).double().numpy()

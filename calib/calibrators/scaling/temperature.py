@@ -1,6 +1,9 @@
 """Temperature / Platt scaling on the logit of the confidence, trained with Lightning.
 
-    logit P(accept | reached k) = a_k · logit(conf) + b_k (+ w · extra)
+    logit P(accept | reached k) = a_k · logit(conf) + b_k (+ w · context)
+
+``X`` is ``[n, 1 + F]``: the confidence in column 0, then (optionally) context features such as
+entropy and margin, standardised on the training rows.
 
 ``per_depth=True`` fits a slope and intercept per depth (Platt per depth); ``per_depth=False``
 shares one slope (a temperature 1/a) with a per-depth intercept. Full-batch L-BFGS (or Adam) on
@@ -64,6 +67,7 @@ def _module(n_depths, n_extra, per_depth, optimizer, lr):
 
 class TemperatureScaling(Calibrator):
     name = "temperature"
+    uses_context = True
     _parameter_constraints: ClassVar[dict] = {
         "per_depth": [Boolean()],
         "optimizer": [Options(OPTIMIZERS)],
@@ -94,13 +98,13 @@ class TemperatureScaling(Calibrator):
             out.append(torch.from_numpy(y))
         return out
 
-    def fit(self, conf, depth, y, extra=None, val=None) -> TemperatureScaling:
+    def fit(self, X, depth, y, *, val=None) -> TemperatureScaling:
         from torch.utils.data import DataLoader
 
         from calib.calibrators.lightning_fit import fit_module
 
         self._validate_params()
-        conf, depth, y, extra = check_inputs(conf, depth, y, extra)
+        conf, depth, y, extra = check_inputs(X, depth, y)
         if conf.size == 0:
             raise ValueError("no samples to fit")
         self.n_depths_ = int(depth.max()) + 1
@@ -111,7 +115,7 @@ class TemperatureScaling(Calibrator):
         # Full batch: one "sample" holding every tensor (per-sample indexing would dominate).
         train = [tuple(self._tensors(conf, depth, extra, y, self.n_depths_))]
         if val is not None:
-            vc, vd, vy, ve = check_inputs(*val[:3], val[3] if len(val) > 3 else None)
+            vc, vd, vy, ve = check_inputs(*val)
             if ve is not None:
                 ve = (ve - self.extra_mean_) / self.extra_std_
             valset = [tuple(self._tensors(vc, vd, ve, vy, self.n_depths_))]
@@ -126,14 +130,15 @@ class TemperatureScaling(Calibrator):
         self.w_ = module.w.detach().numpy().copy()
         return self
 
-    def predict_proba(self, conf, depth, extra=None) -> np.ndarray:
+    def predict_proba(self, X, depth) -> np.ndarray:
         self._check_fitted()
-        conf, depth, _, extra = check_inputs(conf, depth, None, extra)
+        conf, depth, _, extra = check_inputs(X, depth)
         d = np.minimum(depth, self.n_depths_ - 1)
         a = self.a_[d] if self.per_depth else self.a_[0]
         z = a * logit(conf) + self.b_[d]
         if self.w_.size:
             if extra is None:
-                raise ValueError("this calibrator was fitted with extra inputs; pass extra=")
+                raise ValueError("this calibrator was fitted with context features: pass X [n, 1 + F] "
+                                 f"with its {self.w_.size} context columns after the confidence")
             z = z + ((extra - self.extra_mean_) / self.extra_std_) @ self.w_
         return 1.0 / (1.0 + np.exp(-z))
