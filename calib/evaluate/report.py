@@ -93,8 +93,8 @@ def length_headline(slices, min_rounds: int = SLICE_MIN_ROUNDS, max_error: float
     w_all, w_big = worst(slices), worst(big)
     if w_all is None:
         return "Accepted length: no slice has a calibrated prediction to score."
-    head = (f"**Accepted length: worst calibrated slice error {say(w_big)}** among the {len(big)} slices with "
-            f"≥ {min_rounds:,} rounds; {len(flagged)} of them exceed the {max_error:.0%} target."
+    head = (f"**Accepted length: worst calibrated slice error {say(w_big)}** among the slices with ≥ "
+            f"{min_rounds:,} rounds; {len(flagged)} of {len(big)} such slices exceed the {max_error:.0%} target."
             if w_big else f"**Accepted length: no slice has ≥ {min_rounds:,} test rounds**, so none is held to the "
                           f"{max_error:.0%} target.")
     if w_big is not w_all:

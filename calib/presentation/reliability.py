@@ -26,7 +26,8 @@ def reliability_figure(panels: dict[str, dict[str, tuple]], path: str | os.PathL
     """
     names = list(panels)
     fig, axes = plt.subplots(2, len(names), figsize=(3.0 * len(names), 4.6), squeeze=False, sharex=True,
-                             gridspec_kw={"height_ratios": [3, 1]})
+                             gridspec_kw={"height_ratios": [3, 1]},
+                             layout="constrained")  # the title clears two-line panel names (bank, chain)
     width = 1.0 / n_bins
     for j, name in enumerate(names):
         ax, axc = axes[0, j], axes[1, j]

@@ -80,7 +80,7 @@ def test_length_slices_error_flag_and_headline():
     assert [x["temperature"] for x in s] == [0.0, 0.0, 0.0, 0.8, 0.8]
     head = length_headline(s)
     assert head.startswith("**Accepted length: worst calibrated slice error 8.0% (T=0, model chain, chat")
-    assert "1 of them exceed the 5% target" in head and "Worst over all 5 slices: 20.0%" in head
+    assert "1 of 4 such slices exceed the 5% target" in head and "Worst over all 5 slices: 20.0%" in head
 
 
 def test_reliability_by_temperature_draws_every_chain_of_that_temperature(tmp_path, monkeypatch):
