@@ -62,8 +62,9 @@ def cpu_table() -> None:
             model_p, ngram_p, budget, cost = make_inputs(b, k)
             for two in (False, True):
                 ng = ngram_p if two else None
-                t_budget = median_ms(partial(allocate_probs, model_p, ng, budget=budget))
-                t_price = median_ms(partial(allocate_probs, model_p, ng, cost=cost))
+                probs = {"model": model_p} | ({"ngram": ng} if two else {})
+                t_budget = median_ms(partial(allocate_probs, probs, budget=budget))
+                t_price = median_ms(partial(allocate_probs, probs, cost=cost))
                 t_naive = median_ms(partial(naive_topk, model_p, ng, budget))
                 print(f"{b:>5} {k:>3} {2 if two else 1:>8} {t_budget:>11.3f} {t_price:>10.3f} {t_naive:>11.3f}")
 
@@ -81,8 +82,9 @@ def gpu_table() -> None:
         for two in (False, True):
             ng = ngram_p if two else None
             for mode, kw in (("budget", {"budget": budget_t}), ("price", {"cost": cost})):
-                kernel = partial(allocate_probs, model_p, ng, impl="triton", **kw)
-                reference = partial(allocate_probs, model_p, ng, **kw)
+                probs = {"model": model_p} | ({"ngram": ng} if two else {})
+                kernel = partial(allocate_probs, probs, impl="triton", **kw)
+                reference = partial(allocate_probs, probs, **kw)
                 t_kernel = triton.testing.do_bench(kernel, warmup=25, rep=100) * 1e3
                 t_graph = _graph_us(kernel)
                 t_ref = triton.testing.do_bench(reference, warmup=5, rep=50) * 1e3

@@ -30,7 +30,7 @@ from calib.chains import ChainKind, chain, chains
 from calib.labels import prompt_split
 from calib.metrics import auroc, brier, ece, nll
 from calib.tables import GridTables, save
-from calib.tables.export import encode_chain, model_table_predict, ngram_table_predict
+from calib.tables.export import encode_chain, table_predict
 from calib.tables.io import META, TENSORS, bank_fingerprint
 from calib.tracking import make_tracker
 
@@ -117,19 +117,20 @@ def _accept_length(samples_rounds: pd.DataFrame, p_col: str) -> dict:
             "actual_mean": float(samples_rounds["accept"].mean())}
 
 
-def _round_predictions(bank, test_prompts: set, tables) -> pd.DataFrame:
-    """Test rounds of the model-based drafter with raw and calibrated expected accepted length."""
+def _round_predictions(bank, test_prompts: set, table, confidence: str = schema.CONF) -> pd.DataFrame:
+    """Test rounds of a drafter with raw confidences (columns ``<confidence><k>`` of the bank's rounds)
+    with raw and calibrated (``table``) expected accepted length."""
     import torch
 
     t = bank.rounds()
     width = schema.width(t.column_names)
-    conf = np.stack([t.column(f"conf{k}").to_numpy(zero_copy_only=False).astype(float) for k in range(width)], 1)
+    conf = schema.depth_matrix(t, confidence, width)
     keep = ~np.isnan(conf).all(axis=1)
     keys = list(zip(t.column("category").to_pylist(), t.column("prompt_idx").to_pylist()))
     keep &= np.array([k in test_prompts for k in keys])
     conf = conf[keep]
     accept = t.column("accept").to_numpy(zero_copy_only=False)[keep]
-    cal = tables.model_accept_prob(torch.from_numpy(conf)).double().numpy()
+    cal = table.lookup(torch.from_numpy(conf)).double().numpy()
 
     def expected(p):
         return np.nancumprod(np.where(np.isnan(p), 0.0, p), axis=1).sum(axis=1)
@@ -190,9 +191,9 @@ def _fit_and_export_tracked(cfg: dict, bank, tracker, stage: Path, out_dir: Path
     split_cfg = cfg["split"]
     fractions, seed = tuple(split_cfg["fractions"]), int(split_cfg["seed"])
     widths = _chain_depths(bank)
-    meta: dict = {"drafters": {}, "banks": _bank_identity(bank), "split": dict(split_cfg),
+    meta: dict = {"chains": {}, "banks": _bank_identity(bank), "split": dict(split_cfg),
                   "target_models": _target_models(bank)}
-    summary_rows, fit_rows, tensors, reports = [], [], {}, {}
+    summary_rows, fit_rows, chain_tables, reports = [], [], {}, {}
 
     for kind in chains():  # one loop: every registered chain kind the config and the banks have
         chain_cfg = cfg.get(kind.config)
@@ -208,28 +209,26 @@ def _fit_and_export_tracked(cfg: dict, bank, tracker, stage: Path, out_dir: Path
         best = chosen["estimator"]
         n_depths = int(samples.depth.max()) + 1
         tr, va, te = (samples[samples.split == s] for s in ("train", "val", "test"))
-        chain_tensors, info = encode_chain(kind, best, tr, chain_cfg, n_depths, chosen["uses_context"], seed)
-        tensors.update({f"{kind.name}_{role}": t for role, t in chain_tensors.items()})
+        table, info = encode_chain(kind, best, tr, chain_cfg, n_depths, chosen["uses_context"], seed)
+        chain_tables[kind.name] = table
+        axes = [a.name for a in table.axes]
         chain_meta = {"id": kind.id, **_chain_ids(kind, samples), "depths": n_depths,
                       "k": max(widths[kind.name], n_depths), "estimator": res["best"], "params": best.get_params(),
                       "features": list(kind.feature_names(chain_cfg)), **info,
                       "n_samples": {s: int((samples.split == s).sum()) for s in ("train", "val", "test")},
                       "val_nll": {n: f["val_nll"] for n, f in res["fits"].items()}}
         if kind.confidence:  # raw vs calibrated per depth, and the accepted length per round
-            probe = _probe(tensors)
-            per_depth = _per_depth(te, model_table_predict(probe, te[kind.confidence].to_numpy(), te.depth.to_numpy()),
-                                   n_depths, kind.confidence)
-            chain_meta["val"] = _per_depth(va, model_table_predict(probe, va[kind.confidence].to_numpy(),
-                                                                   va.depth.to_numpy()), n_depths, kind.confidence)
+            per_depth = _per_depth(te, table_predict(table, te[axes], te.depth), n_depths, kind.confidence)
+            chain_meta["val"] = _per_depth(va, table_predict(table, va[axes], va.depth), n_depths, kind.confidence)
             chain_meta["test"] = per_depth
-            rounds = _round_predictions(bank, set(zip(te.category, te.prompt_idx)), probe)
+            rounds = _round_predictions(bank, set(zip(te.category, te.prompt_idx)), table, kind.confidence)
             chain_meta["accept_length_test"] = {
                 "actual_mean": float(rounds.accept.mean()), "raw_predicted_mean": float(rounds.raw.mean()),
                 "calibrated_predicted_mean": float(rounds.calibrated.mean()), "n_rounds": len(rounds)}
             summary_rows = per_depth
             reports[kind.name] = samples
         else:  # the estimator itself vs its table on the test split
-            table_p = ngram_table_predict(_probe(tensors), te, info["features"]) if len(te) else None
+            table_p = table_predict(table, te[axes], te.depth) if len(te) else None
             chain_meta["test"] = ({"model": _metrics(best.predict_proba(kind.X(te, chain_cfg), te.depth), te.label),
                                    "table": _metrics(table_p, te.label)} if len(te) else {})
         tcfg = chain_cfg.get("transfer")
@@ -239,37 +238,25 @@ def _fit_and_export_tracked(cfg: dict, bank, tracker, stage: Path, out_dir: Path
         if "counterfactual" in samples.columns:
             chain_meta["label_sources"] = samples.groupby("counterfactual").size().rename(
                 lambda c: "counterfactual" if c else "verified").to_dict()
-        meta["drafters"][kind.name] = chain_meta
-        if not kind.confidence and "features" in info:
-            meta["ngram_features"] = info["features"]
+        meta["chains"][kind.name] = chain_meta
         for n, f in res["fits"].items():
             fit_rows.append({"drafter": kind.name, "candidate": n, "val_nll": f["val_nll"], "fit_s": f["fit_s"],
                              "selected": n == res["best"]})
-    if not meta["drafters"]:
+    if not meta["chains"]:
         raise ValueError(f"{cfg['data']['train']}: no model-based confidences and no labelled n-gram chains "
                          "to fit; check the banks (python -m calib.bank stats PATH)")
-    if "model_grid" not in tensors:
-        tensors["model_grid"] = np.full((1, 2), np.nan, np.float32)  # no model-based drafter in the banks
-    if "ngram_grid" not in tensors:  # a placeholder the allocator never reads (no n-gram drafter)
-        tensors.update(ngram_edges=np.full((1, 1), np.inf, np.float32), ngram_strides=np.ones(1, np.int64),
-                       ngram_grid=np.full((1, 1), np.nan, np.float32))
-        meta["ngram_features"] = []
-
-    import torch
-
     # A drafted depth no training round reached has no row of its own: the last row stands for it
     # (the calibrators' rule), and the tables say so, or the allocator would refuse K > D at serve time.
-    short = {c: (d["k"], tensors[f"{c}_grid"].shape[0]) for c, d in meta["drafters"].items()
-             if d["k"] > tensors[f"{c}_grid"].shape[0]}
+    short = {c: (d["k"], chain_tables[c].depths) for c, d in meta["chains"].items()
+             if d["k"] > chain_tables[c].depths}
     if short:
         log.warning("depths without training rounds (chain: drafted K, fitted rows): %s; their "
                     "calibration is the last row's (reuse_last_row=True)", short)
-    tables = GridTables(*(torch.from_numpy(tensors[n]) for n in ("model_grid", "ngram_edges", "ngram_strides",
-                                                                  "ngram_grid")), reuse_last_row=bool(short))
+    tables = GridTables(chain_tables, reuse_last_row=bool(short))
     meta["fit"] = fit_rows
     meta["train_wall_s"] = round(time.time() - t_start, 2)
     save(stage, tables, meta)
-    _log(tracker, stage, meta, summary_rows, fit_rows, reports.get("model"))
+    _log(tracker, stage, meta, summary_rows, fit_rows, reports)
     return _write_summary(stage, out_dir, meta)
 
 
@@ -277,15 +264,6 @@ def _chain_ids(kind: ChainKind, samples: pd.DataFrame) -> dict:
     """The drafters a chain's tables were fitted on: the banks' speculator names for a chain with a
     confidence (EAGLE tables must not calibrate a draft model), else the chain's own name."""
     return {"ids": sorted(set(samples.speculator.astype(str))) if kind.confidence else [kind.name]}
-
-
-def _probe(tensors: dict) -> GridTables:
-    """In-memory tables of what has been encoded so far (placeholders for chains not yet there)."""
-    import torch
-
-    t = {"model_grid": np.zeros((1, 2), np.float32), "ngram_edges": np.full((1, 1), np.inf, np.float32),
-         "ngram_strides": np.ones(1, np.int64), "ngram_grid": np.zeros((1, 1), np.float32), **tensors}
-    return GridTables(*(torch.from_numpy(t[n]) for n in ("model_grid", "ngram_edges", "ngram_strides", "ngram_grid")))
 
 
 def _per_depth(samples: pd.DataFrame, calibrated: np.ndarray, n_depths: int, raw: str = "conf") -> list[dict]:
@@ -302,37 +280,53 @@ def _per_depth(samples: pd.DataFrame, calibrated: np.ndarray, n_depths: int, raw
     return rows
 
 
-def _log(tracker, out_dir: Path, meta: dict, per_depth: list[dict], fit_rows: list[dict], ms) -> None:
-    for split in ("val", "test"):
-        for row in meta["drafters"].get("model", {}).get(split, []):
-            tracker.log({f"{split}/depth_{row['depth']}/{k}": v for k, v in row.items() if k != "depth"})
+def _log(tracker, out_dir: Path, meta: dict, per_depth: list[dict], fit_rows: list[dict],
+         reports: dict[str, pd.DataFrame]) -> None:
+    """Per-depth metrics, the fit table, the reliability picture of the chain with raw confidences
+    (``reports``: its samples, by chain name) and the tables as an artifact."""
+    for name in reports:
+        for split in ("val", "test"):
+            for row in meta["chains"][name].get(split, []):
+                tracker.log({f"{split}/depth_{row['depth']}/{k}": v for k, v in row.items() if k != "depth"})
     tracker.log_table("fit", fit_rows)
-    if per_depth:
+    if per_depth and reports:
         tracker.log_table("test_per_depth", per_depth)
         from calib.presentation import reliability_figure
         from calib.tables import load as load_tables
 
+        name, samples = next(iter(reports.items()))
+        raw = chain(name).confidence
         tables = load_tables(out_dir)
-        te = ms[ms.split == "test"]
-        cal = model_table_predict(tables, te.conf.to_numpy(), te.depth.to_numpy())
+        te = samples[samples.split == "test"]
+        cal = table_predict(tables.table(name), te[tables.feature_names(name)], te.depth)
         panels = {}
         for d in [*sorted(te.depth.unique()), "all"]:
             m = np.ones(len(te), bool) if d == "all" else (te.depth == d).to_numpy()
             panels["all depths" if d == "all" else f"depth {d}"] = {
-                "raw": (te.conf[m].to_numpy(), te.label[m].to_numpy()), "calibrated": (cal[m], te.label[m].to_numpy())}
+                "raw": (te[raw][m].to_numpy(), te.label[m].to_numpy()), "calibrated": (cal[m], te.label[m].to_numpy())}
         png = reliability_figure(panels, out_dir / "reliability_test.png",
-                                 f"model drafter, test prompts: raw vs {meta['drafters']['model']['estimator']}")
+                                 f"{name} drafter, test prompts: raw vs {meta['chains'][name]['estimator']}")
         tracker.log_image("reliability/test", png)
     tracker.log_artifact("calib-tables", "tables", [out_dir / TENSORS, out_dir / META],
-                         metadata={k: meta[k] for k in ("drafters",) if k in meta} | {"banks": meta["banks"]})
+                         metadata={k: meta[k] for k in ("chains",) if k in meta} | {"banks": meta["banks"]})
 
 
 def _write_summary(stage: Path, out_dir: Path, meta: dict) -> str:
     """``summary.txt`` in the staging folder; returns its text (printed once published)."""
     lines = [f"tables written to {out_dir} ({meta['train_wall_s']:.1f}s)"]
-    m = meta["drafters"].get("model")
-    if m:
-        lines.append(f"model drafter {m['ids']}: selected {m['estimator']} (val NLL); test split:")
+    for name, m in meta["chains"].items():
+        lines += _summary_lines(name, m)
+    text = "\n".join(lines)
+    write_text_atomic(stage / "summary.txt", text + "\n")
+    return text
+
+
+def _summary_lines(name: str, m: dict) -> list[str]:
+    """One chain's part of summary.txt: per-depth raw vs calibrated for a chain with raw confidences,
+    estimator vs table otherwise, and the transfer check where one ran."""
+    lines = []
+    if isinstance(m.get("test"), list):
+        lines.append(f"{name} drafter {m['ids']}: selected {m['estimator']} (val NLL); test split:")
         lines.append(f"  {'depth':>5} {'n':>7} {'ECE raw':>8} {'ECE cal':>8} {'NLL raw':>8} {'NLL cal':>8}")
         for r in m["test"]:
             lines.append(f"  {r['depth']!s:>5} {r['n']:>7} {r['raw_ece']:>8.4f} {r['cal_ece']:>8.4f} "
@@ -341,17 +335,14 @@ def _write_summary(stage: Path, out_dir: Path, meta: dict) -> str:
         lines.append(f"  accepted length per round: actual {L['actual_mean']:.3f}, predicted raw "
                      f"{L['raw_predicted_mean']:.3f}, calibrated {L['calibrated_predicted_mean']:.3f} "
                      f"({L['n_rounds']} test rounds)")
-    n = meta["drafters"].get("ngram")
-    if n:
-        lines.append(f"n-gram drafter: selected {n['estimator']}; test "
-                     + ", ".join(f"{k} Brier {v['brier']:.4f} AUROC {v['auroc']:.3f}" for k, v in n["test"].items()
+    else:
+        lines.append(f"{name} drafter: selected {m['estimator']}; test "
+                     + ", ".join(f"{k} Brier {v['brier']:.4f} AUROC {v['auroc']:.3f}" for k, v in m["test"].items()
                                  if v.get("auroc") is not None))
-        t = n.get("transfer")
-        if t:
-            lines.append(f"  transfer {'+'.join(t['fit_on'])} -> {'+'.join(t['eval_on'])}: {t['model']['kind']} "
-                         f"Brier {t['model']['brier']:.4f} AUROC {t['model']['auroc']:.3f} | baseline "
-                         f"({'+'.join(t['baseline']['features'])}) Brier {t['baseline']['brier']:.4f} "
-                         f"AUROC {t['baseline']['auroc']:.3f}")
-    text = "\n".join(lines)
-    write_text_atomic(stage / "summary.txt", text + "\n")
-    return text
+    t = m.get("transfer")
+    if t:
+        lines.append(f"  transfer {'+'.join(t['fit_on'])} -> {'+'.join(t['eval_on'])}: {t['model']['kind']} "
+                     f"Brier {t['model']['brier']:.4f} AUROC {t['model']['auroc']:.3f} | baseline "
+                     f"({'+'.join(t['baseline']['features'])}) Brier {t['baseline']['brier']:.4f} "
+                     f"AUROC {t['baseline']['auroc']:.3f}")
+    return lines

@@ -65,3 +65,22 @@ def synthetic_tables(n_prompts=4, rounds_per_prompt=5, width=4, seed=0, with_ngr
         fields += [pa.field(f"acc{j}", pa.int8()) for j in range(width)]
         ngram = pa.table(ng, schema=pa.schema(fields))
     return acceptance, speculator_t, ngram
+
+
+def two_chain_tables(model_grid, edges, strides, ngram_grid, reuse_last_row: bool = False, features=None):
+    """GridTables with the model chain (one interpolated confidence axis over ``model_grid``'s G
+    points) and the n-gram chain (binned axes named ``features``, default f0, f1, ..., with inner
+    ``edges`` [F, E] (+inf padded) and ``strides``), from tensors or arrays."""
+    import math
+
+    import torch
+
+    from calib.chains import Axis
+    from calib.tables.layout import ChainTable, GridTables
+
+    model_grid, edges = torch.as_tensor(model_grid, dtype=torch.float32), torch.as_tensor(edges, dtype=torch.float32)
+    model = ChainTable.build((Axis("conf", points=model_grid.shape[1]),), model_grid)
+    names = list(features) if features is not None else [f"f{i}" for i in range(edges.shape[0])]
+    axes = tuple(Axis(n, edges=tuple(float(e) for e in row if math.isfinite(e))) for n, row in zip(names, edges.tolist()))
+    ngram = ChainTable.build(axes, ngram_grid, edges, strides)
+    return GridTables({"model": model, "ngram": ngram}, reuse_last_row=reuse_last_row)

@@ -21,9 +21,9 @@ def test_train_entry_point(tmp_path):
                                           "calibrator=isotonic", "ngram_model=logistic", "trainer.progress=false"])
     out = run(OmegaConf.to_container(cfg, resolve=True))
     tables = load(out)
-    assert tables.has_model and tables.has_ngram
-    assert tables.meta["drafters"]["model"]["estimator"] == "isotonic"
-    assert tables.ngram_feature_names == list(cfg.ngram_model.table.features)
+    assert tables.has_chain("model") and tables.has_chain("ngram")
+    assert tables.meta["chains"]["model"]["estimator"] == "isotonic"
+    assert tables.feature_names("ngram") == list(cfg.ngram_model.table.features)
     assert (out / "reliability_test.png").exists() and (out / "csv" / "fit.csv").exists()
     assert "ECE raw" in (out / "summary.txt").read_text()
 
@@ -44,7 +44,7 @@ def test_train_with_extra_inputs_exports_a_marginal_table(tmp_path):
                                           "calibrator=temperature", "calibrator.extra=[entropy,margin]",
                                           "ngram_model=logistic", "trainer.progress=false", "trainer.max_epochs=5"])
     tables = load(run(OmegaConf.to_container(cfg, resolve=True)))
-    grid = tables.model_grid
+    grid = tables.chains["model"].grid
     assert not grid.isnan().any() and (grid.diff(dim=1) >= 0).all()
 
 
@@ -76,7 +76,7 @@ def test_existing_tables_are_replaced_only_with_overwrite(tmp_path, small_bank):
         run(_compose(small_bank, out, "calibrator=histogram"))
     assert _snapshot(out) == before
     run(_compose(small_bank, out, "calibrator=histogram", "overwrite=true"))
-    assert load(out).meta["drafters"]["model"]["estimator"] == "histogram"
+    assert load(out).meta["chains"]["model"]["estimator"] == "histogram"
     assert "histogram" in (out / "config.yaml").read_text() and "model chain histogram" in (
         out / "train.log").read_text()
     # A folder that is not a train.py output is never replaced as a whole, overwrite or not.
@@ -153,7 +153,7 @@ def test_kill_during_save_leaves_old_or_new_set(tmp_path, small_bank, point, exp
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 9, proc.stderr[-2000:]
     tables = load(out)  # a consistent pair (was: new tensors beside the old JSON -> checksum error)
-    chosen = tables.meta["drafters"]["model"]["estimator"]
+    chosen = tables.meta["chains"]["model"]["estimator"]
     assert chosen == expect
     assert f"selected {chosen}" in (out / "summary.txt").read_text()
     assert f"name: {chosen}" in (out / "config.yaml").read_text()

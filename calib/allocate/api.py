@@ -1,5 +1,10 @@
 """Public entry points: ``allocate_probs`` (calibrated probabilities) and ``allocate`` (raw signals).
 
+Chains are named by their registered kind (:mod:`calib.chains`): both take a mapping
+``{chain name: tensor}`` of one or two chains, and ``Allocation.drafter`` reports the chosen chain's
+registry id (``NO_CHAIN`` = 0: nothing verified). Each request verifies at most one chain; with two,
+the lower id wins ties (the rules are in :mod:`calib.allocate.reference`).
+
 Both return an :class:`Allocation` whose tensors stay on the input device. ``impl="reference"``
 runs the torch reference (any device); ``impl="triton"`` runs the fused kernel (on CPU under the
 Triton interpreter, for testing only). Both take bit-identical decisions.
@@ -15,15 +20,18 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
 from calib.allocate.reference import allocate_reference
 from calib.allocate.tables import AcceptanceTables
-from calib.tables.layout import check_confidences, check_ngram_features
+from calib.chains import ChainKind, chain, chain_names
+from calib.tables.layout import check_chain_inputs, check_confidences
 
 IMPLEMENTATIONS = ("reference", "triton")
+MAX_CHAINS = 2  # chains one step chooses between (see calib.allocate.reference)
 
 
 @dataclass(frozen=True)
@@ -31,7 +39,8 @@ class Allocation:
     """Per-request verification decision for one engine step.
 
     Attributes:
-        drafter: int8 [B]; 0 = verify nothing, 1 = the model draft chain, 2 = the n-gram chain.
+        drafter: int8 [B]; the registry id of the chain to verify (:mod:`calib.chains`: 1 = model,
+            2 = n-gram, ...), ``NO_CHAIN`` = 0 = verify nothing.
         depth: int32 [B]; number of draft tokens of that chain to verify (0 iff drafter is 0).
         expected_accepted: float32 [B]; sum over the verified depths of the chain's survival
             ``S_k = prod_{j<=k} p_j``, i.e. the expected number of accepted draft tokens.
@@ -43,8 +52,7 @@ class Allocation:
 
 
 def allocate_probs(
-    model_p: torch.Tensor,
-    ngram_p: torch.Tensor | None = None,
+    probs: Mapping[str, torch.Tensor],
     *,
     budget: int | torch.Tensor | None = None,
     cost: torch.Tensor | None = None,
@@ -53,9 +61,9 @@ def allocate_probs(
     """Allocate verification from already-calibrated conditional acceptance probabilities.
 
     Args:
-        model_p: float [B, K]; ``P(accept depth k | depth k reached)`` for the model chain,
-            NaN where there is no token (a chain ends at its first NaN).
-        ngram_p: float [B, L] for the n-gram chain, or None when there is no second drafter.
+        probs: ``{chain name: float [B, K_c]}``, one or two registered chains;
+            ``P(accept depth k | depth k reached)``, NaN where there is no token (a chain ends at its
+            first NaN).
         budget: total draft tokens for the batch (int or 0-d integer tensor; a device tensor keeps
             the call free of host synchronisation and capturable in a CUDA graph).
         cost: 1-D float tensor, ``cost[T]`` = cost of a verify pass with ``T = B + sum(depth)``
@@ -68,28 +76,29 @@ def allocate_probs(
     for the decision rules.
     """
     _check_mode(budget, cost, impl)
-    _check_probs(model_p, "model_p")
-    if ngram_p is not None:
-        _check_probs(ngram_p, "ngram_p")
-        if ngram_p.shape[0] != model_p.shape[0]:
-            raise ValueError(f"model_p has {model_p.shape[0]} requests, ngram_p {ngram_p.shape[0]}")
+    kinds = _kinds(probs, "probs")
+    for kind in kinds:
+        _check_probs(probs[kind.name], kind.name)
+    n_requests = _batch(probs, kinds)
     if cost is not None and _host_readable(cost, impl):
-        check_cost(cost, model_p.shape[0])
-    if model_p.shape[0] == 0:
-        return _empty(model_p.device)
+        check_cost(cost, n_requests)
+    first = probs[kinds[0].name]
+    if n_requests == 0:
+        return _empty(first.device)
+    second = probs[kinds[1].name] if len(kinds) > 1 else None
+    ids = (kinds[0].id, kinds[-1].id)
     if impl == "reference":
-        return Allocation(*allocate_reference(model_p, ngram_p, budget=budget, cost=cost))
+        return Allocation(*allocate_reference(first, second, budget=budget, cost=cost, ids=ids))
     if impl == "triton":
         from calib.allocate.triton_kernels import allocate_triton  # triton is imported lazily
 
-        return Allocation(*allocate_triton(model_p, ngram_p, budget=budget, cost=cost))
+        return Allocation(*allocate_triton(first, second, budget=budget, cost=cost, ids=ids))
     raise ValueError(f"impl must be one of {IMPLEMENTATIONS}, got {impl!r}")
 
 
 def allocate(
     tables: AcceptanceTables,
-    model_conf: torch.Tensor,
-    ngram_features: torch.Tensor | None = None,
+    signals: Mapping[str, torch.Tensor],
     *,
     budget: int | torch.Tensor | None = None,
     cost: torch.Tensor | None = None,
@@ -99,44 +108,73 @@ def allocate(
 
     Args:
         tables: any :class:`~calib.allocate.tables.AcceptanceTables`.
-        model_conf: float [B, K]; the drafter's probability of each proposed token (in [0, 1]),
-            NaN = none. ``K`` may not exceed the tables' model depths ``D`` unless the tables say
-            that their last row stands for deeper depths (``tables.reuse_last_row``).
-        ngram_features: float [B, L, F] n-gram match features in the tables' order (feature 0 NaN
-            = no token at that depth), or None. ``F`` must be the tables' feature count; ``L`` may
-            not exceed the tables' n-gram depths unless ``tables.reuse_last_row``.
+        signals: ``{chain name: float [B, L, A]}`` for one or two chains the tables calibrate: per
+            depth, the chain's ``A`` table inputs in the tables' order (``tables.chains[name].axes``;
+            a one-axis chain such as the model chain may pass ``[B, K]`` raw confidences in [0, 1]).
+            Feature 0 NaN = no token at that depth. ``A`` must be the table's; the depth may not
+            exceed the table's rows ``D`` unless the tables say that their last row stands for deeper
+            depths (``tables.reuse_last_row``).
         budget, cost, impl: as in :func:`allocate_probs`.
 
     Input that does not match the tables is a ``ValueError`` naming both sides.
     """
     _check_mode(budget, cost, impl)
-    _check_probs(model_conf, "model_conf")
+    kinds = _kinds(signals, "signals")
     reuse = bool(getattr(tables, "reuse_last_row", False))
-    _check_depths("model_conf", model_conf.shape[1], "model_grid", tables.model_grid.shape[0], reuse)
-    if _host_readable(model_conf, impl):
-        check_confidences(model_conf, "model_conf")
-    if ngram_features is not None:
-        check_ngram_features(ngram_features, tables.ngram_edges.shape[0])
-        if ngram_features.shape[0] != model_conf.shape[0]:
-            raise ValueError(f"model_conf has B={model_conf.shape[0]} requests, ngram_features "
-                             f"B={ngram_features.shape[0]}")
-        _check_depths("ngram_features", ngram_features.shape[1], "ngram_grid", tables.ngram_grid.shape[0],
-                      reuse)
+    checked = {}
+    for kind in kinds:
+        name = kind.name
+        if name not in tables.chains:
+            raise ValueError(f"signals name the {name} chain, but the tables calibrate {sorted(tables.chains)}")
+        table = tables.chains[name]
+        x = signals[name]
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+            raise ValueError(f"signals[{name!r}] must be a float tensor, got {type(x).__name__} "
+                             f"{getattr(x, 'dtype', '')}".rstrip())
+        x = check_chain_inputs(x, table, f"signals[{name!r}]")
+        _check_depths(f"signals[{name!r}]", x.shape[1], f"{name}.grid", table.depths, reuse)
+        if table.interpolated and _host_readable(x, impl):
+            check_confidences(x[..., 0], f"signals[{name!r}]")
+        checked[name] = x
+    n_requests = _batch(checked, kinds)
     if cost is not None and _host_readable(cost, impl):
-        check_cost(cost, model_conf.shape[0])
-    if model_conf.shape[0] == 0:
-        return _empty(model_conf.device)
+        check_cost(cost, n_requests)
+    first = checked[kinds[0].name]
+    if n_requests == 0:
+        return _empty(first.device)
+    ids = (kinds[0].id, kinds[-1].id)
     if impl == "reference":
-        model_p = tables.model_accept_prob(model_conf)
-        ngram_p = None if ngram_features is None else tables.ngram_accept_prob(ngram_features)
-        return Allocation(*allocate_reference(model_p, ngram_p, budget=budget, cost=cost))
+        p = [tables.chains[k.name].lookup(checked[k.name], k.name) for k in kinds]
+        return Allocation(*allocate_reference(p[0], p[1] if len(p) > 1 else None, budget=budget, cost=cost, ids=ids))
     if impl == "triton":
         from calib.allocate.triton_kernels import allocate_triton
 
-        return Allocation(
-            *allocate_triton(model_conf, ngram_features, budget=budget, cost=cost, tables=tables)
-        )
+        second = checked[kinds[1].name] if len(kinds) > 1 else None
+        return Allocation(*allocate_triton(first, second, budget=budget, cost=cost, ids=ids,
+                                           tables=[tables.chains[k.name] for k in kinds]))
     raise ValueError(f"impl must be one of {IMPLEMENTATIONS}, got {impl!r}")
+
+
+def _kinds(mapping, what: str) -> list[ChainKind]:
+    """The registered chain kinds ``mapping`` names, by registry id (the allocator's tie order)."""
+    if not isinstance(mapping, Mapping) or not mapping:
+        raise ValueError(f"`{what}` must be a non-empty mapping {{chain name: tensor}} over the registered "
+                         f"chains {list(chain_names())}, got {type(mapping).__name__}")
+    try:
+        kinds = sorted((chain(name) for name in mapping), key=lambda k: k.id)
+    except KeyError as err:
+        raise ValueError(f"`{what}`: {err.args[0]}") from None
+    if len(kinds) > MAX_CHAINS:
+        raise ValueError(f"`{what}` names {[k.name for k in kinds]}: a step chooses between at most "
+                         f"{MAX_CHAINS} chains per request (see calib.allocate.reference)")
+    return kinds
+
+
+def _batch(mapping, kinds) -> int:
+    sizes = {k.name: mapping[k.name].shape[0] for k in kinds}
+    if len(set(sizes.values())) > 1:
+        raise ValueError(f"the chains have different batch sizes B: {sizes}")
+    return next(iter(sizes.values()))
 
 
 def check_cost(cost: torch.Tensor, n_requests: int) -> None:

@@ -1,6 +1,8 @@
 """Torch reference allocator: exact, readable, device-agnostic, free of host synchronisation.
 
-Notation (per request ``i`` of ``B``, per chain ``c`` in {model, n-gram}, depth ``k`` from 0):
+Notation (per request ``i`` of ``B``, per chain ``c`` of at most two registered chain kinds
+(:mod:`calib.chains`; "first" = the lower registry id, e.g. model, "second" e.g. n-gram), depth ``k``
+from 0):
 
 * ``p[i, k]`` calibrated P(accept token k | tokens < k accepted); NaN = no token. A chain ends at
   its first NaN: deeper tokens cannot be verified whatever their value.
@@ -26,11 +28,11 @@ the top-``m`` gains maximise the numerator, so the best allocation is the best o
 top-``m`` prefixes of the sorted gains: we evaluate all of them (ties -> smallest ``m``). This is the
 "add the next most valuable token while it pays" rule made exact even for non-convex cost curves.
 
-Two drafters, budget mode (each request verifies at most one chain):
+Two chains, budget mode (each request verifies at most one chain):
 
 1. Lagrangian. At slot price ``lam`` a request's best choice maximises ``sum_{k<d} (q_k - lam)``:
    per chain that is ``d_c = #{q_c > lam}`` with surplus ``V_c = sum (q_c - lam)^+``; the request
-   takes the chain with the larger surplus (ties: fewer tokens, then the model chain). The total
+   takes the chain with the larger surplus (ties: fewer tokens, then the first chain). The total
    depth ``D(lam)`` is non-increasing in ``lam`` (exchange argument), and ``lam*`` is the smallest
    integer price with ``D(lam*) <= N``, found by bisection.
 2. Upgrades. Requests whose choice at ``lam* - 1`` is deeper take that choice, in request order,
@@ -40,10 +42,10 @@ Two drafters, budget mode (each request verifies at most one chain):
    at most one request's largest gain (plus rounding on the 2**-24 grid).
 3. Greedy fill. Chains are then fixed (a request still at depth 0 takes the chain with the larger
    first gain) and the remaining budget goes to the largest remaining gains, same tie rule.
-4. The result is compared (exact integer sums) with the two single-drafter optima and the best is
-   returned (ties: Lagrangian, model, n-gram), so it is never worse than either drafter alone.
+4. The result is compared (exact integer sums) with the two single-chain optima and the best is
+   returned (ties: Lagrangian, first, second), so it is never worse than either chain alone.
 
-Two drafters, price mode (a heuristic with the same guarantees against single drafters): the better
+Two chains, price mode (a heuristic with the same guarantees against single drafters): the better
 single-drafter price allocation sets the slot price ``lam`` (its smallest accepted gain: the gain at
 which the goodput rule stopped); each request picks its chain by the Lagrangian rule at ``lam``
 (depth-0 requests by larger first gain), and the exact one-chain price mode runs on the chosen
@@ -54,8 +56,9 @@ from __future__ import annotations
 
 import torch
 
+from calib.chains import NO_CHAIN
+
 SCALE = 1 << 24  # fixed-point units per expected accepted token
-NO_DRAFTER, MODEL, NGRAM = 0, 1, 2
 
 
 def survival(p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -147,23 +150,23 @@ def sort_two_groups(q: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
 
 
 class TwoChains:
-    """Both chains' gains stacked as ``[2, B, W]`` (0 = model, 1 = n-gram), with what the
+    """Both chains' gains stacked as ``[2, B, W]`` (0 = first, 1 = second chain), with what the
     Lagrangian needs precomputed: rows are non-increasing, so ``#{q > price}`` is a binary search
     and the surplus a prefix-sum lookup."""
 
-    def __init__(self, q_model: torch.Tensor, q_ngram: torch.Tensor):
-        self.q = torch.stack([q_model, q_ngram])
-        self.n_requests, self.width = q_model.shape
+    def __init__(self, q_first: torch.Tensor, q_second: torch.Tensor):
+        self.q = torch.stack([q_first, q_second])
+        self.n_requests, self.width = q_first.shape
         self._ascending = (-self.q).contiguous()
         self._prefix = torch.nn.functional.pad(self.q.to(torch.int64).cumsum(dim=2), (1, 0))
 
     def choose(
         self, price: int | torch.Tensor, rows: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each request's best (chain, depth) at slot price ``price``: ``(use_ngram, depth)``.
+        """Each request's best (chain, depth) at slot price ``price``: ``(use_second, depth)``.
 
         A chain's best depth is ``#{q > price}`` with surplus ``sum (q - price)^+``; the larger
-        surplus wins, then the shorter chain, then the model chain. ``rows`` restricts to a subset.
+        surplus wins, then the shorter chain, then the first chain. ``rows`` restricts to a subset.
         """
         ascending, prefix = self._ascending, self._prefix
         if rows is not None:
@@ -172,8 +175,8 @@ class TwoChains:
         depth = torch.searchsorted(ascending, (-price).expand(*ascending.shape[:2], 1).contiguous())
         surplus = (prefix.gather(2, depth) - price * depth).squeeze(2)
         depth = depth.squeeze(2)
-        use_ngram = (surplus[1] > surplus[0]) | ((surplus[1] == surplus[0]) & (depth[1] < depth[0]))
-        return use_ngram, torch.where(use_ngram, depth[1], depth[0])
+        use_second = (surplus[1] > surplus[0]) | ((surplus[1] == surplus[0]) & (depth[1] < depth[0]))
+        return use_second, torch.where(use_second, depth[1], depth[0])
 
     def lagrangian_price(self, n: int) -> int:
         """Smallest integer price ``>= 0`` whose Lagrangian choices use at most ``n`` tokens.
@@ -209,56 +212,56 @@ def _prefix_value(q: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:
     return torch.where(cols < depth[:, None], q, torch.zeros_like(q)).to(torch.int64).sum()
 
 
-def _first_gain_prefers_ngram(chains: TwoChains) -> torch.Tensor:
+def _first_gain_prefers_second(chains: TwoChains) -> torch.Tensor:
     return chains.q[1, :, 0] > chains.q[0, :, 0]
 
 
 def _two_chain_budget(chains: TwoChains, n: int):
-    q_model, q_ngram = chains.q
-    cols = torch.arange(chains.width, device=q_model.device)
+    q_first, q_second = chains.q
+    cols = torch.arange(chains.width, device=q_first.device)
     price = chains.lagrangian_price(n)
-    use_ngram, depth = chains.choose(price)
+    use_second, depth = chains.choose(price)
     if price > 0:
         # Upgrades: requests that go deeper one price unit lower, in request order, while they fit.
         use_lower, depth_lower = chains.choose(price - 1)
         extra = (depth_lower - depth).clamp(min=0)
         upgrade = (extra > 0) & (extra.cumsum(dim=0) <= n - depth.sum())
-        use_ngram = torch.where(upgrade, use_lower, use_ngram)
+        use_second = torch.where(upgrade, use_lower, use_second)
         depth = torch.where(upgrade, depth_lower, depth)
     # Greedy fill on fixed chains.
-    use_ngram = torch.where(depth > 0, use_ngram, _first_gain_prefers_ngram(chains))
-    chain = torch.where(use_ngram[:, None], q_ngram, q_model)
+    use_second = torch.where(depth > 0, use_second, _first_gain_prefers_second(chains))
+    chain = torch.where(use_second[:, None], q_second, q_first)
     rest = torch.where(cols >= depth[:, None], chain, torch.zeros_like(chain))
     depth = depth + top_n(rest, n - int(depth.sum()))
     value = _prefix_value(chain, depth)
 
-    depth_m, depth_n = top_n(q_model, n), top_n(q_ngram, n)
+    depth_f, depth_s = top_n(q_first, n), top_n(q_second, n)
     return _pick_best(
-        (use_ngram, depth, value),
-        (torch.zeros_like(use_ngram), depth_m, _prefix_value(q_model, depth_m)),
-        (torch.ones_like(use_ngram), depth_n, _prefix_value(q_ngram, depth_n)),
+        (use_second, depth, value),
+        (torch.zeros_like(use_second), depth_f, _prefix_value(q_first, depth_f)),
+        (torch.ones_like(use_second), depth_s, _prefix_value(q_second, depth_s)),
     )
 
 
 def _two_chain_price(chains: TwoChains, cost: torch.Tensor, n_requests: int):
-    q_model, q_ngram = chains.q
-    is_ngram = torch.zeros_like(chains.q, dtype=torch.bool)
-    is_ngram[1] = True
+    q_first, q_second = chains.q
+    is_second = torch.zeros_like(chains.q, dtype=torch.bool)
+    is_second[1] = True
     (m_m, m_n), (good_m, good_n), (thr_m, thr_n) = best_sorted_prefix(
-        sort_two_groups(chains.q, is_ngram), cost, n_requests
+        sort_two_groups(chains.q, is_second), cost, n_requests
     )
     # The slot price is where the better single drafter's goodput rule stopped adding tokens.
     price = torch.where(good_n > good_m, thr_n, thr_m)
-    use_ngram, depth = chains.choose(price)
-    use_ngram = torch.where(depth > 0, use_ngram, _first_gain_prefers_ngram(chains))
-    chain = torch.where(use_ngram[:, None], q_ngram, q_model)
+    use_second, depth = chains.choose(price)
+    use_second = torch.where(depth > 0, use_second, _first_gain_prefers_second(chains))
+    chain = torch.where(use_second[:, None], q_second, q_first)
     # Sort the chosen entries first (each request has exactly one chosen chain).
-    unchosen = torch.stack([use_ngram, ~use_ngram])[:, :, None].expand_as(chains.q)
+    unchosen = torch.stack([use_second, ~use_second])[:, :, None].expand_as(chains.q)
     m_c, good_c, thr_c = best_sorted_prefix(sort_two_groups(chains.q, unchosen)[0], cost, n_requests)
     return _pick_best(
-        (use_ngram, take_top(chain, thr_c, m_c), good_c),
-        (torch.zeros_like(use_ngram), take_top(q_model, thr_m, m_m), good_m),
-        (torch.ones_like(use_ngram), take_top(q_ngram, thr_n, m_n), good_n),
+        (use_second, take_top(chain, thr_c, m_c), good_c),
+        (torch.zeros_like(use_second), take_top(q_first, thr_m, m_m), good_m),
+        (torch.ones_like(use_second), take_top(q_second, thr_n, m_n), good_n),
     )
 
 
@@ -273,46 +276,49 @@ def _pick_best(first, second, third):
 
 
 def allocate_reference(
-    model_p: torch.Tensor,
-    ngram_p: torch.Tensor | None = None,
+    first_p: torch.Tensor,
+    second_p: torch.Tensor | None = None,
     *,
     budget: int | torch.Tensor | None = None,
     cost: torch.Tensor | None = None,
+    ids: tuple[int, int] = (1, 2),
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Decide ``(drafter int8 [B], depth int32 [B], expected_accepted float32 [B])``.
 
-    ``model_p`` is ``[B, K]`` and ``ngram_p`` ``[B, L]`` (or None) calibrated conditional acceptance
-    probabilities; exactly one of ``budget`` (total draft tokens) and ``cost`` (1-D verify-cost
-    curve) is given. See the module docstring for the rules. The reference reads a few scalars
-    back to the host (the budget, bisection steps); the Triton kernel does not.
+    ``first_p`` is ``[B, K]`` and ``second_p`` ``[B, L]`` (or None) calibrated conditional acceptance
+    probabilities of two chains; ``ids`` are their registry ids (:mod:`calib.chains`), which
+    ``drafter`` reports (:data:`NO_CHAIN` = nothing verified). Exactly one of ``budget`` (total draft
+    tokens) and ``cost`` (1-D verify-cost curve) is given. See the module docstring for the rules.
+    The reference reads a few scalars back to the host (the budget, bisection steps); the Triton
+    kernel does not.
     """
-    device = model_p.device
-    n_requests = model_p.shape[0]
-    width = max(model_p.shape[1], 0 if ngram_p is None else ngram_p.shape[1], 1)
+    device = first_p.device
+    n_requests = first_p.shape[0]
+    width = max(first_p.shape[1], 0 if second_p is None else second_p.shape[1], 1)
     n = None if budget is None else max(int(budget), 0)
 
-    if ngram_p is None:
-        surv, q = survival(_pad(model_p, width))
+    if second_p is None:
+        surv, q = survival(_pad(first_p, width))
         if n is not None:
             depth = top_n(q, n)
         else:
             m, _, threshold = best_price_prefix(q, cost, n_requests)
             depth = take_top(q, threshold, m)
-        use_ngram = torch.zeros(n_requests, dtype=torch.bool, device=device)
+        use_second = torch.zeros(n_requests, dtype=torch.bool, device=device)
     else:
         # One pass over both chains: survival is row-wise, so stacking them changes nothing.
-        both = torch.cat([_pad(model_p, width), _pad(ngram_p.to(device), width)])
+        both = torch.cat([_pad(first_p, width), _pad(second_p.to(device), width)])
         surv_both, q_both = survival(both)
         chains = TwoChains(q_both[:n_requests], q_both[n_requests:])
         if n is not None:
-            use_ngram, depth = _two_chain_budget(chains, n)
+            use_second, depth = _two_chain_budget(chains, n)
         else:
-            use_ngram, depth = _two_chain_price(chains, cost, n_requests)
-        surv = torch.where(use_ngram[:, None], surv_both[n_requests:], surv_both[:n_requests])
+            use_second, depth = _two_chain_price(chains, cost, n_requests)
+        surv = torch.where(use_second[:, None], surv_both[n_requests:], surv_both[:n_requests])
 
     cols = torch.arange(width, device=device)
     expected = torch.where(cols < depth[:, None], surv, torch.zeros_like(surv)).sum(dim=1)
-    drafter = torch.where(depth > 0, torch.where(use_ngram, NGRAM, MODEL), NO_DRAFTER).to(torch.int8)
+    drafter = torch.where(depth > 0, torch.where(use_second, ids[1], ids[0]), NO_CHAIN).to(torch.int8)
     return drafter, depth.to(torch.int32), expected
 
 

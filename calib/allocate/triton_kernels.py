@@ -27,6 +27,7 @@ import triton.language as tl
 
 from calib import envs
 from calib.allocate.reference import SCALE
+from calib.chains import NO_CHAIN
 
 MAX_WIDTH = 64  # per-row surplus sums stay below 2**31 in int32
 MAX_TILE = 16384  # BLOCK_B * BLOCK_K held by one program, e.g. B <= 1024 at K = 16
@@ -34,36 +35,26 @@ _SEARCH_STEPS = 25  # bisection over (-1, SCALE] closes to width 1 in ceil(log2(
 
 
 @triton.jit
-def _model_column(ptr, stride_b, k, rows, row_ok, K, grid_ptr, D, G, FROM_TABLE: tl.constexpr):
-    """Conditional acceptance probability of depth ``k`` of the model chain, NaN = no token."""
-    x = tl.load(ptr + rows * stride_b + k, mask=row_ok & (k < K), other=float("nan")).to(tl.float32)
-    if FROM_TABLE:
-        present = x == x  # noqa: PLR0124 -- NaN test (no isnan in tl)
-        c = tl.minimum(tl.maximum(tl.where(present, x, 0.0), 0.0), 1.0)
-        grid_row = tl.minimum(k, D - 1)
-        pos = c * (G - 1).to(tl.float32)
-        lo = tl.minimum(tl.floor(pos).to(tl.int32), tl.maximum(G - 2, 0))
-        hi = tl.minimum(lo + 1, G - 1)
-        frac = pos - lo.to(tl.float32)
-        g_lo = tl.load(grid_ptr + grid_row * G + lo, mask=row_ok, other=0.0)
-        g_hi = tl.load(grid_ptr + grid_row * G + hi, mask=row_ok, other=0.0)
-        x = tl.where(present, g_lo + frac * (g_hi - g_lo), float("nan"))
-    return x
-
-
-@triton.jit
-def _ngram_column(
-    ptr, stride_b, stride_l, stride_f, k, rows, row_ok, L, F, E,
-    edges_ptr, strides_ptr, grid_ptr, D, n_cells, FROM_TABLE: tl.constexpr, BLOCK_B: tl.constexpr,
+def _chain_column(
+    ptr, stride_b, stride_l, stride_a, k, rows, row_ok, L,
+    grid_ptr, D, C, G, edges_ptr, strides_ptr, A_BINS, E,
+    FROM_TABLE: tl.constexpr, INTERP: tl.constexpr, BLOCK_B: tl.constexpr,
 ):
-    """Same for the n-gram chain: bucketise the match features and read the grid cell."""
+    """Conditional acceptance probability of depth ``k`` of one chain, NaN = no token.
+
+    Without a table the input already holds probabilities ([B, L]). With one (layout in
+    :mod:`calib.tables.layout`): the binned axes (after the interpolated one when ``INTERP``) give
+    the cell, and an interpolated axis 0 (the raw confidence) interpolates between grid points
+    ``cell + lo`` and ``cell + lo + 1``.
+    """
     base = ptr + rows * stride_b + k * stride_l
     x0 = tl.load(base, mask=row_ok & (k < L), other=float("nan")).to(tl.float32)
     if FROM_TABLE:
-        present = x0 == x0  # noqa: PLR0124 -- NaN test
+        present = x0 == x0  # noqa: PLR0124 -- NaN test (no isnan in tl)
         cell = tl.zeros([BLOCK_B], dtype=tl.int64)
-        for f in range(F):
-            x = tl.load(base + f * stride_f, mask=row_ok & (k < L), other=float("nan")).to(tl.float32)
+        binned = base + stride_a if INTERP else base  # the binned axes follow an interpolated axis 0
+        for f in range(A_BINS):
+            x = tl.load(binned + f * stride_a, mask=row_ok & (k < L), other=float("nan")).to(tl.float32)
             bucket = tl.zeros([BLOCK_B], dtype=tl.int64)
             for e in range(E):
                 edge = tl.load(edges_ptr + f * E + e)
@@ -71,8 +62,18 @@ def _ngram_column(
             cell += bucket * tl.load(strides_ptr + f)
         cell = tl.where(present, cell, 0)
         grid_row = tl.minimum(k, D - 1)
-        p = tl.load(grid_ptr + grid_row * n_cells + cell, mask=row_ok, other=0.0)
-        x0 = tl.where(present, p, float("nan"))
+        if INTERP:
+            c = tl.minimum(tl.maximum(tl.where(present, x0, 0.0), 0.0), 1.0)
+            pos = c * (G - 1).to(tl.float32)
+            lo = tl.minimum(tl.floor(pos).to(tl.int32), tl.maximum(G - 2, 0))
+            hi = tl.minimum(lo + 1, G - 1)
+            frac = pos - lo.to(tl.float32)
+            g_lo = tl.load(grid_ptr + grid_row * C + cell + lo, mask=row_ok, other=0.0)
+            g_hi = tl.load(grid_ptr + grid_row * C + cell + hi, mask=row_ok, other=0.0)
+            x0 = tl.where(present, g_lo + frac * (g_hi - g_lo), float("nan"))
+        else:
+            p = tl.load(grid_ptr + grid_row * C + cell, mask=row_ok, other=0.0)
+            x0 = tl.where(present, p, float("nan"))
     return x0
 
 
@@ -119,7 +120,8 @@ def _take_top(q, t, n):
 
 @triton.jit
 def _choose(q_model, q_ngram, price):
-    """Lagrangian choice at ``price``: (use_ngram, depth); larger surplus, then fewer tokens, then model."""
+    """Lagrangian choice at ``price``: (use_second, depth); larger surplus, then fewer tokens, then the
+    first chain. (``_m`` names the first chain, ``_n`` the second: model and n-gram by default.)"""
     surplus_m = tl.sum(tl.maximum(q_model - price, 0), axis=1)
     surplus_n = tl.sum(tl.maximum(q_ngram - price, 0), axis=1)
     depth_m = tl.sum((q_model > price).to(tl.int32), axis=1)
@@ -175,17 +177,21 @@ def _best_price_prefix(q, cost_ptr, C, B, SCALE_: tl.constexpr, BLOCK_N: tl.cons
 
 @triton.jit
 def _allocate_kernel(
-    model_ptr, model_stride_b, K,
-    mgrid_ptr, MD, MG,
-    ngram_ptr, ngram_stride_b, ngram_stride_l, ngram_stride_f, L, F, E,
-    edges_ptr, nstrides_ptr, ngrid_ptr, ND, NC,
+    m_ptr, m_stride_b, m_stride_l, m_stride_a, K,
+    m_grid_ptr, MD, MC, MG, m_edges_ptr, m_strides_ptr, M_BINS, ME,
+    n_ptr, n_stride_b, n_stride_l, n_stride_a, L,
+    n_grid_ptr, ND, NC, NG, n_edges_ptr, n_strides_ptr, N_BINS, NE,
     budget_ptr, cost_ptr, C,
     drafter_ptr, depth_ptr, expected_ptr,
     B,
-    MODEL_TABLE: tl.constexpr, NGRAM_TABLE: tl.constexpr, HAS_NGRAM: tl.constexpr,
+    MODEL_TABLE: tl.constexpr, MODEL_INTERP: tl.constexpr,
+    NGRAM_TABLE: tl.constexpr, NGRAM_INTERP: tl.constexpr, HAS_NGRAM: tl.constexpr,
+    FIRST_ID: tl.constexpr, SECOND_ID: tl.constexpr, NO_CHAIN_: tl.constexpr,
     PRICE: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr,
     STEPS: tl.constexpr, SCALE_: tl.constexpr,
 ):
+    # Two chain slots: m_* / MODEL_* is the first chain (lower registry id), n_* / NGRAM_* the second
+    # (the model and n-gram chains by default); FIRST_ID / SECOND_ID are their ids from calib.chains.
     rows = tl.arange(0, BLOCK_B)
     cols = tl.arange(0, BLOCK_K)
     row_ok = rows < B
@@ -198,13 +204,14 @@ def _allocate_kernel(
     alive_m = row_ok
     alive_n = row_ok
     for k in tl.static_range(BLOCK_K):
-        p = _model_column(model_ptr, model_stride_b, k, rows, row_ok, K, mgrid_ptr, MD, MG, MODEL_TABLE)
+        p = _chain_column(m_ptr, m_stride_b, m_stride_l, m_stride_a, k, rows, row_ok, K,
+                          m_grid_ptr, MD, MC, MG, m_edges_ptr, m_strides_ptr, M_BINS, ME,
+                          MODEL_TABLE, MODEL_INTERP, BLOCK_B)
         surv_m, run_m, alive_m = _append_survival(surv_m, run_m, alive_m, p, k, cols)
         if HAS_NGRAM:
-            p = _ngram_column(
-                ngram_ptr, ngram_stride_b, ngram_stride_l, ngram_stride_f, k, rows, row_ok, L, F, E,
-                edges_ptr, nstrides_ptr, ngrid_ptr, ND, NC, NGRAM_TABLE, BLOCK_B,
-            )
+            p = _chain_column(n_ptr, n_stride_b, n_stride_l, n_stride_a, k, rows, row_ok, L,
+                              n_grid_ptr, ND, NC, NG, n_edges_ptr, n_strides_ptr, N_BINS, NE,
+                              NGRAM_TABLE, NGRAM_INTERP, BLOCK_B)
             surv_n, run_n, alive_n = _append_survival(surv_n, run_n, alive_n, p, k, cols)
     q_m = (surv_m * SCALE_).to(tl.int32)  # exact scaling, truncation = floor for gains >= 0
     q_n = (surv_n * SCALE_).to(tl.int32)
@@ -264,7 +271,7 @@ def _allocate_kernel(
     # 3. Outputs.
     surv = tl.where(use_n[:, None], surv_n, surv_m)
     expected = tl.sum(tl.where(cols[None, :] < depth[:, None], surv, 0.0), axis=1)
-    drafter = tl.where(depth > 0, tl.where(use_n, 2, 1), 0)
+    drafter = tl.where(depth > 0, tl.where(use_n, SECOND_ID, FIRST_ID), NO_CHAIN_)
     tl.store(drafter_ptr + rows, drafter.to(tl.int8), mask=row_ok)
     tl.store(depth_ptr + rows, depth.to(tl.int32), mask=row_ok)
     tl.store(expected_ptr + rows, expected, mask=row_ok)
@@ -290,55 +297,32 @@ def _check_runnable(device: torch.device) -> None:
 
 
 def allocate_triton(
-    model: torch.Tensor,
-    ngram: torch.Tensor | None = None,
+    first: torch.Tensor,
+    second: torch.Tensor | None = None,
     *,
     budget: int | torch.Tensor | None = None,
     cost: torch.Tensor | None = None,
+    ids: tuple[int, int] = (1, 2),
     tables=None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launch the fused kernel. ``model``/``ngram`` are probabilities, or, when ``tables`` is given,
-    raw confidences ``[B, K]`` and match features ``[B, L, F]``. Returns device tensors
-    ``(drafter int8, depth int32, expected_accepted float32)``."""
-    device = model.device
+    """Launch the fused kernel on one or two chains. ``first``/``second`` are probabilities ``[B, K]``,
+    or, when ``tables`` (one :class:`calib.tables.layout.ChainTable` per chain given) is passed, table
+    inputs ``[B, K, A]``. ``ids`` are the chains' registry ids (the kernel's ``FIRST_ID`` /
+    ``SECOND_ID`` constexprs). Returns device tensors ``(drafter int8, depth int32, expected_accepted
+    float32)``."""
+    device = first.device
     _check_runnable(device)
-    n_requests, k = model.shape  # model: [B, K]
-    n_ngram = 0 if ngram is None else ngram.shape[1]  # ngram: [B, L] or [B, L, F]
-    width = max(k, n_ngram, 1)
+    n_requests, k = first.shape[:2]  # first: [B, K] or [B, K, A]
+    n_second = 0 if second is None else second.shape[1]  # second: [B, L] or [B, L, A]
+    width = max(k, n_second, 1)
     block_b = max(triton.next_power_of_2(n_requests), 2)
     block_k = max(triton.next_power_of_2(width), 2)
     if width > MAX_WIDTH or block_b * block_k > MAX_TILE:
         raise ValueError(f"B={n_requests}, width={width} exceeds the kernel's tile ({MAX_TILE}, {MAX_WIDTH})")
-    n_table_features = None if tables is None else tables.ngram_edges.shape[0]
-    if ngram is not None and tables is not None and (ngram.ndim != 3 or ngram.shape[2] != n_table_features):
-        # The kernel reads the tables' F features per depth: another count would read past the row.
-        raise ValueError(f"ngram features must be [B, L, F] with the tables' F={n_table_features}, "
-                         f"got shape {tuple(ngram.shape)}")
-
-    model = model.contiguous()
-    if tables is not None:
-        model_grid = tables.model_grid.to(device=device, dtype=torch.float32).contiguous()
-        md, mg = model_grid.shape
-    else:
-        model_grid, md, mg = model, 1, 1  # unused
-    has_ngram = ngram is not None
-    ngram_table = has_ngram and tables is not None
-    if ngram_table:
-        ngram = ngram.contiguous()
-        edges = tables.ngram_edges.to(device=device, dtype=torch.float32).contiguous()
-        nstrides = tables.ngram_strides.to(device=device, dtype=torch.int64).contiguous()
-        ngrid = tables.ngram_grid.to(device=device, dtype=torch.float32).contiguous()
-        n_feat, n_edges = edges.shape
-        nd, nc = ngrid.shape
-        sb, sl, sf = ngram.stride()
-    else:
-        if has_ngram:
-            ngram = ngram.contiguous()
-            sb, sl, sf = ngram.stride(0), ngram.stride(1), 0
-        else:
-            ngram, sb, sl, sf = model, 0, 0, 0
-        edges, nstrides, ngrid = model_grid, torch.zeros(1, dtype=torch.int64, device=device), model_grid
-        n_feat, n_edges, nd, nc = 0, 0, 1, 1
+    has_second = second is not None
+    slot_first = _slot(first, None if tables is None else tables[0], device)
+    slot_second = _slot(second if has_second else first, None if tables is None or not has_second else tables[1],
+                        device)
 
     price_mode = cost is not None
     if price_mode:
@@ -360,19 +344,48 @@ def allocate_triton(
     expected = torch.empty(n_requests, dtype=torch.float32, device=device)
     launch = {} if _interpreting() else {"enable_fp_fusion": False, "num_warps": _num_warps(block_b * block_k)}
     _allocate_kernel[(1,)](
-        model, model.stride(0), k,
-        model_grid, md, mg,
-        ngram, sb, sl, sf, n_ngram, n_feat, n_edges,
-        edges, nstrides, ngrid, nd, nc,
+        *slot_first["args"],
+        *(slot_second["args"][:4] + [n_second] + slot_second["args"][5:]),
         budget_t, cost_t, cost_t.numel(),
         drafter, depth, expected,
         n_requests,
-        MODEL_TABLE=tables is not None, NGRAM_TABLE=ngram_table, HAS_NGRAM=has_ngram,
+        MODEL_TABLE=slot_first["table"], MODEL_INTERP=slot_first["interp"],
+        NGRAM_TABLE=has_second and slot_second["table"], NGRAM_INTERP=slot_second["interp"], HAS_NGRAM=has_second,
+        FIRST_ID=int(ids[0]), SECOND_ID=int(ids[1]), NO_CHAIN_=NO_CHAIN,
         PRICE=price_mode, BLOCK_B=block_b, BLOCK_K=block_k,
         STEPS=_SEARCH_STEPS, SCALE_=SCALE,
         **launch,
     )
     return drafter, depth, expected
+
+
+def _slot(x: torch.Tensor, table, device) -> dict:
+    """A chain's kernel arguments: input pointer and strides (b, l, a), its depth, and its table
+    (grid, D, C, G, edges, strides, binned axes, E); placeholders where there is no table."""
+    x = x.contiguous()
+    stride_a = x.stride(2) if x.ndim == 3 else 0
+    if table is None:
+        dummy_i = torch.zeros(1, dtype=torch.int64, device=device)
+        return {"args": [x, x.stride(0), x.stride(1), stride_a, x.shape[1], x, 1, 1, 1, x, dummy_i, 0, 0],
+                "table": False, "interp": False}
+    if x.ndim == 2:
+        x = x[..., None]
+        stride_a = 0
+    if x.shape[2] != len(table.axes):
+        # The kernel reads the table's A features per depth: another count would read past the row.
+        raise ValueError(f"chain inputs must be [B, L, A] with the table's A={len(table.axes)}, got shape "
+                         f"{tuple(x.shape)}")
+    grid = table.grid.to(device=device, dtype=torch.float32).contiguous()
+    edges = table.edges.to(device=device, dtype=torch.float32).contiguous()
+    strides = table.strides.to(device=device, dtype=torch.int64).contiguous()
+    if edges.numel() == 0:  # no binned axes: the pointers are never read, but must be valid
+        edges = torch.zeros(1, dtype=torch.float32, device=device)
+        strides = torch.zeros(1, dtype=torch.int64, device=device)
+    n_bins = table.edges.shape[0]
+    d, c = grid.shape
+    return {"args": [x, x.stride(0), x.stride(1), stride_a, x.shape[1], grid, d, c, max(table.points, 1), edges,
+                     strides, n_bins, table.edges.shape[1] if n_bins else 0],
+            "table": True, "interp": table.interpolated}
 
 
 def _num_warps(tile: int) -> int:

@@ -162,15 +162,15 @@ def load_eval_bank(path, tables, fractions=(0.7, 0.15, 0.15), seed: int = 0, nam
         src = np.asarray(t.column("ng_label_source").to_pylist(), dtype=object)
         ng_acc[src == "none"] = np.nan  # an unlabelled chain cannot be scored or verified in replay
         ng_p = None
-        if tables is not None and tables.has_ngram:
-            feats = ngram_feature_tensor(t, tables.ngram_feature_names, ng_width, prefix="ng_")
-            ng_p = tables.ngram_accept_prob(feats).numpy().astype(np.float64)
+        if tables is not None and tables.has_chain("ngram"):
+            feats = ngram_feature_tensor(t, tables.feature_names("ngram"), ng_width, prefix="ng_")
+            ng_p = tables.accept_prob("ngram", feats).numpy().astype(np.float64)
             ng_p[np.isnan(ng_acc)] = np.nan
         ng_chain = Chain("ngram", ng_acc, ng_p)
     if has_conf:
         p_cal = None
-        if tables is not None and tables.has_model:
-            p_cal = tables.model_accept_prob(torch.from_numpy(conf.astype(np.float32))).numpy().astype(np.float64)
+        if tables is not None and tables.has_chain("model"):
+            p_cal = tables.accept_prob("model", torch.from_numpy(conf.astype(np.float32))).numpy().astype(np.float64)
         chains["model"] = Chain("model", acc, p_cal, conf)
         if ng_chain is not None:
             chains["ngram"] = ng_chain

@@ -50,6 +50,7 @@ import torch
 from calib.allocate import allocate_probs
 from calib.allocate.api import IMPLEMENTATIONS
 from calib.calibrators.base import Interval, Options, Subset, validate_params
+from calib.chains import chain, chain_names
 from calib.evaluate.cost import CostCurve
 from calib.evaluate.data import EvalBank
 from calib.labels import censored
@@ -58,7 +59,7 @@ UNIFORM = ("homogeneous", "gated_uniform")
 POLICIES = ("no_spec", "fixed", "best_fixed", "homogeneous", "gated_uniform", "ragged_raw",
             "ragged_calibrated", "two_drafter", "oracle")
 MODES = ("price", "budget")  # price: goodput rule on the cost curve; budget: tokens per request
-DRAFTERS = ("model", "ngram")  # the chains a draft cost can be given for
+DRAFTERS = chain_names()  # the chains a draft cost can be given for (calib.chains, at import)
 EVAL_YAML = Path(__file__).resolve().parents[2] / "conf" / "eval.yaml"
 
 
@@ -134,9 +135,9 @@ class ReplayConfig:
                              "non-empty list of integers >= 1")
         if self.min_steps > self.max_steps:
             raise ValueError(f"ReplayConfig: min_steps={self.min_steps} > max_steps={self.max_steps}")
-        unknown = sorted(set(self.draft_cost) - set(DRAFTERS))
+        unknown = sorted(set(self.draft_cost) - set(chain_names()))
         if unknown:
-            raise ValueError(f"ReplayConfig: draft_cost names {unknown}; the drafters are {list(DRAFTERS)}")
+            raise ValueError(f"ReplayConfig: draft_cost names {unknown}; the drafters are {list(chain_names())}")
         for name, cost in self.draft_cost.items():
             if not Interval(numbers.Real, 0, None).accepts(cost):
                 raise ValueError(f"ReplayConfig: draft_cost[{name!r}]={cost!r} is invalid; it must be a "
@@ -164,7 +165,12 @@ def draw_steps(n_rounds: int, batch: int, cfg: ReplayConfig, rng: np.random.Gene
 
 
 class StepBatch:
-    """The arrays of one (bank, category, B) setting, gathered once for every policy."""
+    """The arrays of one (bank, category, B) setting, gathered once for every policy.
+
+    Per-chain arrays are keyed by position: 1 = the bank's primary (verified) chain, 2 = the other
+    chain the bank labels (e.g. the n-gram chain of a model-drafter bank), if any; ``names`` gives
+    their chain names (:mod:`calib.chains`) and :func:`_alloc` maps the allocator's chain ids back.
+    """
 
     def __init__(self, bank: EvalBank, rows: np.ndarray, idx: np.ndarray):
         self.bank, self.idx = bank, idx
@@ -176,9 +182,11 @@ class StepBatch:
         self.p_cal = {1: None if prim.p_cal is None else prim.p_cal[sel], 2: None}
         self.p_raw = None if prim.p_raw is None else prim.p_raw[sel]
         self.oracle = {1: prim.oracle_p()[sel], 2: None}
-        self.second = bank.primary == "model" and "ngram" in bank.chains
+        others = [name for name in bank.chains if name != bank.primary]
+        self.names = (bank.primary, others[0] if others else None)
+        self.second = bool(others)
         if self.second:
-            ng = bank.chains["ngram"]
+            ng = bank.chains[others[0]]
             self.acc[2], self.length[2] = ng.accept[sel], ng.length[sel]
             self.p_cal[2] = None if ng.p_cal is None else ng.p_cal[sel]
             self.oracle[2] = ng.oracle_p()[sel]
@@ -191,12 +199,19 @@ def _committed(sb: StepBatch, drafter: np.ndarray, depth: np.ndarray) -> np.ndar
     return (np.minimum(depth, acc) + 1).sum(axis=-1)
 
 
-def _alloc(p1, p2, cost: torch.Tensor, budget: int | None, impl: str):
-    t1 = torch.from_numpy(np.ascontiguousarray(p1, dtype=np.float32))
-    t2 = None if p2 is None else torch.from_numpy(np.ascontiguousarray(p2, dtype=np.float32))
-    out = (allocate_probs(t1, t2, budget=budget, impl=impl) if budget is not None
-           else allocate_probs(t1, t2, cost=cost, impl=impl))
-    return out.drafter.numpy().astype(np.int64), out.depth.numpy().astype(np.int64)
+def _alloc(p1, p2, cost: torch.Tensor, budget: int | None, impl: str, names: tuple):
+    """Allocate over the primary chain ``names[0]`` (probabilities ``p1``) and, if given, ``names[1]``
+    (``p2``); returns (position [B]: 0 none, 1 primary, 2 second; depth [B])."""
+    probs = {names[0]: torch.from_numpy(np.ascontiguousarray(p1, dtype=np.float32))}
+    if p2 is not None:
+        probs[names[1]] = torch.from_numpy(np.ascontiguousarray(p2, dtype=np.float32))
+    out = (allocate_probs(probs, budget=budget, impl=impl) if budget is not None
+           else allocate_probs(probs, cost=cost, impl=impl))
+    drafter = out.drafter.numpy().astype(np.int64)
+    position = np.zeros_like(drafter)
+    for pos, name in enumerate(probs, start=1):
+        position[drafter == chain(name).id] = pos
+    return position, out.depth.numpy().astype(np.int64)
 
 
 def _uniform_gamma(p_row: np.ndarray, batch: int, curve: CostCurve, draft: np.ndarray, impl: str) -> int:
@@ -211,7 +226,7 @@ def _uniform_gamma(p_row: np.ndarray, batch: int, curve: CostCurve, draft: np.nd
     cost1[0] = np.inf
     for d in range(K + 1):
         cost1[1 + d] = curve.values[batch * (1 + d)] + draft[d]
-    _, depth = _alloc(p_row[None, :], None, torch.from_numpy(cost1), None, impl)
+    _, depth = _alloc(p_row[None, :], None, torch.from_numpy(cost1), None, impl, (chain_names()[0], None))
     return int(depth[0])
 
 
@@ -229,7 +244,7 @@ def replay_setting(sb: StepBatch, curve: CostCurve, cfg: ReplayConfig, train_cur
     """{policy: (tokens [S], cost [S], draft positions [S], extra)} for one setting and one cost curve."""
     S, B, K = sb.S, sb.B, sb.K
     c_b = curve.values[B]
-    frac = {1: float(cfg.draft_cost.get(sb.bank.primary, 0.0)), 2: float(cfg.draft_cost.get("ngram", 0.0))}
+    frac = {1: float(cfg.draft_cost.get(sb.names[0], 0.0)), 2: float(cfg.draft_cost.get(sb.names[1], 0.0))}
     draft = lambda passes, second=False: (frac[1] + (frac[2] if second else 0.0)) * passes * c_b
     budget = None if cfg.mode == "price" else max(int(round(cfg.budget_per_request * B)), 0)
     out: dict[str, tuple] = {}
@@ -265,7 +280,7 @@ def replay_setting(sb: StepBatch, curve: CostCurve, cfg: ReplayConfig, train_cur
         de = np.zeros((S, B), np.int64)
         for s in range(S):
             dr[s], de[s] = _alloc(p1[s], None if p2 is None else p2[s], curve.tensor(extra=extra_cost),
-                                  budget, cfg.impl)
+                                  budget, cfg.impl, sb.names)
         tok = _committed(sb, dr, de)
         pos = de.sum(axis=1)
         share2 = float((dr == 2).mean())
@@ -307,7 +322,7 @@ def _oracle(sb: StepBatch, curve: CostCurve, cfg: ReplayConfig, draft, budget):
         dr = np.zeros((S, B), np.int64)
         de = np.zeros((S, B), np.int64)
         for s in range(S):
-            dr[s], de[s] = _alloc(p1[s], None if p2 is None else p2[s], cost_t, budget, cfg.impl)
+            dr[s], de[s] = _alloc(p1[s], None if p2 is None else p2[s], cost_t, budget, cfg.impl, sb.names)
         tok = _committed(sb, dr, de)
         pos = de.sum(axis=1)
         cost = curve.charge(de) + extra

@@ -132,7 +132,7 @@ def _evaluate(cfg: DictConfig, out: Path) -> dict:
                "length_slices": slices, "ece_ci_method": ECE_CI_DESCRIPTION,
                "config": OmegaConf.to_container(cfg, resolve=True),
                "tables": {"dir": str(_path(root, cfg.tables)), "meta": {k: tables.meta.get(k) for k in
-                                                                       ("git_commit", "calib_version", "drafters",
+                                                                       ("git_commit", "calib_version", "chains",
                                                                         "ngram_features", "banks")}},
                "banks": [{"name": b.name, "path": str(b.path), "evaluated": b.scope, "seen_in_training": b.seen,
                           "notes": b.notes} for b in banks],
@@ -201,7 +201,7 @@ def render_report(banks, cal, length, ladder, notes, curves, rcfg, pics, out, ta
     L = ["# Evaluation report", ""]
     slices = length_slices(length)
     L += [length_headline(slices), ""]
-    L.append(f"Tables: `{tables.meta.get('git_commit') or '?'}` ({', '.join(tables.meta.get('drafters', {}))}). "
+    L.append(f"Tables: `{tables.meta.get('git_commit') or '?'}` ({', '.join(tables.meta.get('chains', {}))}). "
              f"Runtime {elapsed:.0f} s. Banks (a training bank is scored on its held-out **test** prompts, "
              "split by prompt as in training; a bank training never saw is scored whole):")
     L.append("")

@@ -15,17 +15,17 @@ import pandas as pd
 import torch
 from sklearn.isotonic import IsotonicRegression
 
-from calib.tables.layout import GridTables
+from calib.tables.layout import ChainTable
 
 
 def encode_chain(kind, estimator, train_samples: pd.DataFrame, chain_cfg: dict, n_depths: int,
-                 uses_context: bool = False, seed: int = 0) -> tuple[dict[str, np.ndarray], dict]:
-    """A fitted estimator of chain ``kind`` -> its table tensors and what tables.json says about them.
+                 uses_context: bool = False, seed: int = 0) -> tuple[ChainTable, dict]:
+    """A fitted estimator of chain ``kind`` -> its :class:`ChainTable` and what tables.json says about it.
 
     The encoding follows the chain's axes (``kind.table_axes(chain_cfg)``): one interpolated axis
-    (the raw confidence) -> ``{"grid": [D, G]}`` by :func:`model_grid`, context columns the
-    estimator reads marginalised over (up to 256 training rows per depth, drawn with ``seed``);
-    binned axes only -> ``{"edges", "strides", "grid"}`` by :func:`ngram_grid`.
+    (the raw confidence) -> ``grid [D, G]`` by :func:`model_grid`, context columns the estimator
+    reads marginalised over (up to 256 training rows per depth, drawn with ``seed``); binned axes
+    only -> ``edges``, ``strides``, ``grid [D, C]`` by :func:`ngram_grid`.
     """
     axes = tuple(kind.table_axes(chain_cfg))
     if len(axes) == 1 and axes[0].interpolated:
@@ -40,15 +40,14 @@ def encode_chain(kind, estimator, train_samples: pd.DataFrame, chain_cfg: dict, 
                 context_by_depth[d] = (ex[rng.choice(len(ex), min(len(ex), 256), replace=False)] if len(ex)
                                        else context_by_depth[d - 1])  # no training rounds reached depth d
         grid, change = model_grid(estimator, n_depths, axes[0].points, context_by_depth)
-        return {"grid": grid}, {"axes": [a.to_json() for a in axes], "grid_points": int(grid.shape[1]),
+        return ChainTable.build(axes, grid), {"grid_points": int(grid.shape[1]),
                                 "grid": "uniform raw confidence in [0, 1], linear interpolation",
                                 "monotone_projection_max_change": change}
     if all(not a.interpolated for a in axes):
         feats, edges = [a.name for a in axes], [list(a.edges) for a in axes]
         e_arr, strides, grid, info = ngram_grid(estimator, train_samples, feats, edges, n_depths,
                                                 lambda df: kind.X(df, chain_cfg))
-        return {"edges": e_arr, "strides": strides, "grid": grid}, {"axes": [a.to_json() for a in axes],
-                                                                    "features": feats, "edges": edges, **info}
+        return ChainTable.build(axes, grid, e_arr, strides), {"features": feats, "edges": edges, **info}
     raise NotImplementedError(f"chain {kind.name!r}: a table with an interpolated axis and binned axes "
                               "together is not encoded yet (issue 13 item 2)")
 
@@ -139,32 +138,16 @@ def ngram_grid(model, samples: pd.DataFrame, table_features: list[str], edges: l
     return edge_arr, strides, grid.astype(np.float32), info
 
 
-def _sample_features(samples: pd.DataFrame, table_features: list[str]) -> torch.Tensor:
-    """[N, 1, F] features of single samples (for a per-depth lookup, see ngram_table_predict)."""
-    X = samples[table_features].to_numpy(np.float64)
-    return torch.from_numpy(X.astype(np.float32))[:, None, :]
-
-
-def ngram_table_predict(tables: GridTables, samples: pd.DataFrame, table_features: list[str]) -> np.ndarray:
-    """The table's P(accept | reached) for each n-gram sample at its own depth."""
-    out = np.empty(len(samples))
-    depth = samples["depth"].to_numpy()
-    x = _sample_features(samples, table_features)
+def table_predict(table: ChainTable, inputs, depth) -> np.ndarray:
+    """The table's P(accept | reached) for single samples: ``inputs`` [n, A] (the table's axes, in
+    order; [n] for one axis), each read at its own ``depth`` [n]."""
+    x = torch.from_numpy(np.asarray(inputs, dtype=np.float64).astype(np.float32))
+    if x.ndim == 1:
+        x = x[:, None]
+    depth = np.asarray(depth)
+    out = np.empty(len(depth))
     for d in np.unique(depth):
         m = depth == d
-        # Put each sample at column d of an [n, d+1, F] chain; earlier columns are only placeholders.
-        feats = torch.full((int(m.sum()), int(d) + 1, x.shape[-1]), float("nan"))
-        feats[:, int(d)] = x[torch.from_numpy(m), 0]
-        feats[:, : int(d), 0] = 1.0
-        out[m] = tables.ngram_accept_prob(feats)[:, int(d)].double().numpy()
-    return out
-
-
-def model_table_predict(tables: GridTables, conf: np.ndarray, depth: np.ndarray) -> np.ndarray:
-    out = np.empty(len(conf))
-    for d in np.unique(depth):
-        m = depth == d
-        c = torch.full((int(m.sum()), int(d) + 1), 0.5, dtype=torch.float32)
-        c[:, int(d)] = torch.from_numpy(conf[m].astype(np.float32))
-        out[m] = tables.model_accept_prob(c)[:, int(d)].double().numpy()
+        row = ChainTable(table.axes, table.grid[min(int(d), table.depths - 1)][None, :], table.edges, table.strides)
+        out[m] = row.lookup(x[torch.from_numpy(m)][:, None, :])[:, 0].double().numpy()
     return out

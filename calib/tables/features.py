@@ -1,6 +1,6 @@
 """The n-gram feature layout an engine passes to the tables: ``[R, L, F]`` float32.
 
-F features in the order of ``tables.ngram_feature_names`` (names of ngram.parquet round columns,
+F features in the order of ``tables.feature_names("ngram")`` (names of ngram.parquet round columns,
 see :data:`calib.bank.schema.NGRAM_FEATURES`); depth = column of L; feature 0 NaN = no token.
 """
 

@@ -1,23 +1,23 @@
 """Exported tables on disk: ``tables.safetensors`` + ``tables.json``, written atomically, verified on load.
 
-``tables.safetensors`` holds float32/int64 tensors in the layout of :mod:`calib.tables.layout`:
+``tables.safetensors`` holds, per chain ``<name>`` the tables calibrate (:mod:`calib.chains`), the
+tensors of its :class:`calib.tables.layout.ChainTable`:
 
-===============  ==============  =========================================================
-name             dtype, shape    meaning
-===============  ==============  =========================================================
-model_grid       float32 [D, G]  calibrated P(accept at depth k | reached) at raw conf g/(G-1)
-ngram_edges      float32 [F, E]  inner bin edges per n-gram feature, +inf padded
-ngram_strides    int64 [F]       cell = Σ_f bucket_f · stride_f
-ngram_grid       float32 [Dn, C] P(accept at depth k | reached) per feature cell
-===============  ==============  =========================================================
+=================  ================  =========================================================
+name               dtype, shape      meaning
+=================  ================  =========================================================
+<name>.grid        float32 [D, C]    P(accept at depth k | reached) per cell (and grid point)
+<name>.edges       float32 [A_b, E]  inner bin edges of the chain's binned axes, +inf padded
+<name>.strides     int64 [A_b]       cell = Σ_a bucket_a · stride_a
+=================  ================  =========================================================
 
 ``tables.json`` carries ``schema_version``, ``tensors_sha256`` (of the tensor file), ``json_sha256``
 (of the JSON's own content, see :func:`json_digest`), ``target_models`` (the target models of the
-banks fitted on), ``ngram_features`` (the F feature names, in order: an engine passes features
-[B, L, F] in this order; feature 0 is NaN where there is no token), ``drafters`` (per chain: ``ids``
-of the drafters fitted on, ``k`` = the drafted depth the tables cover, calibrator, metrics),
-``banks`` (identity of the banks fitted on: path, ``acceptance_sha256``, rounds; eval uses the
-fingerprint to tell a training bank from an unseen one), ``split``, ``calib_version`` and
+banks fitted on), ``chains`` (per chain: its registry ``id`` = the allocator's ``drafter`` value,
+``axes`` = the input features in the order an engine passes them, with their edges or grid points,
+``ids`` of the drafters fitted on, ``k`` = the drafted depth the tables cover, the estimator and its
+metrics), ``banks`` (identity of the banks fitted on: path, ``acceptance_sha256``, rounds; eval uses
+the fingerprint to tell a training bank from an unseen one), ``split``, ``calib_version`` and
 ``git_commit``.
 
 :func:`load` refuses tables whose schema version, tensor checksum or JSON digest is off: an edited
@@ -41,13 +41,16 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from calib.atomic import set_public_mode, write_text_atomic
-from calib.tables.layout import GridTables
+from calib.chains import Axis
+from calib.tables.layout import ChainTable, GridTables
 
 # 2: tables.json carries json_sha256 (its own digest), target_models and per-chain ids / k.
-SCHEMA_VERSION = 2
+# 3: one layout per registered chain (<name>.grid/.edges/.strides), tables.json lists `chains` with
+#    their registry id and axes (was: drafters + ngram_features and four fixed tensor names).
+SCHEMA_VERSION = 3
 TENSORS = "tables.safetensors"
 META = "tables.json"
-NAMES = ("model_grid", "ngram_edges", "ngram_strides", "ngram_grid")
+PARTS = ("grid", "edges", "strides")  # a chain's tensors: "<chain>.<part>"
 
 
 class TablesError(ValueError):
@@ -68,9 +71,9 @@ class Tables(GridTables):
         reuse_last_row: see :mod:`calib.tables.layout`; saved in tables.json and restored by :func:`load`.
     """
 
-    def __init__(self, model_grid, ngram_edges, ngram_strides, ngram_grid, meta: dict | None = None,
-                 path: str | os.PathLike | None = None, reuse_last_row: bool = False):
-        super().__init__(model_grid, ngram_edges, ngram_strides, ngram_grid, reuse_last_row=bool(reuse_last_row))
+    def __init__(self, chains: dict, meta: dict | None = None, path: str | os.PathLike | None = None,
+                 reuse_last_row: bool = False):
+        super().__init__(chains, reuse_last_row=bool(reuse_last_row))
         self.meta = dict(meta or {})
         self.path = None if path is None else Path(path)
 
@@ -81,15 +84,15 @@ class Tables(GridTables):
         return None if t is None else list(t)
 
     def chain_depth(self, chain: str) -> int | None:
-        """The drafted depth K the tables cover for ``chain`` ("model" | "ngram"): the recorded ``k``
+        """The drafted depth K the tables cover for ``chain`` (a chain name): the recorded ``k``
         (the training banks' drafted width), else the rows of its grid, or None (any depth) for
         tables without a record that say ``reuse_last_row``."""
-        k = self.meta.get("drafters", {}).get(chain, {}).get("k")
+        k = self.meta.get("chains", {}).get(chain, {}).get("k")
         if k is not None:
             return int(k)
         if self.reuse_last_row:
             return None
-        return int((self.model_grid if chain == "model" else self.ngram_grid).shape[0])
+        return self.table(chain).depths
 
     def check_bank(self, bank, path: str | os.PathLike | None = None) -> list[str]:
         """Refuse a bank these tables were not fitted for; return (and warn) what could not be checked.
@@ -119,7 +122,7 @@ class Tables(GridTables):
         facts = _bank_facts(bank, path)
         tdir = str(self.path) if self.path is not None else "(tables not loaded from a folder)"
         bdir = facts["path"]
-        drafters = self.meta.get("drafters", {})
+        drafters = self.meta.get("chains", {})
         problems, notes = [], []
 
         model, targets = facts["model"], self.target_models
@@ -143,7 +146,7 @@ class Tables(GridTables):
                             f"verified chain is the {chain} drafter ({spec!r})")
         else:
             ids = drafters[chain].get("ids")
-            if chain == "model":
+            if _has_confidence(chain):  # a model drafter: its speculator name must be one fitted on
                 if ids is None:
                     notes.append(f"tables {tdir}: tables.json records no model drafter ids; cannot check the "
                                  f"bank {bdir}'s speculator {spec!r}")
@@ -161,7 +164,7 @@ class Tables(GridTables):
             if chain != "ngram" and k_bank is not None and k_tab is not None and k_bank > k_tab:
                 problems.append(f"depth: tables {tdir} cover n-gram depths 0..{k_tab - 1} (K={k_tab}), bank "
                                 f"{bdir}'s n-gram chain (ngram.parquet) is {k_bank} deep")
-            cols, feats = facts["ngram_columns"], self.ngram_feature_names
+            cols, feats = facts["ngram_columns"], self.feature_names("ngram")
             if cols is not None:
                 missing = [f for f in feats if f not in cols]
                 if missing:
@@ -177,45 +180,45 @@ class Tables(GridTables):
         return notes
 
     def _ids_text(self) -> str:
-        d = self.meta.get("drafters", {})
+        d = self.meta.get("chains", {})
         return "; ".join(f"{c}: {d[c].get('ids', 'ids not recorded')}" for c in sorted(d)) or "no drafter"
 
-    @property
-    def ngram_feature_names(self) -> list[str]:
-        return list(self.meta.get("ngram_features", []))
+    def has_chain(self, chain: str) -> bool:
+        """Whether these tables calibrate ``chain`` (a chain name)."""
+        return chain in self.chains
 
-    @property
-    def has_model(self) -> bool:
-        return "model" in self.meta.get("drafters", {})
+    def feature_names(self, chain: str) -> list[str]:
+        """The input features of ``chain``'s table, in the order an engine passes them ([] if absent)."""
+        return [a.name for a in self.chains[chain].axes] if chain in self.chains else []
 
-    @property
-    def has_ngram(self) -> bool:
-        return "ngram" in self.meta.get("drafters", {})
+    def accept_prob(self, chain: str, inputs, depth: int | None = None) -> torch.Tensor:
+        """Calibrated P(accept | reached) of ``chain`` for ``inputs`` [rounds, L, A] (or [rounds, L] for a
+        one-axis chain; column = depth), NaN kept.
 
-    def model_accept_prob(self, conf, depth: int | None = None) -> torch.Tensor:
-        """Calibrated P(accept | reached) for raw confidences [rounds, K] (column = depth), NaN kept.
-
-        With ``depth`` given, ``conf`` is any shape and every value is read at that depth, which must
-        be one the tables hold (``0 <= depth < D``; any ``depth >= 0`` when ``reuse_last_row``).
-        ``conf`` is a float tensor, a numpy array or a list (converted to float32); its values are
-        probabilities in ``[0, 1]`` (NaN = no token); anything else is a ``ValueError``.
-        Returns a float32 tensor of ``conf``'s shape.
+        With ``depth`` given, ``inputs`` is any shape ``[..., A]`` (``[...]`` for one axis) and every
+        row is read at that depth, which must be one the tables hold (``0 <= depth < D``; any
+        ``depth >= 0`` when ``reuse_last_row``). Inputs are float tensors, numpy arrays or lists
+        (converted to float32); confidences are probabilities in ``[0, 1]`` (NaN = no token); anything
+        else is a ``ValueError``. Returns float32 ``[rounds, L]`` (with ``depth``: ``inputs``' leading shape).
         """
-        from calib.tables.layout import as_float_tensor, model_grid_lookup
+        from calib.tables.layout import as_float_tensor
 
-        conf = as_float_tensor(conf, "conf")
+        table = self.table(chain)
         if depth is None:
-            return super().model_accept_prob(conf)
-        n_depths = self.model_grid.shape[0]
+            return table.lookup(inputs, chain)
+        x = as_float_tensor(inputs, chain)
+        n_depths = table.depths
         if isinstance(depth, bool) or not isinstance(depth, (int, np.integer)):
             raise TypeError(f"depth must be an int, got {depth!r}")
         if depth < 0 or (depth >= n_depths and not self.reuse_last_row):
-            raise ValueError(f"depth={depth}: these tables hold model depths 0..{n_depths - 1} "
-                             f"(model_grid is [D={n_depths}, G]); deeper depths need tables fitted on "
+            raise ValueError(f"depth={depth}: these tables hold {chain} depths 0..{n_depths - 1} "
+                             f"({chain}.grid is [D={n_depths}, C]); deeper depths need tables fitted on "
                              "them, or tables built with reuse_last_row=True")
-        flat = conf.reshape(-1, 1)
-        grid = self.model_grid[min(int(depth), n_depths - 1)][None, :]
-        return model_grid_lookup(grid, flat).reshape(conf.shape)
+        one_axis = len(table.axes) == 1
+        lead = x.shape if one_axis else x.shape[:-1]
+        flat = x.reshape(-1, 1, *(() if one_axis else (x.shape[-1],)))
+        row = ChainTable(table.axes, table.grid[min(int(depth), n_depths - 1)][None, :], table.edges, table.strides)
+        return row.lookup(flat, chain).reshape(lead)
 
 
 def _sha256(path: Path) -> str:
@@ -245,6 +248,15 @@ def json_digest(meta: dict) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+def _has_confidence(chain: str) -> bool:
+    """Whether ``chain`` is a registered kind with a raw confidence (a model drafter, named by its
+    speculator)."""
+    from calib.chains import chain as kind
+    from calib.chains import chain_names
+
+    return chain in chain_names() and kind(chain).confidence is not None
+
+
 def _bank_facts(bank, path=None) -> dict:
     """What :meth:`Tables.check_bank` compares: from a bank folder (manifest + parquet schemas) or a
     manifest dict."""
@@ -261,7 +273,7 @@ def _bank_facts(bank, path=None) -> dict:
         f = folder / schema.MANIFEST
         man = json.loads(f.read_text()) if f.exists() else {}
     spec = man.get("speculator")
-    chain = None if spec is None else ("ngram" if spec == "ngram" or man.get("method") == "ngram" else "model")
+    chain = None if spec is None else _verified_chain(spec, man.get("method"))
     ng_man = man.get("ngram_chain") if isinstance(man.get("ngram_chain"), dict) else {}
     facts = {"path": where, "model": man.get("model"), "speculator": spec, "chain": chain,
              "k": man.get("num_speculative_tokens"), "has_ngram": bool(ng_man), "k_ngram": ng_man.get("width"),
@@ -274,6 +286,17 @@ def _bank_facts(bank, path=None) -> dict:
         else:
             facts["has_ngram"] = False
     return facts
+
+
+def _verified_chain(speculator: str, method: str | None) -> str:
+    """The chain a bank's engine verified: a model-free chain kind named by the speculator (or vLLM's
+    method), else the (first registered) chain with a raw confidence, the model drafter."""
+    from calib.chains import chains
+
+    for kind in chains():
+        if kind.confidence is None and kind.name in (speculator, method):
+            return kind.name
+    return next(k.name for k in chains() if k.confidence is not None)
 
 
 def git_commit() -> str | None:
@@ -298,8 +321,15 @@ def save(out_dir: str | os.PathLike, tables: GridTables, meta: dict) -> Path:
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tensors = {n: getattr(tables, n).detach().cpu().contiguous() for n in NAMES}
-    tensors = {n: t.to(torch.int64 if n == "ngram_strides" else torch.float32) for n, t in tensors.items()}
+    tensors, chain_meta = {}, {k: dict(v) for k, v in (meta.get("chains") or {}).items()}
+    for name, table in tables.chains.items():
+        for part in PARTS:
+            tensors[f"{name}.{part}"] = getattr(table, part).detach().cpu().contiguous().to(
+                torch.int64 if part == "strides" else torch.float32)
+        entry = chain_meta.setdefault(name, {})
+        entry["axes"] = [a.to_json() for a in table.axes]
+        entry.setdefault("id", _chain_id(name))
+    meta = {**meta, "chains": chain_meta}
     fd, tmp = tempfile.mkstemp(prefix=f".{TENSORS}.", dir=out)
     os.close(fd)
     try:
@@ -350,11 +380,25 @@ def load(path: str | os.PathLike) -> Tables:
                           f"({str(meta.get('tensors_sha256'))[:12]}…); the files are from different "
                           "exports or were modified; re-export the tables (python train.py out_dir=DIR)")
     tensors = load_file(tensor_path)
-    missing = [n for n in NAMES if n not in tensors]
-    if missing:
-        raise TablesError(f"{tensor_path}: missing tensors {missing}")
-    feats = meta.get("ngram_features") or []
-    if "ngram" in meta.get("drafters", {}) and feats and len(feats) != tensors["ngram_edges"].shape[0]:
-        raise TablesError(f"{d}: tables.json names {len(feats)} n-gram features {feats}, ngram_edges has "
-                          f"{tensors['ngram_edges'].shape[0]} rows; re-export the tables")
-    return Tables(*(tensors[n] for n in NAMES), meta=meta, path=d, reuse_last_row=meta.get("reuse_last_row", False))
+    chain_tables = {}
+    for name, entry in (meta.get("chains") or {}).items():
+        missing = [f"{name}.{p}" for p in PARTS if f"{name}.{p}" not in tensors]
+        if missing:
+            raise TablesError(f"{tensor_path}: missing tensors {missing}")
+        try:
+            chain_tables[name] = ChainTable(tuple(Axis.from_json(a) for a in entry["axes"]),
+                                            *(tensors[f"{name}.{p}"] for p in PARTS))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise TablesError(f"{d}: chain {name!r}: its axes in tables.json do not describe its tensors "
+                              f"({exc}); re-export the tables") from exc
+    return Tables(chain_tables, meta=meta, path=d, reuse_last_row=meta.get("reuse_last_row", False))
+
+
+def _chain_id(name: str) -> int | None:
+    """The registry id of chain ``name`` (None for a chain kind this process has not registered)."""
+    from calib.chains import chain
+
+    try:
+        return chain(name).id
+    except KeyError:
+        return None

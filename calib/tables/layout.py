@@ -5,27 +5,30 @@ training code: the allocator only looks values up. Any object with the attribute
 methods of :class:`AcceptanceTables` will do; :class:`GridTables` is the in-memory
 implementation (built from tensors) used by tests and by the Triton path's layout.
 
-Model chain. ``model_grid`` is float32 ``[D, G]``: row ``k`` holds the calibrated
-``P(accept at depth k | depth k reached)`` at raw confidence ``c = g / (G - 1)`` for
-``g = 0..G-1``. A confidence is a probability: a value outside ``[0, 1]`` (a logit passed by
-mistake) is an error; it is looked up by linear interpolation between its two neighbouring grid
-points. A NaN confidence means "no token here" and gives NaN.
+One layout for every chain kind (:mod:`calib.chains`). A chain's :class:`ChainTable` has ``axes``
+(:class:`calib.chains.Axis`, one per input feature, in the order an engine passes them) and
 
-N-gram chain. ``ngram_edges`` is float32 ``[F, E]``: the inner bin edges of each feature,
-right-padded with ``+inf``; feature ``f`` of value ``x`` falls in bucket ``#{e : edges[f, e] <= x}``
-(so ``0..E``). ``ngram_strides`` is int64 ``[F]`` and the grid cell is
-``sum_f bucket_f * stride_f``; ``ngram_grid`` is float32 ``[D_ng, C]``, one row per depth. Features
-come in ``[B, L, F]`` with exactly the tables' ``F`` (another count is an error naming both). A depth
-whose feature 0 is NaN has no token (NaN out).
+* ``grid`` float32 ``[D, C]``: row ``k`` holds ``P(accept at depth k | depth k reached)`` per cell;
+* ``edges`` float32 ``[A_b, E]``: the inner bin edges of the ``A_b`` *binned* axes, right-padded with
+  ``+inf``; a value ``x`` falls in bucket ``#{e : edges[a, e] <= x}`` (so ``0..E``; NaN counts nothing);
+* ``strides`` int64 ``[A_b]``: the binned axes' cell is ``cell = sum_a bucket_a * strides[a]``.
 
-Depths beyond the tables. Tables hold one row per depth they were fitted on (``D``, ``D_ng``). The
-lookups here read row ``D - 1`` for deeper columns (the calibrators' own rule beyond the deepest depth
-they saw: offline analysis of a bank against its tables relies on it). The serve-time entry point
-:func:`calib.allocate.allocate` is stricter: a chain wider than the tables (``K > D`` or ``L > D_ng``)
-is refused unless the tables say that their last row stands for every deeper depth, with
-``reuse_last_row = True`` (a :class:`GridTables` field; an attribute other implementations may
-carry, False when absent). An engine drafting deeper than its tables was fitted for has the wrong
-tables far more often than it means the last row.
+An *interpolated* axis (at most one, axis 0: the model chain's raw confidence) is a uniform grid of
+``G`` points over ``[0, 1]``: the value at confidence ``c`` interpolates linearly between columns
+``cell + lo`` and ``cell + lo + 1`` with ``lo = floor(c * (G - 1))`` (the binned axes' strides count in
+units of ``G``). A confidence is a probability: a value outside ``[0, 1]`` (a logit passed by mistake)
+is an error. The model chain today: one interpolated axis, ``C = G``; the n-gram chain: binned match
+features only.
+
+Inputs are ``[B, L, A]`` per chain (a chain with one axis may pass ``[B, L]``); feature 0 NaN means
+"no token at this depth" and gives NaN. Another ``A`` than the table's is an error naming both.
+
+Depths beyond the tables. Tables hold one row per depth they were fitted on (``D``). The lookups
+here read row ``D - 1`` for deeper columns (the calibrators' own rule beyond the deepest depth they
+saw: offline analysis of a bank against its tables relies on it). The serve-time entry point
+:func:`calib.allocate.allocate` is stricter: a chain wider than its table is refused unless the
+tables say that their last row stands for every deeper depth, with ``reuse_last_row = True`` (a
+:class:`GridTables` field; an attribute other implementations may carry, False when absent).
 
 The Triton kernel performs these same lookups with the same float32 operations in the same
 order, so its probabilities are bitwise equal to the ones computed here. It clamps confidences to
@@ -46,18 +49,11 @@ import torch
 class AcceptanceTables(Protocol):
     """What :func:`calib.allocate.allocate` needs from exported tables."""
 
-    model_grid: torch.Tensor  # float32 [D, G]
-    ngram_edges: torch.Tensor  # float32 [F, E], +inf padded
-    ngram_strides: torch.Tensor  # int64 [F]
-    ngram_grid: torch.Tensor  # float32 [D_ng, C]
+    chains: dict  # chain name -> ChainTable
     # Optional (read with getattr, False when absent): reuse_last_row: bool, see the module docstring.
 
-    def model_accept_prob(self, conf: torch.Tensor) -> torch.Tensor:
-        """[B, K] raw confidences -> [B, K] conditional acceptance probabilities (NaN = no token)."""
-        ...
-
-    def ngram_accept_prob(self, features: torch.Tensor) -> torch.Tensor:
-        """[B, L, F] match features -> [B, L] conditional acceptance probabilities (NaN = no token)."""
+    def accept_prob(self, chain: str, inputs: torch.Tensor) -> torch.Tensor:
+        """[B, L, A] (or [B, L]) chain inputs -> [B, L] conditional acceptance probabilities (NaN = no token)."""
         ...
 
 
@@ -88,100 +84,135 @@ def check_confidences(conf: torch.Tensor, name: str = "conf") -> None:
                          "were logits passed by mistake?")
 
 
-def check_ngram_features(features: torch.Tensor, n_features: int, name: str = "ngram_features") -> None:
-    """``features`` must be ``[B, L, F]`` with the tables' ``F``."""
-    if features.ndim != 3:
-        raise ValueError(f"{name} must be [B, L, F], got shape {tuple(features.shape)}")
-    if features.shape[-1] != n_features:
-        raise ValueError(f"{name} has F={features.shape[-1]} features per depth but the tables expect "
-                         f"F={n_features} (ngram_edges is [F, E]); pass the features the tables were "
-                         "exported with, in their order (tables.json: ngram_features)")
+def check_chain_inputs(x: torch.Tensor, table: ChainTable, name: str) -> torch.Tensor:
+    """``x`` as ``[B, L, A]`` with the table's ``A`` (a ``[B, L]`` tensor is one axis)."""
+    n_axes = len(table.axes)
+    if x.ndim == 2 and n_axes == 1:
+        x = x[..., None]
+    if x.ndim != 3:
+        raise ValueError(f"{name} must be [B, L, A] (A = {n_axes} features per depth), got shape {tuple(x.shape)}")
+    if x.shape[-1] != n_axes:
+        raise ValueError(f"{name} has F={x.shape[-1]} features per depth but the tables expect F={n_axes} "
+                         f"({[a.name for a in table.axes]}); pass the features the tables were exported "
+                         "with, in their order (tables.json: chains.<name>.axes)")
+    return x
 
 
-def model_grid_lookup(grid: torch.Tensor, conf: torch.Tensor) -> torch.Tensor:
-    """Linear interpolation of ``grid`` ([D, G]) at confidences ``conf`` ([B, K] float tensor, numpy
-    array or list; values in ``[0, 1]``, NaN = no token) -> float32 [B, K]; NaN stays NaN.
-
-    Columns ``k >= D`` read row ``D - 1`` (see the module docstring).
-    """
-    conf = as_float_tensor(conf, "conf")
-    if conf.ndim != 2:
-        raise ValueError(f"conf must be [B, K], got shape {tuple(conf.shape)}")
-    check_confidences(conf)
-    n_depth, n_points = grid.shape
-    grid = grid.to(device=conf.device, dtype=torch.float32)
-    conf = conf.to(torch.float32)
-    k = conf.shape[-1]
-    rows = torch.arange(k, device=conf.device).clamp(max=n_depth - 1)  # deeper tokens reuse the last row
-    no_token = torch.isnan(conf)
-    c = torch.where(no_token, torch.zeros_like(conf), conf).clamp(0.0, 1.0)
-    if n_points == 1:
-        p = grid[rows, 0].expand_as(c).clone()
-    else:
-        pos = c * (n_points - 1)
-        lo = torch.floor(pos).to(torch.int64).clamp(max=n_points - 2)
-        frac = pos - lo.to(torch.float32)
-        g_lo = grid[rows[None, :], lo]
-        g_hi = grid[rows[None, :], lo + 1]
-        p = g_lo + frac * (g_hi - g_lo)  # kept as two float32 ops: the kernel disables FMA to match
-    return torch.where(no_token, torch.full_like(p, float("nan")), p)
-
-
-def ngram_grid_lookup(
-    edges: torch.Tensor, strides: torch.Tensor, grid: torch.Tensor, features: torch.Tensor
-) -> torch.Tensor:
-    """Bucketise ``features`` ([B, L, F], F = ``edges.shape[0]``) by ``edges`` and read ``grid`` per
-    depth ([B, L]); depths ``>= D_ng`` read the last row (see the module docstring)."""
-    features = as_float_tensor(features, "ngram_features")
-    check_ngram_features(features, edges.shape[0])
-    device = features.device
-    edges = edges.to(device=device, dtype=torch.float32)
-    strides = strides.to(device=device, dtype=torch.int64)
-    grid = grid.to(device=device, dtype=torch.float32)
-    x = features.to(torch.float32)
+def chain_lookup(table: ChainTable, inputs, name: str = "inputs") -> torch.Tensor:
+    """``table``'s P(accept | reached) for ``inputs`` ([B, L, A] or [B, L]; see the module docstring)
+    -> float32 [B, L]; NaN (feature 0) stays NaN. Columns ``k >= D`` read row ``D - 1``."""
+    x = check_chain_inputs(as_float_tensor(inputs, name), table, name)
+    interpolated = table.interpolated
+    if interpolated:
+        check_confidences(x[..., 0], name)
+    device = x.device
+    grid = table.grid.to(device=device, dtype=torch.float32)
+    x = x.to(torch.float32)
     n_depth = grid.shape[0]
-    # bucket_f(x) = number of inner edges <= x; +inf padding never counts (not even for x = +inf,
-    # which would index past the grid), NaN counts nothing.
-    counted = (edges[None, None, :, :] <= x[..., None]) & torch.isfinite(edges)
-    buckets = counted.sum(-1)  # [B, L, F]
-    cell = (buckets * strides).sum(-1)  # [B, L]
-    rows = torch.arange(x.shape[1], device=device).clamp(max=n_depth - 1)
+    rows = torch.arange(x.shape[1], device=device).clamp(max=n_depth - 1)  # deeper tokens reuse the last row
     no_token = torch.isnan(x[..., 0])
+    cell = torch.zeros(x.shape[:2], dtype=torch.int64, device=device)
+    if table.edges.shape[0]:
+        edges = table.edges.to(device=device, dtype=torch.float32)
+        strides = table.strides.to(device=device, dtype=torch.int64)
+        binned = x[..., 1:] if interpolated else x
+        # bucket = number of inner edges <= x; +inf padding never counts (not even for x = +inf,
+        # which would index past the grid), NaN counts nothing.
+        counted = (edges[None, None, :, :] <= binned[..., None]) & torch.isfinite(edges)
+        cell = (counted.sum(-1) * strides).sum(-1)  # [B, L]
     cell = torch.where(no_token, torch.zeros_like(cell), cell)
-    p = grid[rows[None, :].expand_as(cell), cell]
+    rows = rows[None, :].expand_as(cell)
+    points = table.points
+    if interpolated and points > 1:
+        c = torch.where(no_token, torch.zeros_like(x[..., 0]), x[..., 0]).clamp(0.0, 1.0)
+        pos = c * (points - 1)
+        lo = torch.floor(pos).to(torch.int64).clamp(max=points - 2)
+        frac = pos - lo.to(torch.float32)
+        g_lo = grid[rows, cell + lo]
+        g_hi = grid[rows, cell + lo + 1]
+        p = g_lo + frac * (g_hi - g_lo)  # kept as two float32 ops: the kernel disables FMA to match
+    else:
+        p = grid[rows, cell]
     return torch.where(no_token, torch.full_like(p, float("nan")), p)
 
 
 @dataclass
-class GridTables:
-    """In-memory :class:`AcceptanceTables` built from tensors (see module docstring for layout)."""
+class ChainTable:
+    """One chain's exported table (see the module docstring)."""
 
-    model_grid: torch.Tensor  # float32 [D, G]
-    ngram_edges: torch.Tensor  # float32 [F, E], +inf padded
-    ngram_strides: torch.Tensor  # int64 [F]
-    ngram_grid: torch.Tensor  # float32 [D_ng, C]
-    reuse_last_row: bool = False  # True: depths >= D (D_ng) stand on row D - 1 at serve time too
+    axes: tuple  # calib.chains.Axis per input feature, in input order
+    grid: torch.Tensor  # float32 [D, C]
+    edges: torch.Tensor  # float32 [A_b, E], +inf padded ([0, 1] without binned axes)
+    strides: torch.Tensor  # int64 [A_b]
 
     def __post_init__(self) -> None:
-        if self.model_grid.ndim != 2 or min(self.model_grid.shape) < 1:
-            raise ValueError(f"model_grid must be [D, G] with D, G >= 1, got {tuple(self.model_grid.shape)}")
-        if self.ngram_edges.ndim != 2 or self.ngram_strides.shape != (self.ngram_edges.shape[0],):
-            raise ValueError("ngram_edges must be [F, E] and ngram_strides [F]")
-        if self.ngram_grid.ndim != 2 or min(self.ngram_grid.shape) < 1:
-            raise ValueError("ngram_grid must be [D_ng, C] with D_ng, C >= 1")
-        # +inf padding is never <= a feature, so a feature's top bucket is its number of finite edges.
-        top_bucket = torch.isfinite(self.ngram_edges).sum(dim=1)
-        largest_cell = int((top_bucket * self.ngram_strides).sum())
-        if largest_cell >= self.ngram_grid.shape[1]:
-            raise ValueError(f"ngram_grid has {self.ngram_grid.shape[1]} cells, strides reach {largest_cell}")
+        self.axes = tuple(self.axes)
+        if not self.axes:
+            raise ValueError("a chain table needs at least one axis")
+        if any(a.interpolated for a in self.axes[1:]):
+            raise ValueError("only axis 0 (the raw confidence) may be interpolated")
+        n_binned = len(self.axes) - int(self.interpolated)
+        if self.grid.ndim != 2 or min(self.grid.shape) < 1:
+            raise ValueError(f"grid must be [D, C] with D, C >= 1, got {tuple(self.grid.shape)}")
+        if self.edges.ndim != 2 or self.edges.shape[0] != n_binned or self.strides.shape != (n_binned,):
+            raise ValueError(f"edges must be [A_b, E] and strides [A_b] with A_b = {n_binned} binned axes, got "
+                             f"{tuple(self.edges.shape)} and {tuple(self.strides.shape)}")
+        # +inf padding is never <= a feature, so an axis' top bucket is its number of finite edges.
+        top = int((torch.isfinite(self.edges).sum(dim=1) * self.strides).sum()) if n_binned else 0
+        largest = top + max(self.points, 1) - 1
+        if largest >= self.grid.shape[1]:
+            raise ValueError(f"grid has {self.grid.shape[1]} cells, the axes reach {largest}")
+
+    @property
+    def interpolated(self) -> bool:
+        return self.axes[0].interpolated
+
+    @property
+    def points(self) -> int:
+        """G, the interpolated axis' grid points (0 without one)."""
+        return self.axes[0].points if self.interpolated else 0
+
+    @property
+    def depths(self) -> int:
+        return int(self.grid.shape[0])
+
+    def to(self, device) -> ChainTable:
+        return ChainTable(self.axes, self.grid.to(device), self.edges.to(device), self.strides.to(device))
+
+    @classmethod
+    def build(cls, axes, grid, edges=None, strides=None) -> ChainTable:
+        """From numpy arrays or tensors; ``edges``/``strides`` may be omitted without binned axes."""
+        grid = torch.as_tensor(grid, dtype=torch.float32)
+        if edges is None:
+            edges, strides = torch.zeros((0, 1), dtype=torch.float32), torch.zeros(0, dtype=torch.int64)
+        return cls(tuple(axes), grid, torch.as_tensor(edges, dtype=torch.float32),
+                   torch.as_tensor(strides, dtype=torch.int64))
+
+    def lookup(self, inputs, name: str = "inputs") -> torch.Tensor:
+        return chain_lookup(self, inputs, name)
+
+
+@dataclass
+class GridTables:
+    """In-memory :class:`AcceptanceTables`: one :class:`ChainTable` per chain name."""
+
+    chains: dict  # chain name -> ChainTable
+    reuse_last_row: bool = False  # True: depths >= D stand on row D - 1 at serve time too
+
+    def __post_init__(self) -> None:
+        self.chains = dict(self.chains)
+        for name, t in self.chains.items():
+            if not isinstance(t, ChainTable):
+                raise TypeError(f"chains[{name!r}] must be a ChainTable, got {type(t).__name__}")
+
+    def table(self, chain: str) -> ChainTable:
+        try:
+            return self.chains[chain]
+        except KeyError:
+            raise KeyError(f"these tables calibrate the chains {sorted(self.chains)}, not {chain!r}") from None
 
     def to(self, device: torch.device | str) -> GridTables:
-        return GridTables(*(t.to(device) for t in (self.model_grid, self.ngram_edges,
-                                                   self.ngram_strides, self.ngram_grid)),
-                          reuse_last_row=self.reuse_last_row)
+        return GridTables({n: t.to(device) for n, t in self.chains.items()}, reuse_last_row=self.reuse_last_row)
 
-    def model_accept_prob(self, conf: torch.Tensor) -> torch.Tensor:
-        return model_grid_lookup(self.model_grid, conf)
-
-    def ngram_accept_prob(self, features: torch.Tensor) -> torch.Tensor:
-        return ngram_grid_lookup(self.ngram_edges, self.ngram_strides, self.ngram_grid, features)
+    def accept_prob(self, chain: str, inputs) -> torch.Tensor:
+        return self.table(chain).lookup(inputs, chain)

@@ -7,6 +7,8 @@ import math
 import torch
 from hypothesis import strategies as st
 
+from tests.synthetic import two_chain_tables  # noqa: F401 -- shared by the allocator tests
+
 NAN = float("nan")
 # Exact dyadic values make ties likely; NaN ends a chain; free floats cover the rest.
 probability = st.one_of(
@@ -75,3 +77,9 @@ def chain_length(p: torch.Tensor, row: int) -> int:
             break
         n += 1
     return n
+
+
+def pair(model_p, ngram_p=None) -> dict:
+    """The allocator's chain mapping for the model chain and, if given, the n-gram chain."""
+    return {"model": model_p} | ({} if ngram_p is None else {"ngram": ngram_p})
+

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from strategies import pair, two_chain_tables
 
 from calib.allocate import GridTables, allocate, allocate_probs, check_cost
 from calib.tables.io import Tables
@@ -23,7 +24,7 @@ def tables(reuse_last_row: bool = False) -> GridTables:
     model_grid = torch.tensor([[0.0, 0.5, 1.0], [0.2, 0.4, 0.6]])  # D = 2
     edges = torch.tensor([[1.0, 3.0], [0.5, INF]])  # F = 2
     ngram_grid = torch.arange(12, dtype=torch.float32).reshape(2, 6) / 20  # D_ng = 2
-    return GridTables(model_grid, edges, torch.tensor([1, 3]), ngram_grid, reuse_last_row=reuse_last_row)
+    return two_chain_tables(model_grid, edges, torch.tensor([1, 3]), ngram_grid, reuse_last_row=reuse_last_row)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -32,14 +33,14 @@ def tables(reuse_last_row: bool = False) -> GridTables:
 def test_huge_budget_fills_every_slot(impl, budget, two):
     # Before: the kernel cast the budget to int32, so 2**31 wrapped negative and allocated nothing.
     p = torch.full((3, 4), 0.9)
-    out = allocate_probs(p, p if two else None, budget=budget, impl=impl)
+    out = allocate_probs(pair(p, p if two else None), budget=budget, impl=impl)
     assert out.depth.tolist() == [4, 4, 4]
 
 
 @pytest.mark.parametrize("budget", [2.5, True, torch.tensor(2.0), torch.tensor([1, 2])])
 def test_budget_must_be_one_integer(budget):
     with pytest.raises(ValueError, match="budget"):
-        allocate_probs(torch.full((2, 2), 0.9), budget=budget)
+        allocate_probs(pair(torch.full((2, 2), 0.9)), budget=budget)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -49,28 +50,28 @@ def test_feature_count_must_match_the_tables(impl, n_features):
     # and returned an allocation.
     feats = torch.ones(2, 2, n_features)
     with pytest.raises(ValueError, match=rf"F={n_features} features per depth but the tables expect F=2"):
-        allocate(tables(), torch.full((2, 2), 0.9), feats, budget=3, impl=impl)
+        allocate(tables(), pair(torch.full((2, 2), 0.9), feats), budget=3, impl=impl)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_chains_deeper_than_the_tables_are_refused_unless_the_tables_say_so(impl):
     # Before: K = 4 on D = 2 tables silently read row 1 for depths 2 and 3.
     conf = torch.full((2, 4), 0.9)
-    with pytest.raises(ValueError, match=r"model_conf has 4 depths but the tables' model_grid .* \(D=2\)"):
-        allocate(tables(), conf, budget=8, impl=impl)
+    with pytest.raises(ValueError, match=r"signals\['model'\] has 4 depths but the tables' model.grid .* \(D=2\)"):
+        allocate(tables(), pair(conf), budget=8, impl=impl)
     feats = torch.ones(2, 3, 2)
-    with pytest.raises(ValueError, match=r"ngram_features has 3 depths but the tables' ngram_grid .*\(D=2\)"):
-        allocate(tables(), conf[:, :2], feats, budget=8, impl=impl)
-    deep = allocate(tables(reuse_last_row=True), conf, feats, budget=8, impl=impl)
+    with pytest.raises(ValueError, match=r"signals\['ngram'\] has 3 depths but the tables' ngram.grid .*\(D=2\)"):
+        allocate(tables(), pair(conf[:, :2], feats), budget=8, impl=impl)
+    deep = allocate(tables(reuse_last_row=True), pair(conf, feats), budget=8, impl=impl)
     reuse = tables(reuse_last_row=True)
-    same = allocate_probs(reuse.model_accept_prob(conf), reuse.ngram_accept_prob(feats), budget=8, impl=impl)
+    same = allocate_probs(pair(reuse.accept_prob("model", conf), reuse.accept_prob("ngram", feats)), budget=8, impl=impl)
     assert torch.equal(deep.depth, same.depth) and torch.equal(deep.drafter, same.drafter)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_confidences_outside_0_1_are_refused(impl):
-    with pytest.raises(ValueError, match=r"model_conf\[0, 1\] = 3.5.*\[0, 1\]"):
-        allocate(tables(), torch.tensor([[0.5, 3.5], [NAN, NAN]]), budget=2, impl=impl)
+    with pytest.raises(ValueError, match=r"signals\['model'\]\[0, 1\] = 3.5.*\[0, 1\]"):
+        allocate(tables(), pair(torch.tensor([[0.5, 3.5], [NAN, NAN]])), budget=2, impl=impl)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -86,9 +87,9 @@ def test_unusable_cost_curves_are_refused(impl, cost, match):
     # Before: every request silently verified nothing.
     p = torch.full((2, 3), 0.9)
     with pytest.raises(ValueError, match=match):
-        allocate_probs(p, cost=cost, impl=impl)
+        allocate_probs(pair(p), cost=cost, impl=impl)
     with pytest.raises(ValueError, match=match):
-        allocate(tables(reuse_last_row=True), p, cost=cost, impl=impl)
+        allocate(tables(reuse_last_row=True), pair(p), cost=cost, impl=impl)
 
 
 def test_check_cost_accepts_usable_curves():
@@ -97,27 +98,27 @@ def test_check_cost_accepts_usable_curves():
 
 
 def test_tables_model_accept_prob_at_one_depth():
-    t = Tables(torch.tensor([[0.0, 0.5, 1.0], [0.2, 0.4, 0.6]]), torch.full((1, 1), INF),
-               torch.ones(1, dtype=torch.int64), torch.zeros(1, 1))
-    ref = t.model_accept_prob(torch.tensor([0.5, NAN]), depth=1)
+    t = Tables(two_chain_tables(torch.tensor([[0.0, 0.5, 1.0], [0.2, 0.4, 0.6]]), torch.full((1, 1), INF),
+                                torch.zeros(1, dtype=torch.int64), torch.zeros(1, 1)).chains)
+    ref = t.accept_prob("model", torch.tensor([0.5, NAN]), depth=1)
     assert ref[0].item() == pytest.approx(0.4) and torch.isnan(ref[1])
     # numpy arrays and lists are converted (before: AttributeError on .reshape / .to)
     for converted in (np.array([0.5, NAN]), [0.5, NAN]):
-        got = t.model_accept_prob(converted, depth=1)
+        got = t.accept_prob("model", converted, depth=1)
         torch.testing.assert_close(got, ref, rtol=0, atol=0, equal_nan=True)
-    assert t.model_accept_prob(np.array([[0.5, 1.0]])).shape == (1, 2)
+    assert t.accept_prob("model", np.array([[0.5, 1.0]])).shape == (1, 2)
     with pytest.raises(ValueError, match="numpy array or a .* list of numbers"):
-        t.model_accept_prob(["high"], depth=0)
+        t.accept_prob("model", ["high"], depth=0)
     with pytest.raises(ValueError, match="floating-point tensor"):
-        t.model_accept_prob(torch.tensor([1]), depth=0)
+        t.accept_prob("model", torch.tensor([1]), depth=0)
     # Before: depth -1 and depth >= D both read the last row; logits were clamped.
     for depth in (-1, 2, 7):
         with pytest.raises(ValueError, match=rf"depth={depth}: these tables hold model depths 0..1"):
-            t.model_accept_prob(torch.tensor([0.5]), depth=depth)
+            t.accept_prob("model", torch.tensor([0.5]), depth=depth)
     with pytest.raises(ValueError, match=r"in \[0, 1\]"):
-        t.model_accept_prob(torch.tensor([3.0, -2.0]), depth=0)
+        t.accept_prob("model", torch.tensor([3.0, -2.0]), depth=0)
     t.reuse_last_row = True
-    assert t.model_accept_prob(torch.tensor([0.5]), depth=7).item() == pytest.approx(0.4)
+    assert t.accept_prob("model", torch.tensor([0.5]), depth=7).item() == pytest.approx(0.4)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path without the interpreter")
@@ -129,7 +130,7 @@ def test_importing_the_kernel_changes_no_environment_and_says_what_to_set():
         "print('TRITON_INTERPRET' in os.environ)\n"
         "from calib.allocate import allocate_probs\n"
         "try:\n"
-        "    allocate_probs(torch.full((2, 2), 0.9), budget=1, impl='triton')\n"
+        "    allocate_probs({'model': torch.full((2, 2), 0.9)}, budget=1, impl='triton')\n"
         "except RuntimeError as err:\n"
         "    print(err)\n"
     )

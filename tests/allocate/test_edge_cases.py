@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from strategies import pair
 
 from calib.allocate import allocate_probs
 
@@ -12,7 +13,7 @@ IMPLS = ["reference", "triton"]
 
 
 def run(impl, *args, **kwargs):
-    return allocate_probs(*args, impl=impl, **kwargs)
+    return allocate_probs(pair(*args), impl=impl, **kwargs)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -98,17 +99,17 @@ def test_out_of_range_probabilities_are_clamped(impl):
 
 def test_budget_tensor_and_negative_budget():
     p = torch.full((2, 2), 0.9)
-    assert allocate_probs(p, budget=torch.tensor(3)).depth.sum().item() == 3
-    assert allocate_probs(p, budget=-4).depth.sum().item() == 0
+    assert allocate_probs(pair(p), budget=torch.tensor(3)).depth.sum().item() == 3
+    assert allocate_probs(pair(p), budget=-4).depth.sum().item() == 0
 
 
 def test_argument_errors():
     p = torch.full((2, 2), 0.9)
     with pytest.raises(ValueError):
-        allocate_probs(p)
+        allocate_probs(pair(p))
     with pytest.raises(ValueError):
-        allocate_probs(p, budget=1, cost=torch.ones(4))
+        allocate_probs(pair(p), budget=1, cost=torch.ones(4))
     with pytest.raises(ValueError):
-        allocate_probs(p, torch.full((3, 2), 0.9), budget=1)
+        allocate_probs(pair(p, torch.full((3, 2), 0.9)), budget=1)
     with pytest.raises(ValueError):
-        allocate_probs(p, budget=1, impl="numpy")
+        allocate_probs(pair(p), budget=1, impl="numpy")

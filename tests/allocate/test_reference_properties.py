@@ -9,7 +9,7 @@ import torch
 from bruteforce import best_goodput, best_value_within_budget, goodput, options
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from strategies import chain_length, chains, cost_curve, instance
+from strategies import chain_length, chains, cost_curve, instance, pair
 
 from calib.allocate import allocate_probs
 
@@ -50,7 +50,7 @@ def all_options(model_p, ngram_p):
 @given(instance(max_b=4, max_k=4), st.integers(0, 18))
 def test_single_drafter_budget_is_optimal(inst, budget):
     model_p, _ = inst
-    out = allocate_probs(model_p, budget=budget)
+    out = allocate_probs(pair(model_p), budget=budget)
     pairs = check_structure(out, model_p, None)
     used = sum(d for d, _ in pairs)
     positive = sum(len(chains(model_p, None, i)[0][1]) for i in range(model_p.shape[0]))
@@ -65,7 +65,7 @@ def test_single_drafter_price_is_optimal(inst, data):
     model_p, _ = inst
     b = model_p.shape[0]
     cost = data.draw(cost_curve(max_len=b * (model_p.shape[1] + 1) + 2, min_len=b + 1))
-    out = allocate_probs(model_p, cost=cost)
+    out = allocate_probs(pair(model_p), cost=cost)
     pairs = check_structure(out, model_p, None)
     costs = cost.tolist()
     ours = goodput(pairs, costs, b)
@@ -80,7 +80,7 @@ def test_single_drafter_price_is_optimal(inst, data):
 @given(instance(max_b=4, max_k=4, two=True), st.integers(0, 20))
 def test_two_drafter_budget_bounds(inst, budget):
     model_p, ngram_p = inst
-    out = allocate_probs(model_p, ngram_p, budget=budget)
+    out = allocate_probs(pair(model_p, ngram_p), budget=budget)
     pairs = check_structure(out, model_p, ngram_p)
     ours = sum(v for _, v in pairs)
     assert sum(d for d, _ in pairs) <= budget
@@ -100,7 +100,7 @@ def test_two_drafter_price_bounds(inst, data):
     model_p, ngram_p = inst
     b = model_p.shape[0]
     cost = data.draw(cost_curve(max_len=b * (model_p.shape[1] + 1) + 2, min_len=b + 1))
-    out = allocate_probs(model_p, ngram_p, cost=cost)
+    out = allocate_probs(pair(model_p, ngram_p), cost=cost)
     pairs = check_structure(out, model_p, ngram_p)
     costs = cost.tolist()
     ours = goodput(pairs, costs, b)
@@ -120,7 +120,7 @@ def test_two_drafter_price_bounds(inst, data):
 def test_chains_are_respected(inst, budget):
     """Each request verifies one chain, never past its first missing token."""
     model_p, ngram_p = inst
-    out = allocate_probs(model_p, ngram_p, budget=budget)
+    out = allocate_probs(pair(model_p, ngram_p), budget=budget)
     for i in range(model_p.shape[0]):
         length = {1: chain_length(model_p, i), 2: chain_length(ngram_p, i), 0: 0}[int(out.drafter[i])]
         assert 0 <= int(out.depth[i]) <= length

@@ -6,7 +6,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from strategies import cost_curve, instance
+from strategies import cost_curve, instance, pair, two_chain_tables
 
 from calib.allocate import GridTables, allocate, allocate_probs
 
@@ -25,8 +25,8 @@ def assert_same(ref, ker):
 def test_budget_mode(inst, budget, two):
     model_p, ngram_p = inst
     ngram_p = ngram_p if two else None
-    ref = allocate_probs(model_p, ngram_p, budget=budget)
-    assert_same(ref, allocate_probs(model_p, ngram_p, budget=budget, impl="triton"))
+    ref = allocate_probs(pair(model_p, ngram_p), budget=budget)
+    assert_same(ref, allocate_probs(pair(model_p, ngram_p), budget=budget, impl="triton"))
 
 
 @FEW
@@ -35,8 +35,8 @@ def test_price_mode(inst, two, data):
     model_p, ngram_p = inst
     ngram_p = ngram_p if two else None
     cost = data.draw(cost_curve(max_len=model_p.shape[0] * 4 + 2, min_len=model_p.shape[0] + 1))
-    ref = allocate_probs(model_p, ngram_p, cost=cost)
-    assert_same(ref, allocate_probs(model_p, ngram_p, cost=cost, impl="triton"))
+    ref = allocate_probs(pair(model_p, ngram_p), cost=cost)
+    assert_same(ref, allocate_probs(pair(model_p, ngram_p), cost=cost, impl="triton"))
 
 
 def random_tables(gen: torch.Generator) -> GridTables:
@@ -46,7 +46,7 @@ def random_tables(gen: torch.Generator) -> GridTables:
     ngram_grid = torch.rand(2, 8, generator=gen)
     # Chains deeper than the tables (K = 5 > D = 3, L = 4 > D_ng = 2) read the last rows: allowed
     # because these tables say so.
-    return GridTables(model_grid, edges, strides, ngram_grid, reuse_last_row=True)
+    return two_chain_tables(model_grid, edges, strides, ngram_grid, reuse_last_row=True)
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -62,10 +62,10 @@ def test_table_lookups_inside_the_kernel(seed):
     conf[0, :3] = torch.tensor([0.0, 0.5, 1.0])
     feats[1, :2, 0] = torch.tensor([0.5, 2.5])
     for mode in ({"budget": 6}, {"budget": 30}, {"cost": 1 + 0.07 * torch.arange(64.0)}):
-        ref = allocate(tables, conf, feats, **mode)
-        assert_same(ref, allocate(tables, conf, feats, impl="triton", **mode))
-        ref = allocate(tables, conf, **mode)
-        assert_same(ref, allocate(tables, conf, impl="triton", **mode))
+        ref = allocate(tables, pair(conf, feats), **mode)
+        assert_same(ref, allocate(tables, pair(conf, feats), impl="triton", **mode))
+        ref = allocate(tables, pair(conf), **mode)
+        assert_same(ref, allocate(tables, pair(conf), impl="triton", **mode))
 
 
 @pytest.mark.parametrize("mode", ["budget", "price"])
@@ -77,6 +77,6 @@ def test_a_padded_mid_size_batch(mode):
     ngram_p = torch.rand(b, 6, generator=gen) ** 0.25
     ngram_p[torch.rand(b, generator=gen) < 0.5] = float("nan")  # half the requests have no match
     kwargs = {"budget": 90} if mode == "budget" else {"cost": 1 + 0.004 * torch.arange(b * 9 + 1.0) ** 1.5}
-    ref = allocate_probs(model_p, ngram_p, **kwargs)
-    assert_same(ref, allocate_probs(model_p, ngram_p, impl="triton", **kwargs))
+    ref = allocate_probs(pair(model_p, ngram_p), **kwargs)
+    assert_same(ref, allocate_probs(pair(model_p, ngram_p), impl="triton", **kwargs))
     assert ref.depth.sum() > 0

@@ -20,5 +20,5 @@ def test_train_with_the_identity_calibrator(tmp_path):
         cfg = compose("train", overrides=[f"data.train=[{bank}]", f"out_dir={tmp_path / 'out'}", "logger=none",
                                           "calibrator=identity", "ngram_model=logistic", "trainer.progress=false"])
     tables = load(run(OmegaConf.to_container(cfg, resolve=True)))
-    model = tables.meta["drafters"]["model"]
+    model = tables.meta["chains"]["model"]
     assert model["estimator"] == "identity" and model["params"] == {}

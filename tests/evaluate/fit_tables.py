@@ -16,6 +16,7 @@ import torch
 
 from calib.labels import censored
 from calib.tables import GridTables, save
+from tests.synthetic import two_chain_tables
 
 NGRAM_FEATURES = ("match_n", "agreement")
 NGRAM_EDGES = ((2, 3, 4), (0.5, 0.99))
@@ -24,10 +25,9 @@ NGRAM_EDGES = ((2, 3, 4), (0.5, 0.99))
 def fit_tables(banks, out_dir, grid_points: int = 21, split: str = "train"):
     from sklearn.isotonic import IsotonicRegression
 
+    from calib.bank import load
     from calib.evaluate.data import load_eval_bank
     from calib.tables.features import ngram_feature_tensor
-
-    from calib.bank import load
 
     model_conf, model_acc, ng_feat, ng_acc = [], [], [], []
     targets, model_ids = set(), set()
@@ -59,7 +59,7 @@ def fit_tables(banks, out_dir, grid_points: int = 21, split: str = "train"):
             m = reached[:, k] & ~np.isnan(conf[:, k])
             iso = IsotonicRegression(y_min=0.0, y_max=1.0, out_of_bounds="clip").fit(conf[m, k], label[m, k])
             grid[k] = torch.from_numpy(iso.predict(xs)).float()
-        drafters["model"] = {"calibrator": "isotonic (test stand-in)", "depths": K, "k": K,
+        drafters["model"] = {"estimator": "isotonic (test stand-in)", "depths": K, "k": K,
                              "ids": sorted(model_ids)}
     edges = torch.full((len(NGRAM_FEATURES), 3), float("inf"))
     for f, e in enumerate(NGRAM_EDGES):
@@ -79,9 +79,11 @@ def fit_tables(banks, out_dir, grid_points: int = 21, split: str = "train"):
             n = np.bincount(cell[m], minlength=cells)
             a = np.bincount(cell[m], weights=label[m, k], minlength=cells)
             ng_grid[k] = torch.from_numpy((a + 1) / (n + 2)).float()
-        drafters["ngram"] = {"calibrator": "cell rate (test stand-in)", "depths": K, "k": K, "ids": ["ngram"]}
-    return save(out_dir, GridTables(grid, edges, strides, ng_grid),
-                meta={"ngram_features": list(NGRAM_FEATURES), "drafters": drafters,
+        drafters["ngram"] = {"estimator": "cell rate (test stand-in)", "depths": K, "k": K, "ids": ["ngram"]}
+    tables = two_chain_tables(grid, edges, strides, ng_grid, features=list(NGRAM_FEATURES))
+    tables = GridTables({name: t for name, t in tables.chains.items() if name in drafters})
+    return save(out_dir, tables,
+                meta={"chains": drafters,
                       "target_models": sorted(targets),
                       "banks": [str(b) for b in banks], "note": "stand-in tables from tests/evaluate/fit_tables.py"})
 

@@ -88,7 +88,7 @@ def test_eval_refuses_tables_of_another_depth_or_drafter(tmp_path):
     assert not (tmp_path / "out").exists()
     fit_tables([deep], tmp_path / "t4")
     _retag(tmp_path / "t4", tmp_path / "eagle", target_models=["synthetic-model"],
-           drafters={"model": {"ids": ["eagle:head"], "k": 4}, "ngram": {"ids": ["ngram"], "k": 4}})
+           chains={"model": {"ids": ["eagle:head"], "k": 4}, "ngram": {"ids": ["ngram"], "k": 4}})
     dm = _bank(tmp_path / "dm", speculator="draft_model:first24")
     with pytest.raises(TablesError, match=r"\['eagle:head'\], bank .*dm was drafted by 'draft_model:first24'"):
         run(_cfg([dm], tmp_path / "eagle", tmp_path / "out"))

@@ -16,8 +16,9 @@ from calib.evaluate.replay import (
     replay_setting,
     train_mean_curve,
 )
-from calib.tables import GridTables, save
+from calib.tables import save
 from calib.tables.features import ngram_feature_tensor
+from tests.synthetic import two_chain_tables
 
 # (accept mask, model confidences, n-gram chain mask) per round; K = 3
 ROUNDS = [
@@ -62,11 +63,11 @@ def tiny_bank(tmp_path):
 def identity_tables(tmp_path, ngram_p=0.5):
     # calibrated == raw for the model chain; a constant for the n-gram chain (one cell)
     grid = torch.linspace(0, 1, 11).repeat(3, 1)
-    t = GridTables(grid, torch.full((1, 1), float("inf")), torch.zeros(1, dtype=torch.int64),
-                   torch.full((3, 1), ngram_p))
-    save(tmp_path / "tables", t, {"ngram_features": ["match_n"], "target_models": ["synthetic"],
-                                  "drafters": {"model": {"ids": ["synthetic-draft"], "k": 3},
-                                               "ngram": {"ids": ["ngram"], "k": 3}}})
+    t = two_chain_tables(grid, torch.full((1, 1), float("inf")), torch.zeros(1, dtype=torch.int64),
+                         torch.full((3, 1), ngram_p), features=["match_n"])
+    save(tmp_path / "tables", t, {"target_models": ["synthetic"],
+                                  "chains": {"model": {"ids": ["synthetic-draft"], "k": 3},
+                                             "ngram": {"ids": ["ngram"], "k": 3}}})
     import calib.tables
 
     return calib.tables.load(tmp_path / "tables")

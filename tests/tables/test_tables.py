@@ -9,8 +9,11 @@ import torch
 
 from calib.calibrators.binning import IsotonicPerDepth
 from calib.calibrators.ngram import LogisticAcceptance
-from calib.tables import GridTables, TablesError, load, save
-from calib.tables.export import model_grid, ngram_grid, ngram_table_predict
+from calib.tables import ChainTable, GridTables, TablesError, load, save
+from calib.tables.export import model_grid, ngram_grid, table_predict
+from tests.synthetic import two_chain_tables
+
+FEATS = ["match_n", "agreement"]
 
 
 @pytest.fixture
@@ -31,26 +34,35 @@ def tables():
     pred = model.predict_proba(df, df.depth)
     m = (df.depth == 1) & (df.match_n == 2) & (df.agreement >= 0.5)
     assert ngrid[1, 1 * 2 + 1] == pytest.approx(pred[m.to_numpy()].mean(), rel=1e-5)
-    t = GridTables(torch.from_numpy(grid), torch.from_numpy(edges), torch.from_numpy(strides), torch.from_numpy(ngrid))
-    table_p = ngram_table_predict(t, df, ["match_n", "agreement"])
+    t = two_chain_tables(grid, edges, strides, ngrid, features=FEATS)
+    table_p = table_predict(t.chains["ngram"], df[FEATS], df.depth)
     assert np.corrcoef(table_p, pred)[0, 1] > 0.95
     return t
 
 
 def test_round_trip(tmp_path, tables):
-    save(tmp_path, tables, {"drafters": {"model": {}, "ngram": {}}, "ngram_features": ["match_n", "agreement"]})
+    save(tmp_path, tables, {})
     t = load(tmp_path)
-    assert torch.equal(t.model_grid, tables.model_grid) and torch.equal(t.ngram_grid, tables.ngram_grid)
-    assert t.has_model and t.ngram_feature_names == ["match_n", "agreement"]
+    for name in ("model", "ngram"):
+        for part in ("grid", "edges", "strides"):
+            assert torch.equal(getattr(t.chains[name], part), getattr(tables.chains[name], part))
+        assert t.chains[name].axes == tables.chains[name].axes
+    assert t.has_chain("model") and t.feature_names("ngram") == FEATS
+    meta = json.loads((tmp_path / "tables.json").read_text())
+    assert meta["schema_version"] == 3 and meta["chains"]["model"]["id"] == 1 and meta["chains"]["ngram"]["id"] == 2
+    assert meta["chains"]["ngram"]["axes"][1] == {"name": "agreement", "kind": "bins", "edges": [0.5]}
+    assert meta["chains"]["model"]["axes"] == [{"name": "conf", "kind": "interpolate", "points": 65}]
     conf = torch.tensor([[0.0, 0.5, float("nan")], [1.0, 0.25, 0.75]])
-    p = t.model_accept_prob(conf)
+    p = t.accept_prob("model", conf)
     assert torch.isnan(p[0, 2]) and not torch.isnan(p[1]).any()
-    assert t.model_accept_prob(conf[:, 1:2], depth=1)[1, 0] == p[1, 1]
+    assert t.accept_prob("model", conf[:, 1:2], depth=1)[1, 0] == p[1, 1]
+    feats = torch.tensor([[[2.0, 0.7], [1.0, 0.1]]])
+    assert t.accept_prob("ngram", feats[:, 1], depth=1)[0] == t.accept_prob("ngram", feats)[0, 1]
     assert not list(tmp_path.glob(".tables.tmp-*"))
 
 
 def test_checksum_refusal(tmp_path, tables):
-    save(tmp_path, tables, {"drafters": {}})
+    save(tmp_path, tables, {})
     raw = bytearray((tmp_path / "tables.safetensors").read_bytes())
     raw[-1] ^= 0xFF
     (tmp_path / "tables.safetensors").write_bytes(bytes(raw))
@@ -59,7 +71,7 @@ def test_checksum_refusal(tmp_path, tables):
 
 
 def test_version_refusal(tmp_path, tables):
-    save(tmp_path, tables, {"drafters": {}})
+    save(tmp_path, tables, {})
     meta = json.loads((tmp_path / "tables.json").read_text())
     meta["schema_version"] = 999
     (tmp_path / "tables.json").write_text(json.dumps(meta))
@@ -75,22 +87,26 @@ def test_missing_files(tmp_path):
 def test_edited_json_is_refused(tmp_path, tables):
     """tables.json is covered by its own digest: an edited feature order no longer loads (it used to,
     silently dropping n-gram AUROC 0.81 -> 0.67 on the sample banks)."""
-    save(tmp_path, tables, {"drafters": {"model": {}, "ngram": {}}, "ngram_features": ["match_n", "agreement"]})
+    save(tmp_path, tables, {})
     meta = json.loads((tmp_path / "tables.json").read_text())
     assert meta["json_sha256"] and meta["tensors_sha256"]
-    meta["ngram_features"] = ["agreement", "match_n"]  # same tensors, another meaning
+    axes = meta["chains"]["ngram"]["axes"]
+    meta["chains"]["ngram"]["axes"] = axes[::-1]  # same tensors, another meaning
     (tmp_path / "tables.json").write_text(json.dumps(meta, indent=2, sort_keys=True))
     with pytest.raises(TablesError, match="edited after export.*re-export"):
         load(tmp_path)
     # Re-indenting alone (same content) is not an edit.
-    meta["ngram_features"] = ["match_n", "agreement"]
+    meta["chains"]["ngram"]["axes"] = axes
     (tmp_path / "tables.json").write_text(json.dumps(meta))
-    assert load(tmp_path).ngram_feature_names == ["match_n", "agreement"]
+    assert load(tmp_path).feature_names("ngram") == FEATS
 
 
-def test_feature_count_must_match_edges(tmp_path, tables):
-    save(tmp_path, tables, {"drafters": {"ngram": {}}, "ngram_features": ["match_n"]})  # edges have 2 rows
-    with pytest.raises(TablesError, match="1 n-gram features.*2 rows"):
+def test_old_schema_is_refused_with_re_export(tmp_path, tables):
+    save(tmp_path, tables, {})
+    meta = json.loads((tmp_path / "tables.json").read_text())
+    meta["schema_version"] = 2  # model_grid / ngram_* tensors and `drafters`: refused, not misread
+    (tmp_path / "tables.json").write_text(json.dumps(meta))
+    with pytest.raises(TablesError, match="schema_version 2, this calib reads 3; re-export"):
         load(tmp_path)
 
 
@@ -120,9 +136,8 @@ def _bank(tmp_path, name="bank", width=4, speculator="eagle:head", manifest=None
                                                           speculator=speculator), manifest=man)
 
 
-def _fitted(tmp_path, tables, k=4, ids=("eagle:head",), target="synthetic-model", feats=("match_n", "agreement")):
-    meta = {"target_models": [target], "ngram_features": list(feats),
-            "drafters": {"model": {"ids": list(ids), "k": k}, "ngram": {"ids": ["ngram"], "k": k}}}
+def _fitted(tmp_path, tables, k=4, ids=("eagle:head",), target="synthetic-model"):
+    meta = {"target_models": [target], "chains": {"model": {"ids": list(ids), "k": k}, "ngram": {"ids": ["ngram"], "k": k}}}
     return load(save(tmp_path / "tables", tables, meta))
 
 
@@ -159,15 +174,14 @@ def test_check_bank_refuses_another_drafter_or_target(tmp_path, tables):
     with pytest.raises(TablesError, match="bank engine-config was drafted by 'draft_model:x'"):
         t.check_bank({**MANIFEST, "speculator": "draft_model:x"}, path="engine-config")
     # the tables do not calibrate the bank's verified chain at all
-    only_ngram = load(save(tmp_path / "ng", tables, {"target_models": ["synthetic-model"],
-                                                       "ngram_features": ["match_n", "agreement"],
-                                                       "drafters": {"ngram": {"ids": ["ngram"], "k": 4}}}))
+    only_ngram = load(save(tmp_path / "ng", GridTables({"ngram": tables.chains["ngram"]}),
+                           {"target_models": ["synthetic-model"], "chains": {"ngram": {"ids": ["ngram"], "k": 4}}}))
     with pytest.raises(TablesError, match=r"calibrate \['ngram'\], bank .* verified chain is the model drafter"):
         only_ngram.check_bank(_bank(tmp_path))
 
 
 def test_check_bank_refuses_missing_ngram_features(tmp_path, tables):
-    t = _fitted(tmp_path, tables, feats=("match_n", "agreement"))
+    t = _fitted(tmp_path, tables)
     bank = _bank(tmp_path)
     import pyarrow.parquet as pq
 
@@ -191,13 +205,15 @@ def test_check_bank_warns_what_it_cannot_check(tmp_path, tables):
 def test_reuse_last_row_survives_save_and_load(tmp_path, tables):
     """Tables saying their last row stands for deeper depths keep saying so on disk; without a recorded
     K, check_bank then accepts a deeper bank (with one, the recorded K still binds)."""
-    deep = GridTables(tables.model_grid[:2], tables.ngram_edges, tables.ngram_strides, tables.ngram_grid[:2],
-                      reuse_last_row=True)
-    meta = {"target_models": ["synthetic-model"], "ngram_features": ["match_n", "agreement"],
-            "drafters": {"model": {"ids": ["eagle:head"]}, "ngram": {"ids": ["ngram"]}}}
+    def first_rows(reuse_last_row):
+        return GridTables({n: ChainTable(t.axes, t.grid[:2], t.edges, t.strides) for n, t in tables.chains.items()},
+                          reuse_last_row=reuse_last_row)
+
+    deep = first_rows(True)
+    meta = {"target_models": ["synthetic-model"],
+            "chains": {"model": {"ids": ["eagle:head"]}, "ngram": {"ids": ["ngram"]}}}
     t = load(save(tmp_path / "t", deep, meta))
     assert t.reuse_last_row and not load(save(tmp_path / "u", tables, meta)).reuse_last_row
     assert t.check_bank(_bank(tmp_path)) == []  # K=4 bank on 2 rows: allowed, the tables say so
     with pytest.raises(TablesError, match=r"K=2\), bank .* drafts K=4"):
-        load(save(tmp_path / "v", GridTables(tables.model_grid[:2], tables.ngram_edges, tables.ngram_strides,
-                                             tables.ngram_grid[:2]), meta)).check_bank(_bank(tmp_path, "b2"))
+        load(save(tmp_path / "v", first_rows(False), meta)).check_bank(_bank(tmp_path, "b2"))
