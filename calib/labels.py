@@ -34,8 +34,12 @@ def censored(acc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return drafted & prefix_ok, accepted
 
 
-def _explode(table: pa.Table, acc: np.ndarray, per_depth: dict[str, np.ndarray],
-             round_cols: dict[str, np.ndarray]) -> pd.DataFrame:
+def per_depth_samples(table: pa.Table, acc: np.ndarray, per_depth: dict[str, np.ndarray],
+                      round_cols: dict[str, np.ndarray]) -> pd.DataFrame:
+    """Censored samples of one chain: one row per (round of ``table``, depth reached by ``acc`` [N, D])
+    with the bank keys, ``depth``, each ``per_depth`` matrix [N, D] read at that depth, each
+    ``round_cols`` array [N], and ``label``. A chain kind's sample extraction (:mod:`calib.chains`)
+    gathers its columns and calls this."""
     reached, label = censored(acc)
     rows, depth = np.nonzero(reached)
     out = {k: np.asarray(table.column(k).to_pylist(), dtype=object)[rows] if k in GROUP_KEYS
@@ -69,7 +73,7 @@ def model_samples(bank: Bank) -> pd.DataFrame:
     rounds = {}
     if "temperature" in t.column_names:
         rounds["temperature"] = t.column("temperature").to_numpy(zero_copy_only=False).astype(float)
-    return _explode(t, acc, per_depth, rounds)
+    return per_depth_samples(t, acc, per_depth, rounds)
 
 
 NGRAM_SAMPLE_FEATURES = tuple(schema.NGRAM_FEATURES)
@@ -89,7 +93,7 @@ def ngram_samples(bank: Bank) -> pd.DataFrame:
     rounds["counterfactual"] = np.asarray(t.column("label_source").to_pylist(), dtype=object) == "counterfactual"
     if "temperature" in t.column_names:
         rounds["temperature"] = t.column("temperature").to_numpy(zero_copy_only=False).astype(float)
-    return _explode(t, acc, {}, rounds)
+    return per_depth_samples(t, acc, {}, rounds)
 
 
 def model_drafted_depth(bank_dir) -> int:
