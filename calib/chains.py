@@ -14,7 +14,15 @@ differs between kinds is registered here, once, as a :class:`ChainKind`:
   then context features);
 * ``table_axes(chain_cfg)``: how its exported table is cut (:class:`Axis`; the layout is in
   :mod:`calib.tables.layout`);
-* ``drafted_depth(bank_dir)``: the drafted depth K a bank folder records for this chain (0: none).
+* ``drafted_depth(bank_dir)``: the drafted depth K a bank folder records for this chain (0: none);
+* ``config_key``: the ``train.yaml`` group holding its ``candidates`` (estimators of the one protocol,
+  :mod:`calib.calibrators.base`) and table settings (``calibrator`` for the model chain,
+  ``ngram_model`` for the n-gram chain: the README's overrides keep working);
+* ``confidence``: the name of X's column 0 when it is the drafter's raw confidence (the model chain):
+  training then reports raw vs calibrated per depth and the accepted length per round.
+
+The allocator chooses between at most two chains per request (:mod:`calib.allocate.reference`); any
+two registered kinds may be those two.
 
 A new chain kind (vLLM's ``suffix`` decoding, say) is one :func:`register_chain` call plus the
 collector hook that writes its columns into the bank; nothing else names chains
@@ -25,7 +33,7 @@ lookup and allocation).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 NO_CHAIN = 0  # Allocation.drafter when a request verifies no draft token
@@ -73,7 +81,6 @@ class ChainKind:
     config_key: str = ""  # train.yaml group holding ``candidates`` (+ table settings); default: name
     confidence: str | None = None  # X's column 0 when it is the drafter's raw confidence
     description: str = ""
-    extra: dict = field(default_factory=dict)  # free-form facts other layers may read
 
     @property
     def config(self) -> str:

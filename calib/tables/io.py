@@ -108,8 +108,9 @@ class Tables(GridTables):
           for a dict) is at most the tables' K for that chain: a deeper bank would read its extra
           depths from the last row, fitted on another depth. A shallower bank is fine (its depths
           are all calibrated, and acceptance at depth d does not depend on how deep drafting goes);
-        - where the bank has an n-gram chain the tables calibrate, its depth (``ngram_tok`` width)
-          and the tables' feature columns (``ngram_features``, in ngram.parquet).
+        - every other chain the tables calibrate that the bank records (the n-gram chain of a model
+          bank; any registered kind, by its ``drafted_depth`` hook): its depth; for the n-gram chain
+          also the tables' feature columns (its axes, in ngram.parquet).
 
         Where the bank's manifest lacks ``model`` or ``speculator``, or the tables do not record a
         field, that check is skipped with a :class:`TablesWarning` naming it.
@@ -159,11 +160,12 @@ class Tables(GridTables):
                                 f"bank {bdir} drafts K={k_bank}; depths {k_tab}..{k_bank - 1} would silently "
                                 f"reuse depth {k_tab - 1}'s calibration")
 
+        for other in drafters:  # the other chains a bank records (the n-gram chain of a model bank, ...)
+            k_bank, k_tab = facts["chain_k"].get(other), self.chain_depth(other) if other in self.chains else None
+            if other != chain and k_bank and k_tab is not None and k_bank > k_tab:
+                problems.append(f"depth: tables {tdir} cover {other}-chain depths 0..{k_tab - 1} (K={k_tab}), bank "
+                                f"{bdir}'s {other} chain is {k_bank} deep")
         if "ngram" in drafters and (facts["has_ngram"] or chain == "ngram"):
-            k_bank, k_tab = facts["k_ngram"], self.chain_depth("ngram")
-            if chain != "ngram" and k_bank is not None and k_tab is not None and k_bank > k_tab:
-                problems.append(f"depth: tables {tdir} cover n-gram depths 0..{k_tab - 1} (K={k_tab}), bank "
-                                f"{bdir}'s n-gram chain (ngram.parquet) is {k_bank} deep")
             cols, feats = facts["ngram_columns"], self.feature_names("ngram")
             if cols is not None:
                 missing = [f for f in feats if f not in cols]
@@ -276,13 +278,15 @@ def _bank_facts(bank, path=None) -> dict:
     chain = None if spec is None else _verified_chain(spec, man.get("method"))
     ng_man = man.get("ngram_chain") if isinstance(man.get("ngram_chain"), dict) else {}
     facts = {"path": where, "model": man.get("model"), "speculator": spec, "chain": chain,
-             "k": man.get("num_speculative_tokens"), "has_ngram": bool(ng_man), "k_ngram": ng_man.get("width"),
-             "ngram_columns": None}
+             "k": man.get("num_speculative_tokens"), "has_ngram": bool(ng_man), "ngram_columns": None,
+             "chain_k": {"ngram": ng_man.get("width")}}  # drafted depth per chain the bank records
     if folder is not None:  # the data's own widths beat the manifest's
+        from calib.chains import chains
+
         facts["k"] = schema.width(pq.read_schema(folder / schema.ACCEPTANCE).names) or facts["k"]
+        facts["chain_k"] = {kind.name: kind.drafted_depth(folder) for kind in chains()}
         if (folder / schema.NGRAM).exists():
-            names = pq.read_schema(folder / schema.NGRAM).names
-            facts.update(has_ngram=True, k_ngram=schema.width(names, schema.NGRAM_TOK), ngram_columns=set(names))
+            facts.update(has_ngram=True, ngram_columns=set(pq.read_schema(folder / schema.NGRAM).names))
         else:
             facts["has_ngram"] = False
     return facts

@@ -180,6 +180,15 @@ def test_check_bank_refuses_another_drafter_or_target(tmp_path, tables):
         only_ngram.check_bank(_bank(tmp_path))
 
 
+def test_check_bank_refuses_a_deeper_second_chain(tmp_path, tables):
+    """The n-gram chain a model bank records is checked against the tables' n-gram K (registry hook)."""
+    meta = {"target_models": ["synthetic-model"], "chains": {"model": {"ids": ["eagle:head"], "k": 4},
+                                                            "ngram": {"ids": ["ngram"], "k": 2}}}
+    t = load(save(tmp_path / "tables", tables, meta))
+    with pytest.raises(TablesError, match=r"cover ngram-chain depths 0..1 \(K=2\), bank .*'s ngram chain is 4 deep"):
+        t.check_bank(_bank(tmp_path))
+
+
 def test_check_bank_refuses_missing_ngram_features(tmp_path, tables):
     t = _fitted(tmp_path, tables)
     bank = _bank(tmp_path)
