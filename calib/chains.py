@@ -15,6 +15,9 @@ differs between kinds is registered here, once, as a :class:`ChainKind`:
 * ``table_axes(chain_cfg)``: how its exported table is cut (:class:`Axis`; the layout is in
   :mod:`calib.tables.layout`);
 * ``drafted_depth(bank_dir)``: the drafted depth K a bank folder records for this chain (0: none);
+* ``round_data(rounds, axis_names)``: the chain per round of a bank, for evaluation and replay
+  (:class:`RoundData`: accept mask, table inputs in ``axis_names`` order, raw confidence), None where
+  the bank does not record it;
 * ``config_key``: the ``train.yaml`` group holding its ``candidates`` (estimators of the one protocol,
   :mod:`calib.calibrators.base`) and table settings (``calibrator`` for the model chain,
   ``ngram_model`` for the n-gram chain: the README's overrides keep working);
@@ -79,6 +82,8 @@ class ChainKind:
     table_axes: Callable[[dict], tuple[Axis, ...]]  # (chain config) -> the exported table's axes
     drafted_depth: Callable[[Path], int]  # (bank folder) -> drafted K of this chain (0: none)
     config_key: str = ""  # train.yaml group holding ``candidates`` (+ table settings); default: name
+    # (rounds table of Bank.rounds(with_ngram=...), table axis names or None) -> RoundData | None
+    round_data: Callable | None = None
     confidence: str | None = None  # X's column 0 when it is the drafter's raw confidence
     description: str = ""
 
@@ -94,6 +99,15 @@ class ChainKind:
             raise ValueError(f"chain {self.name!r}: the samples lack feature columns {missing} "
                              f"(they have {sorted(map(str, samples.columns))})")
         return samples[names]
+
+
+@dataclass(frozen=True)
+class RoundData:
+    """One chain over a bank's rounds (``R`` rounds, ``K`` depths)."""
+
+    acc: object  # float [R, K]: 1/0, NaN where not drafted or unlabelled
+    inputs: object = None  # float32 [R, K, A]: the table's inputs (None when no axes were asked for)
+    raw: object = None  # float [R, K]: the drafter's raw confidence (chains with one)
 
 
 _REGISTRY: dict[str, ChainKind] = {}
@@ -150,12 +164,18 @@ def _builtin() -> None:
         id=1, name="model", samples=labels.model_samples, confidence="conf", config_key="calibrator",
         feature_names=lambda cfg: ("conf", *tuple(cfg.get("extra") or ())),
         table_axes=lambda cfg: (Axis("conf", points=int(cfg.get("grid_points", 1025))),),
-        drafted_depth=labels.model_drafted_depth,
+        drafted_depth=labels.model_drafted_depth, round_data=labels.model_round_data,
         description="the model-based drafter (draft model, EAGLE): raw confidence per depth"))
     register_chain(ChainKind(
         id=2, name="ngram", samples=labels.ngram_samples, config_key="ngram_model",
         feature_names=lambda cfg: labels.NGRAM_SAMPLE_FEATURES,
         table_axes=lambda cfg: tuple(Axis(f, edges=tuple(float(x) for x in e))
                                      for f, e in zip(cfg["table"]["features"], cfg["table"]["edges"])),
-        drafted_depth=labels.ngram_drafted_depth,
+        drafted_depth=labels.ngram_drafted_depth, round_data=_ngram_round_data,
         description="prompt lookup (vLLM ngram): match features of the chain the context offered"))
+
+
+def _ngram_round_data(rounds, axis_names):
+    from calib.tables.features import ngram_round_data
+
+    return ngram_round_data(rounds, axis_names)

@@ -116,6 +116,19 @@ def ngram_drafted_depth(bank_dir) -> int:
     return schema.width(pq.read_schema(ng).names, schema.NGRAM_TOK) if ng.exists() else 0
 
 
+def model_round_data(rounds: pa.Table, axis_names=None):
+    """The model chain over a bank's rounds (:class:`calib.chains.RoundData`; None for a bank without
+    confidences): the verified accept mask, raw confidences, and as table input the confidence."""
+    from calib.chains import RoundData
+
+    width = schema.width(rounds.column_names)
+    conf = schema.depth_matrix(rounds, schema.CONF, width)
+    if not (~np.isnan(conf)).any():
+        return None
+    inputs = None if axis_names is None else conf.astype(np.float32)[..., None]
+    return RoundData(schema.depth_matrix(rounds, schema.ACC, width), inputs, conf)
+
+
 def prompt_split(category, prompt_idx, fractions=(0.7, 0.15, 0.15), seed: int = 0) -> np.ndarray:
     """'train' / 'val' / 'test' per row, a deterministic function of (category, prompt_idx, seed)."""
     cats = np.asarray(category, dtype=object)

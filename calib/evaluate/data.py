@@ -23,8 +23,8 @@ import numpy as np
 import torch
 
 from calib.bank import Bank, load, schema
+from calib.chains import chains
 from calib.labels import prompt_split
-from calib.tables.features import ngram_feature_tensor
 from calib.tables.io import bank_fingerprint
 
 SEEN = "held-out split of a training bank"
@@ -35,7 +35,7 @@ UNSEEN = "whole bank (not seen in training)"
 class Chain:
     """One drafter's chain over the bank's rounds. ``acc`` is 1/0/NaN (NaN: not drafted or unlabelled)."""
 
-    drafter: str  # "model" | "ngram"
+    drafter: str  # a registered chain name (calib.chains): "model", "ngram", ...
     acc: np.ndarray  # [R, K] float
     p_cal: np.ndarray | None = None  # [R, K] calibrated P(accept | reached), NaN = no token
     p_raw: np.ndarray | None = None  # [R, K] raw confidence (model drafter only)
@@ -148,39 +148,43 @@ def load_eval_bank(path, tables, fractions=(0.7, 0.15, 0.15), seed: int = 0, nam
     split = (prompt_split(cats, pidx, fractions=tuple(fractions), seed=seed) if seen
              else np.full(len(cats), "test", dtype=object))
     acc = schema.depth_matrix(t, schema.ACC, width)
-    conf = schema.depth_matrix(t, schema.CONF, width)
-    has_conf = bool((~np.isnan(conf)).any())
     temp, temps = None, None
     if "temperature" in t.column_names:
         temps = np.asarray(t.column("temperature").to_numpy(zero_copy_only=False), dtype=np.float64)
         temp = float(np.nanmedian(temps)) if len(temps) else None
-    chains: dict[str, Chain] = {}
-    ng_chain = None
-    if with_ng:
-        ng_width = schema.width([c[3:] for c in t.column_names if c.startswith("ng_")], schema.NGRAM_TOK)
-        ng_acc = schema.depth_matrix(t, "ng_acc", ng_width)
-        src = np.asarray(t.column("ng_label_source").to_pylist(), dtype=object)
-        ng_acc[src == "none"] = np.nan  # an unlabelled chain cannot be scored or verified in replay
-        ng_p = None
-        if tables is not None and tables.has_chain("ngram"):
-            feats = ngram_feature_tensor(t, tables.feature_names("ngram"), ng_width, prefix="ng_")
-            ng_p = tables.accept_prob("ngram", feats).numpy().astype(np.float64)
-            ng_p[np.isnan(ng_acc)] = np.nan
-        ng_chain = Chain("ngram", ng_acc, ng_p)
-    if has_conf:
+    found: dict[str, Chain] = {}
+    for kind in chains():  # every registered chain kind the bank records, by registry id
+        if kind.round_data is None:
+            continue
+        calibrated = tables is not None and tables.has_chain(kind.name)
+        data = kind.round_data(t, tables.feature_names(kind.name) if calibrated else None)
+        if data is None:
+            continue
         p_cal = None
-        if tables is not None and tables.has_chain("model"):
-            p_cal = tables.accept_prob("model", torch.from_numpy(conf.astype(np.float32))).numpy().astype(np.float64)
-        chains["model"] = Chain("model", acc, p_cal, conf)
-        if ng_chain is not None:
-            chains["ngram"] = ng_chain
-        primary = "model"
-    else:
-        # n-gram bank: the verified chain is the n-gram chain (acceptance == ngram.parquet labels)
-        if ng_chain is None:
-            raise ValueError(f"{path}: no confidences and no ngram.parquet: nothing to calibrate")
-        chains["ngram"] = Chain("ngram", acc, ng_chain.p_cal)
-        primary = "ngram"
+        if calibrated:
+            p_cal = tables.accept_prob(kind.name, torch.from_numpy(data.inputs)).numpy().astype(np.float64)
+            p_cal[np.isnan(data.acc)] = np.nan  # nothing to score or verify there
+        found[kind.name] = Chain(kind.name, data.acc, p_cal, data.raw)
+    if not found:
+        raise ValueError(f"{path}: no confidences and no ngram.parquet: nothing to calibrate")
+    primary = _primary(bank, found)
+    # The verified chain's labels are acceptance.parquet's; the other chains' (the counterfactual
+    # n-gram chain of a model-drafter bank) exist only beside a chain with raw confidences.
+    verified = found[primary]
+    chain_set = {primary: Chain(primary, acc, verified.p_cal, verified.p_raw)}
+    if verified.p_raw is not None:
+        chain_set = {n: (chain_set[primary] if n == primary else c) for n, c in found.items()}
     if name is None:  # runs/banks/<name>/bank -> <name>
         name = Path(path).parent.name if Path(path).name == "bank" else Path(path).name
-    return EvalBank(name, Path(path), cats, pidx, split, chains, primary, temp, seen, scope, notes, temps)
+    return EvalBank(name, Path(path), cats, pidx, split, chain_set, primary, temp, seen, scope, notes, temps)
+
+
+def _primary(bank: Bank, found: dict[str, Chain]) -> str:
+    """The chain the bank's engine verified: the model-free chain kind its manifest's speculator (or
+    method) names, else the first chain with raw confidences (the model drafter), else the first found."""
+    man = (bank.manifests() or [{}])[0]
+    for name, c in found.items():
+        if c.p_raw is None and name in (man.get("speculator"), man.get("method")):
+            return name
+    with_raw = [n for n, c in found.items() if c.p_raw is not None]
+    return with_raw[0] if with_raw else next(iter(found))

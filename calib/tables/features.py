@@ -36,3 +36,18 @@ def ngram_feature_tensor(table: pa.Table, names, width: int, prefix: str = "") -
     beyond = np.arange(width)[None, :] >= length[:, None]
     out[beyond] = np.nan
     return torch.from_numpy(out.astype(np.float32))
+
+
+def ngram_round_data(rounds: pa.Table, axis_names=None):
+    """The n-gram chain over a bank's rounds joined with ngram.parquet (``Bank.rounds(with_ngram=True)``,
+    columns ``ng_*``); None without it. Unlabelled chains (label_source none) are NaN in the mask."""
+    from calib.chains import RoundData
+
+    if "ng_ngram_len" not in rounds.column_names:
+        return None
+    width = schema.width([c[3:] for c in rounds.column_names if c.startswith("ng_")], schema.NGRAM_TOK)
+    acc = schema.depth_matrix(rounds, "ng_acc", width)
+    src = np.asarray(rounds.column("ng_label_source").to_pylist(), dtype=object)
+    acc[src == "none"] = np.nan  # an unlabelled chain cannot be scored or verified in replay
+    inputs = None if axis_names is None else ngram_feature_tensor(rounds, axis_names, width, prefix="ng_").numpy()
+    return RoundData(acc, inputs)
