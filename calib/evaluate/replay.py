@@ -167,51 +167,49 @@ def draw_steps(n_rounds: int, batch: int, cfg: ReplayConfig, rng: np.random.Gene
 class StepBatch:
     """The arrays of one (bank, category, B) setting, gathered once for every policy.
 
-    Per-chain arrays are keyed by position: 1 = the bank's primary (verified) chain, 2 = the other
-    chain the bank labels (e.g. the n-gram chain of a model-drafter bank), if any; ``names`` gives
-    their chain names (:mod:`calib.chains`) and :func:`_alloc` maps the allocator's chain ids back.
+    Per-chain arrays are keyed by chain registry id (:mod:`calib.chains`, the allocator's ``drafter``
+    values): ``ids = (primary, second)``, the bank's verified chain and the other chain it labels (e.g.
+    the n-gram chain of a model-drafter bank; None if there is none); ``names`` are their names.
     """
 
     def __init__(self, bank: EvalBank, rows: np.ndarray, idx: np.ndarray):
         self.bank, self.idx = bank, idx
         self.S, self.B = idx.shape
-        prim = bank.chains[bank.primary]
-        sel = rows[idx]  # [S, B] -> bank row
-        self.acc = {1: prim.accept[sel], 2: None}
-        self.length = {1: prim.length[sel], 2: None}
-        self.p_cal = {1: None if prim.p_cal is None else prim.p_cal[sel], 2: None}
-        self.p_raw = None if prim.p_raw is None else prim.p_raw[sel]
-        self.oracle = {1: prim.oracle_p()[sel], 2: None}
         others = [name for name in bank.chains if name != bank.primary]
         self.names = (bank.primary, others[0] if others else None)
+        self.ids = tuple(None if n is None else chain(n).id for n in self.names)
         self.second = bool(others)
-        if self.second:
-            ng = bank.chains[others[0]]
-            self.acc[2], self.length[2] = ng.accept[sel], ng.length[sel]
-            self.p_cal[2] = None if ng.p_cal is None else ng.p_cal[sel]
-            self.oracle[2] = ng.oracle_p()[sel]
+        sel = rows[idx]  # [S, B] -> bank row
+        self.acc, self.length, self.p_cal, self.oracle = {}, {}, {}, {}
+        for name, cid in zip(self.names, self.ids):
+            if name is None:
+                continue
+            c = bank.chains[name]
+            self.acc[cid], self.length[cid] = c.accept[sel], c.length[sel]
+            self.p_cal[cid] = None if c.p_cal is None else c.p_cal[sel]
+            self.oracle[cid] = c.oracle_p()[sel]
+        prim = bank.chains[bank.primary]
+        self.p_raw = None if prim.p_raw is None else prim.p_raw[sel]
         self.K = prim.acc.shape[1]
 
 
 def _committed(sb: StepBatch, drafter: np.ndarray, depth: np.ndarray) -> np.ndarray:
-    """Σ_i min(depth_i, accepted of the chosen chain) + 1, per step. depth is 0 where drafter is 0."""
-    acc = np.where(drafter == 2, sb.acc[2] if sb.second else 0, sb.acc[1])
+    """Σ_i min(depth_i, accepted of the chosen chain) + 1, per step. depth is 0 where drafter is 0.
+    ``drafter`` holds chain ids (the primary chain's for fixed-depth policies)."""
+    first, second = sb.ids
+    acc = np.where(drafter == second, sb.acc[second], sb.acc[first]) if sb.second else sb.acc[first]
     return (np.minimum(depth, acc) + 1).sum(axis=-1)
 
 
 def _alloc(p1, p2, cost: torch.Tensor, budget: int | None, impl: str, names: tuple):
-    """Allocate over the primary chain ``names[0]`` (probabilities ``p1``) and, if given, ``names[1]``
-    (``p2``); returns (position [B]: 0 none, 1 primary, 2 second; depth [B])."""
+    """Allocate over the chain ``names[0]`` (probabilities ``p1``) and, if given, ``names[1]`` (``p2``);
+    returns (chain id [B], 0 = none; depth [B])."""
     probs = {names[0]: torch.from_numpy(np.ascontiguousarray(p1, dtype=np.float32))}
     if p2 is not None:
         probs[names[1]] = torch.from_numpy(np.ascontiguousarray(p2, dtype=np.float32))
     out = (allocate_probs(probs, budget=budget, impl=impl) if budget is not None
            else allocate_probs(probs, cost=cost, impl=impl))
-    drafter = out.drafter.numpy().astype(np.int64)
-    position = np.zeros_like(drafter)
-    for pos, name in enumerate(probs, start=1):
-        position[drafter == chain(name).id] = pos
-    return position, out.depth.numpy().astype(np.int64)
+    return out.drafter.numpy().astype(np.int64), out.depth.numpy().astype(np.int64)
 
 
 def _uniform_gamma(p_row: np.ndarray, batch: int, curve: CostCurve, draft: np.ndarray, impl: str) -> int:
@@ -244,16 +242,17 @@ def replay_setting(sb: StepBatch, curve: CostCurve, cfg: ReplayConfig, train_cur
     """{policy: (tokens [S], cost [S], draft positions [S], extra)} for one setting and one cost curve."""
     S, B, K = sb.S, sb.B, sb.K
     c_b = curve.values[B]
-    frac = {1: float(cfg.draft_cost.get(sb.names[0], 0.0)), 2: float(cfg.draft_cost.get(sb.names[1], 0.0))}
-    draft = lambda passes, second=False: (frac[1] + (frac[2] if second else 0.0)) * passes * c_b
+    P, Q = sb.ids  # the primary chain's id and the second chain's (None: there is none)
+    frac_p, frac_q = float(cfg.draft_cost.get(sb.names[0], 0.0)), float(cfg.draft_cost.get(sb.names[1], 0.0))
+    draft = lambda passes, second=False: (frac_p + (frac_q if second else 0.0)) * passes * c_b
     budget = None if cfg.mode == "price" else max(int(round(cfg.budget_per_request * B)), 0)
     out: dict[str, tuple] = {}
     zeros = np.zeros(S)
     pol = set(cfg.policies)
-    one = np.ones((S, B), dtype=np.int64)
+    one = np.full((S, B), P, dtype=np.int64)  # fixed-depth policies verify the primary chain
 
     def uniform(gamma_per_step, draft_cost):
-        depth = np.minimum(np.asarray(gamma_per_step)[:, None], sb.length[1])  # cannot verify past the chain
+        depth = np.minimum(np.asarray(gamma_per_step)[:, None], sb.length[P])  # cannot verify past the chain
         tokens = _committed(sb, one, depth)
         positions = depth.sum(axis=1)
         return tokens, curve.charge(depth) + draft_cost, positions
@@ -269,8 +268,8 @@ def replay_setting(sb: StepBatch, curve: CostCurve, cfg: ReplayConfig, train_cur
         tok, cost, pos = uniform(np.full(S, g), draft(g))
         out["homogeneous"] = (tok, cost, pos, {"gamma": g})
     sunk = draft(K)
-    if "gated_uniform" in pol and sb.p_cal[1] is not None:
-        gammas = np.array([_uniform_gamma(_mean_conditional(sb.p_cal[1][s]), B, curve, np.full(K + 1, sunk),
+    if "gated_uniform" in pol and sb.p_cal[P] is not None:
+        gammas = np.array([_uniform_gamma(_mean_conditional(sb.p_cal[P][s]), B, curve, np.full(K + 1, sunk),
                                           cfg.impl) for s in range(S)])
         tok, cost, pos = uniform(gammas, sunk)
         out["gated_uniform"] = (tok, cost, pos, {"gamma_mean": float(gammas.mean())})
@@ -283,7 +282,7 @@ def replay_setting(sb: StepBatch, curve: CostCurve, cfg: ReplayConfig, train_cur
                                   budget, cfg.impl, sb.names)
         tok = _committed(sb, dr, de)
         pos = de.sum(axis=1)
-        share2 = float((dr == 2).mean())
+        share2 = float((dr == Q).mean()) if Q is not None else 0.0
         charged = curve.charge(de) + extra_cost
         # What the allocator priced (a curve over T for this B) vs the shape's actual cost.
         seen = curve(B + pos) + extra_cost
@@ -291,10 +290,10 @@ def replay_setting(sb: StepBatch, curve: CostCurve, cfg: ReplayConfig, train_cur
 
     if "ragged_raw" in pol and sb.p_raw is not None:
         out["ragged_raw"] = ragged(sb.p_raw, None, sunk)
-    if "ragged_calibrated" in pol and sb.p_cal[1] is not None:
-        out["ragged_calibrated"] = ragged(sb.p_cal[1], None, sunk)
-    if "two_drafter" in pol and sb.second and sb.p_cal[1] is not None and sb.p_cal[2] is not None:
-        out["two_drafter"] = ragged(sb.p_cal[1], sb.p_cal[2], draft(K, second=True))
+    if "ragged_calibrated" in pol and sb.p_cal[P] is not None:
+        out["ragged_calibrated"] = ragged(sb.p_cal[P], None, sunk)
+    if "two_drafter" in pol and sb.second and sb.p_cal[P] is not None and sb.p_cal[Q] is not None:
+        out["two_drafter"] = ragged(sb.p_cal[P], sb.p_cal[Q], draft(K, second=True))
     if "oracle" in pol:
         out["oracle"] = _oracle(sb, curve, cfg, draft, budget)
     return out
@@ -313,11 +312,12 @@ def _oracle(sb: StepBatch, curve: CostCurve, cfg: ReplayConfig, draft, budget):
             continue
         extra = draft(gmax, second=sb.second)
         cost_t = curve.tensor(extra=extra)
-        p1 = sb.oracle[1].copy()
+        first, second = sb.ids
+        p1 = sb.oracle[first].copy()
         p1[..., gmax:] = np.nan
         p2 = None
         if sb.second:
-            p2 = sb.oracle[2].copy()
+            p2 = sb.oracle[second].copy()
             p2[..., gmax:] = np.nan
         dr = np.zeros((S, B), np.int64)
         de = np.zeros((S, B), np.int64)
