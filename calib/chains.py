@@ -24,6 +24,14 @@ differs between kinds is registered here, once, as a :class:`ChainKind`:
 * ``confidence``: the name of X's column 0 when it is the drafter's raw confidence (the model chain):
   training then reports raw vs calibrated per depth and the accepted length per round.
 
+Context axes. Besides its own axes, every chain's table may be cut by what the engine knows about the
+request at that round (:data:`CONTEXT`: the sampling temperature, the previous round's accepted
+length). They are binned axes after the chain's own ones, one per name of the chain config's
+``context`` block (``conf/context/``: ``axes`` always cut the table, ``candidates`` only where
+validation NLL says they pay; edges listed, or ``auto`` = midpoints between the distinct training
+values). Samples and a bank's rounds carry them as round columns of the same name
+(:func:`calib.labels.round_context`), so training, eval and replay read what an engine would pass.
+
 The allocator chooses between at most two chains per request (:mod:`calib.allocate.reference`); any
 two registered kinds may be those two.
 
@@ -35,6 +43,7 @@ lookup and allocation).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,9 +100,12 @@ class ChainKind:
     def config(self) -> str:
         return self.config_key or self.name
 
-    def X(self, samples, chain_cfg: dict):
-        """The feature matrix ``X [n, F]`` (a DataFrame, columns :attr:`feature_names`) of ``samples``."""
+    def X(self, samples, chain_cfg: dict, context: bool = True):
+        """The feature matrix ``X [n, F]`` (a DataFrame) of ``samples``: columns :attr:`feature_names`,
+        then (``context``) the selected context axes of ``chain_cfg`` (:func:`context_axes`)."""
         names = list(self.feature_names(chain_cfg))
+        if context:
+            names += [a.name for a in context_axes(chain_cfg)]
         missing = [n for n in names if n not in samples.columns]
         if missing:
             raise ValueError(f"chain {self.name!r}: the samples lack feature columns {missing} "
@@ -108,6 +120,57 @@ class RoundData:
     acc: object  # float [R, K]: 1/0, NaN where not drafted or unlabelled
     inputs: object = None  # float32 [R, K, A]: the table's inputs (None when no axes were asked for)
     raw: object = None  # float [R, K]: the drafter's raw confidence (chains with one)
+
+
+# Context axes every chain may be cut by: name -> what the engine passes (per request, repeated over
+# depths). Their values per round come from calib.labels.round_context (one definition for samples,
+# eval and replay); NaN (not recorded / a request's first round) falls in bucket 0 of any edges.
+CONTEXT = {
+    "temperature": "the request's sampling temperature (0 = greedy)",
+    "prev_accept": "the request's accepted length in its previous round (same prompt and turn; NaN in its first)",
+}
+
+
+def context_spec(chain_cfg: dict) -> tuple[list[str], list[str], dict]:
+    """``(axes, candidates, edges)`` of a chain config's ``context`` block: context axes always in the
+    table, optional ones (kept where validation NLL improves), and each name's edges (list or "auto")."""
+    ctx = (chain_cfg or {}).get("context") or {}
+    axes, cands = list((ctx.get("axes") or {}).keys()), list((ctx.get("candidates") or {}).keys())
+    edges = {n: (spec or {}).get("edges", "auto")
+             for block in ("axes", "candidates") for n, spec in (ctx.get(block) or {}).items()}
+    unknown = [n for n in axes + cands if n not in CONTEXT]
+    if unknown:
+        raise ValueError(f"context axes {unknown} are not registered context axes; known: {sorted(CONTEXT)}")
+    return axes, cands, edges
+
+
+def context_axes(chain_cfg: dict) -> tuple[Axis, ...]:
+    """The context axes a resolved chain config selected (``context.selected``; default: its ``axes``)
+    with resolved edges (:func:`resolve_edges`), in table order (after the chain's own axes)."""
+    ctx = (chain_cfg or {}).get("context") or {}
+    axes, _, edges = context_spec(chain_cfg)
+    names = list(ctx.get("selected", axes))
+    for n in names:
+        if isinstance(edges.get(n), str):
+            raise ValueError(f"context axis {n!r}: edges {edges[n]!r} are not resolved (calib.chains.resolve_edges)")  # noqa: TRY004 -- a config value, not a type error
+    return tuple(Axis(n, edges=tuple(float(e) for e in edges[n])) for n in names)
+
+
+def resolve_edges(values, spec, max_bins: int = 8, decimals: int = 4) -> list[float]:
+    """Inner bin edges of a context axis: ``spec`` as given when it is a list; ``"auto"``: midpoints
+    between the distinct (rounded) finite training ``values`` (none for a single value: a one-bin
+    axis), thinned to at most ``max_bins`` bins by quantiles of those distinct values."""
+    if not isinstance(spec, str):
+        return [float(e) for e in spec]
+    if spec != "auto":
+        raise ValueError(f"context edges must be a list of numbers or 'auto', got {spec!r}")
+    import numpy as np
+
+    v = np.asarray(values, dtype=np.float64)
+    u = np.unique(np.round(v[np.isfinite(v)], decimals))
+    if len(u) > max_bins:  # keep bins that split the values into groups of similar count
+        u = np.unique(np.quantile(u, np.linspace(0, 1, max_bins)))
+    return [float(round((a + b) / 2, decimals + 1)) for a, b in itertools.pairwise(u)]
 
 
 _REGISTRY: dict[str, ChainKind] = {}
@@ -163,16 +226,45 @@ def _builtin() -> None:
     register_chain(ChainKind(
         id=1, name="model", samples=labels.model_samples, confidence="conf", config_key="calibrator",
         feature_names=lambda cfg: ("conf", *tuple(cfg.get("extra") or ())),
-        table_axes=lambda cfg: (Axis("conf", points=int(cfg.get("grid_points", 1025))),),
+        table_axes=lambda cfg: (Axis("conf", points=int(cfg.get("grid_points", 1025))), *context_axes(cfg)),
         drafted_depth=labels.model_drafted_depth, round_data=labels.model_round_data,
         description="the model-based drafter (draft model, EAGLE): raw confidence per depth"))
     register_chain(ChainKind(
         id=2, name="ngram", samples=labels.ngram_samples, config_key="ngram_model",
         feature_names=lambda cfg: labels.NGRAM_SAMPLE_FEATURES,
-        table_axes=lambda cfg: tuple(Axis(f, edges=tuple(float(x) for x in e))
-                                     for f, e in zip(cfg["table"]["features"], cfg["table"]["edges"])),
+        table_axes=lambda cfg: (*(Axis(f, edges=tuple(float(x) for x in e))
+                                  for f, e in zip(cfg["table"]["features"], cfg["table"]["edges"])),
+                                *context_axes(cfg)),
         drafted_depth=labels.ngram_drafted_depth, round_data=_ngram_round_data,
         description="prompt lookup (vLLM ngram): match features of the chain the context offered"))
+
+
+def round_inputs(kind: ChainKind, rounds, axis_names):
+    """:attr:`ChainKind.round_data` with the table's context axes appended: the chain's own inputs for
+    the names that are not :data:`CONTEXT` axes, then each context axis' per-round value
+    (:func:`calib.labels.round_context` of ``rounds``, a bank's rounds sorted by its keys) repeated over
+    depths. ``axis_names`` None: no inputs."""
+    if kind.round_data is None:
+        return None
+    if axis_names is None:
+        return kind.round_data(rounds, None)
+    names = list(axis_names)
+    ctx = [n for n in names if n in CONTEXT]
+    own = names[: len(names) - len(ctx)]
+    if names[len(own):] != ctx:
+        raise ValueError(f"chain {kind.name!r}: context axes {ctx} must come after the chain's own axes, got {names}")
+    data = kind.round_data(rounds, own)
+    if data is None or not ctx:
+        return data
+    import numpy as np
+
+    from calib.labels import round_context
+
+    values = round_context(rounds, ctx)
+    extra = np.stack([values[n] for n in ctx], axis=1).astype(np.float32)  # [R, A_ctx]
+    width = data.inputs.shape[1]
+    inputs = np.concatenate([data.inputs, np.repeat(extra[:, None, :], width, axis=1)], axis=2)  # [R, K, A]
+    return RoundData(data.acc, inputs, data.raw)
 
 
 def _ngram_round_data(rounds, axis_names):

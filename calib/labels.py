@@ -44,7 +44,7 @@ def per_depth_samples(table: pa.Table, acc: np.ndarray, per_depth: dict[str, np.
     rows, depth = np.nonzero(reached)
     out = {k: np.asarray(table.column(k).to_pylist(), dtype=object)[rows] if k in GROUP_KEYS
            else table.column(k).to_numpy(zero_copy_only=False)[rows]
-           for k in (*GROUP_KEYS, "prompt_idx", "round_idx")}
+           for k in (*GROUP_KEYS, "prompt_idx", "turn", "round_idx") if k in table.column_names}
     out["depth"] = depth.astype(np.int64)
     for name, mat in per_depth.items():
         out[name] = mat[rows, depth]
@@ -58,42 +58,90 @@ def per_depth_samples(table: pa.Table, acc: np.ndarray, per_depth: dict[str, np.
 
 
 def model_samples(bank: Bank) -> pd.DataFrame:
-    """One row per (round, depth reached): keys, depth, conf (+ entropy/margin/temperature if
-    present), label. Rounds without confidences (an n-gram drafter) yield nothing."""
+    """One row per (round, depth reached): keys, depth, conf (+ entropy/margin if present), the context
+    columns (:func:`round_context`), label. Rounds without confidences (an n-gram drafter) yield nothing."""
     t = bank.rounds()
     width = schema.width(t.column_names)
     conf = schema.depth_matrix(t, schema.CONF, width)
     has_conf = ~np.isnan(conf).all(axis=1)
+    context = {n: v[has_conf] for n, v in round_context(t).items()}  # before the filter: every round counts
     t = t.filter(pa.array(has_conf))
     acc = schema.depth_matrix(t, schema.ACC, width)
     per_depth = {"conf": conf[has_conf]}
     for extra in ("entropy", "margin"):
         if f"{extra}0" in t.column_names:
             per_depth[extra] = schema.depth_matrix(t, extra, width)
-    rounds = {}
-    if "temperature" in t.column_names:
-        rounds["temperature"] = t.column("temperature").to_numpy(zero_copy_only=False).astype(float)
-    return per_depth_samples(t, acc, per_depth, rounds)
+    return per_depth_samples(t, acc, per_depth, context)
 
 
 NGRAM_SAMPLE_FEATURES = tuple(schema.NGRAM_FEATURES)
 
 
 def ngram_samples(bank: Bank) -> pd.DataFrame:
-    """One row per (labelled n-gram chain, depth reached): keys, depth, match features, label.
+    """One row per (labelled n-gram chain, depth reached): keys, depth, match features, the context
+    columns (:func:`round_context` of the verified rounds), label.
     A bank without ngram.parquet yields nothing."""
     if not bank.has(schema.NGRAM):
         return pd.DataFrame()
-    t = bank.table(schema.NGRAM)
+    t = _with_context(bank.table(schema.NGRAM), bank)
     src = np.asarray(t.column("label_source").to_pylist(), dtype=object)
     t = t.filter(pa.array(src != "none"))
     width = schema.width(t.column_names, schema.NGRAM_TOK)
     acc = schema.depth_matrix(t, schema.ACC, width)
     rounds = {f: t.column(f).to_numpy(zero_copy_only=False).astype(np.float64) for f in NGRAM_SAMPLE_FEATURES}
     rounds["counterfactual"] = np.asarray(t.column("label_source").to_pylist(), dtype=object) == "counterfactual"
-    if "temperature" in t.column_names:
-        rounds["temperature"] = t.column("temperature").to_numpy(zero_copy_only=False).astype(float)
+    rounds.update({n: t.column(f"ctx_{n}").to_numpy(zero_copy_only=False).astype(np.float64) for n in CONTEXT_COLUMNS})
     return per_depth_samples(t, acc, {}, rounds)
+
+
+CONTEXT_COLUMNS = ("temperature", "prev_accept")  # calib.chains.CONTEXT, computed here
+
+
+def round_context(rounds: pa.Table, names=CONTEXT_COLUMNS) -> dict[str, np.ndarray]:
+    """Context per round of a bank's ``rounds`` (acceptance ⋈ speculator, sorted by the bank keys, as
+    :meth:`Bank.rounds` returns them): ``temperature`` (NaN where not recorded) and ``prev_accept``, the
+    accepted length of the same request's previous round (rounds of one (model, speculator, config,
+    category, prompt_idx, turn) ordered by round_idx; NaN in its first round), i.e. what an engine
+    knows when it drafts. float64 [R] each."""
+    out = {}
+    n = rounds.num_rows
+    for name in names:
+        if name == "temperature":
+            out[name] = (rounds.column("temperature").to_numpy(zero_copy_only=False).astype(np.float64)
+                         if "temperature" in rounds.column_names else np.full(n, np.nan))
+        elif name == "prev_accept":
+            out[name] = _previous_accept(rounds)
+        else:
+            raise KeyError(f"no context column {name!r}; known: {CONTEXT_COLUMNS}")
+    return out
+
+
+def _previous_accept(rounds: pa.Table) -> np.ndarray:
+    keys = [k for k in schema.KEYS if k != "round_idx"]
+    df = pd.DataFrame({k: rounds.column(k).to_numpy(zero_copy_only=False) for k in (*keys, "round_idx")})
+    df["accept"] = rounds.column("accept").to_numpy(zero_copy_only=False).astype(np.float64)
+    order = df.sort_values([*keys, "round_idx"], kind="stable").index.to_numpy()
+    s = df.iloc[order]
+    prev = s.groupby(keys, sort=False, observed=True)["accept"].shift(1).to_numpy()
+    out = np.empty(len(df))
+    out[order] = prev
+    return out
+
+
+def _with_context(t: pa.Table, bank: Bank) -> pa.Table:
+    """``t`` (rows keyed by the bank keys) with ``ctx_<name>`` columns of :func:`round_context`, read from
+    the bank's verified rounds (NaN where a key has no such round)."""
+    r = bank.rounds(columns=["accept", *(["temperature"] if _has_temperature(bank) else [])])
+    ctx = round_context(r)
+    keys = list(schema.KEYS)
+    side = pa.table({**{k: r.column(k) for k in keys}, **{f"ctx_{n}": pa.array(v) for n, v in ctx.items()}})
+    return t.join(side, keys=keys, join_type="left outer").sort_by([(k, "ascending") for k in keys])
+
+
+def _has_temperature(bank: Bank) -> bool:
+    import pyarrow.parquet as pq
+
+    return all("temperature" in pq.read_schema(Path(p) / schema.SPECULATOR).names for p in bank.paths)
 
 
 def model_drafted_depth(bank_dir) -> int:

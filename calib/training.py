@@ -26,7 +26,8 @@ from omegaconf import OmegaConf
 
 from calib.atomic import staged_output, write_text_atomic
 from calib.bank import load, schema
-from calib.chains import ChainKind, chain, chains
+from calib.calibrators.context import PerContextCell
+from calib.chains import ChainKind, chain, chains, context_axes, context_spec, resolve_edges, round_inputs
 from calib.labels import prompt_split
 from calib.metrics import auroc, brier, ece, nll
 from calib.tables import GridTables, save
@@ -48,7 +49,8 @@ def _metrics(p, y) -> dict:
 
 
 def _select(kind: str, candidates: dict, fit_one) -> dict:
-    """Fit every candidate (``fit_one(estimator) -> (val_nll, info)``), keep the lowest validation NLL."""
+    """Fit every candidate (``fit_one(estimator) -> (val_nll, info)``), keep the lowest validation NLL.
+    ``info["wrapped"]``, where given, is the estimator as fitted (the caller swaps it in)."""
     fits = {}
     for name, spec in candidates.items():
         t0 = time.time()
@@ -63,19 +65,77 @@ def fit_chain(kind: ChainKind, samples: pd.DataFrame, chain_cfg: dict) -> dict:
     """Fit every candidate estimator of ``chain_cfg["candidates"]`` on the train split of ``samples``
     (the chain's feature matrix, :meth:`ChainKind.X`) and keep the lowest validation NLL.
 
-    Returns ``{"best": name, "fits": {name: {"estimator", "val_nll", "fit_s", "uses_context"}}}``.
+    With a ``context`` block (:func:`calib.chains.context_spec`) every candidate is fitted per context
+    cell of the ``axes`` (:class:`calib.calibrators.context.PerContextCell`; edges resolved on the train
+    split, :func:`calib.chains.resolve_edges`); then each optional ``candidates`` axis is added to the
+    selected estimator's cells, in order, and kept where it lowers the validation NLL.
+
+    Returns ``{"best": name, "fits": {name: {"estimator", "val_nll", "fit_s", "uses_context"}},
+    "chain_cfg": the config with the context resolved (``context.selected``, numeric edges)}``.
     """
     tr, va = samples[samples.split == "train"], samples[samples.split == "val"]
     if tr.empty or va.empty:
         raise ValueError(f"the {kind.name} chain's samples need train and val prompts; add prompts or banks")
-    X_tr, X_va = kind.X(tr, chain_cfg), kind.X(va, chain_cfg)
+    axes, optional, edge_specs = context_spec(chain_cfg)
+    cfg = _resolve_context(chain_cfg, tr, axes, optional, edge_specs)
+    n_own = len(kind.feature_names(cfg))
+    ctx_cfg = cfg.get("context") or {}
+    min_cell = int(ctx_cfg.get("min_cell_samples", 500))
 
-    def fit_one(est):
-        est.fit(X_tr, tr.depth, tr.label, val=(X_va, va.depth, va.label))
-        uses_context = bool(kind.confidence) and getattr(est, "uses_context", False) and X_tr.shape[1] > 1
-        return nll(est.predict_proba(X_va, va.depth), va.label), {"uses_context": uses_context}
+    def fitter(selected):
+        c = _with_selected(cfg, selected)
+        X_tr, X_va = kind.X(tr, c), kind.X(va, c)
+        edges = [list(a.edges) for a in context_axes(c)]
 
-    return _select(f"{kind.name} chain", chain_cfg["candidates"], fit_one)
+        def fit_one(est):
+            if ctx_cfg:
+                est = PerContextCell(est, n_own, edges, min_cell)
+            est.fit(X_tr, tr.depth, tr.label, val=(X_va, va.depth, va.label))
+            uses_context = bool(kind.confidence) and getattr(est, "uses_context", False) and n_own > 1
+            return nll(est.predict_proba(X_va, va.depth), va.label), {"uses_context": uses_context,
+                                                                      "wrapped": est}
+        return fit_one
+
+    res = _select(f"{kind.name} chain", chain_cfg["candidates"], fitter(axes))
+    for f in res["fits"].values():
+        f["estimator"] = f.pop("wrapped")
+    selected = list(axes)
+    for name in optional:  # an optional context axis stays where it pays on validation NLL
+        trial = _select(f"{kind.name} chain +{name}", {res["best"]: chain_cfg["candidates"][res["best"]]},
+                        fitter([*selected, name]))
+        fit = trial["fits"][res["best"]]
+        log.info("%s chain: context axis %s: val NLL %.5f -> %.5f (%s)", kind.name, name,
+                 res["fits"][res["best"]]["val_nll"], fit["val_nll"],
+                 "kept" if fit["val_nll"] < res["fits"][res["best"]]["val_nll"] else "dropped")
+        res.setdefault("context_trials", {})[name] = fit["val_nll"]
+        if fit["val_nll"] < res["fits"][res["best"]]["val_nll"]:
+            fit["estimator"] = fit.pop("wrapped")
+            res["fits"][res["best"]] = fit
+            selected.append(name)
+    res["chain_cfg"] = _with_selected(cfg, selected) if ctx_cfg else cfg
+    return res
+
+
+def _resolve_context(chain_cfg: dict, tr: pd.DataFrame, axes, optional, edge_specs) -> dict:
+    """``chain_cfg`` with every context axis' edges resolved on the train split."""
+    ctx = (chain_cfg or {}).get("context")
+    if not ctx:
+        return chain_cfg
+    max_bins = int(ctx.get("max_bins", 8))
+    for n in axes + optional:
+        if n not in tr.columns:
+            raise ValueError(f"context axis {n!r}: the samples have no such column (calib.labels.round_context)")
+    edges = {n: resolve_edges(tr[n].to_numpy(np.float64), edge_specs[n], max_bins) for n in axes + optional}
+    out = dict(chain_cfg)
+    out["context"] = {**ctx, "axes": {n: {"edges": edges[n]} for n in axes},
+                      "candidates": {n: {"edges": edges[n]} for n in optional}, "selected": list(axes)}
+    return out
+
+
+def _with_selected(cfg: dict, selected) -> dict:
+    if not cfg.get("context"):
+        return cfg
+    return {**cfg, "context": {**cfg["context"], "selected": list(selected)}}
 
 
 def fit_model_calibrator(samples: pd.DataFrame, candidates: dict, extra_names=()) -> dict:
@@ -91,7 +151,7 @@ def transfer_check(kind: ChainKind, samples: pd.DataFrame, chain_cfg: dict, spec
     if src.empty or dst.empty or dst.label.nunique() < 2:
         return None
     out = {"fit_on": list(fit_on), "eval_on": list(eval_on), "n_fit": len(src), "n_eval": len(dst)}
-    X_src, X_dst = kind.X(src, chain_cfg), kind.X(dst, chain_cfg)
+    X_src, X_dst = kind.X(src, chain_cfg, context=False), kind.X(dst, chain_cfg, context=False)
     for name, s in (("model", spec), ("baseline", baseline)):
         m = instantiate(s).fit(X_src, src.depth, src.label.to_numpy())
         p = m.predict_proba(X_dst, dst.depth)
@@ -117,20 +177,20 @@ def _accept_length(samples_rounds: pd.DataFrame, p_col: str) -> dict:
             "actual_mean": float(samples_rounds["accept"].mean())}
 
 
-def _round_predictions(bank, test_prompts: set, table, confidence: str = schema.CONF) -> pd.DataFrame:
-    """Test rounds of a drafter with raw confidences (columns ``<confidence><k>`` of the bank's rounds)
-    with raw and calibrated (``table``) expected accepted length."""
+def _round_predictions(bank, test_prompts: set, table, kind: ChainKind) -> pd.DataFrame:
+    """Test rounds of a drafter with raw confidences with raw and calibrated (``table``, read with the
+    round's inputs as eval reads them: :func:`calib.chains.round_inputs`) expected accepted length."""
     import torch
 
     t = bank.rounds()
-    width = schema.width(t.column_names)
-    conf = schema.depth_matrix(t, confidence, width)
+    data = round_inputs(kind, t, [a.name for a in table.axes])
+    conf = data.raw
     keep = ~np.isnan(conf).all(axis=1)
     keys = list(zip(t.column("category").to_pylist(), t.column("prompt_idx").to_pylist()))
     keep &= np.array([k in test_prompts for k in keys])
     conf = conf[keep]
     accept = t.column("accept").to_numpy(zero_copy_only=False)[keep]
-    cal = table.lookup(torch.from_numpy(conf)).double().numpy()
+    cal = table.lookup(torch.from_numpy(data.inputs[keep])).double().numpy()
 
     def expected(p):
         return np.nancumprod(np.where(np.isnan(p), 0.0, p), axis=1).sum(axis=1)
@@ -205,6 +265,7 @@ def _fit_and_export_tracked(cfg: dict, bank, tracker, stage: Path, out_dir: Path
             continue
         samples["split"] = prompt_split(samples.category, samples.prompt_idx, fractions, seed)
         res = fit_chain(kind, samples, chain_cfg)
+        chain_cfg = res["chain_cfg"]  # context axes selected, edges resolved
         chosen = res["fits"][res["best"]]
         best = chosen["estimator"]
         n_depths = int(samples.depth.max()) + 1
@@ -213,7 +274,7 @@ def _fit_and_export_tracked(cfg: dict, bank, tracker, stage: Path, out_dir: Path
         chain_tables[kind.name] = table
         axes = [a.name for a in table.axes]
         chain_meta = {"id": kind.id, **_chain_ids(kind, samples), "depths": n_depths,
-                      "k": max(widths[kind.name], n_depths), "estimator": res["best"], "params": best.get_params(),
+                      "k": max(widths[kind.name], n_depths), "estimator": res["best"], "params": _params(best), **_context_cells(best),
                       "features": list(kind.feature_names(chain_cfg)), **info,
                       "n_samples": {s: int((samples.split == s).sum()) for s in ("train", "val", "test")},
                       "val_nll": {n: f["val_nll"] for n, f in res["fits"].items()}}
@@ -221,7 +282,7 @@ def _fit_and_export_tracked(cfg: dict, bank, tracker, stage: Path, out_dir: Path
             per_depth = _per_depth(te, table_predict(table, te[axes], te.depth), n_depths, kind.confidence)
             chain_meta["val"] = _per_depth(va, table_predict(table, va[axes], va.depth), n_depths, kind.confidence)
             chain_meta["test"] = per_depth
-            rounds = _round_predictions(bank, set(zip(te.category, te.prompt_idx)), table, kind.confidence)
+            rounds = _round_predictions(bank, set(zip(te.category, te.prompt_idx)), table, kind)
             chain_meta["accept_length_test"] = {
                 "actual_mean": float(rounds.accept.mean()), "raw_predicted_mean": float(rounds.raw.mean()),
                 "calibrated_predicted_mean": float(rounds.calibrated.mean()), "n_rounds": len(rounds)}
@@ -258,6 +319,20 @@ def _fit_and_export_tracked(cfg: dict, bank, tracker, stage: Path, out_dir: Path
     save(stage, tables, meta)
     _log(tracker, stage, meta, summary_rows, fit_rows, reports)
     return _write_summary(stage, out_dir, meta)
+
+
+def _params(est) -> dict:
+    """tables.json's ``params``: the estimator's (the wrapped one's for an estimator per context cell)."""
+    return (est.estimator if isinstance(est, PerContextCell) else est).get_params()
+
+
+def _context_cells(est) -> dict:
+    """tables.json's ``context_cells`` (additive): how an estimator per context cell was fitted."""
+    if not isinstance(est, PerContextCell):
+        return {}
+    return {"context_cells": {"edges": [list(e) for e in est.edges], "min_samples": est.min_samples,
+                              "train_samples": est.cell_samples_,
+                              "cells_fitted": sorted(int(c) for c in est.cells_)}}
 
 
 def _chain_ids(kind: ChainKind, samples: pd.DataFrame) -> dict:

@@ -139,7 +139,9 @@ def test_a_third_chain_is_one_registration(tmp_path, suffix_chain):
 
     # allocate: the suffix chain against the model chain, ids from the registry, kernel == reference
     torch.manual_seed(0)
-    conf = torch.rand(6, 4)
+    # the model chain's table: confidence, then its context axis (conf/context: the request's temperature)
+    assert tables.feature_names("model") == ["conf", "temperature"]
+    conf = torch.stack([torch.rand(6, 4), torch.zeros(6, 4)], dim=2)  # [B, K, 2]
     score = torch.rand(6, 4, 1)
     score[:2, 2:] = float("nan")
     if os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available():

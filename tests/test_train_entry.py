@@ -23,7 +23,9 @@ def test_train_entry_point(tmp_path):
     tables = load(out)
     assert tables.has_chain("model") and tables.has_chain("ngram")
     assert tables.meta["chains"]["model"]["estimator"] == "isotonic"
-    assert tables.feature_names("ngram") == list(cfg.ngram_model.table.features)
+    # the configured match features, then the context axes (conf/context/default.yaml: temperature)
+    assert tables.feature_names("ngram") == [*cfg.ngram_model.table.features, "temperature"]
+    assert tables.feature_names("model") == ["conf", "temperature"]
     assert (out / "reliability_test.png").exists() and (out / "csv" / "fit.csv").exists()
     assert "ECE raw" in (out / "summary.txt").read_text()
 

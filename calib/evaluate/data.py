@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from calib.bank import Bank, load, schema
-from calib.chains import chains
+from calib.chains import chains, round_inputs
 from calib.labels import prompt_split
 from calib.tables.io import bank_fingerprint
 
@@ -157,7 +157,8 @@ def load_eval_bank(path, tables, fractions=(0.7, 0.15, 0.15), seed: int = 0, nam
         if kind.round_data is None:
             continue
         calibrated = tables is not None and tables.has_chain(kind.name)
-        data = kind.round_data(t, tables.feature_names(kind.name) if calibrated else None)
+        # the table's inputs as an engine passes them: the chain's own, then its context axes
+        data = round_inputs(kind, t, tables.feature_names(kind.name) if calibrated else None)
         if data is None:
             continue
         p_cal = None

@@ -1,6 +1,7 @@
 """Fitted calibrators → the dense grids an engine looks up (no Python model at serve time).
 
-Model drafter: each depth's calibrator is evaluated on a fine uniform grid of raw confidences and
+Context axes (temperature, ...; :mod:`calib.chains`) cut any chain's table into cells, each encoded
+as below from its own estimator (:func:`encode_chain`). Model drafter: each depth's calibrator is evaluated on a fine uniform grid of raw confidences and
 projected onto non-decreasing values (a calibrated acceptance should not fall as the drafter grows
 more confident; the projection's largest change is recorded). N-gram drafter: the feature space is
 cut into cells by per-feature edges; a cell's value at depth k is the mean of the fitted model's
@@ -22,23 +23,68 @@ def encode_chain(kind, estimator, train_samples: pd.DataFrame, chain_cfg: dict, 
                  uses_context: bool = False, seed: int = 0) -> tuple[ChainTable, dict]:
     """A fitted estimator of chain ``kind`` -> its :class:`ChainTable` and what tables.json says about it.
 
-    The encoding follows the chain's axes (``kind.table_axes(chain_cfg)``): one interpolated axis
-    (the raw confidence) -> ``grid [D, G]`` by :func:`model_grid`, context columns the estimator
-    reads marginalised over (up to 256 training rows per depth, drawn with ``seed``); binned axes
-    only -> ``edges``, ``strides``, ``grid [D, C]`` by :func:`ngram_grid`.
+    The encoding follows the chain's axes (``kind.table_axes(chain_cfg)``): its own axes, then the
+    context axes ``chain_cfg`` selected (:func:`calib.chains.context_axes`). Each context cell's block
+    of the grid is the chain's own encoding of that cell's estimator
+    (:meth:`calib.calibrators.context.PerContextCell.cell_estimator`; the one estimator for every cell
+    otherwise) over that cell's training samples (all of them where none fell in the cell); the cells
+    are the most significant part of the cell index, so the own axes' strides are unchanged and
+    context axis ``a``'s stride is the own block's width times the later context axes' sizes.
     """
+    from calib.calibrators.context import PerContextCell, context_cells
+    from calib.chains import context_axes
+
     axes = tuple(kind.table_axes(chain_cfg))
+    ctx_axes = context_axes(chain_cfg)
+    own_axes = axes[: len(axes) - len(ctx_axes)]
+    if not ctx_axes:
+        return _encode_own(kind, estimator, train_samples, chain_cfg, own_axes, n_depths, uses_context, seed)
+    ctx_edges = [list(a.edges) for a in ctx_axes]
+    sizes = [len(e) + 1 for e in ctx_edges]
+    cells = context_cells(train_samples[[a.name for a in ctx_axes]].to_numpy(np.float64), ctx_edges)
+    blocks, infos = [], []
+    for c in range(int(np.prod(sizes))):
+        est = estimator.cell_estimator(c) if isinstance(estimator, PerContextCell) else estimator
+        sub = train_samples[cells == c]
+        t, info = _encode_own(kind, est, sub if len(sub) else train_samples, chain_cfg, own_axes, n_depths,
+                              uses_context, seed)
+        blocks.append(t)
+        infos.append(info)
+    own = blocks[0]
+    width = own.grid.shape[1]  # the own block: G points, or the own binned cells
+    grid = torch.cat([b.grid for b in blocks], dim=1)  # [D, cells * width]
+    ctx_strides = [width * int(np.prod(sizes[a + 1:])) for a in range(len(sizes))]
+    e_cols = max([own.edges.shape[1] if own.edges.shape[0] else 0, *(len(e) for e in ctx_edges), 1])
+    edges = np.full((own.edges.shape[0] + len(ctx_edges), e_cols), np.inf, dtype=np.float32)
+    if own.edges.shape[0]:
+        edges[: own.edges.shape[0], : own.edges.shape[1]] = own.edges.numpy()
+    for a, e in enumerate(ctx_edges):
+        edges[own.edges.shape[0] + a, : len(e)] = e
+    strides = np.concatenate([own.strides.numpy(), np.asarray(ctx_strides, dtype=np.int64)])
+    info = dict(infos[0])
+    if "monotone_projection_max_change" in info:
+        info["monotone_projection_max_change"] = max(i["monotone_projection_max_change"] for i in infos)
+    info["context"] = {"axes": [a.to_json() for a in ctx_axes], "cells": len(blocks),
+                       "train_samples_per_cell": np.bincount(cells, minlength=len(blocks)).tolist()}
+    return ChainTable.build(axes, grid, edges, strides), info
+
+
+def _encode_own(kind, estimator, train_samples, chain_cfg, axes, n_depths, uses_context, seed):
+    """The chain's own axes: one interpolated axis (the raw confidence) -> ``grid [D, G]`` by
+    :func:`model_grid`, context columns the estimator reads marginalised over (up to 256 training rows
+    per depth, drawn with ``seed``); binned axes only -> ``edges``, ``strides``, ``grid [D, C]`` by
+    :func:`ngram_grid`."""
     if len(axes) == 1 and axes[0].interpolated:
         context_by_depth = None
         if uses_context:  # tabulate E[p | conf, depth] over training context
-            X = kind.X(train_samples, chain_cfg).to_numpy(np.float64)[:, 1:]
+            X = kind.X(train_samples, chain_cfg, context=False).to_numpy(np.float64)[:, 1:]
             depth = train_samples.depth.to_numpy()
             rng = np.random.default_rng(seed)
             context_by_depth = {}
             for d in range(n_depths):
                 ex = X[depth == d]
                 context_by_depth[d] = (ex[rng.choice(len(ex), min(len(ex), 256), replace=False)] if len(ex)
-                                       else context_by_depth[d - 1])  # no training rounds reached depth d
+                                       else context_by_depth.get(d - 1, X[:1]))  # no rounds reached depth d
         grid, change = model_grid(estimator, n_depths, axes[0].points, context_by_depth)
         return ChainTable.build(axes, grid), {"grid_points": int(grid.shape[1]),
                                 "grid": "uniform raw confidence in [0, 1], linear interpolation",
@@ -46,10 +92,10 @@ def encode_chain(kind, estimator, train_samples: pd.DataFrame, chain_cfg: dict, 
     if all(not a.interpolated for a in axes):
         feats, edges = [a.name for a in axes], [list(a.edges) for a in axes]
         e_arr, strides, grid, info = ngram_grid(estimator, train_samples, feats, edges, n_depths,
-                                                lambda df: kind.X(df, chain_cfg))
+                                                lambda df: kind.X(df, chain_cfg, context=False))
         return ChainTable.build(axes, grid, e_arr, strides), {"features": feats, "edges": edges, **info}
-    raise NotImplementedError(f"chain {kind.name!r}: a table with an interpolated axis and binned axes "
-                              "together is not encoded yet (issue 13 item 2)")
+    raise NotImplementedError(f"chain {kind.name!r}: own axes mixing an interpolated axis and binned axes "
+                              "are not encoded (context axes are: calib.chains.context_axes)")
 
 
 def model_grid(calibrator, n_depths: int, grid_points: int = 1025,

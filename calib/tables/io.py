@@ -41,7 +41,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from calib.atomic import set_public_mode, write_text_atomic
-from calib.chains import Axis
+from calib.chains import CONTEXT, Axis
 from calib.tables.layout import ChainTable, GridTables
 
 # 2: tables.json carries json_sha256 (its own digest), target_models and per-chain ids / k.
@@ -166,7 +166,9 @@ class Tables(GridTables):
                 problems.append(f"depth: tables {tdir} cover {other}-chain depths 0..{k_tab - 1} (K={k_tab}), bank "
                                 f"{bdir}'s {other} chain is {k_bank} deep")
         if "ngram" in drafters and (facts["has_ngram"] or chain == "ngram"):
-            cols, feats = facts["ngram_columns"], self.feature_names("ngram")
+            # context axes (temperature, ...) are read from the verified rounds, not ngram.parquet
+            cols = facts["ngram_columns"]
+            feats = [f for f in self.feature_names("ngram") if f not in CONTEXT]
             if cols is not None:
                 missing = [f for f in feats if f not in cols]
                 if missing:

@@ -1,0 +1,89 @@
+"""Context axes (issue 13 item 2) on SYNTHETIC data with a planted effect: the fit must recover it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pytest
+
+from calib.chains import chain, context_axes, resolve_edges
+from calib.labels import round_context
+from calib.tables.export import encode_chain, table_predict
+from calib.training import fit_chain
+
+CTX = {"axes": {"temperature": {"edges": "auto"}}, "candidates": {"prev_accept": {"edges": [0, 1, 2]}},
+       "min_cell_samples": 200}
+ISO = {"isotonic": {"_target_": "calib.calibrators.binning.IsotonicPerDepth"}}
+
+
+def _samples(n=12000, temps=(0.0, 1.0), prev_effect=False, seed=0) -> pd.DataFrame:
+    """Model-chain samples: P(accept) = conf at T=0 and conf / 2 at T>0 (the planted temperature effect);
+    with ``prev_effect`` also halved where the previous round accepted nothing."""
+    rng = np.random.default_rng(seed)
+    conf = rng.uniform(0, 1, n)
+    temp = rng.choice(np.asarray(temps), n)
+    prev = rng.choice([np.nan, 0.0, 1.0, 3.0], n)
+    p = np.where(temp > 0.5, conf / 2, conf)
+    if prev_effect:
+        p = np.where(prev == 0, p / 2, p)
+    prompt = rng.integers(0, 300, n)
+    return pd.DataFrame({"conf": conf, "temperature": temp, "prev_accept": prev, "depth": rng.integers(0, 2, n),
+                         "label": (rng.uniform(0, 1, n) < p).astype(np.int8), "category": "chat",
+                         "prompt_idx": prompt,
+                         "split": np.where(prompt % 5 == 0, "val", np.where(prompt % 5 == 1, "test", "train"))})
+
+
+def _fit(samples, ctx=CTX):
+    kind = chain("model")
+    res = fit_chain(kind, samples, {"candidates": ISO, "grid_points": 65, "context": ctx})
+    cfg = res["chain_cfg"]
+    table, info = encode_chain(kind, res["fits"][res["best"]]["estimator"], samples[samples.split == "train"],
+                               cfg, 2)
+    return cfg, table, info
+
+
+def test_planted_temperature_effect_is_recovered():
+    s = _samples()
+    cfg, table, info = _fit(s)
+    assert [a.name for a in table.axes] == ["conf", "temperature"]
+    assert list(context_axes(cfg)[0].edges) == [0.5]  # auto: between the two training temperatures
+    conf = np.linspace(0.05, 0.95, 10)
+    for temp, truth in ((0.0, conf), (1.0, conf / 2)):
+        x = np.column_stack([conf, np.full(10, temp)])
+        p = table_predict(table, x, np.zeros(10, int))
+        assert np.abs(p - truth).max() < 0.12, (temp, p, truth)
+    g = table.grid.numpy()
+    assert (np.diff(g.reshape(2, 2, -1), axis=2) >= 0).all()  # monotone in confidence in every cell
+    assert info["context"]["cells"] == 2
+
+
+def test_single_temperature_gives_a_one_bin_axis():
+    cfg, table, _ = _fit(_samples(temps=(0.7,)))
+    assert context_axes(cfg)[0].edges == () and table.grid.shape[1] == 65
+
+
+def test_previous_accept_axis_kept_only_where_it_pays():
+    cfg, _, _ = _fit(_samples(prev_effect=True))
+    assert cfg["context"]["selected"] == ["temperature", "prev_accept"]
+    cfg, _, _ = _fit(_samples(prev_effect=False, seed=3))
+    assert cfg["context"]["selected"] == ["temperature"]
+
+
+def test_resolve_edges():
+    assert resolve_edges([0.0, 0.8, 0.8, np.nan], "auto") == [0.4]
+    assert resolve_edges([0.8], "auto") == []
+    assert resolve_edges([1, 2], [0.5]) == [0.5]
+    assert len(resolve_edges(np.linspace(0, 2, 50), "auto", max_bins=4)) == 3
+    with pytest.raises(ValueError, match="auto"):
+        resolve_edges([1.0], "quantiles")
+
+
+def test_round_context_orders_a_requests_rounds():
+    # rounds of one request out of order, a second turn and a second prompt: prev_accept follows round_idx
+    t = pa.table({"model": ["m"] * 5, "speculator": ["s"] * 5, "config": ["c"] * 5, "category": ["chat"] * 5,
+                  "prompt_idx": [0, 0, 0, 0, 1], "turn": [0, 0, 0, 1, 0], "round_idx": [2, 0, 1, 0, 0],
+                  "accept": [3, 1, 2, 4, 0], "temperature": [0.8] * 5})
+    ctx = round_context(t)
+    assert np.array_equal(ctx["prev_accept"], [2, np.nan, 1, np.nan, np.nan], equal_nan=True)
+    assert np.allclose(ctx["temperature"], 0.8)
