@@ -67,7 +67,8 @@ def fit_chain(kind: ChainKind, samples: pd.DataFrame, chain_cfg: dict) -> dict:
 
     With a ``context`` block (:func:`calib.chains.context_spec`) every candidate is fitted per context
     cell of the ``axes`` (:class:`calib.calibrators.context.PerContextCell`; edges resolved on the train
-    split, :func:`calib.chains.resolve_edges`); then each optional ``candidates`` axis is added to the
+    split, :func:`calib.chains.resolve_edges`), or, for an estimator reading named ``features`` (the
+    n-gram models), once with the context axes added to its features; then each optional ``candidates`` axis is added to the
     selected estimator's cells, in order, and kept where it lowers the validation NLL.
 
     Returns ``{"best": name, "fits": {name: {"estimator", "val_nll", "fit_s", "uses_context"}},
@@ -88,7 +89,11 @@ def fit_chain(kind: ChainKind, samples: pd.DataFrame, chain_cfg: dict) -> dict:
         edges = [list(a.edges) for a in context_axes(c)]
 
         def fit_one(est):
-            if ctx_cfg:
+            if ctx_cfg and "features" in est.get_params():
+                # a model reading named features takes the context as features (one pooled fit that
+                # learns how much the context matters; its table is distilled per context cell)
+                est = type(est)(**{**est.get_params(), "features": (*est.features, *selected)})
+            elif ctx_cfg:
                 est = PerContextCell(est, n_own, edges, min_cell)
             est.fit(X_tr, tr.depth, tr.label, val=(X_va, va.depth, va.label))
             uses_context = bool(kind.confidence) and getattr(est, "uses_context", False) and n_own > 1

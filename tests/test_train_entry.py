@@ -23,9 +23,12 @@ def test_train_entry_point(tmp_path):
     tables = load(out)
     assert tables.has_chain("model") and tables.has_chain("ngram")
     assert tables.meta["chains"]["model"]["estimator"] == "isotonic"
-    # the configured match features, then the context axes (conf/context/default.yaml: temperature)
-    assert tables.feature_names("ngram") == [*cfg.ngram_model.table.features, "temperature"]
-    assert tables.feature_names("model") == ["conf", "temperature"]
+    # the configured match features, then the context axes (conf/context/default.yaml: temperature always,
+    # prev_accept where validation NLL kept it)
+    n_feats = len(cfg.ngram_model.table.features)
+    assert tables.feature_names("ngram")[:n_feats + 1] == [*cfg.ngram_model.table.features, "temperature"]
+    assert tables.feature_names("ngram")[n_feats + 1:] in ([], ["prev_accept"])
+    assert tables.feature_names("model")[:2] == ["conf", "temperature"]
     assert (out / "reliability_test.png").exists() and (out / "csv" / "fit.csv").exists()
     assert "ECE raw" in (out / "summary.txt").read_text()
 

@@ -92,7 +92,7 @@ def _encode_own(kind, estimator, train_samples, chain_cfg, axes, n_depths, uses_
     if all(not a.interpolated for a in axes):
         feats, edges = [a.name for a in axes], [list(a.edges) for a in axes]
         e_arr, strides, grid, info = ngram_grid(estimator, train_samples, feats, edges, n_depths,
-                                                lambda df: kind.X(df, chain_cfg, context=False))
+                                                lambda df: kind.X(df, chain_cfg))  # context: a feature for some
         return ChainTable.build(axes, grid, e_arr, strides), {"features": feats, "edges": edges, **info}
     raise NotImplementedError(f"chain {kind.name!r}: own axes mixing an interpolated axis and binned axes "
                               "are not encoded (context axes are: calib.chains.context_axes)")

@@ -17,8 +17,9 @@ An *interpolated* axis (at most one, axis 0: the model chain's raw confidence) i
 ``G`` points over ``[0, 1]``: the value at confidence ``c`` interpolates linearly between columns
 ``cell + lo`` and ``cell + lo + 1`` with ``lo = floor(c * (G - 1))`` (the binned axes' strides count in
 units of ``G``). A confidence is a probability: a value outside ``[0, 1]`` (a logit passed by mistake)
-is an error. The model chain today: one interpolated axis, ``C = G``; the n-gram chain: binned match
-features only.
+is an error. The model chain today: the interpolated confidence, then binned context axes
+(:data:`calib.chains.CONTEXT`: temperature, ...; one block of ``G`` columns per context cell, so
+``C = G * cells``); the n-gram chain: binned match features, then the same context axes.
 
 Inputs are ``[B, L, A]`` per chain (a chain with one axis may pass ``[B, L]``); feature 0 NaN means
 "no token at this depth" and gives NaN. Another ``A`` than the table's is an error naming both.

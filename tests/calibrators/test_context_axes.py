@@ -87,3 +87,32 @@ def test_round_context_orders_a_requests_rounds():
     ctx = round_context(t)
     assert np.array_equal(ctx["prev_accept"], [2, np.nan, 1, np.nan, np.nan], equal_nan=True)
     assert np.allclose(ctx["temperature"], 0.8)
+
+
+def test_planted_temperature_effect_on_the_ngram_chain():
+    """The n-gram models read the context as features (one pooled fit) and the table is distilled per
+    temperature cell: acceptance halved at T > 0 must show in the T=1 cells."""
+    rng = np.random.default_rng(1)
+    n = 20000
+    match = rng.integers(1, 6, n).astype(float)
+    temp = rng.choice([0.0, 1.0], n)
+    p = np.clip(0.15 * match, 0, 0.9) * np.where(temp > 0.5, 0.5, 1.0)
+    prompt = rng.integers(0, 400, n)
+    s = pd.DataFrame({"match_n": match, "occurrences": rng.integers(1, 10, n).astype(float),
+                      "distance": rng.integers(1, 300, n).astype(float), "in_prompt": rng.integers(0, 2, n) * 1.0,
+                      "distinct_next": np.ones(n), "agreement": rng.uniform(0, 1, n),
+                      "cont_len": rng.integers(1, 20, n) * 1.0, "context_len": rng.integers(50, 500, n) * 1.0,
+                      "temperature": temp, "prev_accept": np.full(n, np.nan), "depth": np.zeros(n, int),
+                      "label": (rng.uniform(0, 1, n) < p).astype(np.int8), "category": "chat", "prompt_idx": prompt,
+                      "split": np.where(prompt % 5 == 0, "val", np.where(prompt % 5 == 1, "test", "train"))})
+    kind = chain("ngram")
+    cfg = {"candidates": {"logistic": {"_target_": "calib.calibrators.ngram.LogisticAcceptance"}},
+           "table": {"features": ["match_n"], "edges": [[1.5, 2.5, 3.5, 4.5]]},
+           "context": {"axes": {"temperature": {"edges": "auto"}}}}
+    res = fit_chain(kind, s, cfg)
+    est = res["fits"][res["best"]]["estimator"]
+    assert "temperature" in est.features
+    table, info = encode_chain(kind, est, s[s.split == "train"], res["chain_cfg"], 1)
+    assert [a.name for a in table.axes] == ["match_n", "temperature"] and table.grid.shape == (1, 10)
+    g = table.grid.numpy()[0].reshape(2, 5)  # [temperature bucket, match_n bucket]
+    assert (g[1] < g[0]).all() and np.abs(g[1] / g[0] - 0.5).max() < 0.25

@@ -29,6 +29,10 @@ FEATURE_NAMES = tuple(NGRAM_FEATURES)  # the match features a bank records (cali
 LOG_FEATURES = {"match_n", "occurrences", "distance", "distinct_next", "cont_len", "context_len"}
 DEFAULT_FEATURES = ("match_n", "occurrences", "distance", "in_prompt", "distinct_next", "agreement",
                     "cont_len", "context_len")
+# Context axes (calib.chains.CONTEXT) an n-gram model may also read as features: NaN (a request's first
+# round, a bank without temperatures) becomes CONTEXT_MISSING, its own value as it is the table's bucket 0.
+CONTEXT_FEATURES = ("temperature", "prev_accept")
+CONTEXT_MISSING = -1.0
 PROGRESS_EVERY_S = 10.0  # the HGB fit logs one boosting-progress line per this many seconds at most
 
 
@@ -38,7 +42,10 @@ def _check_frame(X, depth, features, y=None):
         missing = [c for c in features if c not in X.columns]
         if missing:
             raise ValueError(f"n-gram samples lack columns {missing}; they come from calib.labels.ngram_samples")
-        X = X[list(features)].astype(np.float64).to_numpy()
+        X = X[list(features)].to_numpy(dtype=np.float64, copy=True)
+        ctx = [i for i, f in enumerate(features) if f in CONTEXT_FEATURES]
+        if ctx:
+            X[:, ctx] = np.nan_to_num(X[:, ctx], nan=CONTEXT_MISSING)
     else:
         X = np.asarray(X, dtype=np.float64)
         if X.ndim != 2 or X.shape[1] != len(features):
@@ -62,7 +69,7 @@ def _check_frame(X, depth, features, y=None):
 class NgramAcceptanceModel(Calibrator):
     features: tuple
     _parameter_constraints: ClassVar[dict] = {
-        "features": [Subset(FEATURE_NAMES)],
+        "features": [Subset(FEATURE_NAMES + CONTEXT_FEATURES)],
         "seed": [Interval(numbers.Integral, 0, None)],
     }
 
