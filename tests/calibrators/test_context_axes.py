@@ -112,7 +112,7 @@ def test_planted_temperature_effect_on_the_ngram_chain():
     res = fit_chain(kind, s, cfg)
     est = res["fits"][res["best"]]["estimator"]
     assert "temperature" in est.features
-    table, info = encode_chain(kind, est, s[s.split == "train"], res["chain_cfg"], 1)
+    table, _ = encode_chain(kind, est, s[s.split == "train"], res["chain_cfg"], 1)
     assert [a.name for a in table.axes] == ["match_n", "temperature"] and table.grid.shape == (1, 10)
     g = table.grid.numpy()[0].reshape(2, 5)  # [temperature bucket, match_n bucket]
     assert (g[1] < g[0]).all() and np.abs(g[1] / g[0] - 0.5).max() < 0.25
