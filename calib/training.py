@@ -83,7 +83,7 @@ def fit_chain(kind: ChainKind, samples: pd.DataFrame, chain_cfg: dict) -> dict:
     ctx_cfg = cfg.get("context") or {}
     min_cell = int(ctx_cfg.get("min_cell_samples", 500))
 
-    def fitter(selected):
+    def fitter(selected, tr=tr, va=va):
         c = _with_selected(cfg, selected)
         X_tr, X_va = kind.X(tr, c), kind.X(va, c)
         edges = [list(a.edges) for a in context_axes(c)]
@@ -105,15 +105,30 @@ def fit_chain(kind: ChainKind, samples: pd.DataFrame, chain_cfg: dict) -> dict:
     for f in res["fits"].values():
         f["estimator"] = f.pop("wrapped")
     selected = list(axes)
+    best_spec = {res["best"]: chain_cfg["candidates"][res["best"]]}
+    trial_n = int(ctx_cfg.get("trial_samples") or 0)
     for name in optional:  # an optional context axis stays where it pays on validation NLL
-        trial = _select(f"{kind.name} chain +{name}", {res["best"]: chain_cfg["candidates"][res["best"]]},
-                        fitter([*selected, name]))
-        fit = trial["fits"][res["best"]]
-        log.info("%s chain: context axis %s: val NLL %.5f -> %.5f (%s)", kind.name, name,
-                 res["fits"][res["best"]]["val_nll"], fit["val_nll"],
-                 "kept" if fit["val_nll"] < res["fits"][res["best"]]["val_nll"] else "dropped")
-        res.setdefault("context_trials", {})[name] = fit["val_nll"]
-        if fit["val_nll"] < res["fits"][res["best"]]["val_nll"]:
+        if trial_n and len(tr) > trial_n:
+            # large banks: decide on a row sample (both variants fitted on it), refit only a kept axis
+            rng = np.random.default_rng(0)
+            sub_tr = tr.iloc[np.sort(rng.choice(len(tr), trial_n, replace=False))]
+            sub_va = va.iloc[np.sort(rng.choice(len(va), min(len(va), trial_n), replace=False))]
+            before = _select(f"{kind.name} chain (sample)", best_spec, fitter(selected, sub_tr, sub_va))
+            after = _select(f"{kind.name} chain +{name} (sample)", best_spec,
+                            fitter([*selected, name], sub_tr, sub_va))
+            old_nll, new_nll = before["fits"][res["best"]]["val_nll"], after["fits"][res["best"]]["val_nll"]
+        else:
+            old_nll = res["fits"][res["best"]]["val_nll"]
+            after = _select(f"{kind.name} chain +{name}", best_spec, fitter([*selected, name]))
+            new_nll = after["fits"][res["best"]]["val_nll"]
+        keep = new_nll < old_nll
+        log.info("%s chain: context axis %s: val NLL %.5f -> %.5f (%s)", kind.name, name, old_nll, new_nll,
+                 "kept" if keep else "dropped")
+        res.setdefault("context_trials", {})[name] = {"val_nll_without": old_nll, "val_nll_with": new_nll}
+        if keep:
+            if trial_n and len(tr) > trial_n:
+                after = _select(f"{kind.name} chain +{name}", best_spec, fitter([*selected, name]))
+            fit = after["fits"][res["best"]]
             fit["estimator"] = fit.pop("wrapped")
             res["fits"][res["best"]] = fit
             selected.append(name)

@@ -116,3 +116,10 @@ def test_planted_temperature_effect_on_the_ngram_chain():
     assert [a.name for a in table.axes] == ["match_n", "temperature"] and table.grid.shape == (1, 10)
     g = table.grid.numpy()[0].reshape(2, 5)  # [temperature bucket, match_n bucket]
     assert (g[1] < g[0]).all() and np.abs(g[1] / g[0] - 0.5).max() < 0.25
+
+
+def test_optional_axis_decided_on_a_sample_of_a_large_split():
+    # context.trial_samples: both variants fitted on a row sample; a kept axis is refitted on all rows
+    cfg, table, _ = _fit(_samples(prev_effect=True), {**CTX, "trial_samples": 3000})
+    assert cfg["context"]["selected"] == ["temperature", "prev_accept"]
+    assert [a.name for a in table.axes] == ["conf", "temperature", "prev_accept"]
