@@ -128,6 +128,7 @@ class RoundData:
 CONTEXT = {
     "temperature": "the request's sampling temperature (0 = greedy)",
     "prev_accept": "the request's accepted length in its previous round (same prompt and turn; NaN in its first)",
+    "mean_accept": "the request's mean accepted length over its earlier rounds (NaN in its first)",
 }
 
 

@@ -94,7 +94,7 @@ def ngram_samples(bank: Bank) -> pd.DataFrame:
     return per_depth_samples(t, acc, {}, rounds)
 
 
-CONTEXT_COLUMNS = ("temperature", "prev_accept")  # calib.chains.CONTEXT, computed here
+CONTEXT_COLUMNS = ("temperature", "prev_accept", "mean_accept")  # calib.chains.CONTEXT, computed here
 
 
 def round_context(rounds: pa.Table, names=CONTEXT_COLUMNS) -> dict[str, np.ndarray]:
@@ -111,18 +111,28 @@ def round_context(rounds: pa.Table, names=CONTEXT_COLUMNS) -> dict[str, np.ndarr
                          if "temperature" in rounds.column_names else np.full(n, np.nan))
         elif name == "prev_accept":
             out[name] = _previous_accept(rounds)
+        elif name == "mean_accept":
+            out[name] = _previous_accept(rounds, running_mean=True)
         else:
             raise KeyError(f"no context column {name!r}; known: {CONTEXT_COLUMNS}")
     return out
 
 
-def _previous_accept(rounds: pa.Table) -> np.ndarray:
+def _previous_accept(rounds: pa.Table, running_mean: bool = False) -> np.ndarray:
+    """The previous round's accepted length per round (``running_mean``: the mean over every earlier
+    round of the request), NaN in a request's first round."""
     keys = [k for k in schema.KEYS if k != "round_idx"]
     df = pd.DataFrame({k: rounds.column(k).to_numpy(zero_copy_only=False) for k in (*keys, "round_idx")})
     df["accept"] = rounds.column("accept").to_numpy(zero_copy_only=False).astype(np.float64)
     order = df.sort_values([*keys, "round_idx"], kind="stable").index.to_numpy()
     s = df.iloc[order]
-    prev = s.groupby(keys, sort=False, observed=True)["accept"].shift(1).to_numpy()
+    g = s.groupby(keys, sort=False, observed=True)["accept"]
+    if running_mean:
+        csum = g.cumsum() - s["accept"]  # sum over the earlier rounds
+        n = g.cumcount()
+        prev = (csum / n.where(n > 0)).to_numpy()
+    else:
+        prev = g.shift(1).to_numpy()
     out = np.empty(len(df))
     out[order] = prev
     return out

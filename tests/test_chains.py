@@ -139,9 +139,11 @@ def test_a_third_chain_is_one_registration(tmp_path, suffix_chain):
 
     # allocate: the suffix chain against the model chain, ids from the registry, kernel == reference
     torch.manual_seed(0)
-    # the model chain's table: confidence, then its context axis (conf/context: the request's temperature)
-    assert tables.feature_names("model") == ["conf", "temperature"]
-    conf = torch.stack([torch.rand(6, 4), torch.zeros(6, 4)], dim=2)  # [B, K, 2]
+    # the model chain's table: confidence, then its context axes (conf/context: the request's temperature,
+    # and the optional ones validation NLL kept)
+    names = tables.feature_names("model")
+    assert names[:2] == ["conf", "temperature"]
+    conf = torch.stack([torch.rand(6, 4), *(torch.zeros(6, 4) for _ in names[1:])], dim=2)  # [B, K, A]
     score = torch.rand(6, 4, 1)
     score[:2, 2:] = float("nan")
     if os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available():

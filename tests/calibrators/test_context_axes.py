@@ -86,6 +86,8 @@ def test_round_context_orders_a_requests_rounds():
                   "accept": [3, 1, 2, 4, 0], "temperature": [0.8] * 5})
     ctx = round_context(t)
     assert np.array_equal(ctx["prev_accept"], [2, np.nan, 1, np.nan, np.nan], equal_nan=True)
+    # running mean over the request's earlier rounds: round 2 of prompt 0 turn 0 saw accepts 1 and 2
+    assert np.array_equal(ctx["mean_accept"], [1.5, np.nan, 1, np.nan, np.nan], equal_nan=True)
     assert np.allclose(ctx["temperature"], 0.8)
 
 

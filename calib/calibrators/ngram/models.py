@@ -31,7 +31,7 @@ DEFAULT_FEATURES = ("match_n", "occurrences", "distance", "in_prompt", "distinct
                     "cont_len", "context_len")
 # Context axes (calib.chains.CONTEXT) an n-gram model may also read as features: NaN (a request's first
 # round, a bank without temperatures) becomes CONTEXT_MISSING, its own value as it is the table's bucket 0.
-CONTEXT_FEATURES = ("temperature", "prev_accept")
+CONTEXT_FEATURES = ("temperature", "prev_accept", "mean_accept")
 CONTEXT_MISSING = -1.0
 PROGRESS_EVERY_S = 10.0  # the HGB fit logs one boosting-progress line per this many seconds at most
 
