@@ -101,11 +101,15 @@ def round_context(rounds: pa.Table, names=CONTEXT_COLUMNS) -> dict[str, np.ndarr
     """Context per round of a bank's ``rounds`` (acceptance ⋈ speculator, sorted by the bank keys, as
     :meth:`Bank.rounds` returns them): ``temperature`` (NaN where not recorded) and ``prev_accept``, the
     accepted length of the same request's previous round (rounds of one (model, speculator, config,
-    category, prompt_idx, turn) ordered by round_idx; NaN in its first round), i.e. what an engine
-    knows when it drafts. float64 [R] each."""
+    category, prompt_idx, turn) ordered by round_idx; NaN in its first round) and ``mean_accept``, the
+    mean over its earlier rounds, i.e. what an engine knows when it drafts. float64 [R] each."""
     out = {}
     n = rounds.num_rows
+    if "prev_accept" in names and "mean_accept" in names:  # one sort of the rounds for both
+        out["prev_accept"], out["mean_accept"] = _previous_accept(rounds, both=True)
     for name in names:
+        if name in out:
+            continue
         if name == "temperature":
             out[name] = (rounds.column("temperature").to_numpy(zero_copy_only=False).astype(np.float64)
                          if "temperature" in rounds.column_names else np.full(n, np.nan))
@@ -118,7 +122,7 @@ def round_context(rounds: pa.Table, names=CONTEXT_COLUMNS) -> dict[str, np.ndarr
     return out
 
 
-def _previous_accept(rounds: pa.Table, running_mean: bool = False) -> np.ndarray:
+def _previous_accept(rounds: pa.Table, running_mean: bool = False, both: bool = False):
     """The previous round's accepted length per round (``running_mean``: the mean over every earlier
     round of the request), NaN in a request's first round."""
     keys = [k for k in schema.KEYS if k != "round_idx"]
@@ -127,15 +131,18 @@ def _previous_accept(rounds: pa.Table, running_mean: bool = False) -> np.ndarray
     order = df.sort_values([*keys, "round_idx"], kind="stable").index.to_numpy()
     s = df.iloc[order]
     g = s.groupby(keys, sort=False, observed=True)["accept"]
-    if running_mean:
+    found = []
+    if running_mean or both:
         csum = g.cumsum() - s["accept"]  # sum over the earlier rounds
         n = g.cumcount()
-        prev = (csum / n.where(n > 0)).to_numpy()
-    else:
-        prev = g.shift(1).to_numpy()
-    out = np.empty(len(df))
-    out[order] = prev
-    return out
+        found.append(("mean", (csum / n.where(n > 0)).to_numpy()))
+    if not running_mean or both:
+        found.append(("prev", g.shift(1).to_numpy()))
+    outs = {}
+    for k, v in found:
+        outs[k] = np.empty(len(df))
+        outs[k][order] = v
+    return (outs["prev"], outs["mean"]) if both else next(iter(outs.values()))
 
 
 def _with_context(t: pa.Table, bank: Bank) -> pa.Table:

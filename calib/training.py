@@ -107,16 +107,20 @@ def fit_chain(kind: ChainKind, samples: pd.DataFrame, chain_cfg: dict) -> dict:
     selected = list(axes)
     best_spec = {res["best"]: chain_cfg["candidates"][res["best"]]}
     trial_n = int(ctx_cfg.get("trial_samples") or 0)
+    sampled = bool(trial_n) and len(tr) > trial_n
+    if sampled:  # large banks: decide on a row sample (both variants fitted on it), refit only a kept axis
+        rng = np.random.default_rng(0)
+        sub_tr = tr.iloc[np.sort(rng.choice(len(tr), trial_n, replace=False))]
+        sub_va = va.iloc[np.sort(rng.choice(len(va), min(len(va), trial_n), replace=False))]
+        sample_nll = None  # the selected axes' NLL on the sample, refitted only when the selection changes
     for name in optional:  # an optional context axis stays where it pays on validation NLL
-        if trial_n and len(tr) > trial_n:
-            # large banks: decide on a row sample (both variants fitted on it), refit only a kept axis
-            rng = np.random.default_rng(0)
-            sub_tr = tr.iloc[np.sort(rng.choice(len(tr), trial_n, replace=False))]
-            sub_va = va.iloc[np.sort(rng.choice(len(va), min(len(va), trial_n), replace=False))]
-            before = _select(f"{kind.name} chain (sample)", best_spec, fitter(selected, sub_tr, sub_va))
+        if sampled:
+            if sample_nll is None:
+                before = _select(f"{kind.name} chain (sample)", best_spec, fitter(selected, sub_tr, sub_va))
+                sample_nll = before["fits"][res["best"]]["val_nll"]
             after = _select(f"{kind.name} chain +{name} (sample)", best_spec,
                             fitter([*selected, name], sub_tr, sub_va))
-            old_nll, new_nll = before["fits"][res["best"]]["val_nll"], after["fits"][res["best"]]["val_nll"]
+            old_nll, new_nll = sample_nll, after["fits"][res["best"]]["val_nll"]
         else:
             old_nll = res["fits"][res["best"]]["val_nll"]
             after = _select(f"{kind.name} chain +{name}", best_spec, fitter([*selected, name]))
@@ -126,7 +130,8 @@ def fit_chain(kind: ChainKind, samples: pd.DataFrame, chain_cfg: dict) -> dict:
                  "kept" if keep else "dropped")
         res.setdefault("context_trials", {})[name] = {"val_nll_without": old_nll, "val_nll_with": new_nll}
         if keep:
-            if trial_n and len(tr) > trial_n:
+            if sampled:
+                sample_nll = new_nll
                 after = _select(f"{kind.name} chain +{name}", best_spec, fitter([*selected, name]))
             fit = after["fits"][res["best"]]
             fit["estimator"] = fit.pop("wrapped")
