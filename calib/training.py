@@ -300,6 +300,7 @@ def _fit_and_export_tracked(cfg: dict, bank, tracker, stage: Path, out_dir: Path
         axes = [a.name for a in table.axes]
         chain_meta = {"id": kind.id, **_chain_ids(kind, samples), "depths": n_depths,
                       "k": max(widths[kind.name], n_depths), "estimator": res["best"], "params": _params(best), **_context_cells(best),
+                      **({"context_trials": res["context_trials"]} if res.get("context_trials") else {}),
                       "features": list(kind.feature_names(chain_cfg)), **info,
                       "n_samples": {s: int((samples.split == s).sum()) for s in ("train", "val", "test")},
                       "val_nll": {n: f["val_nll"] for n, f in res["fits"].items()}}
