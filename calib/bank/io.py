@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -13,7 +12,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from calib.atomic import publish_dir, write_json_atomic
+from calib.atomic import publish_dir, staging_dir, write_json_atomic
 from calib.bank import schema
 from calib.bank.stats import compute_stats
 from calib.bank.validate import BankError, Problem, validate
@@ -39,8 +38,7 @@ def write_bank(bank_dir: str | os.PathLike, acceptance: pa.Table, speculator: pa
     bank_dir = Path(bank_dir)
     if bank_dir.exists() and not overwrite:
         raise FileExistsError(f"{bank_dir} exists; pass overwrite=True to replace it")
-    bank_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{bank_dir.name}.tmp-", dir=bank_dir.parent))
+    tmp = staging_dir(bank_dir)
     try:
         acceptance = _canonical(acceptance, schema.ACCEPTANCE)
         pq.write_table(acceptance, tmp / schema.ACCEPTANCE)
