@@ -100,12 +100,15 @@ class ChainKind:
     def config(self) -> str:
         return self.config_key or self.name
 
-    def X(self, samples, chain_cfg: dict, context: bool = True):
+    def X(self, samples, chain_cfg: dict, context: bool = True, reads=()):
         """The feature matrix ``X [n, F]`` (a DataFrame) of ``samples``: columns :attr:`feature_names`,
-        then (``context``) the selected context axes of ``chain_cfg`` (:func:`context_axes`)."""
+        then (``context``) the selected context axes of ``chain_cfg`` (:func:`context_axes`), then any
+        other sample column in ``reads`` (the named features of an estimator that reads more, such as
+        the model chain's entropy and margin: :mod:`calib.calibrators.features`)."""
         names = list(self.feature_names(chain_cfg))
         if context:
             names += [a.name for a in context_axes(chain_cfg)]
+        names += [n for n in reads if n not in names]
         missing = [n for n in names if n not in samples.columns]
         if missing:
             raise ValueError(f"chain {self.name!r}: the samples lack feature columns {missing} "

@@ -85,18 +85,20 @@ def fit_chain(kind: ChainKind, samples: pd.DataFrame, chain_cfg: dict) -> dict:
 
     def fitter(selected, tr=tr, va=va):
         c = _with_selected(cfg, selected)
-        X_tr, X_va = kind.X(tr, c), kind.X(va, c)
         edges = [list(a.edges) for a in context_axes(c)]
 
         def fit_one(est):
-            if ctx_cfg and "features" in est.get_params():
+            reads = _named_features(kind, est, tr)
+            if reads is not None:
                 # a model reading named features takes the context as features (one pooled fit that
-                # learns how much the context matters; its table is distilled per context cell)
-                est = type(est)(**{**est.get_params(), "features": (*est.features, *selected)})
+                # learns how much the context matters; its table is distilled per table cell)
+                est = type(est)(**{**est.get_params(), "features": (*reads, *selected)})
             elif ctx_cfg:
                 est = PerContextCell(est, n_own, edges, min_cell)
+            X_tr, X_va = kind.X(tr, c, reads=reads or ()), kind.X(va, c, reads=reads or ())
             est.fit(X_tr, tr.depth, tr.label, val=(X_va, va.depth, va.label))
-            uses_context = bool(kind.confidence) and getattr(est, "uses_context", False) and n_own > 1
+            uses_context = (bool(kind.confidence) and getattr(est, "uses_context", False)
+                            and (n_own > 1 or reads is not None))
             return nll(est.predict_proba(X_va, va.depth), va.label), {"uses_context": uses_context,
                                                                       "wrapped": est}
         return fit_one
@@ -139,6 +141,23 @@ def fit_chain(kind: ChainKind, samples: pd.DataFrame, chain_cfg: dict) -> dict:
             selected.append(name)
     res["chain_cfg"] = _with_selected(cfg, selected) if ctx_cfg else cfg
     return res
+
+
+def _named_features(kind: ChainKind, est, samples: pd.DataFrame) -> list[str] | None:
+    """The features a model reading named ones (``features`` parameter) takes from ``samples``, or None
+    for an estimator on the chain's X. Features the banks do not record (a bank without entropy) are
+    left out with a warning; for a chain with a raw confidence it must be the first feature (the
+    table's interpolated axis)."""
+    if "features" not in est.get_params():
+        return None
+    reads = [f for f in est.features if f in samples.columns]
+    missing = [f for f in est.features if f not in samples.columns]
+    if missing:
+        log.warning("%s chain %s: the banks record no %s; fitted without them", kind.name, est.name, missing)
+    if kind.confidence and (not reads or reads[0] != kind.confidence):
+        raise ValueError(f"{kind.name} chain {est.name}: features {list(est.features)} must start with "
+                         f"{kind.confidence!r} (the table's interpolated axis)")
+    return reads
 
 
 def _resolve_context(chain_cfg: dict, tr: pd.DataFrame, axes, optional, edge_specs) -> dict:
@@ -301,7 +320,7 @@ def _fit_and_export_tracked(cfg: dict, bank, tracker, stage: Path, out_dir: Path
         chain_meta = {"id": kind.id, **_chain_ids(kind, samples), "depths": n_depths,
                       "k": max(widths[kind.name], n_depths), "estimator": res["best"], "params": _params(best), **_context_cells(best),
                       **({"context_trials": res["context_trials"]} if res.get("context_trials") else {}),
-                      "features": list(kind.feature_names(chain_cfg)), **info,
+                      "features": list(getattr(best, "features", kind.feature_names(chain_cfg))), **info,
                       "n_samples": {s: int((samples.split == s).sum()) for s in ("train", "val", "test")},
                       "val_nll": {n: f["val_nll"] for n, f in res["fits"].items()}}
         if kind.confidence:  # raw vs calibrated per depth, and the accepted length per round

@@ -18,6 +18,9 @@ from sklearn.isotonic import IsotonicRegression
 
 from calib.tables.layout import ChainTable
 
+MARGINAL_ROWS = 256  # training rows per depth (and context cell) a model's other inputs are averaged over
+MARGINAL_POINTS = 129  # confidences at which that average is taken (then interpolated onto the grid)
+
 
 def encode_chain(kind, estimator, train_samples: pd.DataFrame, chain_cfg: dict, n_depths: int,
                  uses_context: bool = False, seed: int = 0) -> tuple[ChainTable, dict]:
@@ -76,16 +79,24 @@ def _encode_own(kind, estimator, train_samples, chain_cfg, axes, n_depths, uses_
     :func:`ngram_grid`."""
     if len(axes) == 1 and axes[0].interpolated:
         context_by_depth = None
-        if uses_context:  # tabulate E[p | conf, depth] over training context
-            X = kind.X(train_samples, chain_cfg, context=False).to_numpy(np.float64)[:, 1:]
+        names = None
+        if uses_context:  # tabulate E[p | conf, depth] over the (cell's) training rows of the other inputs
+            named = getattr(estimator, "features", None)  # a model on named features reads them by name
+            if named is not None:
+                if named[0] != axes[0].name:
+                    raise ValueError(f"chain {kind.name!r}: {estimator.name} reads {list(named)}; its first "
+                                     f"feature must be the table's axis {axes[0].name!r}")
+                names, X = list(named), train_samples[list(named[1:])].to_numpy(np.float64)
+            else:
+                X = kind.X(train_samples, chain_cfg, context=False).to_numpy(np.float64)[:, 1:]
             depth = train_samples.depth.to_numpy()
             rng = np.random.default_rng(seed)
             context_by_depth = {}
             for d in range(n_depths):
                 ex = X[depth == d]
-                context_by_depth[d] = (ex[rng.choice(len(ex), min(len(ex), 256), replace=False)] if len(ex)
-                                       else context_by_depth.get(d - 1, X[:1]))  # no rounds reached depth d
-        grid, change = model_grid(estimator, n_depths, axes[0].points, context_by_depth)
+                context_by_depth[d] = (ex[rng.choice(len(ex), min(len(ex), MARGINAL_ROWS), replace=False)]
+                                       if len(ex) else context_by_depth.get(d - 1, X[:1]))  # no rounds reached d
+        grid, change = model_grid(estimator, n_depths, axes[0].points, context_by_depth, names)
         return ChainTable.build(axes, grid), {"grid_points": int(grid.shape[1]),
                                 "grid": "uniform raw confidence in [0, 1], linear interpolation",
                                 "monotone_projection_max_change": change}
@@ -99,12 +110,16 @@ def _encode_own(kind, estimator, train_samples, chain_cfg, axes, n_depths, uses_
 
 
 def model_grid(calibrator, n_depths: int, grid_points: int = 1025,
-               extra_by_depth: dict[int, np.ndarray] | None = None) -> tuple[np.ndarray, float]:
+               extra_by_depth: dict[int, np.ndarray] | None = None, names=None) -> tuple[np.ndarray, float]:
     """[n_depths, grid_points] calibrated probabilities, and the monotone projection's largest change.
 
-    A calibrator fitted with context features (entropy, margin, ...) cannot be a function of the
-    confidence alone; ``extra_by_depth[d]`` (rows of training context at depth d) is then averaged
-    over, so the table holds E[p | conf, depth] under the training distribution of the context.
+    A calibrator fitted with context features (entropy, margin, temperature, ...) cannot be a function
+    of the confidence alone; ``extra_by_depth[d]`` (rows of training context at depth d; columns
+    ``names[1:]`` for a model reading named features, handed a DataFrame) is then averaged over, so the
+    table holds E[p | conf, depth] under the training distribution of the context: the model distilled
+    into the grid. That average is taken at :data:`MARGINAL_POINTS` confidences and interpolated
+    linearly between them (the model is smooth in the confidence; every grid point would cost
+    ``grid_points`` x rows predictions per depth).
     """
     conf = np.linspace(0.0, 1.0, grid_points)
     rows, change = [], 0.0
@@ -113,8 +128,12 @@ def model_grid(calibrator, n_depths: int, grid_points: int = 1025,
             p = calibrator.predict_proba(conf, np.full(grid_points, d))
         else:
             ex = extra_by_depth[min(d, max(extra_by_depth))]
-            X = np.column_stack([np.repeat(conf, len(ex)), np.tile(ex, (grid_points, 1))])
-            p = calibrator.predict_proba(X, np.full(grid_points * len(ex), d)).reshape(grid_points, len(ex)).mean(1)
+            at = np.linspace(0.0, 1.0, min(grid_points, MARGINAL_POINTS))
+            X = np.column_stack([np.repeat(at, len(ex)), np.tile(ex, (len(at), 1))])
+            if names is not None:
+                X = pd.DataFrame(X, columns=list(names))
+            p = calibrator.predict_proba(X, np.full(len(at) * len(ex), d)).reshape(len(at), len(ex)).mean(1)
+            p = np.interp(conf, at, p)
         p = np.clip(p, 0.0, 1.0)
         mono = IsotonicRegression(increasing=True).fit_transform(conf, p)
         change = max(change, float(np.max(np.abs(mono - p))))

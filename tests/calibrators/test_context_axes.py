@@ -108,7 +108,7 @@ def test_planted_temperature_effect_on_the_ngram_chain():
                       "label": (rng.uniform(0, 1, n) < p).astype(np.int8), "category": "chat", "prompt_idx": prompt,
                       "split": np.where(prompt % 5 == 0, "val", np.where(prompt % 5 == 1, "test", "train"))})
     kind = chain("ngram")
-    cfg = {"candidates": {"logistic": {"_target_": "calib.calibrators.ngram.LogisticAcceptance"}},
+    cfg = {"candidates": {"logistic": {"_target_": "calib.calibrators.features.LogisticAcceptance"}},
            "table": {"features": ["match_n"], "edges": [[1.5, 2.5, 3.5, 4.5]]},
            "context": {"axes": {"temperature": {"edges": "auto"}}}}
     res = fit_chain(kind, s, cfg)

@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 
 from calib.calibrators.binning import HistogramBinning, IsotonicPerDepth
-from calib.calibrators.ngram import GradientBoostingAcceptance, LogisticAcceptance, MLPAcceptance
+from calib.calibrators.features import GradientBoostingAcceptance, LogisticAcceptance, MLPAcceptance
 from calib.calibrators.scaling import TemperatureScaling
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -81,10 +81,10 @@ def test_ngram_params_are_validated_in_fit(make, param):
 def test_hgb_fit_reports_progress_through_logging(caplog, capsys):
     # Before: the fit was silent (321 s in a multirun job); sklearn's own verbose output is print().
     df, y = ngram_frame(n=2000)
-    with caplog.at_level(logging.INFO, logger="calib.calibrators.ngram.models"):
+    with caplog.at_level(logging.INFO, logger="calib.calibrators.features.models"):
         model = GradientBoostingAcceptance(features=["match_n", "occurrences", "agreement"], max_iter=30)
         model.fit(df, df.depth, y)
-    lines = [r.getMessage() for r in caplog.records if r.name == "calib.calibrators.ngram.models"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "calib.calibrators.features.models"]
     assert any(m.startswith("hgb: fitting up to 30 boosting iterations") for m in lines)
     assert any(m.startswith("hgb [1/30]") for m in lines)  # the first iteration is always shown
     assert any(m.startswith(f"hgb: {model.model_.n_iter_} boosting iterations") for m in lines)

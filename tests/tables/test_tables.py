@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from calib.calibrators.binning import IsotonicPerDepth
-from calib.calibrators.ngram import LogisticAcceptance
+from calib.calibrators.features import LogisticAcceptance
 from calib.tables import ChainTable, GridTables, TablesError, load, save
 from calib.tables.export import model_grid, ngram_grid, table_predict
 from tests.synthetic import two_chain_tables

@@ -1,11 +1,16 @@
-"""N-gram acceptance models over match features (columns of ``calib.labels.ngram_samples``).
+"""Small models on named features (logistic, gradient boosting, MLP): P(accept at depth | reached).
 
 Every model follows the calibrators' protocol (:mod:`calib.calibrators.base`):
 ``fit(X, depth, y, *, val=None)`` / ``predict_proba(X, depth)`` -> P(accept at depth | reached depth).
-``X`` is the n-gram chain's feature matrix: a DataFrame, from which the model reads its
-``features`` by name, or an array holding exactly those columns in that order. Counts and distances
-enter the linear and MLP models as log1p (their effect is multiplicative); gradient boosting takes
-them raw.
+``X`` is a chain's feature matrix: a DataFrame, from which the model reads its ``features`` by name,
+or an array holding exactly those columns in that order. The features are the n-gram chain's match
+features (:data:`calib.bank.schema.NGRAM_FEATURES`), the model chain's per-depth drafter outputs
+(:data:`DRAFTER_FEATURES`, the confidence first) and the context axes (:data:`calib.chains.CONTEXT`).
+Counts and distances enter the linear and MLP models as log1p (their effect is multiplicative), the
+confidence as its logit (temperature scaling's input); gradient boosting takes them raw and is held
+non-decreasing in the confidence (a calibration map should not fall as the drafter grows surer).
+Large fits train on a random ``max_train_samples`` of the rows (a small model gains nothing from
+millions of them).
 """
 
 from __future__ import annotations
@@ -22,16 +27,19 @@ import torch
 
 from calib.bank.schema import NGRAM_FEATURES
 from calib.calibrators.base import Boolean, Calibrator, Interval, Subset
+from calib.chains import CONTEXT
 
 log = logging.getLogger(__name__)
 
-FEATURE_NAMES = tuple(NGRAM_FEATURES)  # the match features a bank records (calib.bank.schema)
-LOG_FEATURES = {"match_n", "occurrences", "distance", "distinct_next", "cont_len", "context_len"}
+DRAFTER_FEATURES = ("conf", "entropy", "margin")  # the model chain's per-depth drafter outputs
+FEATURE_NAMES = tuple(NGRAM_FEATURES) + DRAFTER_FEATURES  # every feature a bank records per round/depth
+LOG_FEATURES = {"match_n", "occurrences", "distance", "distinct_next", "cont_len", "context_len", "position"}
+LOGIT_FEATURES = {"conf"}
 DEFAULT_FEATURES = ("match_n", "occurrences", "distance", "in_prompt", "distinct_next", "agreement",
                     "cont_len", "context_len")
-# Context axes (calib.chains.CONTEXT) an n-gram model may also read as features: NaN (a request's first
-# round, a bank without temperatures) becomes CONTEXT_MISSING, its own value as it is the table's bucket 0.
-CONTEXT_FEATURES = ("temperature", "prev_accept", "mean_accept")
+# Context axes a model may also read as features: NaN (a request's first round, a bank without
+# temperatures) becomes CONTEXT_MISSING, its own value as it is the table's bucket 0.
+CONTEXT_FEATURES = tuple(CONTEXT)
 CONTEXT_MISSING = -1.0
 PROGRESS_EVERY_S = 10.0  # the HGB fit logs one boosting-progress line per this many seconds at most
 
@@ -66,34 +74,64 @@ def _check_frame(X, depth, features, y=None):
     return X, depth.astype(np.int64), y
 
 
-class NgramAcceptanceModel(Calibrator):
+class FeatureModel(Calibrator):
+    """A model on named ``features`` (see the module docstring)."""
+
     features: tuple
+    max_train_samples: int
+    seed: int
     _parameter_constraints: ClassVar[dict] = {
         "features": [Subset(FEATURE_NAMES + CONTEXT_FEATURES)],
         "seed": [Interval(numbers.Integral, 0, None)],
+        "max_train_samples": [Interval(numbers.Integral, 4, None)],
     }
 
+    @property
+    def uses_context(self) -> bool:
+        """Whether it reads more than its first feature: a table over that one (the model chain's
+        confidence) must then average the others over the training rows (:mod:`calib.tables.export`)."""
+        return len(self.features) > 1
+
+    def _subsample(self, X, depth, y):
+        if len(y) <= self.max_train_samples:
+            return X, depth, y
+        keep = np.sort(np.random.default_rng(self.seed).choice(len(y), self.max_train_samples, replace=False))
+        return X[keep], depth[keep], y[keep]
+
     def _design(self, X: np.ndarray, depth: np.ndarray) -> np.ndarray:
-        cols = [np.log1p(X[:, i]) if f in LOG_FEATURES else X[:, i] for i, f in enumerate(self.features)]
+        def column(i, f):
+            if f in LOG_FEATURES:
+                return np.log1p(X[:, i])
+            if f in LOGIT_FEATURES:
+                p = np.clip(X[:, i], 1e-4, 1 - 1e-4)
+                return np.log(p) - np.log1p(-p)
+            return X[:, i]
+
+        cols = [column(i, f) for i, f in enumerate(self.features)]
         onehot = (np.minimum(depth, self.n_depths_ - 1)[:, None] == np.arange(self.n_depths_)[None, :])
         return np.column_stack(cols + [onehot.astype(np.float64)])
 
 
 
-class LogisticAcceptance(NgramAcceptanceModel):
+class LogisticAcceptance(FeatureModel):
     """Standardised logistic regression on (log) features + depth one-hot."""
 
     name = "logistic"
     _parameter_constraints: ClassVar[dict] = {
-        "features": NgramAcceptanceModel._parameter_constraints["features"],
+        "features": FeatureModel._parameter_constraints["features"],
         "C": [Interval(numbers.Real, 0, None, closed="neither")],
         "max_iter": [Interval(numbers.Integral, 1, None)],
+        "max_train_samples": FeatureModel._parameter_constraints["max_train_samples"],
+        "seed": FeatureModel._parameter_constraints["seed"],
     }
 
-    def __init__(self, features=DEFAULT_FEATURES, C: float = 1.0, max_iter: int = 1000):
+    def __init__(self, features=DEFAULT_FEATURES, C: float = 1.0, max_iter: int = 1000,
+                 max_train_samples: int = 1_000_000, seed: int = 0):
         self.features = tuple(features)
         self.C = C
         self.max_iter = max_iter
+        self.max_train_samples = max_train_samples
+        self.seed = seed
 
     def fit(self, X, depth, y, *, val=None) -> LogisticAcceptance:
         from sklearn.linear_model import LogisticRegression
@@ -103,6 +141,7 @@ class LogisticAcceptance(NgramAcceptanceModel):
         self._validate_params()
         X, depth, y = _check_frame(X, depth, self.features, y)
         self.n_depths_ = int(depth.max()) + 1
+        X, depth, y = self._subsample(X, depth, y)
         self.pipeline_ = make_pipeline(StandardScaler(), LogisticRegression(C=self.C, max_iter=self.max_iter))
         self.pipeline_.fit(self._design(X, depth), y)
         return self
@@ -113,23 +152,24 @@ class LogisticAcceptance(NgramAcceptanceModel):
         return self.pipeline_.predict_proba(self._design(X, depth))[:, 1]
 
 
-class GradientBoostingAcceptance(NgramAcceptanceModel):
+class GradientBoostingAcceptance(FeatureModel):
     """scikit-learn HistGradientBoostingClassifier on raw features + depth (early stopping)."""
 
     name = "hgb"
     _parameter_constraints: ClassVar[dict] = {
-        **NgramAcceptanceModel._parameter_constraints,
+        **FeatureModel._parameter_constraints,
         "max_iter": [Interval(numbers.Integral, 1, None)],
         "learning_rate": [Interval(numbers.Real, 0, None, closed="neither")],
         "max_leaf_nodes": [Interval(numbers.Integral, 2, None)],
     }
 
     def __init__(self, features=DEFAULT_FEATURES, max_iter: int = 300, learning_rate: float = 0.1,
-                 max_leaf_nodes: int = 31, seed: int = 0):
+                 max_leaf_nodes: int = 31, max_train_samples: int = 1_000_000, seed: int = 0):
         self.features = tuple(features)
         self.max_iter = max_iter
         self.learning_rate = learning_rate
         self.max_leaf_nodes = max_leaf_nodes
+        self.max_train_samples = max_train_samples
         self.seed = seed
 
     def fit(self, X, depth, y, *, val=None) -> GradientBoostingAcceptance:
@@ -138,9 +178,12 @@ class GradientBoostingAcceptance(NgramAcceptanceModel):
         self._validate_params()
         X, depth, y = _check_frame(X, depth, self.features, y)
         self.n_depths_ = int(depth.max()) + 1
+        X, depth, y = self._subsample(X, depth, y)
+        monotone = [1 if f in LOGIT_FEATURES else 0 for f in self.features] + [0]  # + depth
         self.model_ = HistGradientBoostingClassifier(
             max_iter=self.max_iter, learning_rate=self.learning_rate, max_leaf_nodes=self.max_leaf_nodes,
-            early_stopping=True, validation_fraction=0.1, random_state=self.seed, verbose=2)
+            early_stopping=True, validation_fraction=0.1, random_state=self.seed, verbose=2,
+            monotonic_cst=monotone if any(monotone) else None)
         log.info("hgb: fitting up to %d boosting iterations on %d samples x %d features", self.max_iter,
                  len(y), X.shape[1] + 1)
         t0 = time.perf_counter()
@@ -186,12 +229,12 @@ class _ThrottledLog:
             self.logger.info("hgb %s", line)
 
 
-class MLPAcceptance(NgramAcceptanceModel):
+class MLPAcceptance(FeatureModel):
     """A small MLP (Lightning, Adam, early stopping on validation NLL) on standardised features."""
 
     name = "mlp"
     _parameter_constraints: ClassVar[dict] = {
-        **NgramAcceptanceModel._parameter_constraints,
+        **FeatureModel._parameter_constraints,
         "hidden": [Interval(numbers.Integral, 1, None)],
         "lr": [Interval(numbers.Real, 0, None, closed="neither")],
         "max_epochs": [Interval(numbers.Integral, 1, None)],
