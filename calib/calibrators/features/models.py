@@ -126,7 +126,7 @@ class LogisticAcceptance(FeatureModel):
     }
 
     def __init__(self, features=DEFAULT_FEATURES, C: float = 1.0, max_iter: int = 1000,
-                 max_train_samples: int = 1_000_000, seed: int = 0):
+                 max_train_samples: int = 200_000, seed: int = 0):
         self.features = tuple(features)
         self.C = C
         self.max_iter = max_iter
@@ -164,7 +164,7 @@ class GradientBoostingAcceptance(FeatureModel):
     }
 
     def __init__(self, features=DEFAULT_FEATURES, max_iter: int = 300, learning_rate: float = 0.1,
-                 max_leaf_nodes: int = 31, max_train_samples: int = 1_000_000, seed: int = 0):
+                 max_leaf_nodes: int = 31, max_train_samples: int = 200_000, seed: int = 0):
         self.features = tuple(features)
         self.max_iter = max_iter
         self.learning_rate = learning_rate
