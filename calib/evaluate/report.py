@@ -49,7 +49,8 @@ SLICE_MIN_ROUNDS = 2000
 SLICE_MAX_ERROR = 0.05
 
 
-def length_slices(length, min_rounds: int = SLICE_MIN_ROUNDS, max_error: float = SLICE_MAX_ERROR) -> list[dict]:
+def length_slices(length, min_rounds: int = SLICE_MIN_ROUNDS, max_error: float = SLICE_MAX_ERROR,
+                  noise: dict | None = None) -> list[dict]:
     """Relative error of the predicted mean accepted length per (temperature, chain, category, bank).
 
     ``length`` are metrics.json's ``accept_length`` rows. One row per slice with ``rounds`` (test
@@ -58,6 +59,11 @@ def length_slices(length, min_rounds: int = SLICE_MIN_ROUNDS, max_error: float =
     slice means (None when the actual mean is 0). ``flagged``: the slice has ``≥ min_rounds`` rounds
     and its calibrated error exceeds ``max_error``. Slices of different banks are not pooled: an
     over- and an under-predicting bank would cancel. Sorted by temperature, chain, bank, category.
+
+    ``noise`` (:func:`calib.evaluate.calibration.length_noise`, keyed by (temperature, chain,
+    category, bank)) adds ``prompts`` (distinct prompts in the slice), ``actual_ci`` (95 % interval
+    of the actual mean, whole prompts resampled) and ``within_noise`` (the calibrated prediction lies
+    inside ``actual_ci``; None without a calibrated prediction or an interval) to the slices it covers.
     """
     by: dict[tuple, dict] = {}
     for r in length:
@@ -72,6 +78,14 @@ def length_slices(length, min_rounds: int = SLICE_MIN_ROUNDS, max_error: float =
     for s in by.values():
         e = s.get("error_calibrated")
         s["flagged"] = bool(s["rounds"] >= min_rounds and e is not None and e > max_error)
+        nz = (noise or {}).get((s["temperature"], s["chain"], s["category"], s["bank"]))
+        if nz is not None:
+            lo, hi = nz["actual_ci"]
+            pred = s.get("predicted_calibrated")
+            s["prompts"] = nz["prompts"]
+            s["actual_ci"] = [lo, hi]
+            s["within_noise"] = (bool(lo <= pred <= hi) if pred is not None and all(
+                isinstance(x, (int, float)) and math.isfinite(x) for x in (lo, hi, pred)) else None)
         out.append(s)
     return sorted(out, key=lambda s: (s["temperature"] is None, s["temperature"] or 0.0, s["chain"], s["bank"],
                                       s["category"] == "all", s["category"]))
@@ -94,12 +108,25 @@ def length_headline(slices, min_rounds: int = SLICE_MIN_ROUNDS, max_error: float
     if w_all is None:
         return "Accepted length: no slice has a calibrated prediction to score."
     head = (f"**Accepted length: worst calibrated slice error {say(w_big)}** among the slices with ≥ "
-            f"{min_rounds:,} rounds; {len(flagged)} of {len(big)} such slices exceed the {max_error:.0%} target."
+            f"{min_rounds:,} rounds; {len(flagged)} of {len(big)} such slices exceed the {max_error:.0%} target"
+            + noise_clause(flagged) + "."
             if w_big else f"**Accepted length: no slice has ≥ {min_rounds:,} test rounds**, so none is held to the "
                           f"{max_error:.0%} target.")
     if w_big is not w_all:
         head += f" Worst over all {len(slices)} slices: {say(w_all)}."
     return head
+
+
+def noise_clause(flagged) -> str:
+    """``", N of them within prompt-sampling noise (...)"`` for flagged slices carrying ``within_noise``;
+    empty when none carries it (no bootstrap was run)."""
+    known = [s for s in flagged if s.get("within_noise") is not None]
+    if not known:
+        return ""
+    k = sum(s["within_noise"] for s in known)
+    return (f", {k} of {'them' if len(known) == len(flagged) else f'the {len(known)} with an interval'} within "
+            "prompt-sampling noise (calibrated prediction inside the 95% prompt-bootstrap interval of the "
+            "actual mean)")
 
 
 def ladder_notes(ladder) -> list[str]:

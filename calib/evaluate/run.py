@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from calib.atomic import staged_output, write_text_atomic
 from calib.evaluate import plots
-from calib.evaluate.calibration import calibration_rows
+from calib.evaluate.calibration import POOLED_ECE_MAX, calibration_rows, length_noise, pooled_calibration_rows
 from calib.evaluate.cost import CostCurve, make_curve
 from calib.evaluate.data import load_eval_bank
 from calib.evaluate.replay import ReplayConfig, replay
@@ -36,8 +36,9 @@ from calib.metrics import ECE_CI_DESCRIPTION
 CAL_COLS = ["bank", "drafter", "variant", "category", "n", "ece", "ece_ci", "ece_equal_mass", "ece_debiased",
             "mce", "brier", "nll", "auroc", "mean_conf", "accept_rate"]
 LEN_COLS = ["bank", "drafter", "variant", "temperature", "category", "n", "predicted_mean", "actual_mean", "bias", "mae", "pearson"]
-SLICE_COLS = ["temperature", "chain", "category", "bank", "rounds", "actual_mean", "predicted_calibrated",
-              "error_calibrated", "predicted_raw", "error_raw", "flag"]
+SLICE_COLS = ["temperature", "chain", "category", "bank", "rounds", "actual_mean", "prompts", "actual_ci",
+              "predicted_calibrated", "error_calibrated", "within_noise", "predicted_raw", "error_raw", "flag"]
+POOLED_COLS = ["temperature", "chain", "banks", "n", "ece_raw", "ece_calibrated", "target_met"]
 TEMP_PIC = "reliability_temperature_"  # file prefix of the per-temperature reliability figures
 log = logging.getLogger("calib.eval")
 # What marks a folder as an earlier eval.py output (replaced only with overwrite=true).
@@ -97,6 +98,11 @@ def _evaluate(cfg: DictConfig, out: Path) -> dict:
             b.split = np.where(b.split == split, "test", "other")  # replay and metrics read "test"
 
     cal, length = calibration_rows(banks, cfg.metrics.n_bins, cfg.metrics.n_boot, cfg.metrics.seed)
+    t_noise = time.perf_counter()
+    noise = length_noise(banks, int(cfg.metrics.get("length_n_boot", 1000)), cfg.metrics.seed)
+    pooled = pooled_calibration_rows(banks, cfg.metrics.n_bins)
+    log.info("prompt bootstrap of %d accepted-length slices and %d pooled ECE rows in %.2f s", len(noise),
+             len(pooled), time.perf_counter() - t_noise)
 
     rc = OmegaConf.to_container(cfg.replay, resolve=True)
     # Every field comes from the composed config (conf/eval.yaml + overrides); `progress` is replay()'s.
@@ -127,9 +133,9 @@ def _evaluate(cfg: DictConfig, out: Path) -> dict:
 
     notes = ladder_notes(ladder)
     elapsed = time.perf_counter() - t0
-    slices = length_slices(length)
+    slices = length_slices(length, noise=noise)
     metrics = {"calibration": cal, "accept_length": length, "ladder": ladder, "notes": notes,
-               "length_slices": slices, "ece_ci_method": ECE_CI_DESCRIPTION,
+               "length_slices": slices, "calibration_pooled": pooled, "ece_ci_method": ECE_CI_DESCRIPTION,
                "config": OmegaConf.to_container(cfg, resolve=True),
                "tables": {"dir": str(_path(root, cfg.tables)), "meta": {k: tables.meta.get(k) for k in
                                                                        ("git_commit", "calib_version", "chains",
@@ -139,7 +145,7 @@ def _evaluate(cfg: DictConfig, out: Path) -> dict:
                "runtime_s": {"total": elapsed, "replay": replay_s}}
     write_metrics(out / "metrics.json", metrics)
     write_text_atomic(out / "report.md", render_report(banks, cal, length, ladder, notes, curves, rcfg, pics, out,
-                                                  tables, elapsed))
+                                                  tables, elapsed, slices=slices, pooled=pooled))
 
     tracker = make_tracker(OmegaConf.to_container(cfg.logger, resolve=True), out,
                            OmegaConf.to_container(cfg, resolve=True), "eval")
@@ -156,6 +162,11 @@ def _evaluate(cfg: DictConfig, out: Path) -> dict:
             if s.get("error_calibrated") is not None:
                 scalars[f"length_slices/{plots.temperature_label(s['temperature'])}/{s['chain']}/{s['category']}/"
                         f"{s['bank']}/error_calibrated"] = s["error_calibrated"]
+        for r in pooled:
+            for v in ("raw", "calibrated"):
+                if r[f"ece_{v}"] is not None:
+                    scalars[f"calibration_pooled/{plots.temperature_label(r['temperature'])}/{r['chain']}/ece_{v}"] = \
+                        r[f"ece_{v}"]
         for r in ladder:
             key = f"ladder/{r['bank']}/{r['cost_model']}/{r['category']}/B{r['batch_size']}/{r['policy']}"
             scalars[f"{key}/goodput"] = r["goodput"]
@@ -164,6 +175,7 @@ def _evaluate(cfg: DictConfig, out: Path) -> dict:
         tracker.log_table("calibration", [{**r, "depth": str(r["depth"])} for r in cal])
         tracker.log_table("accept_length", length)
         tracker.log_table("length_slices", slices)
+        tracker.log_table("calibration_pooled", pooled)
         tracker.log_table("ladder", [{k: v for k, v in r.items() if not k.startswith("_")} for r in ladder])
         for p in pics:
             tracker.log_image(f"eval/{Path(p).stem}", p)
@@ -176,18 +188,29 @@ def _slice_section(slices, pics, out) -> list[str]:
     """Report lines: accepted-length error per (temperature, chain, category) slice, then the
     per-temperature reliability figures; the answer (flagged slices) before the table."""
     flagged = [s for s in slices if s["flagged"]]
+
+    def noise_note(s):
+        w = s.get("within_noise")
+        return "" if w is None else (", within prompt noise" if w else ", outside prompt noise")
+
     L = ["## Accepted length by slice (temperature, chain, category)", ""]
     L.append(f"{len(flagged)} of {sum(s['rounds'] >= SLICE_MIN_ROUNDS for s in slices)} slices with ≥ "
              f"{SLICE_MIN_ROUNDS:,} test rounds miss the {SLICE_MAX_ERROR:.0%} target"
              + (": " + "; ".join(f"{plots.temperature_label(s['temperature'])} {s['chain']} {s['category']} "
-                                 f"(`{s['bank']}`) {s['error_calibrated']:.1%}" for s in flagged) if flagged else "")
+                                 f"(`{s['bank']}`) {s['error_calibrated']:.1%}{noise_note(s)}" for s in flagged)
+                if flagged else "")
              + ". Error = |predicted − actual| / actual mean accepted length over the slice's test rounds; "
                "calibrated = the tables, raw = the drafter's own confidence (model chain only). Slices of "
                "different banks are kept apart (errors of opposite sign would cancel); the n-gram chain of a "
                "model-drafter bank is the counterfactual chain the context offered, which the engine did not "
-               "verify. The engine does not know the category: it is a reporting slice.")
+               "verify. The engine does not know the category: it is a reporting slice. `prompts` = distinct "
+               "test prompts in the slice; `actual_ci` = 95% percentile bootstrap interval of the actual mean, "
+               "resampling whole prompts (a slice holds a few dozen prompts whose acceptance differs widely, "
+               "so its actual mean is itself uncertain); `within_noise` = the calibrated prediction lies inside "
+               "it, i.e. the slice's error is no larger than prompt-sampling noise.")
     L.append("")
     rows = [{**s, "temperature": "?" if s["temperature"] is None else f"{s['temperature']:g}",
+             "within_noise": {True: "yes", False: "no"}.get(s.get("within_noise")),
              "flag": f"> {SLICE_MAX_ERROR:.0%}" if s["flagged"] else ""} for s in slices]
     L.append(table(rows, SLICE_COLS))
     L.append("")
@@ -197,9 +220,26 @@ def _slice_section(slices, pics, out) -> list[str]:
     return L
 
 
-def render_report(banks, cal, length, ladder, notes, curves, rcfg, pics, out, tables, elapsed) -> str:
+def _pooled_section(pooled) -> list[str]:
+    """Report lines: calibrated (and raw) ECE per (temperature, chain), every bank's samples pooled."""
+    if not pooled:
+        return []
+    met = sum(r["target_met"] for r in pooled)
+    L = ["## Calibration pooled per (temperature, chain)", "",
+         (f"{met} of {len(pooled)} (temperature, chain) pools meet the target (calibrated ECE ≤ "
+          f"{POOLED_ECE_MAX:g} and not above raw where the chain has a raw confidence). Every bank's scored test "
+          "samples of that temperature and chain are pooled (the n-gram chain of a model-drafter bank is its "
+          "counterfactual chain); same equal-width ECE and bins as the rows below."), ""]
+    rows = [{**r, "temperature": "?" if r["temperature"] is None else f"{r['temperature']:g}",
+             "banks": ", ".join(r["banks"]), "target_met": "yes" if r["target_met"] else "**no**"} for r in pooled]
+    L += [table(rows, POOLED_COLS), ""]
+    return L
+
+
+def render_report(banks, cal, length, ladder, notes, curves, rcfg, pics, out, tables, elapsed, slices=None,
+                  pooled=None) -> str:
     L = ["# Evaluation report", ""]
-    slices = length_slices(length)
+    slices = length_slices(length) if slices is None else slices
     L += [length_headline(slices), ""]
     L.append(f"Tables: `{tables.meta.get('git_commit') or '?'}` ({', '.join(tables.meta.get('chains', {}))}). "
              f"Runtime {elapsed:.0f} s. Banks (a training bank is scored on its held-out **test** prompts, "
@@ -217,6 +257,7 @@ def render_report(banks, cal, length, ladder, notes, curves, rcfg, pics, out, ta
           "the spread of the reported ECE, and `ece_debiased` for where the true error lies on a nearly "
           "calibrated slice."), ""]
     L += _slice_section(slices, pics, out)
+    L += _pooled_section(pooled)
     L += ["## Calibration (all depths pooled)", ""]
     L.append(table([r for r in cal if r["depth"] == "all"], CAL_COLS))
     L += ["", "### Per depth (all categories)", ""]

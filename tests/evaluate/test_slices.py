@@ -129,3 +129,110 @@ def test_eval_reports_slices_first_and_a_figure_per_temperature(tmp_path):
         assert f"](reliability_temperature_{t}.png)" in report
         assert (out / "csv" / f"eval_reliability_temperature_{t}.png").exists()  # logged to the tracker
     assert (out / "csv" / "length_slices.csv").exists()
+    for s in m["length_slices"]:  # issue 13: prompt-sampling noise of every slice's actual mean
+        assert s["prompts"] > 0 and s["actual_ci"][0] <= s["actual_mean"] <= s["actual_ci"][1], s
+        assert isinstance(s["within_noise"], bool)
+    assert {(r["temperature"], r["chain"]) for r in m["calibration_pooled"]} == {
+        (0.0, "model"), (0.0, "ngram"), (0.8, "model"), (0.8, "ngram")}
+    assert m["config"]["metrics"]["length_n_boot"] == 1000
+    assert report.index("## Calibration pooled per (temperature, chain)") < report.index("## Calibration (all")
+    assert "| actual_mean | prompts | actual_ci |" in report and "| temperature | chain | banks | n | ece_raw |" in report
+    assert (out / "csv" / "calibration_pooled.csv").exists()
+
+
+# --- issue 13: prompt-sampling noise of a slice's actual mean, and ECE pooled per (temperature, chain) ---
+
+
+def _eval_bank(name, per_prompt_accept, temperature=0.0, rounds=20, width=4, category="chat"):
+    """A SYNTHETIC EvalBank (all rounds test): prompt g's every round accepts ``per_prompt_accept[g]`` of
+    ``width`` drafted tokens; calibrated probability 0.5 wherever a token was drafted."""
+    from calib.evaluate.data import Chain, EvalBank
+
+    a = np.repeat(np.asarray(per_prompt_accept), rounds)[:, None]
+    k = np.arange(width)[None, :]
+    acc = np.where(k < a, 1.0, np.where(k == a, 0.0, np.nan))  # accepted prefix, one rejection, not drafted
+    p_cal = np.where(np.isnan(acc), np.nan, 0.5)
+    n = len(a)
+    return EvalBank(name, Path(name), np.full(n, category, dtype=object), np.repeat(np.arange(len(per_prompt_accept)),
+                    rounds), np.full(n, "test", dtype=object), {"ngram": Chain("ngram", acc, p_cal)}, "ngram",
+                    temperature, round_temperature=np.full(n, float(temperature)))
+
+
+def test_prompt_bootstrap_interval_is_wide_when_prompts_differ_and_contains_the_mean():
+    from calib.evaluate.calibration import length_noise, prompt_mean_ci
+
+    # SYNTHETIC: 30 prompts of 20 identical rounds each; half accept 0 tokens, half 3
+    mixed = _eval_bank("mixed", [0, 3] * 15)
+    flat = _eval_bank("flat", [1, 2] * 15, temperature=0.8)  # 1 or 2: the prompts differ far less
+    noise = length_noise([mixed, flat], n_boot=500, seed=0)
+    m = noise[(0.0, "ngram", "chat", "mixed")]
+    f = noise[(0.8, "ngram", "chat", "flat")]
+    assert m["prompts"] == 30 and f["prompts"] == 30
+    assert set(noise) == {(0.0, "ngram", "chat", "mixed"), (0.0, "ngram", "all", "mixed"),
+                          (0.8, "ngram", "chat", "flat"), (0.8, "ngram", "all", "flat")}
+    lo, hi = m["actual_ci"]
+    assert lo < 1.5 < hi  # the actual mean (0 and 3 in equal shares)
+    assert hi - lo > 0.5  # SE of the mean over 30 prompts ≈ 1.5 / sqrt(30) ≈ 0.27: interval ≈ ±0.54
+    assert f["actual_ci"][1] - f["actual_ci"][0] < (hi - lo) / 2  # spread 0.5 vs 1.5 per prompt
+    # rows, not prompts: 20 identical rounds per prompt must not narrow the interval like 600 rounds would
+    assert hi - lo > 3 * 1.5 * 2 / np.sqrt(600)
+    assert np.isnan(prompt_mean_ci([], [], 100)).all()  # nothing to resample
+    assert prompt_mean_ci([5, 5], [5.0, 10.0], n_boot=200, seed=1) == prompt_mean_ci([5, 5], [5.0, 10.0], 200, 1)
+
+
+def test_length_slices_carry_the_interval_and_say_whether_the_prediction_is_within_it():
+    from calib.evaluate.calibration import length_noise
+
+    banks = [_eval_bank("mixed", [0, 3] * 15), _eval_bank("flat", [1, 2] * 15, temperature=0.8)]
+    _, length = calibration_rows(banks, n_bins=10, n_boot=0)
+    plain = length_slices(length)
+    s = length_slices(length, noise=length_noise(banks, n_boot=300))
+    assert [{k: v for k, v in x.items() if k not in ("prompts", "actual_ci", "within_noise")} for x in s] == plain
+    for x in s:  # additive keys on every slice
+        assert x["prompts"] == 30 and len(x["actual_ci"]) == 2 and x["actual_ci"][0] <= x["actual_mean"]
+        assert x["within_noise"] == (x["actual_ci"][0] <= x["predicted_calibrated"] <= x["actual_ci"][1])
+    # p = 0.5 per drafted token predicts 0.5 + 0.25 + ... < 1: inside neither interval's range of 1.5 ± 0.6
+    assert not any(x["within_noise"] for x in s)
+
+
+def test_headline_counts_flagged_slices_within_prompt_noise():
+    rows = [_row("eagle", "model", "calibrated", "chat", 2500, 0.54, 0.50),  # 8 %, inside [0.45, 0.56]
+            _row("eagle", "model", "calibrated", "code", 2500, 0.40, 0.50),  # 20 %, outside [0.47, 0.53]
+            _row("eagle", "model", "calibrated", "all", 5000, 0.47, 0.50)]   # 6 %, no interval given
+    noise = {(0.0, "model", "chat", "eagle"): {"prompts": 20, "actual_ci": [0.45, 0.56]},
+             (0.0, "model", "code", "eagle"): {"prompts": 25, "actual_ci": [0.47, 0.53]}}
+    s = {x["category"]: x for x in length_slices(rows, noise=noise)}
+    assert s["chat"]["within_noise"] is True and s["code"]["within_noise"] is False
+    assert s["chat"]["prompts"] == 20 and s["code"]["actual_ci"] == [0.47, 0.53]
+    assert "within_noise" not in s["all"]
+    head = length_headline(list(s.values()))
+    assert "3 of 3 such slices exceed the 5% target, 1 of the 2 with an interval within prompt-sampling noise" in head
+    noise[(0.0, "model", "all", "eagle")] = {"prompts": 45, "actual_ci": [0.48, 0.52]}
+    assert "target, 1 of them within prompt-sampling noise" in length_headline(length_slices(rows, noise=noise))
+
+
+def test_pooled_calibration_combines_every_bank_of_one_temperature(tmp_path):
+    from calib import metrics as M
+    from calib.evaluate.calibration import pooled_calibration_rows, samples
+
+    paths = [_bank(tmp_path / "hot", 0.8), _bank(tmp_path / "hot2", 0.8, seed=6), _bank(tmp_path / "cold", 0.0, seed=4)]
+    banks = [load_eval_bank(b, None) for b in paths]
+    for b in banks:  # SYNTHETIC calibrated probabilities: a constant per chain, so the two pooled banks differ
+        b.split[:] = "test"
+        for c in b.chains.values():
+            c.p_cal = np.where(np.isnan(c.acc), np.nan, 0.3 if c.drafter == "ngram" else 0.6)
+    rows = pooled_calibration_rows(banks, n_bins=10)
+    by = {(r["temperature"], r["chain"]): r for r in rows}
+    assert list(by) == [(0.0, "model"), (0.0, "ngram"), (0.8, "model"), (0.8, "ngram")]
+    hot = by[(0.8, "ngram")]
+    assert hot["banks"] == ["hot", "hot2"]
+    parts = [samples(b, "ngram", b.chains["ngram"].p_cal) for b in banks[:2]]
+    assert hot["n"] == sum(len(p[0]) for p in parts) > len(parts[0][0])
+    assert hot["ece_calibrated"] == pytest.approx(M.ece(np.concatenate([p[0] for p in parts]),
+                                                        np.concatenate([p[1] for p in parts]), 10))
+    assert hot["ece_raw"] is None and hot["n_raw"] is None  # the n-gram chain has no raw confidence
+    model = by[(0.8, "model")]
+    assert model["ece_raw"] is not None and model["n_raw"] == model["n"]
+    for r in rows:
+        assert r["target_met"] == (r["ece_calibrated"] <= 0.02 and (r["ece_raw"] is None
+                                                                     or r["ece_calibrated"] <= r["ece_raw"]))
