@@ -68,6 +68,27 @@ def ece(p, y, n_bins: int = 15, weight=None) -> float:
     return _ece_from_bins(p, y, equal_width_bins(p, n_bins), n_bins, weight)[0]
 
 
+def ece_if_calibrated(p, n_bins: int = 15, n_sim: int = 200, seed: int = 0) -> tuple[float, float]:
+    """(mean, 95th percentile) of :func:`ece` for a *perfectly calibrated* predictor with these
+    predictions: labels drawn as Bernoulli(p) ``n_sim`` times. The plug-in ECE of a finite sample is
+    biased upward; this is the level below which a measured ECE cannot be told from perfect
+    calibration at this sample size and binning."""
+    p = np.clip(np.asarray(p, dtype=np.float64).ravel(), 0.0, 1.0)
+    if p.size == 0:
+        return float("nan"), float("nan")
+    bins = equal_width_bins(p, n_bins)
+    count = np.bincount(bins, minlength=n_bins)
+    s_p = np.bincount(bins, weights=p, minlength=n_bins)
+    rng = np.random.default_rng(seed)
+    out = np.empty(n_sim)
+    chunk = max(1, int(2e7 // p.size))  # simulations per block: ~20M label draws in memory at once
+    for a in range(0, n_sim, chunk):
+        y = rng.random((min(chunk, n_sim - a), p.size)) < p  # [sims, n]
+        s_y = np.stack([np.bincount(bins, weights=row, minlength=n_bins) for row in y])  # [sims, bins]
+        out[a:a + len(y)] = np.abs(s_y - s_p).sum(axis=1) / p.size  # sum_b n_b |acc_b - conf_b| / n
+    return float(out.mean()), float(np.quantile(out, 0.95))
+
+
 def ece_equal_mass(p, y, n_bins: int = 15) -> float:
     p, y = _arrays(p, y)
     bins = equal_mass_bins(p, n_bins)

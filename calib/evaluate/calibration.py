@@ -172,8 +172,10 @@ def pooled_calibration_rows(banks, n_bins: int, split: str = "test", max_ece: fl
     calibration rows; one chain (the n-gram chain) can come from several banks at one temperature.
     Row: ``temperature`` (None: not recorded), ``chain``, ``banks``, ``n`` (calibrated samples),
     ``ece_calibrated``, and where the chain has a raw confidence ``n_raw`` / ``ece_raw`` (else None);
-    ``target_met``: calibrated ECE ≤ ``max_ece`` and ≤ the raw ECE where there is one. Sorted by
-    temperature then chain.
+    ``target_met``: calibrated ECE ≤ ``max_ece`` and ≤ the raw ECE where there is one;
+    ``ece_if_calibrated`` / ``_q95``: the mean and 95th percentile ECE a perfectly calibrated predictor
+    with the same predictions shows at this sample size (:func:`calib.metrics.ece_if_calibrated`), and
+    ``within_noise``: the calibrated ECE is at or below that percentile. Sorted by temperature then chain.
     """
     pools: dict[tuple, dict] = {}
     for bank in banks:
@@ -200,6 +202,10 @@ def pooled_calibration_rows(banks, n_bins: int, split: str = "test", max_ece: fl
         n_raw, e_raw = ece.get("raw", (None, None))
         met = bool(np.isfinite(e_cal) and e_cal <= max_ece
                    and (e_raw is None or not np.isfinite(e_raw) or e_cal <= e_raw))
+        null_mean, null_q95 = (M.ece_if_calibrated(np.concatenate([a for a, _ in pool["calibrated"]]), n_bins)
+                               if pool["calibrated"] else (float("nan"), float("nan")))
         rows.append({"temperature": temp, "chain": drafter, "banks": pool["banks"], "n": n,
-                     "ece_calibrated": e_cal, "n_raw": n_raw, "ece_raw": e_raw, "target_met": met})
+                     "ece_calibrated": e_cal, "n_raw": n_raw, "ece_raw": e_raw, "target_met": met,
+                     "ece_if_calibrated": null_mean, "ece_if_calibrated_q95": null_q95,
+                     "within_noise": bool(np.isfinite(e_cal) and e_cal <= null_q95)})
     return sorted(rows, key=lambda r: (r["temperature"] is None, r["temperature"] or 0.0, r["chain"]))

@@ -139,3 +139,20 @@ def test_ece_ci_methods_and_refusal():
     with pytest.raises(ValueError, match="method='bca'"):
         M.ece_bootstrap_ci(p, y, g, method="bca")
     assert np.isnan(M.ece_bootstrap_ci([], [], [])[0])
+
+
+def test_ece_if_calibrated_is_the_noise_floor_of_a_finite_sample():
+    """SYNTHETIC: labels drawn from the predictions themselves (perfect calibration) give a plug-in ECE
+    near ece_if_calibrated's mean, below its 95th percentile; a 0.1 over-confidence is far above it;
+    the floor shrinks as the sample grows."""
+    from calib.metrics import ece, ece_if_calibrated
+
+    rng = np.random.default_rng(3)
+    p = rng.beta(2, 3, 3000)
+    mean, q95 = ece_if_calibrated(p, n_sim=100)
+    assert 0 < mean < q95
+    inside = [ece(p, rng.random(p.size) < p) <= q95 for _ in range(20)]
+    assert sum(inside) >= 16  # ~95% of perfectly calibrated samples
+    assert ece(np.clip(p + 0.1, 0, 1), rng.random(p.size) < p) > 2 * q95
+    big_mean, _ = ece_if_calibrated(rng.beta(2, 3, 30000), n_sim=50)
+    assert big_mean < mean / 2  # ~1/sqrt(n)
