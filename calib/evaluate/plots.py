@@ -13,12 +13,15 @@ import numpy as np
 
 from calib import metrics as M
 from calib.evaluate.calibration import samples, temperature_groups, variants
+from calib.evaluate.policies import display_order
 from calib.presentation import reliability_figure
 
-POLICY_ORDER = ("no_spec", "best_fixed", "homogeneous", "gated_uniform", "ragged_raw", "ragged_calibrated",
-                "two_drafter", "oracle")
-POLICY_COLORS = dict(zip(POLICY_ORDER, ("0.6", "0.35", "tab:olive", "tab:cyan", "tab:red", "tab:blue",
-                                        "tab:purple", "k")))
+
+def ladder_policies(rows) -> list[tuple[str, str | None]]:
+    """(policy, colour) of the ladder plot's bars: registered policies drawn in plots (``Policy.plot``)
+    that have rows, in the registry's display order."""
+    present = {r["policy"] for r in rows}
+    return [(p.name, p.colour) for p in display_order() if p.plot and p.name in present]
 
 
 def _save(fig, path) -> Path:
@@ -139,17 +142,18 @@ def ladder(rows, bank: str, cost_model: str, path) -> Path:
     rows = [r for r in rows if r["bank"] == bank and r["cost_model"] == cost_model]
     cats = sorted({r["category"] for r in rows}, key=lambda c: (c == "all", c))
     bs = sorted({r["batch_size"] for r in rows})
-    pols = [p for p in POLICY_ORDER if any(r["policy"] == p for r in rows)]
+    bars = ladder_policies(rows)
+    pols = [p for p, _ in bars]
     fig, axes = plt.subplots(1, len(cats), figsize=(5.2 * len(cats), 3.8), squeeze=False, sharey=True)
     w = 0.85 / max(len(pols), 1)
     for ax, c in zip(axes[0], cats):
-        for i, pol in enumerate(pols):
+        for i, (pol, colour) in enumerate(bars):
             vals = []
             for b in bs:
                 r = [x for x in rows if x["category"] == c and x["batch_size"] == b and x["policy"] == pol]
                 vals.append(r[0]["vs_best_fixed"] if r else np.nan)
             ax.bar(np.arange(len(bs)) + (i - (len(pols) - 1) / 2) * w, vals, width=w, label=pol,
-                   color=POLICY_COLORS.get(pol))
+                   color=colour)
         ax.axhline(1.0, color="k", lw=0.8, ls="--")
         ax.set_xticks(range(len(bs)))
         ax.set_xticklabels([f"B={b}" for b in bs])

@@ -13,13 +13,16 @@ Accounting, exact by construction:
   over the batch per drafted depth, priced as a fraction of the target's pass over the batch;
 * goodput = Σ committed / Σ cost over all steps (a stream's tokens per unit of time).
 
-Policies (every decision through :func:`calib.allocate.allocate_probs`, the serve-time code):
+Policies are registered in :mod:`calib.evaluate.policies` (the built-ins below, at the end of this
+module; every decision through :func:`calib.allocate.allocate_probs`, the serve-time code):
 
 =====================  ==============================================================================
 ``no_spec``            verify nothing; one token per request per pass
 ``fixed_<γ>``          every request verifies ``min(γ, drafted)`` tokens; γ draft passes
 ``best_fixed``         the fixed γ (0 = no_spec included) with the best goodput in hindsight, per
                        bank/category/B/curve: the best static policy
+``vllm_dsd``           vLLM's Dynamic SD: one K per batch size, the best in hindsight over both
+                       categories pooled (= ``best_fixed`` on category ``all``)
 ``homogeneous``        one γ for all steps, from the primary chain's mean acceptance curve on the
                        training split (the goodput rule on one representative request)
 ``gated_uniform``      one γ per step from this step's mean calibrated survival curve
@@ -49,15 +52,23 @@ import torch
 
 from calib.allocate import allocate_probs
 from calib.allocate.api import IMPLEMENTATIONS
-from calib.calibrators.base import Interval, Options, Subset, validate_params
+from calib.calibrators.base import Interval, Options, validate_params
 from calib.chains import chain, chain_names
 from calib.evaluate.cost import CostCurve
 from calib.evaluate.data import EvalBank
+from calib.evaluate.policies import (
+    BASE_TOTALS,
+    Policy,
+    PolicyResult,
+    closure,
+    policy,
+    policy_names,
+    policy_of_row,
+    register_policy,
+)
 from calib.labels import censored
 
 UNIFORM = ("homogeneous", "gated_uniform")
-POLICIES = ("no_spec", "fixed", "best_fixed", "homogeneous", "gated_uniform", "ragged_raw",
-            "ragged_calibrated", "two_drafter", "oracle")
 MODES = ("price", "budget")  # price: goodput rule on the cost curve; budget: tokens per request
 DRAFTERS = chain_names()  # the chains a draft cost can be given for (calib.chains, at import)
 EVAL_YAML = Path(__file__).resolve().parents[2] / "conf" / "eval.yaml"
@@ -91,7 +102,8 @@ class ReplayConfig:
 
     Attributes:
         batch_sizes: the B of each replayed setting.
-        policies: names from :data:`POLICIES` (``fixed`` = every ``fixed_<γ>``).
+        policies: registered policy names (:func:`calib.evaluate.policies.policy_names`; ``fixed`` =
+            every ``fixed_<γ>``); checked against the registry when the config is built.
         mode: from :data:`MODES`; ``price``: the allocator's goodput rule on the cost curve,
             ``budget``: a batch budget of ``round(budget_per_request * B)`` draft tokens.
         min_steps, max_steps, passes: steps per setting ≈ ``passes · rounds / B``, clipped.
@@ -113,7 +125,6 @@ class ReplayConfig:
     impl: str = field(default_factory=_from_yaml("impl"))
 
     _constraints: ClassVar[dict] = {  # declarative checks (calib.calibrators.base), batch_sizes below
-        "policies": [Subset(POLICIES)],
         "mode": [Options(MODES)],
         "budget_per_request": [Interval(numbers.Real, 0, None)],
         "min_steps": [Interval(numbers.Integral, 1, None)],
@@ -129,6 +140,15 @@ class ReplayConfig:
         self.draft_cost = dict(self.draft_cost)
         params = {f.name: getattr(self, f.name) for f in fields(self)}
         validate_params("ReplayConfig", {k: params[k] for k in self._constraints}, self._constraints)
+        known = policy_names()
+        pols = list(self.policies)
+        if not pols or len(set(pols)) != len(pols) or not all(isinstance(p, str) for p in pols):
+            raise ValueError(f"ReplayConfig: policies={pols} is invalid; it must be a non-empty list of distinct "
+                             f"policy names; the registered policies are {list(known)}")
+        unknown = [p for p in pols if p not in known]
+        if unknown:
+            raise ValueError(f"ReplayConfig: unknown policies {unknown}; the registered policies are "
+                             f"{list(known)} (calib.evaluate.policies)")
         positive = Interval(numbers.Integral, 1, None)
         if not self.batch_sizes or not all(positive.accepts(b) for b in self.batch_sizes):
             raise ValueError(f"ReplayConfig: batch_sizes={list(self.batch_sizes)} is invalid; it must be a "
@@ -238,70 +258,127 @@ def _mean_conditional(p: np.ndarray) -> np.ndarray:
         return np.where(prev > 0, surv / prev, np.nan)
 
 
-def replay_setting(sb: StepBatch, curve: CostCurve, cfg: ReplayConfig, train_curve: np.ndarray) -> dict:
-    """{policy: (tokens [S], cost [S], draft positions [S], extra)} for one setting and one cost curve."""
-    S, B, K = sb.S, sb.B, sb.K
-    c_b = curve.values[B]
-    P, Q = sb.ids  # the primary chain's id and the second chain's (None: there is none)
-    frac_p, frac_q = float(cfg.draft_cost.get(sb.names[0], 0.0)), float(cfg.draft_cost.get(sb.names[1], 0.0))
-    draft = lambda passes, second=False: (frac_p + (frac_q if second else 0.0)) * passes * c_b
-    budget = None if cfg.mode == "price" else max(int(round(cfg.budget_per_request * B)), 0)
-    out: dict[str, tuple] = {}
-    zeros = np.zeros(S)
-    pol = set(cfg.policies)
-    one = np.full((S, B), P, dtype=np.int64)  # fixed-depth policies verify the primary chain
+class Setting:
+    """One (bank, category, B) setting under one cost curve: what a step policy's ``compute`` receives.
 
-    def uniform(gamma_per_step, draft_cost):
-        depth = np.minimum(np.asarray(gamma_per_step)[:, None], sb.length[P])  # cannot verify past the chain
-        tokens = _committed(sb, one, depth)
+    ``sb`` the gathered arrays, ``curve`` (already :meth:`CostCurve.for_batch`), ``cfg``, ``train_curve``
+    (:func:`train_mean_curve`), ``budget`` (None in price mode), ``sunk`` (the price of K primary draft
+    passes), and the helpers :meth:`draft`, :meth:`uniform` and :meth:`ragged` the built-ins share.
+    """
+
+    def __init__(self, sb: StepBatch, curve: CostCurve, cfg: ReplayConfig, train_curve: np.ndarray):
+        self.sb, self.curve, self.cfg, self.train_curve = sb, curve, cfg, train_curve
+        self.S, self.B, self.K = sb.S, sb.B, sb.K
+        self.c_b = curve.values[self.B]
+        self.P, self.Q = sb.ids  # the primary chain's id and the second chain's (None: there is none)
+        self.frac_p = float(cfg.draft_cost.get(sb.names[0], 0.0))
+        self.frac_q = float(cfg.draft_cost.get(sb.names[1], 0.0))
+        self.budget = None if cfg.mode == "price" else max(round(cfg.budget_per_request * self.B), 0)
+        self.one = np.full((self.S, self.B), self.P, dtype=np.int64)  # fixed-depth policies verify the primary
+        self.sunk = self.draft(self.K)
+
+    def draft(self, passes, second=False):
+        """Drafting cost of ``passes`` draft passes over the batch (both chains' if ``second``)."""
+        return (self.frac_p + (self.frac_q if second else 0.0)) * passes * self.c_b
+
+    def uniform(self, gamma_per_step, draft_cost):
+        """(tokens, cost, positions) of verifying γ_s on every request of step s (capped by its chain)."""
+        sb = self.sb
+        depth = np.minimum(np.asarray(gamma_per_step)[:, None], sb.length[self.P])  # cannot verify past the chain
+        tokens = _committed(sb, self.one, depth)
         positions = depth.sum(axis=1)
-        return tokens, curve.charge(depth) + draft_cost, positions
+        return tokens, self.curve.charge(depth) + draft_cost, positions
 
-    if pol & {"no_spec", "oracle", "best_fixed"}:
-        out["no_spec"] = (np.full(S, float(B)), np.full(S, curve.values[B]), zeros, {})
-    if pol & {"fixed", "best_fixed"}:
-        for g in range(1, K + 1):
-            tok, cost, pos = uniform(np.full(S, g), draft(g))
-            out[f"fixed_{g}"] = (tok, cost, pos, {"gamma": g})
-    if "homogeneous" in pol:
-        g = _uniform_gamma(train_curve, B, curve, np.array([draft(d) for d in range(K + 1)]), cfg.impl)
-        tok, cost, pos = uniform(np.full(S, g), draft(g))
-        out["homogeneous"] = (tok, cost, pos, {"gamma": g})
-    sunk = draft(K)
-    if "gated_uniform" in pol and sb.p_cal[P] is not None:
-        gammas = np.array([_uniform_gamma(_mean_conditional(sb.p_cal[P][s]), B, curve, np.full(K + 1, sunk),
-                                          cfg.impl) for s in range(S)])
-        tok, cost, pos = uniform(gammas, sunk)
-        out["gated_uniform"] = (tok, cost, pos, {"gamma_mean": float(gammas.mean())})
-
-    def ragged(p1, p2, extra_cost):
+    def ragged(self, p1, p2, extra_cost) -> PolicyResult:
+        """The allocator per step on probabilities ``p1`` (primary) and ``p2`` (second chain, or None)."""
+        sb, S, B, curve, Q = self.sb, self.S, self.B, self.curve, self.Q
         dr = np.zeros((S, B), np.int64)
         de = np.zeros((S, B), np.int64)
         for s in range(S):
             dr[s], de[s] = _alloc(p1[s], None if p2 is None else p2[s], curve.tensor(extra=extra_cost),
-                                  budget, cfg.impl, sb.names)
+                                  self.budget, self.cfg.impl, sb.names)
         tok = _committed(sb, dr, de)
         pos = de.sum(axis=1)
         share2 = float((dr == Q).mean()) if Q is not None else 0.0
         charged = curve.charge(de) + extra_cost
         # What the allocator priced (a curve over T for this B) vs the shape's actual cost.
         seen = curve(B + pos) + extra_cost
-        return tok, charged, pos, {"ngram_share": share2, "charged_vs_priced": float(charged.sum() / seen.sum())}
+        return PolicyResult(tok, charged, pos, {"ngram_share": share2,
+                                                "charged_vs_priced": float(charged.sum() / seen.sum())})
 
-    if "ragged_raw" in pol and sb.p_raw is not None:
-        out["ragged_raw"] = ragged(sb.p_raw, None, sunk)
-    if "ragged_calibrated" in pol and sb.p_cal[P] is not None:
-        out["ragged_calibrated"] = ragged(sb.p_cal[P], None, sunk)
-    if "two_drafter" in pol and sb.second and sb.p_cal[P] is not None and sb.p_cal[Q] is not None:
-        out["two_drafter"] = ragged(sb.p_cal[P], sb.p_cal[Q], draft(K, second=True))
-    if "oracle" in pol:
-        out["oracle"] = _oracle(sb, curve, cfg, draft, budget)
+
+def replay_setting(sb: StepBatch, curve: CostCurve, cfg: ReplayConfig, train_curve: np.ndarray) -> dict:
+    """{row name: :class:`PolicyResult`} of every step policy ``cfg.policies`` asks for, what they and the
+    reference ``best_fixed`` need (``no_spec``, ``fixed``), for one setting and one cost curve."""
+    s = Setting(sb, curve, cfg, train_curve)
+    out: dict[str, PolicyResult] = {}
+    for name in closure([*cfg.policies, REFERENCE]):
+        p = policy(name)
+        if p.kind != "step":
+            continue
+        res = p.compute(s)
+        if res is None:
+            continue
+        if p.family:
+            for row, r in res.items():
+                if not p.owns(row):
+                    raise ValueError(f"policy {p.name!r} returned row {row!r}; a family's rows are {p.name}_<x>")
+                out[row] = PolicyResult(*r)
+        else:
+            out[p.name] = PolicyResult(*res)
     return out
 
 
-def _oracle(sb: StepBatch, curve: CostCurve, cfg: ReplayConfig, draft, budget):
+# ---- the built-in policies (registration order = computation order = row order within a setting) ----
+
+def _no_spec(s: Setting) -> PolicyResult:
+    return PolicyResult(np.full(s.S, float(s.B)), np.full(s.S, s.curve.values[s.B]), np.zeros(s.S), {})
+
+
+def _fixed(s: Setting) -> dict:
+    out = {}
+    for g in range(1, s.K + 1):
+        tok, cost, pos = s.uniform(np.full(s.S, g), s.draft(g))
+        out[f"fixed_{g}"] = PolicyResult(tok, cost, pos, {"gamma": g})
+    return out
+
+
+def _homogeneous(s: Setting) -> PolicyResult:
+    g = _uniform_gamma(s.train_curve, s.B, s.curve, np.array([s.draft(d) for d in range(s.K + 1)]), s.cfg.impl)
+    tok, cost, pos = s.uniform(np.full(s.S, g), s.draft(g))
+    return PolicyResult(tok, cost, pos, {"gamma": g})
+
+
+def _gated_uniform(s: Setting) -> PolicyResult | None:
+    p_cal = s.sb.p_cal[s.P]
+    if p_cal is None:
+        return None
+    gammas = np.array([_uniform_gamma(_mean_conditional(p_cal[i]), s.B, s.curve, np.full(s.K + 1, s.sunk),
+                                      s.cfg.impl) for i in range(s.S)])
+    tok, cost, pos = s.uniform(gammas, s.sunk)
+    return PolicyResult(tok, cost, pos, {"gamma_mean": float(gammas.mean())})
+
+
+def _ragged_raw(s: Setting) -> PolicyResult | None:
+    return None if s.sb.p_raw is None else s.ragged(s.sb.p_raw, None, s.sunk)
+
+
+def _ragged_calibrated(s: Setting) -> PolicyResult | None:
+    p_cal = s.sb.p_cal[s.P]
+    return None if p_cal is None else s.ragged(p_cal, None, s.sunk)
+
+
+def _two_drafter(s: Setting) -> PolicyResult | None:
+    sb = s.sb
+    if not (sb.second and sb.p_cal[s.P] is not None and sb.p_cal[s.Q] is not None):
+        return None
+    return s.ragged(sb.p_cal[s.P], sb.p_cal[s.Q], s.draft(s.K, second=True))
+
+
+def _oracle(s: Setting) -> PolicyResult:
     """Allocator on the true masks; per step it also chooses in hindsight how many draft passes to
     pay (0..K) — with a free drafter that is always K. The best per-step goodput is kept."""
+    sb, curve, cfg, draft, budget = s.sb, s.curve, s.cfg, s.draft, s.budget
     S, B, K = sb.S, sb.B, sb.K
     free = draft(1, second=sb.second) == 0
     depths_to_try = [K] if (free or budget is not None) else list(range(K + 1))
@@ -321,8 +398,8 @@ def _oracle(sb: StepBatch, curve: CostCurve, cfg: ReplayConfig, draft, budget):
             p2[..., gmax:] = np.nan
         dr = np.zeros((S, B), np.int64)
         de = np.zeros((S, B), np.int64)
-        for s in range(S):
-            dr[s], de[s] = _alloc(p1[s], None if p2 is None else p2[s], cost_t, budget, cfg.impl, sb.names)
+        for i in range(S):
+            dr[i], de[i] = _alloc(p1[i], None if p2 is None else p2[i], cost_t, budget, cfg.impl, sb.names)
         tok = _committed(sb, dr, de)
         pos = de.sum(axis=1)
         cost = curve.charge(de) + extra
@@ -330,20 +407,10 @@ def _oracle(sb: StepBatch, curve: CostCurve, cfg: ReplayConfig, draft, budget):
         better = gp > best_gp if budget is None else np.ones(S, bool)
         best = tuple(np.where(better, new, old) for new, old in zip((tok, cost, pos), best))
         best_gp = np.where(better, gp, best_gp)
-    return (*best, {})
+    return PolicyResult(*best, {})
 
 
-def summarise(results: dict, B: int, S: int) -> dict:
-    """Totals per policy, plus best_fixed."""
-    rows = {}
-    for name, (tok, cost, pos, extra) in results.items():
-        rows[name] = {"tokens": float(np.sum(tok)), "cost": float(np.sum(cost)), "positions": float(np.sum(pos)),
-                      "steps": S, "rounds": S * B, **extra}
-    rows["best_fixed"] = _best_fixed(rows)
-    return rows
-
-
-def _best_fixed(rows: dict) -> dict:
+def _best_fixed(rows: dict, pooled: dict | None = None) -> dict:
     """The best fixed γ in hindsight, γ = 0 (no_spec) included: the best static policy."""
     fixed = {k: v for k, v in rows.items() if k.startswith("fixed_")}
     if "no_spec" in rows:
@@ -352,12 +419,103 @@ def _best_fixed(rows: dict) -> dict:
     return dict(fixed[name])
 
 
+def _vllm_dsd(rows: dict, pooled: dict) -> dict:
+    """vLLM's Dynamic SD (vLLM 0.32, ``vllm/v1/spec_decode/dynamic/utils.py``: the
+    ``num_speculative_tokens_per_batch_size`` schedule, ``[(range_start, range_end, K), ...]`` expanded by
+    ``build_dynamic_sd_schedule_lookup`` into a dense batch size -> K table the scheduler looks up each
+    step; every request of the batch drafts and verifies K, K = 0 included). Here: the best such table
+    in hindsight, one K per (bank, B, cost curve), chosen on the steps of every category pooled (a
+    deployment keys the table on batch size only; it does not know the category), then served to every
+    category at that B.
+
+    Versus ``best_fixed``: that one picks γ per (bank, category, B, curve), i.e. per ladder slice. Read
+    literally per slice ("per setting, the K maximising goodput over that setting's rounds"), vLLM's
+    table would coincide with ``best_fixed`` exactly, because the ladder is already per B. So the
+    difference is only the category: on a category row ``vllm_dsd`` serves the pooled K (≤ best_fixed
+    there, equal where both categories prefer the same K); on the ``all`` row it *is* ``best_fixed``
+    (same K, same steps, same goodput). Drafting is charged K passes, as ``fixed_K``.
+    """
+    table_k = _best_fixed(pooled)["gamma"]
+    chosen = rows["no_spec"] if table_k == 0 else rows[f"fixed_{table_k}"]
+    return {**chosen, "gamma": table_k}
+
+
+register_policy(Policy("no_spec", 10, "0.6", "verify nothing; one token per request per pass", _no_spec))
+register_policy(Policy(
+    "fixed", 90, None, "every request verifies min(γ, drafted) tokens and pays γ draft passes (rows fixed_<γ>)",
+    _fixed, family=True, plot=False, pooled_extra=("gamma",),
+    below_no_spec="verifies γ tokens for every request whatever its odds: where acceptance is low or the "
+                  "per-position cost is high, the extra positions cost more than the tokens they bring "
+                  "(`best_fixed` includes γ = 0, i.e. no_spec)"))
+register_policy(Policy(
+    "homogeneous", 30, "tab:olive", "one γ for every step, from the primary chain's mean acceptance curve on the "
+    "training split (the goodput rule on one representative request)", _homogeneous,
+    below_no_spec="γ comes from the training split's pooled acceptance curve (both categories), not this "
+                  "category's"))
+register_policy(Policy(
+    "gated_uniform", 40, "tab:cyan", "one γ per step from that step's mean calibrated survival curve; pays K "
+    "draft passes first", _gated_uniform,
+    below_no_spec="pays for K draft passes to read the signal before choosing a uniform γ"))
+register_policy(Policy(
+    "ragged_raw", 50, "tab:red", "allocator (goodput rule) per request on the drafter's raw confidences (model "
+    "chain only); pays K draft passes first", _ragged_raw,
+    below_no_spec="raw confidences are mis-calibrated, so the goodput rule buys positions that do not pay; it "
+                  "also pays for K draft passes"))
+register_policy(Policy(
+    "ragged_calibrated", 60, "tab:blue", "allocator per request on the calibrated tables; pays K draft passes "
+    "first", _ragged_calibrated,
+    below_no_spec="pays for K draft passes before deciding (sunk drafter cost); it can verify nothing but "
+                  "cannot refund the drafting"))
+register_policy(Policy(
+    "two_drafter", 70, "tab:purple", "allocator per request over the calibrated model and n-gram chains (banks "
+    "that have both); pays K model-draft passes first", _two_drafter,
+    below_no_spec="pays for K model-draft passes before deciding"))
+register_policy(Policy(
+    "oracle", 80, "k", "allocator on the actual accept masks, also choosing per step in hindsight how many draft "
+    "passes to pay (0..K): a bound on every policy, step by step", _oracle,
+    below_no_spec="pays drafting it cannot avoid"))
+REFERENCE = register_policy(Policy(
+    "best_fixed", 20, "0.35", "the fixed γ (0 = no_spec included) with the best goodput in hindsight per (bank, "
+    "category, B, cost curve): the best static policy, and every row's reference", _best_fixed,
+    kind="hindsight", needs=("no_spec", "fixed"))).name
+register_policy(Policy(
+    "vllm_dsd", 25, "tab:green", "vLLM Dynamic SD (num_speculative_tokens_per_batch_size): one K per batch size, "
+    "the best in hindsight over both categories pooled (a deployment does not know the category) — on "
+    "category `all` it is best_fixed; on a category row it is at most best_fixed, which picks γ per category",
+    _vllm_dsd, kind="hindsight", needs=("no_spec", "fixed"),
+    below_no_spec="one K per batch size for every category: a K that pays on the pooled stream can lose on "
+                  "the category with the lower acceptance"))
+
+
+def summarise(results: dict, B: int, S: int) -> dict:
+    """Totals per step-policy row (hindsight policies are added by :func:`replay`)."""
+    rows = {}
+    for name, (tok, cost, pos, extra) in results.items():
+        rows[name] = {"tokens": float(np.sum(tok)), "cost": float(np.sum(cost)), "positions": float(np.sum(pos)),
+                      "steps": S, "rounds": S * B, **extra}
+    return rows
+
+
+def add_hindsight(totals: dict, pooled: dict, wanted) -> dict:
+    """``totals`` with every hindsight policy of ``wanted`` (registration order) appended."""
+    for name in wanted:
+        p = policy(name)
+        if p.kind == "hindsight":
+            row = p.compute(totals, pooled)
+            if row is not None:
+                totals[name] = dict(row)
+    return totals
+
+
 def ladder_rows(totals: dict, meta: dict, policies) -> list[dict]:
-    """Goodput, ratio to best_fixed and headroom captured for one setting's totals."""
+    """Goodput, ratio to best_fixed and headroom captured for one setting's totals; the rows of the
+    policies named in ``policies`` (a family's rows first), in ``totals`` order."""
     gp = {k: v["tokens"] / v["cost"] for k, v in totals.items()}
-    g_bf, g_or = gp.get("best_fixed"), gp.get("oracle")
-    keep = [k for k in totals if k.startswith("fixed_") and "fixed" in policies] + \
-           [k for k in totals if not k.startswith("fixed_") and k in policies]
+    g_bf, g_or = gp.get(REFERENCE), gp.get("oracle")
+    owner = {k: policy_of_row(k) for k in totals}
+    asked = set(policies)
+    keep = [k for k in totals if owner[k] is not None and owner[k].family and owner[k].name in asked] + \
+           [k for k in totals if owner[k] is not None and not owner[k].family and k in asked]
     rows = []
     for k in keep:
         v = totals[k]
@@ -369,13 +527,15 @@ def ladder_rows(totals: dict, meta: dict, policies) -> list[dict]:
                      "tokens_per_round": v["tokens"] / v["rounds"],
                      "verified_per_round": v["positions"] / v["rounds"],
                      "steps": v["steps"], "rounds": v["rounds"],
-                     **{x: v[x] for x in ("gamma", "gamma_mean", "ngram_share", "charged_vs_priced") if x in v},
+                     **{x: y for x, y in v.items() if x not in BASE_TOTALS},
                      "_tokens": v["tokens"], "_cost": v["cost"], "_positions": v["positions"]})
     return rows
 
 
 def replay(banks, curves: dict[str, CostCurve], cfg: ReplayConfig, progress: bool = True) -> list[dict]:
-    """Every (bank, category, B, cost curve) setting; also category "all" (the sum over categories)."""
+    """Every (bank, category, B, cost curve) setting; also category "all" (the sum over categories).
+    Step policies are replayed setting by setting; hindsight policies are added once every category of a
+    (bank, B, cost curve) is in (``vllm_dsd`` needs them all)."""
     from tqdm.auto import tqdm
 
     settings = []
@@ -385,10 +545,11 @@ def replay(banks, curves: dict[str, CostCurve], cfg: ReplayConfig, progress: boo
             rows = test[bank.category[test] == cat]
             for b in cfg.batch_sizes:
                 settings.append((bank, cat, rows, b))
-    ladder: list[dict] = []
+    wanted = closure([*cfg.policies, REFERENCE])
     rng = np.random.default_rng(cfg.seed)
     bar = tqdm(settings, desc="replay", unit="setting", disable=not progress)
     pooled: dict = {}
+    done: list[tuple[dict, dict, tuple]] = []  # (meta, totals, pooled key) per replayed setting, in order
     for bank, cat, rows, b in bar:
         bar.set_postfix_str(f"{bank.name} {cat} B={b}")
         idx = draw_steps(len(rows), b, cfg, rng)
@@ -398,19 +559,21 @@ def replay(banks, curves: dict[str, CostCurve], cfg: ReplayConfig, progress: boo
             res = replay_setting(sb, curve.for_batch(b), cfg, train_curve)
             totals = summarise(res, b, sb.S)
             meta = {"bank": bank.name, "batch_size": b, "category": cat, "cost_model": cname, "unit": curve.unit}
-            ladder.extend(ladder_rows(totals, meta, cfg.policies))
             key = (bank.name, b, cname, curve.unit)
+            done.append((meta, totals, key))
             for pol, v in totals.items():
-                if pol == "best_fixed":
-                    continue
                 acc = pooled.setdefault(key, {}).setdefault(pol, {"tokens": 0.0, "cost": 0.0, "positions": 0.0,
                                                                    "steps": 0, "rounds": 0})
-                for f in ("tokens", "cost", "positions", "steps", "rounds"):
+                for f in BASE_TOTALS:
                     acc[f] += v[f]
-                if "gamma" in v and pol.startswith("fixed_"):
-                    acc["gamma"] = v["gamma"]
+                for x in policy_of_row(pol).pooled_extra:
+                    if x in v:
+                        acc[x] = v[x]
+    ladder: list[dict] = []
+    for meta, totals, key in done:
+        ladder.extend(ladder_rows(add_hindsight(totals, pooled[key], wanted), meta, cfg.policies))
     for (bname, b, cname, unit), totals in pooled.items():
-        totals["best_fixed"] = _best_fixed(totals)
+        add_hindsight(totals, totals, wanted)
         meta = {"bank": bname, "batch_size": b, "category": "all", "cost_model": cname, "unit": unit}
         ladder.extend(ladder_rows(totals, meta, cfg.policies))
     return ladder

@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 
 from calib.atomic import write_text_atomic
+from calib.evaluate.policies import display_order, policy_of_row, row_order
 
 
 def _clean(x):
@@ -150,29 +151,34 @@ def ladder_notes(ladder) -> list[str]:
                      " reports a ratio of sums over steps, which a per-step optimum need not maximise.")
     else:
         notes.append("Oracle ≥ every policy in every setting.")
-    reasons = {
-        "fixed": "verifies γ tokens for every request whatever its odds: where acceptance is low or the "
-                 "per-position cost is high, the extra positions cost more than the tokens they bring",
-        "homogeneous": "γ comes from the training split's pooled acceptance curve (both categories), "
-                       "not this category's",
-        "gated_uniform": "pays for K draft passes to read the signal before choosing a uniform γ",
-        "ragged_raw": "raw confidences are mis-calibrated, so the goodput rule buys positions that do not "
-                      "pay; it also pays for K draft passes",
-        "ragged_calibrated": "pays for K draft passes before deciding (sunk drafter cost); it can verify "
-                             "nothing but cannot refund the drafting",
-        "two_drafter": "pays for K model-draft passes before deciding",
-        "oracle": "pays drafting it cannot avoid",
-    }
-    fixed = {k: v for k, v in below_nospec.items() if k.startswith("fixed_")}
-    if fixed:
-        notes.append("Fixed γ ≥ 1 is below `no_spec` in " + ", ".join(f"{len(v)} settings (`{k}`)" for k, v in
-                                                                   sorted(fixed.items()))
-                     + ": " + reasons["fixed"] + ". `best_fixed` includes γ = 0 (= no_spec).")
+    reason = {}  # row -> the registered policy's one line on why it can fall below no_spec
+    for name in below_nospec:
+        p = policy_of_row(name)
+        reason[name] = p.below_no_spec if p is not None else ""
+    family = {k: v for k, v in below_nospec.items() if (p := policy_of_row(k)) is not None and p.family}
+    by_family: dict = {}
+    for k, v in sorted(family.items()):
+        by_family.setdefault(policy_of_row(k).name, []).append((k, v))
+    for fam, members in by_family.items():
+        notes.append(f"`{fam}_*` is below `no_spec` in " + ", ".join(f"{len(v)} settings (`{k}`)" for k, v in members)
+                     + ": " + reason[members[0][0]] + ".")
     for name, keys in sorted(below_nospec.items()):
-        if name.startswith("fixed_"):
+        if name in family:
             continue
-        fam = name
         shown = ", ".join(f"{b}/{c}/B={bs}/{cm}" for b, c, bs, cm in keys[:6])
         more = f" (+{len(keys) - 6} more)" if len(keys) > 6 else ""
-        notes.append(f"`{name}` is below `no_spec` in {len(keys)} settings ({shown}{more}): {reasons.get(fam, '')}.")
+        notes.append(f"`{name}` is below `no_spec` in {len(keys)} settings ({shown}{more}): {reason[name]}.")
     return notes
+
+
+def ladder_policy_rows(ladder) -> list[str]:
+    """The ladder's policy rows in report order: the registry's display order, a family's rows (``fixed_<γ>``)
+    where the family sits."""
+    return row_order(ladder)
+
+
+def policy_lines(ladder) -> list[str]:
+    """One report line per registered policy with rows in ``ladder`` (display order): its explanation."""
+    present = {r["policy"] for r in ladder}
+    return [f"- `{p.name + '_*' if p.family else p.name}`: {p.explanation}"
+            for p in display_order() if any(p.owns(n) for n in present)]

@@ -26,8 +26,10 @@ from calib.evaluate.report import (
     SLICE_MAX_ERROR,
     SLICE_MIN_ROUNDS,
     ladder_notes,
+    ladder_policy_rows,
     length_headline,
     length_slices,
+    policy_lines,
     table,
     write_metrics,
 )
@@ -282,7 +284,9 @@ def render_report(banks, cal, length, ladder, notes, curves, rcfg, pics, out, ta
              f"`{rcfg.mode}` mode through `calib.allocate.allocate_probs` (impl={rcfg.impl}). "
              "Goodput = committed tokens per unit cost; headroom captured = (G − G_best_fixed) / "
              "(G_oracle − G_best_fixed). Signal-based policies pay K draft passes before deciding; the "
-             "oracle chooses in hindsight how many to pay. Category `all` sums both categories' steps.")
+             "oracle chooses in hindsight how many to pay. Category `all` sums both categories' steps. "
+             "Policies (registered in `calib.evaluate.policies`):")
+    L += [""] + policy_lines(ladder)
     for n, c in curves.items():
         if type(c).for_batch is not CostCurve.for_batch:  # shape-dependent (MoE): say what pricing missed
             ratios = [r["charged_vs_priced"] for r in ladder if r["cost_model"] == n and "charged_vs_priced" in r]
@@ -292,8 +296,6 @@ def render_report(banks, cal, length, ladder, notes, curves, rcfg, pics, out, ta
                      + (f"; charged / priced cost of the allocator's steps: {min(ratios):.4f} .. {max(ratios):.4f}."
                         if ratios else "."))
     L += ["", "### Checks", ""] + [f"- {n}" for n in notes]
-    key_pols = ["no_spec", "best_fixed", "homogeneous", "gated_uniform", "ragged_raw", "ragged_calibrated",
-                "two_drafter", "oracle"]
     for b in banks:
         for cname in curves:
             rows = [r for r in ladder if r["bank"] == b.name and r["cost_model"] == cname]
@@ -306,8 +308,7 @@ def render_report(banks, cal, length, ladder, notes, curves, rcfg, pics, out, ta
                 L += [f"**{c}** — goodput / best_fixed (headroom captured)", ""]
                 hdr = ["policy"] + [f"B={x}" for x in bs]
                 out_rows = []
-                pols = [p for p in key_pols if any(r["policy"] == p for r in rows)]
-                pols += sorted({r["policy"] for r in rows if r["policy"].startswith("fixed_")})
+                pols = ladder_policy_rows(rows)
                 for p in pols:
                     rr = {"policy": p}
                     for x in bs:

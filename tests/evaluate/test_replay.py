@@ -29,10 +29,10 @@ ROUNDS = [
 ]
 
 
-def tiny_bank(tmp_path):
+def tiny_bank(tmp_path, categories=("chat",) * 4):
     n = len(ROUNDS)
     keys = {"model": ["synthetic"] * n, "speculator": ["synthetic-draft"] * n, "config": ["synthetic-k3"] * n,
-            "category": ["chat"] * n, "prompt_idx": [0, 0, 1, 1], "turn": [0] * n, "round_idx": [0, 1, 0, 1]}
+            "category": list(categories), "prompt_idx": [0, 0, 1, 1], "turn": [0] * n, "round_idx": [0, 1, 0, 1]}
     kf = [pa.field(k, schema.KEY_TYPES[k]) for k in schema.KEYS]
     acc = {**keys, "accept": [sum(1 for a in np.cumprod([x or 0 for x in m]) if a) for m, _, _ in ROUNDS]}
     spec = dict(keys)
@@ -168,7 +168,7 @@ def test_replay_config_defaults_are_the_yaml():
 
 @pytest.mark.parametrize("kwargs, match", [
     ({"mode": "prices"}, "parameter mode='prices' is invalid; it must be one of 'price', 'budget'"),
-    ({"policies": ["no_spec", "ragged"]}, "parameter policies=.* must be .*'ragged_calibrated'"),
+    ({"policies": ["no_spec", "ragged"]}, r"unknown policies \['ragged'\]; the registered policies are \[.*'ragged_calibrated'"),
     ({"impl": "cuda"}, "parameter impl='cuda' is invalid; it must be one of 'reference', 'triton'"),
     ({"batch_sizes": [4, 0]}, r"batch_sizes=\[4, 0\] is invalid"),
     ({"min_steps": 9, "max_steps": 8}, "min_steps=9 > max_steps=8"),
