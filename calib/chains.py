@@ -132,6 +132,7 @@ CONTEXT = {
     "temperature": "the request's sampling temperature (0 = greedy)",
     "prev_accept": "the request's accepted length in its previous round (same prompt and turn; NaN in its first)",
     "mean_accept": "the request's mean accepted length over its earlier rounds (NaN in its first)",
+    "position": "the tokens the request has generated in this turn before this round (0 in its first)",
 }
 
 

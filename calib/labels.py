@@ -94,55 +94,58 @@ def ngram_samples(bank: Bank) -> pd.DataFrame:
     return per_depth_samples(t, acc, {}, rounds)
 
 
-CONTEXT_COLUMNS = ("temperature", "prev_accept", "mean_accept")  # calib.chains.CONTEXT, computed here
+CONTEXT_COLUMNS = ("temperature", "prev_accept", "mean_accept", "position")  # calib.chains.CONTEXT, computed here
+HISTORY_COLUMNS = ("prev_accept", "mean_accept", "position")  # read from the request's earlier rounds
 
 
 def round_context(rounds: pa.Table, names=CONTEXT_COLUMNS) -> dict[str, np.ndarray]:
     """Context per round of a bank's ``rounds`` (acceptance ⋈ speculator, sorted by the bank keys, as
-    :meth:`Bank.rounds` returns them): ``temperature`` (NaN where not recorded) and ``prev_accept``, the
-    accepted length of the same request's previous round (rounds of one (model, speculator, config,
-    category, prompt_idx, turn) ordered by round_idx; NaN in its first round) and ``mean_accept``, the
-    mean over its earlier rounds, i.e. what an engine knows when it drafts. float64 [R] each."""
+    :meth:`Bank.rounds` returns them): ``temperature`` (NaN where not recorded) and what the request's
+    earlier rounds say (:func:`_request_history`: ``prev_accept``, ``mean_accept``, ``position``), i.e.
+    what an engine knows when it drafts. float64 [R] each."""
     out = {}
     n = rounds.num_rows
-    if "prev_accept" in names and "mean_accept" in names:  # one sort of the rounds for both
-        out["prev_accept"], out["mean_accept"] = _previous_accept(rounds, both=True)
+    history = [h for h in HISTORY_COLUMNS if h in names]
+    if history:  # one sort of the request's rounds for every column read from its earlier rounds
+        out.update(_request_history(rounds, history))
     for name in names:
         if name in out:
             continue
         if name == "temperature":
             out[name] = (rounds.column("temperature").to_numpy(zero_copy_only=False).astype(np.float64)
                          if "temperature" in rounds.column_names else np.full(n, np.nan))
-        elif name == "prev_accept":
-            out[name] = _previous_accept(rounds)
-        elif name == "mean_accept":
-            out[name] = _previous_accept(rounds, running_mean=True)
         else:
             raise KeyError(f"no context column {name!r}; known: {CONTEXT_COLUMNS}")
     return out
 
 
-def _previous_accept(rounds: pa.Table, running_mean: bool = False, both: bool = False):
-    """The previous round's accepted length per round (``running_mean``: the mean over every earlier
-    round of the request), NaN in a request's first round."""
+def _request_history(rounds: pa.Table, names) -> dict[str, np.ndarray]:
+    """Per round, from the same request's earlier rounds (rounds of one (model, speculator, config,
+    category, prompt_idx, turn) ordered by round_idx): ``prev_accept`` (the previous round's accepted
+    length), ``mean_accept`` (their mean), NaN in a request's first round; ``position`` (the tokens
+    they emitted, accepted + 1 each: the request's output length in this turn so far), 0 in its first."""
     keys = [k for k in schema.KEYS if k != "round_idx"]
     df = pd.DataFrame({k: rounds.column(k).to_numpy(zero_copy_only=False) for k in (*keys, "round_idx")})
     df["accept"] = rounds.column("accept").to_numpy(zero_copy_only=False).astype(np.float64)
     order = df.sort_values([*keys, "round_idx"], kind="stable").index.to_numpy()
     s = df.iloc[order]
     g = s.groupby(keys, sort=False, observed=True)["accept"]
-    found = []
-    if running_mean or both:
-        csum = g.cumsum() - s["accept"]  # sum over the earlier rounds
-        n = g.cumcount()
-        found.append(("mean", (csum / n.where(n > 0)).to_numpy()))
-    if not running_mean or both:
-        found.append(("prev", g.shift(1).to_numpy()))
+    found = {}
+    if "mean_accept" in names or "position" in names:
+        earlier = (g.cumsum() - s["accept"]).to_numpy()  # accepted over the earlier rounds
+        n = g.cumcount().to_numpy().astype(np.float64)
+        if "mean_accept" in names:
+            with np.errstate(invalid="ignore", divide="ignore"):
+                found["mean_accept"] = np.where(n > 0, earlier / np.maximum(n, 1), np.nan)
+        if "position" in names:
+            found["position"] = earlier + n
+    if "prev_accept" in names:
+        found["prev_accept"] = g.shift(1).to_numpy()
     outs = {}
-    for k, v in found:
+    for k, v in found.items():
         outs[k] = np.empty(len(df))
         outs[k][order] = v
-    return (outs["prev"], outs["mean"]) if both else next(iter(outs.values()))
+    return outs
 
 
 def _with_context(t: pa.Table, bank: Bank) -> pa.Table:

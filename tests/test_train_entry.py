@@ -24,14 +24,14 @@ def test_train_entry_point(tmp_path):
     assert tables.has_chain("model") and tables.has_chain("ngram")
     assert tables.meta["chains"]["model"]["estimator"] == "isotonic"
     # the configured match features, then the context axes (conf/context/default.yaml: temperature always,
-    # prev_accept where validation NLL kept it)
+    # the optional ones where validation NLL kept them)
     n_feats = len(cfg.ngram_model.table.features)
     assert tables.feature_names("ngram")[:n_feats + 1] == [*cfg.ngram_model.table.features, "temperature"]
-    optional = ["prev_accept", "mean_accept"]  # kept (in this order) where validation NLL drops
+    optional = list(cfg.context.candidates)  # kept (in this order) where validation NLL drops
     assert tables.feature_names("ngram")[n_feats + 1:] == [n for n in optional if n in tables.feature_names("ngram")]
     assert tables.feature_names("model")[:2] == ["conf", "temperature"]
     trials = tables.meta["chains"]["model"]["context_trials"]  # each optional axis' validation NLLs
-    assert set(trials) == {"prev_accept", "mean_accept"} and set(trials["mean_accept"]) == {"val_nll_without",
+    assert set(trials) == set(optional) and set(trials["mean_accept"]) == {"val_nll_without",
                                                                                             "val_nll_with"}
     assert (out / "reliability_test.png").exists() and (out / "csv" / "fit.csv").exists()
     assert "ECE raw" in (out / "summary.txt").read_text()

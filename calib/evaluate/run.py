@@ -40,7 +40,8 @@ CAL_COLS = ["bank", "drafter", "variant", "category", "n", "ece", "ece_ci", "ece
 LEN_COLS = ["bank", "drafter", "variant", "temperature", "category", "n", "predicted_mean", "actual_mean", "bias", "mae", "pearson"]
 SLICE_COLS = ["temperature", "chain", "category", "bank", "rounds", "actual_mean", "prompts", "actual_ci",
               "predicted_calibrated", "error_calibrated", "within_noise", "predicted_raw", "error_raw", "flag"]
-POOLED_COLS = ["temperature", "chain", "banks", "n", "ece_raw", "ece_calibrated", "target_met"]
+POOLED_COLS = ["temperature", "chain", "banks", "n", "ece_raw", "ece_calibrated", "ece_if_calibrated",
+               "ece_if_calibrated_q95", "within_noise", "target_met"]
 TEMP_PIC = "reliability_temperature_"  # file prefix of the per-temperature reliability figures
 log = logging.getLogger("calib.eval")
 # What marks a folder as an earlier eval.py output (replaced only with overwrite=true).
@@ -227,13 +228,18 @@ def _pooled_section(pooled) -> list[str]:
     if not pooled:
         return []
     met = sum(r["target_met"] for r in pooled)
+    noise = sum(bool(r.get("within_noise")) for r in pooled)
     L = ["## Calibration pooled per (temperature, chain)", "",
          (f"{met} of {len(pooled)} (temperature, chain) pools meet the target (calibrated ECE ≤ "
           f"{POOLED_ECE_MAX:g} and not above raw where the chain has a raw confidence). Every bank's scored test "
           "samples of that temperature and chain are pooled (the n-gram chain of a model-drafter bank is its "
-          "counterfactual chain); same equal-width ECE and bins as the rows below."), ""]
+          "counterfactual chain); same equal-width ECE and bins as the rows below. `ece_if_calibrated` "
+          "(mean, 95th percentile) is the ECE a perfectly calibrated predictor with the same predictions shows "
+          "at this sample size (labels drawn from the predictions): plug-in ECE is biased upward, so a pool "
+          f"at or below that percentile is within noise ({noise} of {len(pooled)} are)."), ""]
     rows = [{**r, "temperature": "?" if r["temperature"] is None else f"{r['temperature']:g}",
-             "banks": ", ".join(r["banks"]), "target_met": "yes" if r["target_met"] else "**no**"} for r in pooled]
+             "banks": ", ".join(r["banks"]), "target_met": "yes" if r["target_met"] else "**no**",
+             "within_noise": "yes" if r.get("within_noise") else "no"} for r in pooled]
     L += [table(rows, POOLED_COLS), ""]
     return L
 

@@ -88,6 +88,8 @@ def test_round_context_orders_a_requests_rounds():
     assert np.array_equal(ctx["prev_accept"], [2, np.nan, 1, np.nan, np.nan], equal_nan=True)
     # running mean over the request's earlier rounds: round 2 of prompt 0 turn 0 saw accepts 1 and 2
     assert np.array_equal(ctx["mean_accept"], [1.5, np.nan, 1, np.nan, np.nan], equal_nan=True)
+    # position: tokens emitted by the request's earlier rounds (accepted + 1 each), 0 in its first
+    assert np.array_equal(ctx["position"], [5, 0, 2, 0, 0])
     assert np.allclose(ctx["temperature"], 0.8)
 
 
