@@ -31,7 +31,7 @@ from calib.chains import ChainKind, chain, chains, context_axes, context_spec, r
 from calib.labels import prompt_split
 from calib.metrics import auroc, brier, ece, nll
 from calib.tables import GridTables, save
-from calib.tables.export import encode_chain, table_predict
+from calib.tables.export import chain_forecast, encode_chain, table_predict
 from calib.tables.io import META, TENSORS, bank_fingerprint
 from calib.tracking import make_tracker
 
@@ -327,6 +327,7 @@ def _fit_and_export_tracked(cfg: dict, bank, tracker, stage: Path, out_dir: Path
             per_depth = _per_depth(te, table_predict(table, te[axes], te.depth), n_depths, kind.confidence)
             chain_meta["val"] = _per_depth(va, table_predict(table, va[axes], va.depth), n_depths, kind.confidence)
             chain_meta["test"] = per_depth
+            chain_meta["forecast"] = chain_forecast(table, tr, context_axes(chain_cfg), n_depths)
             rounds = _round_predictions(bank, set(zip(te.category, te.prompt_idx)), table, kind)
             chain_meta["accept_length_test"] = {
                 "actual_mean": float(rounds.accept.mean()), "raw_predicted_mean": float(rounds.raw.mean()),

@@ -10,6 +10,7 @@ switches on with ``TRITON_INTERPRET=1`` before triton is first imported (nothing
 """
 
 from calib.allocate.api import MAX_CHAINS, Allocation, allocate, allocate_probs, check_cost
+from calib.allocate.draft import DraftPlan, forecast_probs, plan_draft
 from calib.allocate.reference import SCALE
 from calib.allocate.tables import AcceptanceTables, ChainTable, GridTables
 from calib.chains import NO_CHAIN
@@ -20,9 +21,12 @@ __all__ = [
     "SCALE",
     "AcceptanceTables",
     "Allocation",
+    "DraftPlan",
     "ChainTable",
     "GridTables",
     "allocate",
     "allocate_probs",
     "check_cost",
+    "forecast_probs",
+    "plan_draft",
 ]

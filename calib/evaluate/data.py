@@ -39,6 +39,9 @@ class Chain:
     acc: np.ndarray  # [R, K] float
     p_cal: np.ndarray | None = None  # [R, K] calibrated P(accept | reached), NaN = no token
     p_raw: np.ndarray | None = None  # [R, K] raw confidence (model drafter only)
+    # [R, K] the tables' forecast of P(accept | reached) per depth in the round's context cell, known
+    # before the chain is drafted (calib.allocate.draft.forecast_probs); None where the tables hold none
+    p_forecast: np.ndarray | None = None
 
     @property
     def labelled(self) -> np.ndarray:
@@ -78,7 +81,8 @@ class EvalBank:
 
     def subset(self, mask: np.ndarray) -> EvalBank:
         chains = {k: Chain(c.drafter, c.acc[mask], None if c.p_cal is None else c.p_cal[mask],
-                           None if c.p_raw is None else c.p_raw[mask]) for k, c in self.chains.items()}
+                           None if c.p_raw is None else c.p_raw[mask],
+                           None if c.p_forecast is None else c.p_forecast[mask]) for k, c in self.chains.items()}
         return EvalBank(self.name, self.path, self.category[mask], self.prompt_idx[mask], self.split[mask],
                         chains, self.primary, self.temperature, self.seen, self.scope, list(self.notes),
                         None if self.round_temperature is None else self.round_temperature[mask])
@@ -161,23 +165,39 @@ def load_eval_bank(path, tables, fractions=(0.7, 0.15, 0.15), seed: int = 0, nam
         data = round_inputs(kind, t, tables.feature_names(kind.name) if calibrated else None)
         if data is None:
             continue
-        p_cal = None
+        p_cal = p_forecast = None
         if calibrated:
             p_cal = tables.accept_prob(kind.name, torch.from_numpy(data.inputs)).numpy().astype(np.float64)
             p_cal[np.isnan(data.acc)] = np.nan  # nothing to score or verify there
-        found[kind.name] = Chain(kind.name, data.acc, p_cal, data.raw)
+            p_forecast = _forecast(tables, kind.name, data.inputs)
+        found[kind.name] = Chain(kind.name, data.acc, p_cal, data.raw, p_forecast)
     if not found:
         raise ValueError(f"{path}: no confidences and no ngram.parquet: nothing to calibrate")
     primary = _primary(bank, found)
     # The verified chain's labels are acceptance.parquet's; the other chains' (the counterfactual
     # n-gram chain of a model-drafter bank) exist only beside a chain with raw confidences.
     verified = found[primary]
-    chain_set = {primary: Chain(primary, acc, verified.p_cal, verified.p_raw)}
+    chain_set = {primary: Chain(primary, acc, verified.p_cal, verified.p_raw, verified.p_forecast)}
     if verified.p_raw is not None:
         chain_set = {n: (chain_set[primary] if n == primary else c) for n, c in found.items()}
     if name is None:  # runs/banks/<name>/bank -> <name>
         name = Path(path).parent.name if Path(path).name == "bank" else Path(path).name
     return EvalBank(name, Path(path), cats, pidx, split, chain_set, primary, temp, seen, scope, notes, temps)
+
+
+def _forecast(tables, name: str, inputs: np.ndarray) -> np.ndarray | None:
+    """The tables' forecast [R, K] of chain ``name`` for rounds whose table inputs are ``inputs`` [R, K, A]
+    (the context axes are the inputs' columns of the forecast's axis names; equal over depths)."""
+    from calib.allocate.draft import forecast_probs
+
+    meta = tables.meta["chains"][name].get("forecast")
+    if meta is None:
+        return None
+    names = tables.feature_names(name)
+    cols = [names.index(a["name"]) for a in meta["axes"]]
+    context = inputs[:, 0, cols].astype(np.float64) if cols else None
+    out = forecast_probs(tables, name, context, depths=inputs.shape[1]).numpy().astype(np.float64)
+    return out if context is not None else np.repeat(out, inputs.shape[0], axis=0)
 
 
 def _primary(bank: Bank, found: dict[str, Chain]) -> str:

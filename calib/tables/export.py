@@ -216,3 +216,35 @@ def table_predict(table: ChainTable, inputs, depth) -> np.ndarray:
         row = ChainTable(table.axes, table.grid[min(int(d), table.depths - 1)][None, :], table.edges, table.strides)
         out[m] = row.lookup(x[torch.from_numpy(m)][:, None, :])[:, 0].double().numpy()
     return out
+
+
+def chain_forecast(table: ChainTable, samples: pd.DataFrame, ctx_axes, n_depths: int) -> dict:
+    """tables.json ``chains.<name>.forecast``: the calibrated acceptance a chain's table gives, on average,
+    at each depth in each context cell, over the training ``samples`` that reached that depth (what an
+    engine can expect of the chain's next token before drafting it; :mod:`calib.allocate.draft`).
+
+    Returns ``{"axes": the context axes (json), "values": [D][cells], "samples": [D][cells]}``; a
+    (depth, cell) no sample reached takes the depth's mean over every cell (then the shallower depth's).
+    """
+    from calib.calibrators.context import context_cells
+
+    names = [a.name for a in table.axes]
+    p = table_predict(table, samples[names], samples.depth)
+    edges = [list(a.edges) for a in ctx_axes]
+    n_cells = int(np.prod([len(e) + 1 for e in edges])) if edges else 1
+    cells = (context_cells(samples[[a.name for a in ctx_axes]].to_numpy(np.float64), edges) if edges
+             else np.zeros(len(samples), dtype=np.int64))
+    depth = samples.depth.to_numpy()
+    values = np.full((n_depths, n_cells), np.nan)
+    counts = np.zeros((n_depths, n_cells), dtype=np.int64)
+    for d in range(n_depths):
+        m = depth == d
+        n = np.bincount(cells[m], minlength=n_cells)
+        s = np.bincount(cells[m], weights=p[m], minlength=n_cells)
+        counts[d] = n
+        with np.errstate(invalid="ignore", divide="ignore"):
+            values[d] = np.where(n > 0, s / np.maximum(n, 1), p[m].mean() if m.any() else np.nan)
+        if np.isnan(values[d]).all():
+            values[d] = values[d - 1] if d else 0.0
+    return {"axes": [a.to_json() for a in ctx_axes], "values": np.round(values, 6).tolist(),
+            "samples": counts.tolist()}
