@@ -166,3 +166,29 @@ def ladder(rows, bank: str, cost_model: str, path) -> Path:
     axes[0, -1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
     fig.suptitle(f"Policy ladder — {bank}, cost curve: {cost_model} (goodput as a ratio to the best fixed γ)", y=1.03)
     return _save(fig, path)
+
+
+def answer(answer_rows, path) -> Path | None:
+    """The report's *Answer* as bars: goodput of the best calib policy / the best peer per (bank, cost curve),
+    mean over batch sizes on category ``all``, with the minimum over every (category, B) as a marker. None
+    when no pair has both camps."""
+    rows = [a for a in answer_rows if a.get("ratio_mean") is not None]
+    if not rows:
+        return None
+    x = np.arange(len(rows))
+    fig, ax = plt.subplots(figsize=(max(4.0, 1.7 * len(rows) + 1.5), 4.0))
+    ax.bar(x, [a["ratio_mean"] for a in rows], width=0.6,
+           color=["tab:blue" if a["ratio_mean"] > 1 else "tab:red" for a in rows], label="mean over B (all)")
+    mins = [a["ratio_min"] if a.get("ratio_min") is not None else np.nan for a in rows]
+    ax.scatter(x, mins, color="k", marker="v", zorder=3, label="min over (category, B)")
+    ax.axhline(1.0, color="k", lw=0.8, ls="--")
+    ax.set_xticks(x)
+    ax.set_xticklabels([f"{a['bank']}\n{a['cost_model']}\n{a['calib_policy']}\n/ {a['peer_policy']}" for a in rows],
+                       fontsize=7)
+    vals = [a["ratio_mean"] for a in rows] + [m for m in mins if np.isfinite(m)] + [1.0]
+    ax.set_ylim(max(0.0, min(vals) - 0.05), max(vals) + 0.05)
+    ax.set_ylabel("goodput: best calib / best peer")
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=7, loc="lower right")
+    ax.set_title("Answer: calib's best policy against the best peer", fontsize=10)
+    return _save(fig, path)

@@ -5,7 +5,8 @@ computes what a config asks for), :class:`~calib.evaluate.replay.ReplayConfig`'s
 ``replay.policies`` (so an unknown name in ``conf/eval.yaml`` or on the command line is refused with
 the registered names), the ladder plot's bar order and colours (:mod:`calib.evaluate.plots`), the
 report's ladder tables, its policy list and its "below ``no_spec``" explanations
-(:mod:`calib.evaluate.report`, :mod:`calib.evaluate.run`). Adding a policy is one
+(:mod:`calib.evaluate.report`, :mod:`calib.evaluate.run`), and the report's *Answer*, which pits the best
+policy of camp ``calib`` against the best of camp ``peer`` (:attr:`Policy.camp`, :func:`camp_of`). Adding a policy is one
 :func:`register_policy` call (plus its name in ``replay.policies`` to run it by default).
 
 Two kinds of policy:
@@ -31,6 +32,17 @@ from typing import NamedTuple, TypedDict
 import numpy as np
 
 KINDS = ("step", "hindsight")
+# Which side of the report's *Answer* a policy is on (:attr:`Policy.camp`): ``calib`` = calib's own policies
+# (signal-driven allocators on the calibrated tables), ``peer`` = what a user could run instead (the
+# engine's own policies), ``reference`` = bounds and building blocks (no_spec, the fixed family, oracle).
+CAMPS = ("calib", "peer", "reference")
+# The camp of a registered policy that does not set one (``camp=None``): a fallback for policies whose
+# register_policy call predates the camp field; any other name is ``reference`` (left out of the Answer).
+CAMP_DEFAULTS = {
+    "no_spec": "reference", "fixed": "reference", "oracle": "reference",
+    "best_fixed": "peer", "homogeneous": "peer", "vllm_dsd": "peer", "vllm_adaptive": "peer",
+    "gated_uniform": "calib", "ragged_raw": "calib", "ragged_calibrated": "calib", "two_drafter": "calib",
+}
 BASE_TOTALS = ("tokens", "cost", "positions", "steps", "rounds")  # every Totals has these; the rest are extras
 
 
@@ -72,6 +84,9 @@ class Policy:
         family: the policy is a family of rows ``<name>_<x>`` (``fixed`` -> ``fixed_1`` .. ``fixed_K``).
         plot: drawn in the ladder plot (a family's many rows are not).
         pooled_extra: extras of its rows carried into category ``all`` (a family's constant ``gamma``).
+        camp: ``"calib"``, ``"peer"`` or ``"reference"`` (see :data:`CAMPS`): the report's *Answer* pits the
+            best ``calib`` policy against the best ``peer``. None: :data:`CAMP_DEFAULTS` by name, else
+            ``reference``; read it through :func:`camp_of`.
     """
 
     name: str
@@ -85,6 +100,7 @@ class Policy:
     family: bool = False
     plot: bool = True
     pooled_extra: tuple[str, ...] = ()
+    camp: str | None = None
 
     def __post_init__(self) -> None:
         if not self.name or not self.name.replace("_", "").isalnum():
@@ -93,6 +109,8 @@ class Policy:
             raise ValueError(f"Policy {self.name!r}: kind={self.kind!r} is invalid; it must be one of {list(KINDS)}")
         if not callable(self.compute):
             raise TypeError(f"Policy {self.name!r}: compute must be callable")
+        if self.camp is not None and self.camp not in CAMPS:
+            raise ValueError(f"Policy {self.name!r}: camp={self.camp!r} is invalid; it must be one of {list(CAMPS)}")
         if "\n" in self.explanation or "\n" in self.below_no_spec:
             raise ValueError(f"Policy {self.name!r}: explanation and below_no_spec are one line each")
 
@@ -155,6 +173,16 @@ def policy_of_row(row: str) -> Policy | None:
         if p.owns(row):
             return p
     return None
+
+
+def camp_of(p: Policy | str | None) -> str:
+    """The camp of a policy (or of a registered policy's name): its own ``camp``, else
+    :data:`CAMP_DEFAULTS`, else ``"reference"``; None (a row no policy owns) is ``"reference"``."""
+    if isinstance(p, str):
+        p = policy(p)
+    if p is None:
+        return "reference"
+    return p.camp if p.camp is not None else CAMP_DEFAULTS.get(p.name, "reference")
 
 
 def display_order() -> tuple[Policy, ...]:

@@ -440,49 +440,50 @@ def _vllm_dsd(rows: dict, pooled: dict) -> dict:
     return {**chosen, "gamma": table_k}
 
 
-register_policy(Policy("no_spec", 10, "0.6", "verify nothing; one token per request per pass", _no_spec))
+register_policy(Policy("no_spec", 10, "0.6", "verify nothing; one token per request per pass", _no_spec,
+                       camp="reference"))
 register_policy(Policy(
     "fixed", 90, None, "every request verifies min(γ, drafted) tokens and pays γ draft passes (rows fixed_<γ>)",
-    _fixed, family=True, plot=False, pooled_extra=("gamma",),
+    _fixed, family=True, plot=False, pooled_extra=("gamma",), camp="reference",
     below_no_spec="verifies γ tokens for every request whatever its odds: where acceptance is low or the "
                   "per-position cost is high, the extra positions cost more than the tokens they bring "
                   "(`best_fixed` includes γ = 0, i.e. no_spec)"))
 register_policy(Policy(
     "homogeneous", 30, "tab:olive", "one γ for every step, from the primary chain's mean acceptance curve on the "
-    "training split (the goodput rule on one representative request)", _homogeneous,
+    "training split (the goodput rule on one representative request)", _homogeneous, camp="peer",
     below_no_spec="γ comes from the training split's pooled acceptance curve (both categories), not this "
                   "category's"))
 register_policy(Policy(
     "gated_uniform", 40, "tab:cyan", "one γ per step from that step's mean calibrated survival curve; pays K "
-    "draft passes first", _gated_uniform,
+    "draft passes first", _gated_uniform, camp="calib",
     below_no_spec="pays for K draft passes to read the signal before choosing a uniform γ"))
 register_policy(Policy(
     "ragged_raw", 50, "tab:red", "allocator (goodput rule) per request on the drafter's raw confidences (model "
-    "chain only); pays K draft passes first", _ragged_raw,
+    "chain only); pays K draft passes first", _ragged_raw, camp="calib",
     below_no_spec="raw confidences are mis-calibrated, so the goodput rule buys positions that do not pay; it "
                   "also pays for K draft passes"))
 register_policy(Policy(
     "ragged_calibrated", 60, "tab:blue", "allocator per request on the calibrated tables; pays K draft passes "
-    "first", _ragged_calibrated,
+    "first", _ragged_calibrated, camp="calib",
     below_no_spec="pays for K draft passes before deciding (sunk drafter cost); it can verify nothing but "
                   "cannot refund the drafting"))
 register_policy(Policy(
     "two_drafter", 70, "tab:purple", "allocator per request over the calibrated model and n-gram chains (banks "
-    "that have both); pays K model-draft passes first", _two_drafter,
+    "that have both); pays K model-draft passes first", _two_drafter, camp="calib",
     below_no_spec="pays for K model-draft passes before deciding"))
 register_policy(Policy(
     "oracle", 80, "k", "allocator on the actual accept masks, also choosing per step in hindsight how many draft "
-    "passes to pay (0..K): a bound on every policy, step by step", _oracle,
+    "passes to pay (0..K): a bound on every policy, step by step", _oracle, camp="reference",
     below_no_spec="pays drafting it cannot avoid"))
 REFERENCE = register_policy(Policy(
     "best_fixed", 20, "0.35", "the fixed γ (0 = no_spec included) with the best goodput in hindsight per (bank, "
     "category, B, cost curve): the best static policy, and every row's reference", _best_fixed,
-    kind="hindsight", needs=("no_spec", "fixed"))).name
+    kind="hindsight", needs=("no_spec", "fixed"), camp="peer")).name
 register_policy(Policy(
     "vllm_dsd", 25, "tab:green", "vLLM Dynamic SD (num_speculative_tokens_per_batch_size): one K per batch size, "
     "the best in hindsight over both categories pooled (a deployment does not know the category) — on "
     "category `all` it is best_fixed; on a category row it is at most best_fixed, which picks γ per category",
-    _vllm_dsd, kind="hindsight", needs=("no_spec", "fixed"),
+    _vllm_dsd, kind="hindsight", needs=("no_spec", "fixed"), camp="peer",
     below_no_spec="one K per batch size for every category: a K that pays on the pooled stream can lose on "
                   "the category with the lower acceptance"))
 

@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 
 from calib.atomic import write_text_atomic
-from calib.evaluate.policies import display_order, policy_of_row, row_order
+from calib.evaluate.policies import camp_of, display_order, policy_of_row, row_order
 
 
 def _clean(x):
@@ -182,3 +182,131 @@ def policy_lines(ladder) -> list[str]:
     present = {r["policy"] for r in ladder}
     return [f"- `{p.name + '_*' if p.family else p.name}`: {p.explanation}"
             for p in display_order() if any(p.owns(n) for n in present)]
+
+
+# --- the Answer: best calib policy against the best peer, per (bank, cost curve) -------------------------
+
+ANSWER_COLS = ["bank", "cost_model", "calib_policy", "calib_vs_best_fixed_mean", "calib_worst", "peer_policy",
+               "peer_vs_best_fixed_mean", "ratio_mean", "ratio_min", "ratio_min_at", "oracle_vs_peer_mean"]
+ANSWER_HEADERS = ["bank", "cost", "best calib", "calib / best_fixed (mean B)", "calib worst (setting)",
+                  "best peer", "peer / best_fixed (mean B)", "**calib / peer** (mean B)", "calib / peer (min)",
+                  "min at", "oracle / peer (mean B)"]
+
+
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def _mean(v):
+    return sum(v) / len(v) if v else None
+
+
+def answer_rows(ladder) -> list[dict]:
+    """Per (bank, cost curve), in ladder order: the best ``calib`` policy against the best ``peer`` (camps
+    from the registry, :func:`calib.evaluate.policies.camp_of`).
+
+    Best = highest mean over batch sizes of ``vs_best_fixed`` on category ``all`` (ties: the first in
+    display order). Per row: ``calib_policy``/``peer_policy``, their ``*_vs_best_fixed_mean``; the calib
+    policy's lowest ``vs_best_fixed`` over every (category, B) (``calib_vs_best_fixed_min`` at
+    ``calib_min_category``/``calib_min_batch_size``); ``ratio_mean`` = mean over B of goodput calib / peer
+    on ``all``; ``ratio_min`` = the lowest goodput ratio over every (category, B) both have (at
+    ``ratio_min_category``/``ratio_min_batch_size``); ``oracle_vs_peer_mean`` = mean over B of oracle /
+    peer goodput on ``all`` (the headroom left); ``calib_beats_peer`` = ``ratio_mean > 1``. A camp with
+    no rows in the pair leaves its fields None."""
+    pairs: dict[tuple, list] = {}
+    for r in ladder:
+        pairs.setdefault((r["bank"], r["cost_model"]), []).append(r)
+    return [_answer_pair(bank, cm, rows) for (bank, cm), rows in pairs.items()]
+
+
+def _answer_pair(bank: str, cm: str, rows: list[dict]) -> dict:
+    """:func:`answer_rows`' row for one (bank, cost curve)'s ladder rows."""
+    gp = {(r["category"], r["batch_size"], r["policy"]): r["goodput"] for r in rows}
+    vbf = {(r["category"], r["batch_size"], r["policy"]): r["vs_best_fixed"] for r in rows}
+    names = row_order(rows)
+    camp = {n: camp_of(policy_of_row(n)) for n in names}
+    bs = sorted({r["batch_size"] for r in rows})
+
+    def mean_all(n):
+        return _mean([vbf[("all", b, n)] for b in bs if _finite(vbf.get(("all", b, n)))])
+
+    def best(c):
+        cands = [(n, m) for n in names if camp[n] == c and (m := mean_all(n)) is not None]
+        return max(cands, key=lambda t: t[1])[0] if cands else None  # max keeps the first of equals
+
+    cal, peer = best("calib"), best("peer")
+    row = {"bank": bank, "cost_model": cm, "unit": rows[0].get("unit"), "batch_sizes": bs,
+           "calib_policy": cal, "calib_vs_best_fixed_mean": mean_all(cal) if cal else None,
+           "calib_vs_best_fixed_min": None, "calib_min_category": None, "calib_min_batch_size": None,
+           "peer_policy": peer, "peer_vs_best_fixed_mean": mean_all(peer) if peer else None,
+           "ratio_mean": None, "ratio_min": None, "ratio_min_category": None, "ratio_min_batch_size": None,
+           "oracle_vs_peer_mean": None, "calib_beats_peer": None,
+           "calib_camp": [n for n in names if camp[n] == "calib"],
+           "peer_camp": [n for n in names if camp[n] == "peer"]}
+    if cal:
+        worst = [(v, c, b) for (c, b, n), v in vbf.items() if n == cal and _finite(v)]
+        if worst:
+            v, c, b = min(worst, key=lambda t: t[0])
+            row.update(calib_vs_best_fixed_min=v, calib_min_category=c, calib_min_batch_size=b)
+    if cal and peer:
+        ratio = {(c, b): g / gp[(c, b, peer)] for (c, b, n), g in gp.items()
+                 if n == cal and _finite(gp.get((c, b, peer))) and gp[(c, b, peer)] > 0 and _finite(g)}
+        row["ratio_mean"] = _mean([ratio[("all", b)] for b in bs if ("all", b) in ratio])
+        if ratio:
+            (c, b), v = min(ratio.items(), key=lambda t: t[1])
+            row.update(ratio_min=v, ratio_min_category=c, ratio_min_batch_size=b)
+        row["calib_beats_peer"] = None if row["ratio_mean"] is None else bool(row["ratio_mean"] > 1)
+    if peer:
+        row["oracle_vs_peer_mean"] = _mean([gp[("all", b, "oracle")] / gp[("all", b, peer)] for b in bs
+                                            if _finite(gp.get(("all", b, "oracle")))
+                                            and _finite(gp.get(("all", b, peer))) and gp[("all", b, peer)] > 0])
+    return row
+
+
+def answer_verdict(answer) -> str:
+    """One sentence: in how many (bank, cost) pairs calib's best beats the best peer, and the worst setting."""
+    scored = [a for a in answer if a["calib_beats_peer"] is not None]
+    if not scored:
+        return "**No (bank, cost) pair has both a calib and a peer policy to compare.**"
+    wins = sum(a["calib_beats_peer"] for a in scored)
+    everywhere = sum(a["ratio_min"] is not None and a["ratio_min"] >= 1 for a in scored)
+    w = min((a for a in scored if a["ratio_min"] is not None), key=lambda a: a["ratio_min"], default=None)
+    s = (f"**calib beats the best peer in {wins} of {len(scored)} (bank, cost) pairs** (mean over B of the goodput "
+         f"ratio on category `all`); it is at least the peer in every (category, B) in {everywhere} of them")
+    if w is not None:
+        s += (f"; worst setting: calib / peer = {w['ratio_min']:.3f} (`{w['calib_policy']}` vs `{w['peer_policy']}`, "
+              f"`{w['bank']}`, cost `{w['cost_model']}`, {w['ratio_min_category']}, B={w['ratio_min_batch_size']})")
+    missing = [a for a in answer if a["calib_beats_peer"] is None]
+    if missing:
+        s += "; not compared (a camp has no rows): " + ", ".join(f"`{a['bank']}`/`{a['cost_model']}`" for a in missing)
+    return s + "."
+
+
+def answer_lines(answer, picture: str | None = None) -> list[str]:
+    """The report's first section: the verdict, the table, what the columns mean, the figure."""
+    L = ["## Answer", "", answer_verdict(answer), ""]
+    rows = [{**a, "calib_worst": (f"{_f(a['calib_vs_best_fixed_min'])} ({a['calib_min_category']}, "
+                                  f"B={a['calib_min_batch_size']})" if a["calib_vs_best_fixed_min"] is not None else None),
+             "ratio_min_at": (f"{a['ratio_min_category']}, B={a['ratio_min_batch_size']}"
+                              if a["ratio_min"] is not None else None),
+             "calib_policy": f"`{a['calib_policy']}`" if a["calib_policy"] else None,
+             "peer_policy": f"`{a['peer_policy']}`" if a["peer_policy"] else None} for a in answer]
+    L.append(table(rows, ANSWER_COLS, ANSWER_HEADERS))
+    camps = {}
+    for a in answer:
+        for c in ("calib", "peer"):
+            camps.setdefault(c, [])
+            camps[c] += [n for n in a[f"{c}_camp"] if n not in camps[c]]
+    L += ["", ("Best = highest goodput / best_fixed on category `all`, averaged over the batch sizes B; the "
+               "ratios are goodput ratios per (category, B) setting of the replay below: mean over B on `all`, "
+               "min over every (category, B). `calib worst` = the calib policy's lowest goodput / best_fixed "
+               "over every (category, B). oracle / peer = the headroom left above the best peer. Camps come from "
+               "the policy registry (`Policy.camp`): calib = "
+               + (", ".join(f"`{n}`" for n in camps.get("calib", [])) or "none")
+               + "; peer (what a user could run instead) = "
+               + (", ".join(f"`{n}`" for n in camps.get("peer", [])) or "none")
+               + ". `best_fixed` picks its γ in hindsight per setting, so it is an upper bound on any fixed γ a "
+                 "user would deploy."), ""]
+    if picture:
+        L += [f"![answer]({picture})", ""]
+    return L

@@ -25,6 +25,8 @@ from calib.evaluate.replay import ReplayConfig, replay
 from calib.evaluate.report import (
     SLICE_MAX_ERROR,
     SLICE_MIN_ROUNDS,
+    answer_lines,
+    answer_rows,
     ladder_notes,
     ladder_policy_rows,
     length_headline,
@@ -134,6 +136,8 @@ def _evaluate(cfg: DictConfig, out: Path) -> dict:
         for c in curves:
             pics.append(plots.ladder(ladder, b.name, c, out / f"ladder_{b.name}_{c}.png"))
 
+    answer = answer_rows(ladder)
+    answer_pic = plots.answer(answer, out / "answer.png")
     notes = ladder_notes(ladder)
     elapsed = time.perf_counter() - t0
     slices = length_slices(length, noise=noise)
@@ -145,10 +149,11 @@ def _evaluate(cfg: DictConfig, out: Path) -> dict:
                                                                         "ngram_features", "banks")}},
                "banks": [{"name": b.name, "path": str(b.path), "evaluated": b.scope, "seen_in_training": b.seen,
                           "notes": b.notes} for b in banks],
-               "runtime_s": {"total": elapsed, "replay": replay_s}}
+               "runtime_s": {"total": elapsed, "replay": replay_s}, "answer": answer}
     write_metrics(out / "metrics.json", metrics)
     write_text_atomic(out / "report.md", render_report(banks, cal, length, ladder, notes, curves, rcfg, pics, out,
-                                                  tables, elapsed, slices=slices, pooled=pooled))
+                                                  tables, elapsed, slices=slices, pooled=pooled, answer=answer,
+                                                  answer_pic=answer_pic))
 
     tracker = make_tracker(OmegaConf.to_container(cfg.logger, resolve=True), out,
                            OmegaConf.to_container(cfg, resolve=True), "eval")
@@ -174,13 +179,19 @@ def _evaluate(cfg: DictConfig, out: Path) -> dict:
             key = f"ladder/{r['bank']}/{r['cost_model']}/{r['category']}/B{r['batch_size']}/{r['policy']}"
             scalars[f"{key}/goodput"] = r["goodput"]
             scalars[f"{key}/headroom_captured"] = r["headroom_captured"]
+        for a in answer:
+            for k in ("ratio_mean", "ratio_min", "oracle_vs_peer_mean"):
+                if a[k] is not None:
+                    scalars[f"answer/{a['bank']}/{a['cost_model']}/{k}"] = a[k]
         tracker.log({k: v for k, v in scalars.items() if v is not None and np.isfinite(v)})
         tracker.log_table("calibration", [{**r, "depth": str(r["depth"])} for r in cal])
         tracker.log_table("accept_length", length)
         tracker.log_table("length_slices", slices)
         tracker.log_table("calibration_pooled", pooled)
+        tracker.log_table("answer", [{k: (", ".join(map(str, v)) if isinstance(v, list) else v) for k, v in a.items()}
+                                     for a in answer])
         tracker.log_table("ladder", [{k: v for k, v in r.items() if not k.startswith("_")} for r in ladder])
-        for p in pics:
+        for p in pics + ([answer_pic] if answer_pic else []):
             tracker.log_image(f"eval/{Path(p).stem}", p)
     finally:
         tracker.finish()  # before publishing: the tracker's files are part of the unit
@@ -245,8 +256,11 @@ def _pooled_section(pooled) -> list[str]:
 
 
 def render_report(banks, cal, length, ladder, notes, curves, rcfg, pics, out, tables, elapsed, slices=None,
-                  pooled=None) -> str:
+                  pooled=None, answer=None, answer_pic=None) -> str:
     L = ["# Evaluation report", ""]
+    # the answer first: calib's best policy against the best peer per (bank, cost curve)
+    L += answer_lines(answer_rows(ladder) if answer is None else answer,
+                      str(Path(answer_pic).relative_to(out)) if answer_pic else None)
     slices = length_slices(length) if slices is None else slices
     L += [length_headline(slices), ""]
     L.append(f"Tables: `{tables.meta.get('git_commit') or '?'}` ({', '.join(tables.meta.get('chains', {}))}). "

@@ -41,6 +41,30 @@ def test_eval_compose_run(tmp_path):
                                           "ragged_raw", "ragged_calibrated", "two_drafter", "oracle"}
     report = (out / "report.md").read_text()
     assert "Policy ladder" in report and "reliability_" in report
+    # the report leads with its answer: right after the title, before the headline and every other table
+    assert report.splitlines()[:3] == ["# Evaluation report", "", "## Answer"]
+    sections = [ln for ln in report.splitlines() if ln.startswith("## ")]
+    assert sections[0] == "## Answer" and report.index("## Answer") < report.index("Accepted length")
+    assert "![answer](answer.png)" in report and (out / "answer.png").exists()
+    # metrics.json's answer: one row per (bank, cost curve), its ratios recomputed from the ladder rows
+    from calib.evaluate.policies import camp_of, policy_of_row
+
+    assert [(a["bank"], a["cost_model"]) for a in m["answer"]] == [(lad[0]["bank"], c)
+                                                                  for c in ("parametric", "measured")]
+    for a in m["answer"]:
+        rows = [r for r in lad if r["bank"] == a["bank"] and r["cost_model"] == a["cost_model"]]
+        at = {(r["category"], r["batch_size"], r["policy"]): r for r in rows}
+        mean_all = {n: sum(at[("all", b, n)]["vs_best_fixed"] for b in (1, 4)) / 2
+                    for n in {r["policy"] for r in rows}}
+        for camp in ("calib", "peer"):
+            best = max(v for n, v in mean_all.items() if camp_of(policy_of_row(n)) == camp)
+            assert mean_all[a[f"{camp}_policy"]] == best and camp_of(a[f"{camp}_policy"]) == camp
+        cal, peer = a["calib_policy"], a["peer_policy"]
+        ratios = {(c, b): r["goodput"] / at[(c, b, peer)]["goodput"] for (c, b, n), r in at.items() if n == cal}
+        assert abs(a["ratio_mean"] - (ratios[("all", 1)] + ratios[("all", 4)]) / 2) <= 1e-12 * a["ratio_mean"]
+        assert a["ratio_min"] == min(ratios.values())
+        assert (a["ratio_min_category"], a["ratio_min_batch_size"]) in ratios
+        assert f"`{cal}`" in report.split("## Answer")[1].split("\n## ")[0]
     assert len(list(out.glob("*.png"))) >= 5
     assert (out / "csv" / "ladder.csv").exists()
 

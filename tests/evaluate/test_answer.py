@@ -1,0 +1,120 @@
+"""The report's *Answer* (issue 14 item 5): per (bank, cost curve) the best calib policy against the best peer,
+camps read from the policy registry. On the hand-made replay bank (SYNTHETIC: four rounds written by hand in
+tests/evaluate/test_replay.py, not engine data). Expected values are recomputed from the same ladder rows, so no
+assertion depends on how a different CPU rounds; orderings hold by construction."""
+
+import math
+
+import pytest
+
+from calib.evaluate import plots, report
+from calib.evaluate.cost import make_curve
+from calib.evaluate.data import load_eval_bank
+from calib.evaluate.policies import CAMPS, Policy, camp_of, policy_of_row, register_policy, unregister_policy
+from calib.evaluate.replay import ReplayConfig, replay
+from tests.evaluate.test_replay import curve, identity_tables, tiny_bank
+
+STEEP = make_curve("parametric", {"kind": "parametric", "weight_read": 1.0, "per_position": 0.3}, 64)
+SUPER = "synthetic_super"  # SYNTHETIC throwaway calib policy: the oracle's steps with 100x the tokens
+
+
+def _super(totals, pooled):
+    o = totals["oracle"]
+    return {**o, "tokens": 100.0 * o["tokens"]}
+
+
+@pytest.fixture
+def bank2(tmp_path):
+    return load_eval_bank(tiny_bank(tmp_path, categories=("chat", "chat", "code", "code")),
+                          identity_tables(tmp_path), fractions=(0, 0, 1))
+
+
+def _ladder(bank, extra=()):
+    cfg = ReplayConfig(batch_sizes=(1, 2), policies=[*ReplayConfig().policies, *extra], min_steps=4, max_steps=4)
+    return replay([bank], {"parametric": curve(), "steep": STEEP}, cfg, progress=False)
+
+
+def _expected(ladder, bank, cm):
+    """The answer row recomputed by hand from the ladder rows."""
+    rows = [r for r in ladder if r["bank"] == bank and r["cost_model"] == cm]
+    at = {(r["category"], r["batch_size"], r["policy"]): r for r in rows}
+    bs = sorted({r["batch_size"] for r in rows})
+
+    def mean_all(n):
+        return sum(at[("all", b, n)]["vs_best_fixed"] for b in bs) / len(bs)
+
+    def best(camp):
+        names = [n for n in report.ladder_policy_rows(rows) if camp_of(policy_of_row(n)) == camp]
+        return max(names, key=mean_all)
+
+    cal, peer = best("calib"), best("peer")
+    ratios = {(c, b): at[(c, b, cal)]["goodput"] / at[(c, b, peer)]["goodput"]
+              for (c, b, n) in at if n == cal and (c, b, peer) in at}
+    return {"calib_policy": cal, "peer_policy": peer,
+            "ratio_mean": sum(ratios[("all", b)] for b in bs) / len(bs), "ratio_min": min(ratios.values()),
+            "oracle_vs_peer_mean": sum(at[("all", b, "oracle")]["goodput"] / at[("all", b, peer)]["goodput"]
+                                       for b in bs) / len(bs)}
+
+
+def test_builtin_camps_come_from_the_registry():
+    assert {camp_of(n) for n in ("gated_uniform", "ragged_raw", "ragged_calibrated", "two_drafter")} == {"calib"}
+    assert {camp_of(n) for n in ("best_fixed", "homogeneous", "vllm_dsd")} == {"peer"}
+    assert {camp_of(n) for n in ("no_spec", "fixed", "oracle")} == {"reference"}
+    assert camp_of(None) == "reference"
+    with pytest.raises(ValueError, match="camp='rival' is invalid"):
+        Policy("x", 1, None, "x", _super, camp="rival")
+    # a policy that sets no camp: the default mapping by name, else reference
+    assert camp_of(Policy("vllm_adaptive", 1, None, "x", _super)) == "peer"
+    assert camp_of(Policy("something_new", 1, None, "x", _super)) == "reference"
+    assert set(CAMPS) == {"calib", "peer", "reference"}
+
+
+def test_answer_rows_match_the_ladder(bank2):
+    ladder = _ladder(bank2)
+    answer = report.answer_rows(ladder)
+    assert [(a["bank"], a["cost_model"]) for a in answer] == [(bank2.name, "parametric"), (bank2.name, "steep")]
+    for a in answer:
+        e = _expected(ladder, a["bank"], a["cost_model"])
+        assert a["calib_policy"] == e["calib_policy"] and a["peer_policy"] == e["peer_policy"]
+        for k in ("ratio_mean", "ratio_min", "oracle_vs_peer_mean"):
+            assert a[k] == pytest.approx(e[k], rel=1e-12)
+        assert a["ratio_min"] <= a["ratio_mean"] + 1e-12
+        assert a["calib_beats_peer"] == (a["ratio_mean"] > 1)
+        assert a["calib_vs_best_fixed_min"] <= a["calib_vs_best_fixed_mean"] + 1e-12
+        assert set(a["calib_camp"]) <= {"gated_uniform", "ragged_raw", "ragged_calibrated", "two_drafter"}
+    lines = report.answer_lines(answer, "answer.png")
+    assert lines[0] == "## Answer" and "(bank, cost) pairs" in lines[2] and "![answer](answer.png)" in lines
+
+
+def test_a_synthetic_calib_policy_with_higher_goodput_becomes_the_answer(bank2, tmp_path):
+    p = register_policy(Policy(SUPER, 65, "tab:pink", "SYNTHETIC throwaway calib policy: the oracle with 100x tokens",
+                               _super, kind="hindsight", needs=("oracle",), camp="calib"))
+    try:
+        ladder = _ladder(bank2, extra=(SUPER,))
+        answer = report.answer_rows(ladder)
+        assert {a["calib_policy"] for a in answer} == {SUPER}
+        assert all(a["calib_beats_peer"] and a["ratio_min"] > 1 for a in answer)
+        assert all(SUPER in a["calib_camp"] and SUPER not in a["peer_camp"] for a in answer)
+        verdict = report.answer_verdict(answer)
+        assert verdict.startswith(f"**calib beats the best peer in {len(answer)} of {len(answer)} (bank, cost) pairs")
+        assert plots.answer(answer, tmp_path / "answer.png").exists()
+        # the same policy registered as a peer is the best peer instead, and calib loses every pair
+        unregister_policy(SUPER)
+        register_policy(Policy(SUPER, 65, "tab:pink", "SYNTHETIC", _super, kind="hindsight", needs=("oracle",),
+                               camp="peer"))
+        answer = report.answer_rows(_ladder(bank2, extra=(SUPER,)))
+        assert {a["peer_policy"] for a in answer} == {SUPER}
+        assert not any(a["calib_beats_peer"] for a in answer)
+    finally:
+        unregister_policy(p.name)
+
+
+def test_answer_without_a_camp_says_so():
+    meta = {"bank": "b", "cost_model": "m", "unit": "u", "batch_size": 1}
+    rows = [{**meta, "category": "all", "policy": n, "goodput": 1.0, "vs_best_fixed": 1.0}
+            for n in ("no_spec", "best_fixed", "oracle")]
+    (a,) = report.answer_rows(rows)
+    assert a["peer_policy"] == "best_fixed" and a["calib_policy"] is None and a["ratio_mean"] is None
+    assert a["oracle_vs_peer_mean"] == 1.0 and not math.isnan(a["peer_vs_best_fixed_mean"])
+    assert "No (bank, cost) pair" in report.answer_verdict([a])
+    assert plots.answer([a], "unused.png") is None
