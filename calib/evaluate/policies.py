@@ -147,6 +147,7 @@ def unregister_policy(name: str) -> None:
 def _builtins() -> None:
     """The built-in policies register when :mod:`calib.evaluate.replay` is imported (they use its helpers)."""
     import calib.evaluate.replay  # noqa: F401
+    import calib.evaluate.peers  # noqa: F401
 
 
 def policies() -> tuple[Policy, ...]:
