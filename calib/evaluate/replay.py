@@ -27,15 +27,17 @@ module; every decision through :func:`calib.allocate.allocate_probs`, the serve-
                        training split (the goodput rule on one representative request)
 ``gated_uniform``      one γ per step from this step's mean calibrated survival curve
 ``ragged_raw``         allocator on raw confidences (model drafter only: n-gram chains have none)
-``ragged_calibrated``  allocator on calibrated tables
-``two_drafter``        allocator on calibrated model + n-gram chains (banks that have both)
+``ragged_calibrated``  draft-aware allocator on calibrated tables (:func:`draft_aware`)
+``two_drafter``        draft-aware allocator on calibrated model + n-gram chains (banks that have both)
 ``oracle``             allocator on the actual accept masks; it also picks in hindsight how many
                        draft passes to pay for (0..K), so it bounds every policy step by step
 =====================  ==============================================================================
 
-Signal-based policies (gated, ragged, two_drafter) must draft the full K-deep chain before they
-can decide; that cost is sunk and is added to the price curve the allocator sees, so its goodput
-rule accounts for it. ``mode: budget`` swaps the goodput rule for a token budget per request.
+``gated_uniform`` and ``ragged_raw`` draft the full K-deep chain before they decide; that cost is
+sunk and is added to the price curve the allocator sees. ``ragged_calibrated`` and ``two_drafter``
+decide before each model draft pass whether it pays (:func:`calib.allocate.plan_draft`, from the
+tables' forecast) and are charged the passes they run. A pass costs the same however many rows
+draft. ``mode: budget`` swaps the goodput rule for a token budget per request (and K passes).
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from calib.allocate import allocate_probs
+from calib.allocate import allocate_probs, plan_draft
 from calib.allocate.api import IMPLEMENTATIONS
 from calib.calibrators.base import Interval, Options, validate_params
 from calib.chains import chain, chain_names
@@ -200,13 +202,14 @@ class StepBatch:
         self.ids = tuple(None if n is None else chain(n).id for n in self.names)
         self.second = bool(others)
         sel = rows[idx]  # [S, B] -> bank row
-        self.acc, self.length, self.p_cal, self.oracle = {}, {}, {}, {}
+        self.acc, self.length, self.p_cal, self.p_forecast, self.oracle = {}, {}, {}, {}, {}
         for name, cid in zip(self.names, self.ids):
             if name is None:
                 continue
             c = bank.chains[name]
             self.acc[cid], self.length[cid] = c.accept[sel], c.length[sel]
             self.p_cal[cid] = None if c.p_cal is None else c.p_cal[sel]
+            self.p_forecast[cid] = None if c.p_forecast is None else c.p_forecast[sel]
             self.oracle[cid] = c.oracle_p()[sel]
         prim = bank.chains[bank.primary]
         self.p_raw = None if prim.p_raw is None else prim.p_raw[sel]
@@ -307,6 +310,52 @@ class Setting:
                                                 "charged_vs_priced": float(charged.sum() / seen.sum())})
 
 
+def draft_aware(s: Setting, p1: np.ndarray, forecast: np.ndarray, p2: np.ndarray | None) -> PolicyResult:
+    """The draft-aware allocator per step (:func:`calib.allocate.plan_draft`): before each primary-chain
+    draft pass the plan decides from the calibrated tokens drafted so far, the tables' forecast of
+    the later depths and the second chain (free to know: drafted before the primary), whether the
+    pass pays; the passes run are charged (one ``draft_cost[primary] · C(B)`` each, however many rows
+    draft), then the allocator verifies what was drafted. Requests the plan does not draft for end
+    their chain there. In budget mode there is no price to weigh a pass against: K passes, as before.
+    """
+    sb, S, B, K = s.sb, s.S, s.B, s.K
+    if s.budget is not None:
+        return s.ragged(p1, p2, s.draft(K, second=p2 is not None))
+    first, second = sb.names
+    pass_cost = s.draft(1)
+    free_cost = s.draft(K, second=True) - s.draft(K) if p2 is not None else 0.0  # the second chain's drafting
+    verify = s.curve.tensor()
+    dr = np.zeros((S, B), np.int64)
+    de = np.zeros((S, B), np.int64)
+    passes = np.zeros(S)
+    for i in range(S):
+        known = np.full((B, K), np.nan, dtype=np.float32)
+        others = {} if p2 is None else {second: torch.from_numpy(np.ascontiguousarray(p2[i], dtype=np.float32))}
+        fc = torch.from_numpy(np.ascontiguousarray(forecast[i], dtype=np.float32))
+        done = 0
+        while done < K:
+            plan = plan_draft({first: torch.from_numpy(known[:, :done].copy()), **others}, fc, cost=verify,
+                              pass_cost=pass_cost, sunk=free_cost + done * pass_cost, chain=first,
+                              impl=s.cfg.impl)
+            if not plan.run_pass:
+                break
+            rows = plan.drafting.numpy()
+            known[rows, done] = p1[i, rows, done]  # the pass drafts these rows' next token (NaN: chain ended)
+            done += 1
+        passes[i] = done
+        extra = free_cost + done * pass_cost
+        dr[i], de[i] = _alloc(known, None if p2 is None else p2[i], s.curve.tensor(extra=extra), None,
+                              s.cfg.impl, sb.names)
+    tok = _committed(sb, dr, de)
+    pos = de.sum(axis=1)
+    extra_cost = free_cost + passes * pass_cost
+    charged = s.curve.charge(de) + extra_cost
+    seen = s.curve(B + pos) + extra_cost
+    return PolicyResult(tok, charged, pos, {
+        "ngram_share": float((dr == s.Q).mean()) if s.Q is not None else 0.0,
+        "charged_vs_priced": float(charged.sum() / seen.sum()), "draft_passes": float(passes.mean())})
+
+
 def replay_setting(sb: StepBatch, curve: CostCurve, cfg: ReplayConfig, train_curve: np.ndarray) -> dict:
     """{row name: :class:`PolicyResult`} of every step policy ``cfg.policies`` asks for, what they and the
     reference ``best_fixed`` need (``no_spec``, ``fixed``), for one setting and one cost curve."""
@@ -364,38 +413,44 @@ def _ragged_raw(s: Setting) -> PolicyResult | None:
 
 
 def _ragged_calibrated(s: Setting) -> PolicyResult | None:
-    p_cal = s.sb.p_cal[s.P]
-    return None if p_cal is None else s.ragged(p_cal, None, s.sunk)
+    p_cal, fc = s.sb.p_cal[s.P], s.sb.p_forecast[s.P]
+    if p_cal is None:
+        return None
+    return s.ragged(p_cal, None, s.sunk) if fc is None else draft_aware(s, p_cal, fc, None)
 
 
 def _two_drafter(s: Setting) -> PolicyResult | None:
     sb = s.sb
     if not (sb.second and sb.p_cal[s.P] is not None and sb.p_cal[s.Q] is not None):
         return None
-    return s.ragged(sb.p_cal[s.P], sb.p_cal[s.Q], s.draft(s.K, second=True))
+    fc = sb.p_forecast[s.P]
+    if fc is None:  # tables without a forecast: draft K, then allocate
+        return s.ragged(sb.p_cal[s.P], sb.p_cal[s.Q], s.draft(s.K, second=True))
+    return draft_aware(s, sb.p_cal[s.P], fc, sb.p_cal[s.Q])
 
 
 def _oracle(s: Setting) -> PolicyResult:
-    """Allocator on the true masks; per step it also chooses in hindsight how many draft passes to
-    pay (0..K) — with a free drafter that is always K. The best per-step goodput is kept."""
-    sb, curve, cfg, draft, budget = s.sb, s.curve, s.cfg, s.draft, s.budget
+    """Allocator on the actual accept masks; per step it also chooses in hindsight how many primary
+    draft passes to pay (0..K; with a free drafter always K). A second chain (the n-gram chain of a
+    model-drafter bank) is drafted without a model pass, so it is available in full whatever the
+    number of passes (its own drafting, ``draft_cost[ngram]``, is paid once). The best per-step goodput
+    is kept."""
+    sb, curve, cfg, budget = s.sb, s.curve, s.cfg, s.budget
     S, B, K = sb.S, sb.B, sb.K
-    free = draft(1, second=sb.second) == 0
+    free = s.draft(1) == 0
     depths_to_try = [K] if (free or budget is not None) else list(range(K + 1))
-    best = (np.full(S, float(B)), np.full(S, curve.values[B]), np.zeros(S))  # γmax = 0: no drafting
+    first, second = sb.ids
+    second_cost = s.draft(K, second=True) - s.draft(K) if sb.second else 0.0
+    best = (np.full(S, float(B)), np.full(S, curve.values[B]), np.zeros(S))  # no drafting at all
     best_gp = best[0] / best[1]
     for gmax in depths_to_try:
-        if gmax == 0:
-            continue
-        extra = draft(gmax, second=sb.second)
+        if gmax == 0 and not sb.second:
+            continue  # no chain to verify: that is the no-drafting start
+        extra = s.draft(gmax) + second_cost
         cost_t = curve.tensor(extra=extra)
-        first, second = sb.ids
         p1 = sb.oracle[first].copy()
         p1[..., gmax:] = np.nan
-        p2 = None
-        if sb.second:
-            p2 = sb.oracle[second].copy()
-            p2[..., gmax:] = np.nan
+        p2 = sb.oracle[second] if sb.second else None
         dr = np.zeros((S, B), np.int64)
         de = np.zeros((S, B), np.int64)
         for i in range(S):
@@ -463,14 +518,15 @@ register_policy(Policy(
     below_no_spec="raw confidences are mis-calibrated, so the goodput rule buys positions that do not pay; it "
                   "also pays for K draft passes"))
 register_policy(Policy(
-    "ragged_calibrated", 60, "tab:blue", "allocator per request on the calibrated tables; pays K draft passes "
-    "first", _ragged_calibrated, camp="calib",
-    below_no_spec="pays for K draft passes before deciding (sunk drafter cost); it can verify nothing but "
-                  "cannot refund the drafting"))
+    "ragged_calibrated", 60, "tab:blue", "draft-aware allocator on the calibrated tables: before each draft "
+    "pass, runs it only if the forecast goodput says it pays; then allocates per request", _ragged_calibrated,
+    camp="calib",
+    below_no_spec="a pass the forecast said would pay can draft tokens the target then rejects; the drafting "
+                  "is not refunded"))
 register_policy(Policy(
-    "two_drafter", 70, "tab:purple", "allocator per request over the calibrated model and n-gram chains (banks "
-    "that have both); pays K model-draft passes first", _two_drafter, camp="calib",
-    below_no_spec="pays for K model-draft passes before deciding"))
+    "two_drafter", 70, "tab:purple", "draft-aware allocator over the calibrated model and n-gram chains (banks "
+    "that have both): the n-gram chain is known first, each model pass runs only if it pays", _two_drafter,
+    camp="calib", below_no_spec="a model pass the forecast said would pay can draft tokens the target rejects"))
 register_policy(Policy(
     "oracle", 80, "k", "allocator on the actual accept masks, also choosing per step in hindsight how many draft "
     "passes to pay (0..K): a bound on every policy, step by step", _oracle, camp="reference",

@@ -233,3 +233,44 @@ def test_parametric_curve_is_checked(cfg, t_max, match):
         make_curve("p", {"kind": "parametric", **cfg}, t_max)
     with pytest.raises(ValueError, match="every verify cost must be finite and positive"):
         CostCurve("direct", np.array([1.0, 1.0, 0.0]), "s")
+
+
+def forecast_tables(tmp_path, forecast=0.9):
+    """identity_tables with a flat forecast of the model chain (SYNTHETIC): what the draft-aware
+    policies read before each pass."""
+    import calib.tables
+
+    old = identity_tables(tmp_path)
+    meta = {k: v for k, v in old.meta.items() if k in ("target_models", "chains")}
+    meta["chains"]["model"]["forecast"] = {"axes": [], "values": [[forecast]] * 3, "samples": [[1]] * 3}
+    save(tmp_path / "forecast_tables", old, meta)
+    return calib.tables.load(tmp_path / "forecast_tables")
+
+
+@pytest.mark.parametrize("forecast, cost, passes", [(0.95, 0.02, None), (0.01, 0.5, 0)])
+def test_draft_aware_policies_pay_the_passes_they_run(tmp_path, forecast, cost, passes):
+    bank = load_eval_bank(tiny_bank(tmp_path), forecast_tables(tmp_path, forecast), fractions=(0, 0, 1))
+    assert bank.chains["model"].p_forecast is not None
+    sb = StepBatch(bank, np.arange(4), np.array([[0, 1, 2, 3]]))
+    res = replay_setting(sb, curve(), ReplayConfig(draft_cost={"model": cost, "ngram": 0.0}), train_mean_curve(bank))
+    c_b = 1.04  # C(B) with B = 4
+    for name in ("ragged_calibrated", "two_drafter"):
+        tok, charged, pos, extra = res[name]
+        run = extra["draft_passes"]
+        assert 0 <= run <= 3 and (passes is None or run == passes)
+        assert float(charged[0]) == pytest.approx(1 + 0.01 * (4 + float(pos[0])) + cost * run * c_b)
+    if passes == 0:  # nothing pays: the model chain is not drafted at all
+        assert float(res["ragged_calibrated"][0][0]) == 4 and float(res["ragged_calibrated"][2][0]) == 0
+
+
+def test_oracle_bounds_the_draft_aware_policies_step_by_step(tmp_path):
+    bank = load_eval_bank(tiny_bank(tmp_path), forecast_tables(tmp_path, 0.7), fractions=(0, 0, 1))
+    rng = np.random.default_rng(0)
+    idx = np.stack([rng.permutation(4) for _ in range(24)])
+    sb = StepBatch(bank, np.arange(4), idx)
+    for cost in (0.0, 0.1, 0.4):
+        res = replay_setting(sb, curve(), ReplayConfig(draft_cost={"model": cost, "ngram": 0.0}),
+                             train_mean_curve(bank))
+        oracle = res["oracle"][0] / res["oracle"][1]
+        for name in ("ragged_calibrated", "two_drafter", "no_spec", "fixed_1", "fixed_3"):
+            assert (res[name][0] / res[name][1] <= oracle + 1e-12).all(), (cost, name)
