@@ -62,3 +62,22 @@ def test_not_a_bank(tmp_path):
     with pytest.raises(FileNotFoundError, match="not a bank"):
         load(tmp_path)
     assert cli(["validate", str(tmp_path)]) == 1
+
+
+def test_rounds_reuses_the_full_join_and_sees_rewritten_files(tmp_path):
+    b4 = write_bank(tmp_path / "w4", *synthetic_tables(width=4, speculator="a"))
+    b8 = write_bank(tmp_path / "w8", *synthetic_tables(width=8, speculator="b", seed=1))
+    fresh = [load([b4, b8]).rounds(columns=c) for c in (["accept"], ["accept", "conf1", "acc0"], None)]
+    bank = load([b4, b8])
+    full = bank.rounds()
+    assert full.equals(fresh[2])
+    assert bank.rounds() is full  # kept
+    for cols, ref in zip((["accept"], ["accept", "conf1", "acc0"]), fresh):
+        got = bank.rounds(columns=cols)
+        assert got.column_names == ref.column_names and got.equals(ref)
+    with pytest.raises(KeyError):
+        bank.rounds(columns=["no_such_column"])
+    assert bank.rounds(with_ngram=True).equals(load([b4, b8]).rounds(with_ngram=True))
+    write_bank(b4, *synthetic_tables(width=4, speculator="a", seed=5), overwrite=True)  # files change
+    again = bank.rounds()
+    assert again is not full and again.equals(load([b4, b8]).rounds())
