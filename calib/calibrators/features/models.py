@@ -24,9 +24,11 @@ from typing import ClassVar
 import numpy as np
 import pandas as pd
 import torch
+from threadpoolctl import threadpool_limits
 
 from calib.bank.schema import NGRAM_FEATURES
 from calib.calibrators.base import Boolean, Calibrator, Interval, Subset
+from calib.calibrators.lightning_fit import FIT_THREADS
 from calib.chains import CONTEXT
 
 log = logging.getLogger(__name__)
@@ -187,7 +189,9 @@ class GradientBoostingAcceptance(FeatureModel):
         log.info("hgb: fitting up to %d boosting iterations on %d samples x %d features", self.max_iter,
                  len(y), X.shape[1] + 1)
         t0 = time.perf_counter()
-        with redirect_stdout(_ThrottledLog(log)):  # sklearn reports its progress by print()
+        # sklearn reports its progress by print(); its OpenMP pool gets the fit loop's one thread (a small
+        # model on a shared machine stalls on a busy core, and one thread sums in one order everywhere)
+        with redirect_stdout(_ThrottledLog(log)), threadpool_limits(FIT_THREADS, user_api="openmp"):
             self.model_.fit(np.column_stack([X, depth]), y)
         log.info("hgb: %d boosting iterations (early stopping) in %.1f s", self.model_.n_iter_,
                  time.perf_counter() - t0)
@@ -196,7 +200,8 @@ class GradientBoostingAcceptance(FeatureModel):
     def predict_proba(self, X, depth) -> np.ndarray:
         self._check_fitted()
         X, depth, _ = _check_frame(X, depth, self.features)
-        return self.model_.predict_proba(np.column_stack([X, depth]))[:, 1]
+        with threadpool_limits(FIT_THREADS, user_api="openmp"):
+            return self.model_.predict_proba(np.column_stack([X, depth]))[:, 1]
 
 
 class _ThrottledLog:
