@@ -34,7 +34,9 @@ Two chains, budget mode (each request verifies at most one chain):
    per chain that is ``d_c = #{q_c > lam}`` with surplus ``V_c = sum (q_c - lam)^+``; the request
    takes the chain with the larger surplus (ties: fewer tokens, then the first chain). The total
    depth ``D(lam)`` is non-increasing in ``lam`` (exchange argument), and ``lam*`` is the smallest
-   integer price with ``D(lam*) <= N``, found by bisection.
+   integer price with ``D(lam*) <= N``. (The Triton kernel finds it by bisection; the reference
+   reads it off the per-request breakpoints ``t[i, d]`` = smallest price at which request ``i``
+   takes at most ``d`` tokens: ``lam*`` is the ``N + 1``-th largest of them, the same integer.)
 2. Upgrades. Requests whose choice at ``lam* - 1`` is deeper take that choice, in request order,
    while the whole increment fits the unused budget. Their tokens are worth at least ``lam* - 1``
    each while the Lagrangian bound caps the optimum at ``value + lam* * unused``, so after this step
@@ -54,6 +56,8 @@ chains. The best goodput among that and the two single-drafter allocations is re
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from calib.chains import NO_CHAIN
@@ -64,18 +68,17 @@ SCALE = 1 << 24  # fixed-point units per expected accepted token
 def survival(p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``[B, K]`` conditional probabilities -> survival ``S`` (float32) and fixed-point gains ``q``.
 
-    Both are zero from a chain's first missing (NaN) token on. The product is taken column by column
-    in float32 so that every device, and the kernel, round it identically.
+    Both are zero from a chain's first missing (NaN) token on: a missing token counts as
+    probability 0, and the running product stays 0 from there. The product is taken column by
+    column in float32 so that every device, and the kernel, round it identically.
     """
-    p = p.to(torch.float32)
-    present = ~torch.isnan(p)
-    p = torch.where(present, p.clamp(0.0, 1.0), torch.zeros_like(p))
-    in_chain = present.to(torch.int8).cummin(dim=1).values.bool()
-    surv = p.t().contiguous()  # column-major, so each step is one in-place row product
+    p = p.to(torch.float32).t()
+    # Column-major, so each step is one in-place row product; NaN (no token) -> 0, clamp to [0, 1].
+    surv = torch.empty(p.shape, dtype=torch.float32, device=p.device)
+    torch.nan_to_num(p, nan=0.0, posinf=1.0, neginf=0.0, out=surv).clamp_(0.0, 1.0)
     for k in range(1, surv.shape[0]):
         surv[k] *= surv[k - 1]
-    surv = surv.t()
-    surv = torch.where(in_chain, surv, torch.zeros_like(surv))
+    surv = surv.t().contiguous()
     return surv, (surv * SCALE).to(torch.int32)
 
 
@@ -84,14 +87,33 @@ def take_top(q: torch.Tensor, threshold: int | torch.Tensor, n: int | torch.Tens
 
     Everything above ``threshold`` is taken; entries equal to it fill what is left of ``n`` in
     request order. Rows must be non-increasing over their positive entries, so counts are prefixes.
+    ``q`` may be ``[..., B, W]`` with ``threshold`` and ``n`` of shape ``[...]`` (independent chains).
     """
+    if torch.is_tensor(threshold) and threshold.dim() > 0:
+        threshold, n = threshold[..., None, None], torch.as_tensor(n, device=q.device)[..., None]
     above = q > threshold
     ties = (q == threshold) & (threshold > 0)
-    left = (n - above.sum()).clamp(min=0)
-    ties_per_row = ties.sum(dim=1)
-    ties_before = ties_per_row.cumsum(dim=0) - ties_per_row
+    above_per_row = above.sum(dim=-1)
+    left = (n - above_per_row.sum(dim=-1, keepdim=True)).clamp(min=0)
+    ties_per_row = ties.sum(dim=-1)
+    ties_before = ties_per_row.cumsum(dim=-1) - ties_per_row
     taken_ties = (left - ties_before).clamp(min=0).minimum(ties_per_row)
-    return above.sum(dim=1) + taken_ties
+    return above_per_row + taken_ties
+
+
+def top_n_values(q: torch.Tensor, n: int) -> torch.Tensor:
+    """Sum of the ``n`` largest gains of each chain of ``q [C, B, W]`` (int64 ``[C]``): what
+    :func:`top_n` takes, from the ``n``-th largest gain ``t``: every gain above ``t``, and ``t``
+    for each of the ``n`` still missing (a non-positive ``t``: every positive gain, and nothing)."""
+    size = q[0].numel()
+    if n == 0:
+        return torch.zeros(q.shape[0], dtype=torch.int64, device=q.device)
+    if n >= size:
+        return q.sum(dim=(1, 2), dtype=torch.int64)
+    threshold = q.reshape(q.shape[0], -1).kthvalue(size - n + 1, dim=1).values[:, None, None]
+    above = q > threshold
+    taken = torch.where(above, q, 0).sum(dim=(1, 2), dtype=torch.int64)
+    return taken + (n - above.sum(dim=(1, 2))) * threshold.view(-1).clamp(min=0)
 
 
 def top_n(q: torch.Tensor, n: int) -> torch.Tensor:
@@ -106,110 +128,181 @@ def top_n(q: torch.Tensor, n: int) -> torch.Tensor:
     return take_top(q, threshold, n)
 
 
+# On CPU, torch sorts integers with a radix sort from this many entries on, and with a comparison
+# sort below, which is several times slower from a few thousand entries on: pad mid-size sorts.
+_RADIX_MIN = 1 << 15
+_PAD_FROM = 1 << 13
+
+
+def sort_keys(key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ascending sort of 1-D non-negative integer keys: ``(values, indices)``."""
+    size = key.numel()
+    if key.device.type == "cpu" and _PAD_FROM <= size < _RADIX_MIN:
+        padded = key.new_full((_RADIX_MIN,), torch.iinfo(key.dtype).max)  # sorted after every real key
+        padded[:size] = key
+        values, indices = torch.sort(padded)
+        return values[:size], indices[:size]
+    return torch.sort(key)
+
+
+def sorted_gains(q: torch.Tensor) -> torch.Tensor:
+    """All gains of ``q`` (``0 <= q <= SCALE``) in non-increasing order, flattened."""
+    return SCALE - sort_keys(SCALE - q.flatten())[0]  # one ascending integer sort
+
+
 def best_price_prefix(
     q: torch.Tensor, cost: torch.Tensor, n_requests: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Exact one-chain price mode: ``(m*, goodput*, threshold)`` over all top-``m`` prefixes."""
-    return best_sorted_prefix(q.flatten().sort(descending=True).values, cost, n_requests)
+    return best_sorted_prefix(sorted_gains(q), cost, n_requests)
+
+
+def price_table(cost: torch.Tensor, n_requests: int, size: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``price[m]`` = cost of a top-``m`` prefix (``T = n_requests + m``, float64, ``m <= size``)
+    and whether that total is infeasible (no entry, or not positive and finite)."""
+    price = torch.full((size + 1,), torch.nan, dtype=torch.float64, device=device)
+    available = cost[n_requests : n_requests + size + 1]
+    price[: available.numel()] = available  # float64 copy of the entries that can be read
+    return price, ~((price > 0) & (price < torch.inf))
 
 
 def best_sorted_prefix(
-    ordered: torch.Tensor, cost: torch.Tensor, n_requests: int
+    ordered: torch.Tensor,
+    cost: torch.Tensor,
+    n_requests: int,
+    prices: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`best_price_prefix` on gains already sorted: ``ordered`` is ``[..., M]``, non-increasing
-    along the last dim (leading dims are independent chains).
+    along the last dim (leading dims are independent chains). ``prices`` is :func:`price_table`'s
+    answer for this ``M``, if already at hand.
 
     Goodput is in units of ``SCALE`` tokens per cost unit, computed as one float64 division of an
-    exact integer, which the kernel reproduces bit for bit.
+    exact integer, which the kernel reproduces bit for bit. (The prefix sums are taken in float64:
+    they are integers below 2**53, so every partial sum is exact.)
     """
-    ordered = ordered.to(torch.int64)
     size = ordered.shape[-1]
-    cost = cost.to(device=ordered.device, dtype=torch.float64)
-    # price[m] = cost of the top-m prefix (T = n_requests + m); NaN = no such entry.
-    price = torch.full((size + 1,), torch.nan, dtype=torch.float64, device=ordered.device)
-    available = cost[n_requests : n_requests + size + 1]
-    price[: available.numel()] = available
-    gained = torch.nn.functional.pad(ordered.cumsum(dim=-1), (1, 0))  # gained[m] = top-m sum
-    feasible = (price > 0) & (price < torch.inf) & torch.nn.functional.pad(ordered > 0, (1, 0), value=True)
-    goodput = ((n_requests * SCALE + gained).to(torch.float64) / price).masked_fill(~feasible, -torch.inf)
+    price, price_bad = prices if prices is not None else price_table(cost, n_requests, size, ordered.device)
+    # gained[m] = n_requests * SCALE + top-m sum; a prefix is feasible where its last gain is positive.
+    gained = ordered.new_empty((*ordered.shape[:-1], size + 1), dtype=torch.float64)
+    gained[..., 0] = n_requests * SCALE
+    gained[..., 1:] = ordered
+    infeasible = ordered.new_zeros(gained.shape, dtype=torch.bool)
+    torch.le(ordered, 0, out=infeasible[..., 1:])
+    infeasible |= price_bad
+    goodput = gained.cumsum_(dim=-1).div_(price).masked_fill_(infeasible, -torch.inf)
     best = torch.argmax(goodput, dim=-1, keepdim=True)  # first maximum: the fewest tokens
     threshold = torch.where(best > 0, ordered.gather(-1, (best - 1).clamp(min=0)), SCALE + 1)
     return best.squeeze(-1), goodput.gather(-1, best).squeeze(-1), threshold.squeeze(-1)
 
 
-def sort_two_groups(q: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
-    """Gains ``q`` (any shape, ``0 <= q <= SCALE``) split by the bool mask ``second`` into two groups
-    of equal size, each sorted in non-increasing order: ``[2, q.numel() // 2]``.
+def sort_two_groups(q: torch.Tensor) -> torch.Tensor:
+    """Gains ``q`` ``[2, ...]`` (``0 <= q <= SCALE``), each half sorted in non-increasing order:
+    ``[2, q[0].numel()]``.
 
-    One ascending integer sort of ``group * 2**25 + (SCALE - q)`` does it (on CPU, torch uses a
+    One ascending integer sort of ``half * 2**25 + (SCALE - q)`` does it (on CPU, torch uses a
     radix sort from 32768 entries, much faster than two descending sorts of half the size).
     """
-    key = (second.to(q.dtype) << 25) + (SCALE - q)
-    keys = torch.sort(key.flatten()).values.view(2, -1)
-    return SCALE - (keys - torch.tensor([[0], [1 << 25]], dtype=keys.dtype, device=keys.device))
+    offset = _group_offsets(q.dtype, q.device)
+    keys = sort_keys((offset - q.reshape(2, -1)).flatten())[0].view(2, -1)
+    return offset - keys
+
+
+@functools.lru_cache(maxsize=8)
+def _group_offsets(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.tensor([[SCALE], [SCALE + (1 << 25)]], dtype=dtype, device=device)
 
 
 class TwoChains:
-    """Both chains' gains stacked as ``[2, B, W]`` (0 = first, 1 = second chain), with what the
-    Lagrangian needs precomputed: rows are non-increasing, so ``#{q > price}`` is a binary search
-    and the surplus a prefix-sum lookup."""
+    """Both chains' gains stacked as ``[2, B, W]`` (0 = first, 1 = second chain; rows are
+    non-increasing), and, when first needed, their prefix sums ``[2, B, W + 1]`` (int64)."""
 
-    def __init__(self, q_first: torch.Tensor, q_second: torch.Tensor):
-        self.q = torch.stack([q_first, q_second])
-        self.n_requests, self.width = q_first.shape
-        self._ascending = (-self.q).contiguous()
-        self._prefix = torch.nn.functional.pad(self.q.to(torch.int64).cumsum(dim=2), (1, 0))
+    def __init__(self, q: torch.Tensor):
+        self.q = q  # [2, B, W]
+        self.n_requests, self.width = q.shape[1:]
 
-    def choose(
-        self, price: int | torch.Tensor, rows: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    @functools.cached_property
+    def _prefix(self) -> torch.Tensor:
+        return torch.nn.functional.pad(self.q.cumsum(dim=2, dtype=torch.int64), (1, 0))
+
+    def choose(self, price: int | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each request's best (chain, depth) at slot price ``price``: ``(use_second, depth)``.
 
         A chain's best depth is ``#{q > price}`` with surplus ``sum (q - price)^+``; the larger
-        surplus wins, then the shorter chain, then the first chain. ``rows`` restricts to a subset.
+        surplus wins, then the shorter chain, then the first chain.
         """
-        ascending, prefix = self._ascending, self._prefix
-        if rows is not None:
-            ascending, prefix = ascending[:, rows], prefix[:, rows]
         price = torch.as_tensor(price, dtype=self.q.dtype, device=self.q.device)
-        depth = torch.searchsorted(ascending, (-price).expand(*ascending.shape[:2], 1).contiguous())
-        surplus = (prefix.gather(2, depth) - price * depth).squeeze(2)
-        depth = depth.squeeze(2)
+        depth = (self.q > price).sum(dim=2)
+        surplus = (self.q - price).clamp_(min=0).sum(dim=2)
         use_second = (surplus[1] > surplus[0]) | ((surplus[1] == surplus[0]) & (depth[1] < depth[0]))
         return use_second, torch.where(use_second, depth[1], depth[0])
+
+    def value(self, use_second: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:
+        """Total gain (int64) of verifying ``depth[i]`` tokens of chain ``use_second[i]``."""
+        picked = self._prefix.gather(2, depth.expand(2, -1)[:, :, None]).squeeze(2)
+        return torch.where(use_second, picked[1], picked[0]).sum()
+
+    def breakpoints(self) -> torch.Tensor:
+        """``t [B, W]`` (int32, at most ``SCALE``): request ``i``'s Lagrangian choice takes at most
+        ``d`` tokens exactly at the integer prices ``>= t[i, d]``.
+
+        With ``best[d]`` the larger of the chains' top-``d`` sums, the choice at price ``lam`` is the
+        smallest ``d`` maximising ``best[d] - lam * d`` (larger surplus, then fewer tokens), so it
+        takes at most ``d`` tokens iff every ``d'' > d`` is matched by some ``d' <= d``:
+        ``t[d] = max_{d'' > d} min_{d' <= d} ceil((best[d''] - best[d']) / (d'' - d'))``. A request
+        whose one chain's sums dominate the other's at every depth follows that chain alone:
+        ``t = q`` of that chain.
+        """
+        first, second = self._prefix
+        lowest, highest = torch.aminmax(first - second, dim=1)
+        t = torch.where((highest <= 0)[:, None], self.q[1], self.q[0])
+        rows = ((lowest < 0) & (highest > 0)).nonzero().squeeze(1)  # neither chain dominates
+        chunk = max(1, _BREAKPOINT_ENTRIES // max(self.width, 1) ** 2)
+        for start in range(0, rows.numel(), chunk):
+            part = rows[start : start + chunk]
+            t[part] = _envelope_breakpoints(torch.maximum(first[part], second[part]))
+        return t
 
     def lagrangian_price(self, n: int) -> int:
         """Smallest integer price ``>= 0`` whose Lagrangian choices use at most ``n`` tokens.
 
-        Each request's depth is non-increasing in the price (exchange argument), so bisection is
-        exact; no gain exceeds ``SCALE``. Once the bracket is narrow, requests whose depth is the
-        same at both ends keep it inside and are frozen, so late steps only touch the few left.
+        The total depth at price ``lam`` is ``#{t > lam}`` over all breakpoints ``t``
+        (:meth:`breakpoints`), so the answer is the ``n + 1``-th largest breakpoint (0 if there are
+        at most ``n``): a selection, no search. No gain exceeds ``SCALE``, nor does any breakpoint.
         """
-        if int(self.choose(0)[1].sum()) <= n:
+        t = self.breakpoints().flatten()
+        if n >= t.numel():
             return 0
-        lo, hi = 0, SCALE  # D(lo) > n >= D(hi)
-        rows, frozen = None, 0
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if frozen + int(self.choose(mid, rows)[1].sum()) <= n:
-                hi = mid
-            else:
-                lo = mid
-            if rows is None and hi - lo <= _FREEZE_WIDTH:
-                depth_lo, depth_hi = self.choose(lo + 1)[1], self.choose(hi)[1]
-                moving = depth_lo != depth_hi
-                frozen = int(depth_hi[~moving].sum())
-                rows = moving.nonzero().squeeze(1)
-        return hi
+        return int(t.kthvalue(t.numel() - n).values)
 
 
-# Bracket width (in 2**-24 units) below which most requests have no breakpoint left inside it.
-_FREEZE_WIDTH = 1 << 14
+# Entries of the [rows, W, W] float64 breakpoint matrix worked on at once (32 MiB).
+_BREAKPOINT_ENTRIES = 1 << 22
 
 
-def _prefix_value(q: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:
-    cols = torch.arange(q.shape[1], device=q.device)
-    return torch.where(cols < depth[:, None], q, torch.zeros_like(q)).to(torch.int64).sum()
+def _envelope_breakpoints(best: torch.Tensor) -> torch.Tensor:
+    """:meth:`TwoChains.breakpoints` for rows with their best top-``d`` sums ``best [R, W + 1]``
+    (int64, non-decreasing along ``d``).
+
+    Quotients are taken in float64: numerators are integers below ``W * 2**24`` and denominators at
+    most ``W``, so a non-integer quotient is at least ``1 / W`` from any integer and ``ceil`` exact.
+    """
+    width = best.shape[1] - 1
+    span, below = _spans(width, best.device)
+    at = best.t().to(torch.float64)  # [W + 1, R]: each step below works on contiguous rows
+    # crossing[d', d'', i] = smallest integer price at which d' does at least as well as d''.
+    crossing = (at[None, 1:, :] - at[:-1, None, :]).div_(span).ceil_()
+    for k in range(1, width):  # running minimum over d' <= d
+        torch.minimum(crossing[k], crossing[k - 1], out=crossing[k])
+    return crossing.masked_fill_(below, 0).amax(dim=1).t().to(torch.int32)
+
+
+@functools.lru_cache(maxsize=16)
+def _spans(width: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``d'' - d'`` (at least 1) as float64 ``[W, W, 1]`` over ``d' = 0..W-1, d'' = 1..W``, and the
+    mask of the entries with ``d'' <= d'``."""
+    d = torch.arange(width + 1, dtype=torch.float64, device=device)
+    span = (d[None, 1:] - d[:-1, None]).clamp_(min=1)[:, :, None]
+    return span, torch.ones(width, width, dtype=torch.bool, device=device).tril_(-1)[:, :, None]
 
 
 def _first_gain_prefers_second(chains: TwoChains) -> torch.Tensor:
@@ -233,35 +326,37 @@ def _two_chain_budget(chains: TwoChains, n: int):
     chain = torch.where(use_second[:, None], q_second, q_first)
     rest = torch.where(cols >= depth[:, None], chain, torch.zeros_like(chain))
     depth = depth + top_n(rest, n - int(depth.sum()))
-    value = _prefix_value(chain, depth)
 
-    depth_f, depth_s = top_n(q_first, n), top_n(q_second, n)
-    return _pick_best(
-        (use_second, depth, value),
-        (torch.zeros_like(use_second), depth_f, _prefix_value(q_first, depth_f)),
-        (torch.ones_like(use_second), depth_s, _prefix_value(q_second, depth_s)),
-    )
+    # Against the single chains' top-n (highest value wins, ties in this order); their depths are
+    # only worked out for the one that wins.
+    values = torch.cat([chains.value(use_second, depth)[None], top_n_values(chains.q, n)])
+    winner = int(torch.argmax(values))  # the first maximum
+    if winner == 0:
+        return use_second, depth
+    use_second = torch.full_like(use_second, winner == 2)
+    return use_second, top_n(chains.q[winner - 1], n)
 
 
 def _two_chain_price(chains: TwoChains, cost: torch.Tensor, n_requests: int):
     q_first, q_second = chains.q
-    is_second = torch.zeros_like(chains.q, dtype=torch.bool)
-    is_second[1] = True
-    (m_m, m_n), (good_m, good_n), (thr_m, thr_n) = best_sorted_prefix(
-        sort_two_groups(chains.q, is_second), cost, n_requests
+    size = q_first.numel()
+    prices = price_table(cost, n_requests, size, q_first.device)
+    (m_f, m_s), (good_f, good_s), (thr_f, thr_s) = best_sorted_prefix(
+        sort_two_groups(chains.q), cost, n_requests, prices
     )
     # The slot price is where the better single drafter's goodput rule stopped adding tokens.
-    price = torch.where(good_n > good_m, thr_n, thr_m)
+    price = torch.where(good_s > good_f, thr_s, thr_f)
     use_second, depth = chains.choose(price)
     use_second = torch.where(depth > 0, use_second, _first_gain_prefers_second(chains))
     chain = torch.where(use_second[:, None], q_second, q_first)
-    # Sort the chosen entries first (each request has exactly one chosen chain).
-    unchosen = torch.stack([use_second, ~use_second])[:, :, None].expand_as(chains.q)
-    m_c, good_c, thr_c = best_sorted_prefix(sort_two_groups(chains.q, unchosen)[0], cost, n_requests)
+    m_c, good_c, thr_c = best_sorted_prefix(sorted_gains(chain), cost, n_requests, prices)
+    depth_f, depth_s, depth_c = take_top(
+        torch.cat([chains.q, chain[None]]), torch.stack([thr_f, thr_s, thr_c]), torch.stack([m_f, m_s, m_c])
+    )
     return _pick_best(
-        (use_second, take_top(chain, thr_c, m_c), good_c),
-        (torch.zeros_like(use_second), take_top(q_first, thr_m, m_m), good_m),
-        (torch.ones_like(use_second), take_top(q_second, thr_n, m_n), good_n),
+        (use_second, depth_c, good_c),
+        (torch.zeros_like(use_second), depth_f, good_f),
+        (torch.ones_like(use_second), depth_s, good_s),
     )
 
 
@@ -289,8 +384,8 @@ def allocate_reference(
     probabilities of two chains; ``ids`` are their registry ids (:mod:`calib.chains`), which
     ``drafter`` reports (:data:`NO_CHAIN` = nothing verified). Exactly one of ``budget`` (total draft
     tokens) and ``cost`` (1-D verify-cost curve) is given. See the module docstring for the rules.
-    The reference reads a few scalars back to the host (the budget, bisection steps); the Triton
-    kernel does not.
+    In budget mode the reference reads a few scalars back to the host (the budget, the Lagrangian
+    price, the winning candidate); the Triton kernel does not.
     """
     device = first_p.device
     n_requests = first_p.shape[0]
@@ -307,9 +402,8 @@ def allocate_reference(
         use_second = torch.zeros(n_requests, dtype=torch.bool, device=device)
     else:
         # One pass over both chains: survival is row-wise, so stacking them changes nothing.
-        both = torch.cat([_pad(first_p, width), _pad(second_p.to(device), width)])
-        surv_both, q_both = survival(both)
-        chains = TwoChains(q_both[:n_requests], q_both[n_requests:])
+        surv_both, q_both = survival(torch.cat([_pad(first_p, width), _pad(second_p.to(device), width)]))
+        chains = TwoChains(q_both.view(2, n_requests, width))
         if n is not None:
             use_second, depth = _two_chain_budget(chains, n)
         else:
@@ -317,7 +411,7 @@ def allocate_reference(
         surv = torch.where(use_second[:, None], surv_both[n_requests:], surv_both[:n_requests])
 
     cols = torch.arange(width, device=device)
-    expected = torch.where(cols < depth[:, None], surv, torch.zeros_like(surv)).sum(dim=1)
+    expected = surv.masked_fill(cols >= depth[:, None], 0.0).sum(dim=1)
     drafter = torch.where(depth > 0, torch.where(use_second, ids[1], ids[0]), NO_CHAIN).to(torch.int8)
     return drafter, depth.to(torch.int32), expected
 
