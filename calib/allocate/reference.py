@@ -87,18 +87,14 @@ def take_top(q: torch.Tensor, threshold: int | torch.Tensor, n: int | torch.Tens
 
     Everything above ``threshold`` is taken; entries equal to it fill what is left of ``n`` in
     request order. Rows must be non-increasing over their positive entries, so counts are prefixes.
-    ``q`` may be ``[..., B, W]`` with ``threshold`` and ``n`` of shape ``[...]`` (independent chains).
     """
-    if torch.is_tensor(threshold) and threshold.dim() > 0:
-        threshold, n = threshold[..., None, None], torch.as_tensor(n, device=q.device)[..., None]
     above = q > threshold
     ties = (q == threshold) & (threshold > 0)
-    above_per_row = above.sum(dim=-1)
-    left = (n - above_per_row.sum(dim=-1, keepdim=True)).clamp(min=0)
-    ties_per_row = ties.sum(dim=-1)
-    ties_before = ties_per_row.cumsum(dim=-1) - ties_per_row
+    left = (n - above.sum()).clamp(min=0)
+    ties_per_row = ties.sum(dim=1)
+    ties_before = ties_per_row.cumsum(dim=0) - ties_per_row
     taken_ties = (left - ties_before).clamp(min=0).minimum(ties_per_row)
-    return above_per_row + taken_ties
+    return above.sum(dim=1) + taken_ties
 
 
 def top_n_values(q: torch.Tensor, n: int) -> torch.Tensor:
@@ -350,24 +346,12 @@ def _two_chain_price(chains: TwoChains, cost: torch.Tensor, n_requests: int):
     use_second = torch.where(depth > 0, use_second, _first_gain_prefers_second(chains))
     chain = torch.where(use_second[:, None], q_second, q_first)
     m_c, good_c, thr_c = best_sorted_prefix(sorted_gains(chain), cost, n_requests, prices)
-    depth_f, depth_s, depth_c = take_top(
-        torch.cat([chains.q, chain[None]]), torch.stack([thr_f, thr_s, thr_c]), torch.stack([m_f, m_s, m_c])
-    )
-    return _pick_best(
-        (use_second, depth_c, good_c),
-        (torch.zeros_like(use_second), depth_f, good_f),
-        (torch.ones_like(use_second), depth_s, good_s),
-    )
-
-
-def _pick_best(first, second, third):
-    """Highest score wins; earlier candidates win ties."""
-    (use_a, depth_a, score_a), (use_b, depth_b, score_b), (use_c, depth_c, score_c) = first, second, third
-    take_b = score_b > score_a
-    take_c = score_c > torch.maximum(score_a, score_b)
-    use = torch.where(take_c, use_c, torch.where(take_b, use_b, use_a))
-    depth = torch.where(take_c, depth_c, torch.where(take_b, depth_b, depth_a))
-    return use, depth
+    # Highest goodput wins, ties in this order; only the winner's depths are worked out.
+    winner = int(torch.argmax(torch.stack([good_c, good_f, good_s])))  # the first maximum
+    if winner == 0:
+        return use_second, take_top(chain, thr_c, m_c)
+    use_second = torch.full_like(use_second, winner == 2)
+    return use_second, take_top(chains.q[winner - 1], (thr_f, thr_s)[winner - 1], (m_f, m_s)[winner - 1])
 
 
 def allocate_reference(
@@ -384,8 +368,8 @@ def allocate_reference(
     probabilities of two chains; ``ids`` are their registry ids (:mod:`calib.chains`), which
     ``drafter`` reports (:data:`NO_CHAIN` = nothing verified). Exactly one of ``budget`` (total draft
     tokens) and ``cost`` (1-D verify-cost curve) is given. See the module docstring for the rules.
-    In budget mode the reference reads a few scalars back to the host (the budget, the Lagrangian
-    price, the winning candidate); the Triton kernel does not.
+    The reference reads a few scalars back to the host (the budget, the Lagrangian price, which of
+    the two-chain candidates wins); the Triton kernel does not.
     """
     device = first_p.device
     n_requests = first_p.shape[0]
