@@ -187,6 +187,9 @@ def fit_model_calibrator(samples: pd.DataFrame, candidates: dict, extra_names=()
     return fit_chain(chain("model"), samples, {"candidates": candidates, "extra": list(extra_names or [])})
 
 
+TRANSFER_MAX_EVAL = 500_000  # rows the transfer check scores (a random sample of larger sets)
+
+
 def transfer_check(kind: ChainKind, samples: pd.DataFrame, chain_cfg: dict, spec: dict, baseline: dict, fit_on,
                    eval_on) -> dict | None:
     """Fit on some categories (e.g. chat), score on others (e.g. code edits) against a baseline."""
@@ -194,6 +197,8 @@ def transfer_check(kind: ChainKind, samples: pd.DataFrame, chain_cfg: dict, spec
     dst = samples[samples.category.isin(eval_on)]
     if src.empty or dst.empty or dst.label.nunique() < 2:
         return None
+    if len(dst) > TRANSFER_MAX_EVAL:  # a score, not a fit: a random sample of the rows estimates it
+        dst = dst.iloc[np.sort(np.random.default_rng(0).choice(len(dst), TRANSFER_MAX_EVAL, replace=False))]
     out = {"fit_on": list(fit_on), "eval_on": list(eval_on), "n_fit": len(src), "n_eval": len(dst)}
     X_src, X_dst = kind.X(src, chain_cfg, context=False), kind.X(dst, chain_cfg, context=False)
     for name, s in (("model", spec), ("baseline", baseline)):

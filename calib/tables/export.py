@@ -20,6 +20,7 @@ from calib.tables.layout import ChainTable
 
 MARGINAL_ROWS = 256  # training rows per depth (and context cell) a model's other inputs are averaged over
 MARGINAL_POINTS = 129  # confidences at which that average is taken (then interpolated onto the grid)
+GRID_MAX_ROWS = 1_000_000  # training rows a binned table's cell means are taken over (a random sample of more)
 
 
 def encode_chain(kind, estimator, train_samples: pd.DataFrame, chain_cfg: dict, n_depths: int,
@@ -163,9 +164,14 @@ def ngram_grid(model, samples: pd.DataFrame, table_features: list[str], edges: l
 
     b = np.stack([buckets(samples[name].to_numpy(np.float64), edges[f]) for f, name in enumerate(table_features)],
                  axis=1)
-    cell = (b * strides).sum(axis=1)
-    pred = model.predict_proba(design(samples), samples["depth"].to_numpy())
-    depth = np.minimum(samples["depth"].to_numpy(), n_depths - 1)
+    # Cell means of the model's predictions: over a random GRID_MAX_ROWS of the training rows where
+    # there are more (an average, not a fit; a cell none of them falls in takes its representative point).
+    scored = (np.arange(len(samples)) if len(samples) <= GRID_MAX_ROWS
+              else np.sort(np.random.default_rng(0).choice(len(samples), GRID_MAX_ROWS, replace=False)))
+    sub = samples.iloc[scored] if len(scored) < len(samples) else samples
+    cell = (b[scored] * strides).sum(axis=1)
+    pred = model.predict_proba(design(sub), sub["depth"].to_numpy())
+    depth = np.minimum(sub["depth"].to_numpy(), n_depths - 1)
 
     # Representative point of every cell: per feature, the median training value in its bucket
     # (the bucket's midpoint when no training value falls there); other model features at their median.

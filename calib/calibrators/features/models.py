@@ -200,8 +200,8 @@ class GradientBoostingAcceptance(FeatureModel):
     def predict_proba(self, X, depth) -> np.ndarray:
         self._check_fitted()
         X, depth, _ = _check_frame(X, depth, self.features)
-        with threadpool_limits(FIT_THREADS, user_api="openmp"):
-            return self.model_.predict_proba(np.column_stack([X, depth]))[:, 1]
+        # rows are independent: prediction keeps every thread (the fit's sums are what one thread fixes)
+        return self.model_.predict_proba(np.column_stack([X, depth]))[:, 1]
 
 
 class _ThrottledLog:
