@@ -17,6 +17,8 @@ from contextlib import contextmanager
 import torch
 
 LIGHTNING_LOGGERS = ("lightning", "lightning.pytorch", "lightning.fabric")
+LIGHTNING_BANNER = "lightning.pytorch.utilities.rank_zero"  # where Lightning logs its start-up lines
+_FITS_RUN = 0  # fits in this process (the start-up lines are shown at the first only)
 FIT_THREADS: int | None = 1  # torch intra-op threads while a calibrator trains (None: torch's own count)
 
 
@@ -59,14 +61,26 @@ def fit_module(module, train_loader, val_loader, *, max_epochs: int, patience: i
     import lightning as L
     from lightning.pytorch.callbacks import EarlyStopping
 
+    global _FITS_RUN
     single_lightning_log()
     L.seed_everything(seed, verbose=False)
-    trainer = L.Trainer(max_epochs=max_epochs, accelerator="cpu", devices=1, logger=False,
-                        enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=progress,
-                        num_sanity_val_steps=0,
-                        callbacks=[EarlyStopping("val_nll", patience=patience, min_delta=min_delta)])
-    with warnings.catch_warnings(), torch_threads(FIT_THREADS if threads is None else threads):
-        warnings.filterwarnings("ignore", message=".*does not have many workers.*")
-        warnings.filterwarnings("ignore", message=".*smaller than the logging interval.*")
-        trainer.fit(module, train_loader, val_loader)
+    # Lightning's start-up lines ("GPU available: False", "TPU available", a Tip) say the same thing at
+    # every fit of a run that fits a dozen small models: shown at the first fit only.
+    banner = logging.getLogger(LIGHTNING_BANNER)
+    level = banner.level
+    if _FITS_RUN:
+        banner.setLevel(logging.WARNING)
+    try:
+        trainer = L.Trainer(max_epochs=max_epochs, accelerator="cpu", devices=1, logger=False,
+                            enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=progress,
+                            num_sanity_val_steps=0,
+                            callbacks=[EarlyStopping("val_nll", patience=patience, min_delta=min_delta)])
+        with warnings.catch_warnings(), torch_threads(FIT_THREADS if threads is None else threads):
+            warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+            warnings.filterwarnings("ignore", message=".*smaller than the logging interval.*")
+            warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")  # Lightning's own
+            trainer.fit(module, train_loader, val_loader)
+    finally:
+        banner.setLevel(level)
+        _FITS_RUN += 1
     return trainer.current_epoch
