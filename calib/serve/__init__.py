@@ -1,0 +1,30 @@
+"""Serving mode, engine-independent core: per-request history context and the per-step decision.
+
+>>> from calib.serve import RequestHistory, SafeDecider, StepInputs
+>>> decider = SafeDecider("runs/train/default", model_id=..., speculator="eagle:head", k_max=4, cost=curve)
+>>> out = decider.decide(StepInputs(req_ids, temperature, model_tokens, model_conf, ngram_tokens, ngram_x))
+>>> out.drafts     # the new draft list per request, each <= k_max tokens
+>>> decider.observe(req_id, accepted, drafted)   # after each verify step; decider.finish(req_id) at the end
+
+The vLLM hooks (docs/serving_design.md) call these; see README.md.
+"""
+
+from calib.serve.decide import (
+    SafeDecider,
+    StepDecision,
+    StepInputs,
+    chain_inputs,
+    decide_step,
+    ngram_feature_tensor,
+)
+from calib.serve.history import RequestHistory
+
+__all__ = [
+    "RequestHistory",
+    "SafeDecider",
+    "StepDecision",
+    "StepInputs",
+    "chain_inputs",
+    "decide_step",
+    "ngram_feature_tensor",
+]

@@ -1,0 +1,323 @@
+"""One serving step's decision: which chain each running request verifies, and how deep.
+
+:func:`decide_step` turns what the engine holds after drafting (:class:`StepInputs`) and what it knows
+of each request (:class:`calib.serve.history.RequestHistory`, the sampling temperature) into the
+per-chain ``[B, L, A]`` inputs the tables expect, calls :func:`calib.allocate.allocate`, and returns
+the new draft list per request (:class:`StepDecision`). :class:`SafeDecider` wraps it for an engine:
+tables loaded and checked once at construction, and never an exception into the engine afterwards.
+
+The draft lists handed back hold, per request, a prefix of the model draft, a prefix of the n-gram
+chain, or ``[]``; never more than ``k_max`` tokens (vLLM's ``num_speculative_tokens``: a longer list
+crashes its spec-decode metrics, docs/serving_design.md claim 3), and ints ``>= 0`` only.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from calib.allocate import allocate, check_cost
+from calib.chains import CONTEXT, NO_CHAIN, chain
+from calib.serve.history import RequestHistory
+
+logger = logging.getLogger("calib.serve")
+
+MODEL, NGRAM = "model", "ngram"
+
+
+@dataclass
+class StepInputs:
+    """What the engine holds for its ``B`` running requests (batch order) when it decides.
+
+    A chain the engine does not run is None (an EAGLE-only engine without the n-gram recompute: both
+    n-gram fields None; an n-gram engine: both model fields None).
+    """
+
+    req_ids: list[str]  # [B]: engine request ids, batch order
+    temperature: torch.Tensor | Sequence[float]  # float [B]: each request's sampling temperature (0 = greedy)
+    # model chain (EAGLE, draft model)
+    model_tokens: list[list[int]] | None = None  # [B][<= K]: the drafter's proposal per request ([] = none)
+    model_conf: torch.Tensor | None = None  # float [B, K]: raw confidence (softmax prob of the proposed
+    #                                         token) per depth; entries beyond a request's proposal are ignored
+    # n-gram chain (prompt lookup, recomputed by calib.ngram.find_match)
+    ngram_tokens: list[list[int]] | None = None  # [B][<= L]: the chain per request ([] = no match)
+    ngram_features: torch.Tensor | None = None  # float [B, L, F]: the n-gram table's own (non-context)
+    #                                             features, in tables.feature_names("ngram") order
+    #                                             (ngram_feature_tensor builds it); beyond a chain ignored
+
+    def engine_drafts(self, chain_name: str) -> list[list[int]]:
+        """The lists the engine would verify on its own (its drafter's chain), [] per request if absent."""
+        tokens = self.model_tokens if chain_name == MODEL else self.ngram_tokens
+        return [list(t) for t in tokens] if tokens is not None else [[] for _ in self.req_ids]
+
+
+@dataclass(frozen=True)
+class StepDecision:
+    """The step's decision per request (batch order, as in the :class:`StepInputs`)."""
+
+    req_ids: list[str]  # [B]
+    drafts: list[list[int]]  # [B][<= k_max]: the new draft list per request (a prefix of the chosen chain, or [])
+    chain: torch.Tensor  # int8 [B]: registry id of the chosen chain (calib.chains; 0 = none)
+    depth: torch.Tensor  # int32 [B]: len(drafts[i])
+    expected_accepted: torch.Tensor  # float32 [B]: calibrated expected accepted tokens (NaN: pass-through)
+    allocator_ms: float  # wall time of the decision (inputs built + allocate), milliseconds
+    passthrough: bool = False  # True: the engine's own drafts, unchanged (SafeDecider after an error)
+
+
+def feature_names(tables, chain_name: str) -> list[str]:
+    """The input features of ``chain_name``'s table in the order an engine passes them ([] if absent)."""
+    if hasattr(tables, "feature_names"):
+        return list(tables.feature_names(chain_name))
+    t = tables.chains.get(chain_name)
+    return [a.name for a in t.axes] if t is not None else []
+
+
+def split_context(names: Sequence[str], chain_name: str) -> tuple[list[str], list[str]]:
+    """``(own, context)`` feature names of a chain's table; the context axes must come last."""
+    ctx = [n for n in names if n in CONTEXT]
+    own = list(names[: len(names) - len(ctx)])
+    if list(names[len(own):]) != ctx:
+        raise ValueError(f"chain {chain_name!r}: context axes {ctx} must come after the chain's own axes, "
+                         f"got {list(names)}")
+    return own, ctx
+
+
+def ngram_feature_tensor(features: Sequence[Mapping | None], lengths: Sequence[int], names: Sequence[str],
+                         width: int) -> torch.Tensor:
+    """float32 ``[B, width, F]`` n-gram features (``names`` order, e.g. the own features of
+    ``tables.feature_names("ngram")``) from per-request feature dicts (``calib.ngram.NgramMatch.features()``;
+    None = no match): the chain's values repeated over depths ``< lengths[i]``, NaN beyond, booleans 0/1,
+    as :func:`calib.tables.features.ngram_feature_tensor` lays a bank's rounds out."""
+    out = np.full((len(features), width, len(names)), np.nan, dtype=np.float64)
+    for i, (f, n) in enumerate(zip(features, lengths)):
+        n = min(int(n), width)
+        if f is None or n <= 0:
+            continue
+        out[i, :n, :] = [float(f[name]) for name in names]
+    return torch.from_numpy(out.astype(np.float32))
+
+
+def _context_columns(ctx: Sequence[str], inputs: StepInputs, history: RequestHistory) -> np.ndarray:
+    """float64 ``[B, len(ctx)]``: each context axis' value per request."""
+    B = len(inputs.req_ids)
+    hist = history.values(inputs.req_ids, [n for n in ctx if n != "temperature"])
+    cols = []
+    for n in ctx:
+        if n == "temperature":
+            t = inputs.temperature
+            t = t.detach().cpu().numpy() if isinstance(t, torch.Tensor) else np.asarray(t)
+            t = t.astype(np.float64).reshape(-1)
+            if t.shape != (B,):
+                raise ValueError(f"temperature has {t.shape[0]} entries for B={B} requests")
+            cols.append(t)
+        else:
+            cols.append(hist[n])
+    return np.stack(cols, axis=1) if cols else np.zeros((B, 0))
+
+
+def _tokens(tokens, B: int, k_max: int, what: str) -> list[list[int]]:
+    if len(tokens) != B:
+        raise ValueError(f"{what} has {len(tokens)} lists for B={B} requests")
+    out = []
+    for i, t in enumerate(tokens):
+        t = [int(x) for x in t][:k_max]
+        if any(x < 0 for x in t):
+            raise ValueError(f"{what}[{i}] holds a negative token id: {t}")
+        out.append(t)
+    return out
+
+
+def _own(x: torch.Tensor | None, B: int, lengths: list[int], n_own: int, what: str) -> torch.Tensor:
+    """``x`` as float64 ``[B, W, n_own]`` (W = the longest chain), NaN beyond each request's chain."""
+    width = max(lengths, default=0)
+    if width == 0:
+        return torch.full((B, 1, n_own), math.nan, dtype=torch.float64)
+    if x is None:
+        raise ValueError(f"{what} is None but the chain has tokens")
+    x = torch.as_tensor(x).detach().to("cpu", torch.float64)
+    if x.ndim == 2:
+        x = x[..., None]
+    if x.ndim != 3 or x.shape[0] != B or x.shape[2] != n_own:
+        raise ValueError(f"{what} must be [B={B}, L, F={n_own}], got {tuple(x.shape)}")
+    if x.shape[1] < width:
+        raise ValueError(f"{what} has {x.shape[1]} depths, a chain has {width} tokens")
+    x = x[:, :width].clone()
+    beyond = torch.arange(width)[None, :] >= torch.tensor(lengths)[:, None]
+    x[beyond] = math.nan
+    return x
+
+
+def chain_inputs(tables, inputs: StepInputs, history: RequestHistory, *, k_max: int):
+    """``({chain name: float32 [B, L, A]}, {chain name: token lists [B][<= k_max]})`` for the chains
+    both the engine (non-None tokens) and the tables have: the chain's own features, then the context
+    axes the tables hold (``tables.feature_names(chain)`` order), NaN where a request has no token."""
+    B = len(inputs.req_ids)
+    signals, tokens = {}, {}
+    offered = {MODEL: (inputs.model_tokens, inputs.model_conf, "model_conf"),
+               NGRAM: (inputs.ngram_tokens, inputs.ngram_features, "ngram_features")}
+    for name, (toks, feats, what) in offered.items():
+        if toks is None or name not in tables.chains:
+            continue
+        own, ctx = split_context(feature_names(tables, name), name)
+        if name == MODEL and own != ["conf"]:
+            raise ValueError(f"the model chain's table reads {own} before its context axes; decide_step "
+                             "passes the raw confidence only (['conf'])")
+        toks = _tokens(toks, B, k_max, f"{name}_tokens")
+        x = _own(feats, B, [len(t) for t in toks], len(own), what)
+        c = torch.from_numpy(_context_columns(ctx, inputs, history))  # [B, A_ctx]
+        x = torch.cat([x, c[:, None, :].expand(B, x.shape[1], len(ctx))], dim=2)
+        signals[name], tokens[name] = x.to(torch.float32), toks
+    if not signals:
+        raise ValueError(f"no chain to decide on: the engine offers "
+                         f"{[n for n, v in offered.items() if v[0] is not None]}, the tables calibrate "
+                         f"{sorted(tables.chains)}")
+    return signals, tokens
+
+
+def decide_step(tables, inputs: StepInputs, history: RequestHistory, *, k_max: int,
+                cost: torch.Tensor | None = None, budget: int | None = None,
+                impl: str = "reference") -> StepDecision:
+    """Allocate this step's verification and return the new draft lists (see the module docstring).
+
+    Uses every chain the engine offers (non-None tokens in ``inputs``) that the tables calibrate, one or
+    two. ``cost`` (price mode) or ``budget`` as in :func:`calib.allocate.allocate`. Raises on anything
+    off (wrap it in :class:`SafeDecider` inside an engine)."""
+    start = time.perf_counter()
+    if isinstance(k_max, bool) or not isinstance(k_max, int) or k_max < 1:
+        raise ValueError(f"k_max must be an int >= 1 (vLLM's num_speculative_tokens), got {k_max!r}")
+    B = len(inputs.req_ids)
+    if B == 0:
+        return StepDecision([], [], torch.zeros(0, dtype=torch.int8), torch.zeros(0, dtype=torch.int32),
+                            torch.zeros(0), (time.perf_counter() - start) * 1e3)
+    signals, tokens = chain_inputs(tables, inputs, history, k_max=k_max)
+    out = allocate(tables, signals, cost=cost, budget=budget, impl=impl)
+    ids = out.drafter.cpu().tolist()
+    depths = out.depth.cpu().tolist()
+    by_id = {chain(n).id: t for n, t in tokens.items()}
+    drafts = []
+    for i in range(B):
+        if ids[i] == NO_CHAIN:
+            drafts.append([])
+            continue
+        d = by_id[ids[i]][i][: min(depths[i], k_max)]
+        if len(d) != depths[i]:  # the allocator verifies only tokens it was given: a bug if not
+            raise RuntimeError(f"request {inputs.req_ids[i]}: depth {depths[i]} but the chain has {len(d)} tokens")
+        drafts.append(d)
+    return StepDecision(list(inputs.req_ids), drafts, out.drafter.cpu(), out.depth.cpu(),
+                        out.expected_accepted.cpu(), (time.perf_counter() - start) * 1e3)
+
+
+class SafeDecider:
+    """:func:`decide_step` for an engine: refuses wrong tables at construction, never raises after.
+
+    Construction (engine start; refusing is right there): loads the tables (a folder, through
+    :func:`calib.tables.load`, or a loaded :class:`calib.tables.io.Tables`) and checks them against what
+    the engine reports with :meth:`Tables.check_bank` on an engine manifest (target ``model_id``,
+    ``speculator`` e.g. ``"eagle:<head dir name>"`` or ``"ngram"``, ``k_max`` = num_speculative_tokens,
+    and the n-gram chain's depth when it is offered): a mismatch is a :class:`calib.tables.io.TablesError`
+    naming both sides. Also checks ``k_max`` and the cost curve (for one request).
+
+    :meth:`decide` never raises: on an exception it logs one warning (with the exception) the first
+    time, counts it, and returns the engine's own drafts unchanged for that step; after
+    ``max_failures`` consecutive failures it disables itself for the rest of the run (logged once) and
+    passes every later step through. :meth:`observe` / :meth:`finish` feed the history, same rule.
+    """
+
+    def __init__(self, tables, *, model_id: str, speculator: str, k_max: int, method: str | None = None,
+                 chains: Sequence[str] = (MODEL, NGRAM), cost: torch.Tensor | None = None,
+                 budget: int | None = None, impl: str = "reference", max_failures: int = 3,
+                 history: RequestHistory | None = None) -> None:
+        from calib.tables import load
+        from calib.tables.io import _verified_chain
+
+        if isinstance(k_max, bool) or not isinstance(k_max, int) or k_max < 1:
+            raise ValueError(f"k_max must be an int >= 1 (vLLM's num_speculative_tokens), got {k_max!r}")
+        if isinstance(max_failures, bool) or not isinstance(max_failures, int) or max_failures < 1:
+            raise ValueError(f"max_failures must be an int >= 1, got {max_failures!r}")
+        if (cost is None) == (budget is None):
+            raise ValueError("give exactly one of `cost` (verify-cost curve) and `budget`")
+        if cost is not None:
+            check_cost(cost, 1)
+        self.tables = tables if hasattr(tables, "check_bank") else load(tables)
+        self.engine_chain = _verified_chain(speculator, method)
+        offered = [c for c in dict.fromkeys([self.engine_chain, *chains])]
+        for c in offered:
+            chain(c)  # a KeyError lists the registered chains
+        self.chains = [c for c in offered if c in self.tables.chains]
+        manifest = {"model": model_id, "speculator": speculator, "method": method,
+                    "num_speculative_tokens": k_max}
+        if NGRAM in self.chains and self.engine_chain != NGRAM:
+            manifest["ngram_chain"] = {"width": k_max}  # the n-gram chain is cut to k_max too
+        where = f"engine (model {model_id!r}, speculator {speculator!r}, num_speculative_tokens={k_max})"
+        self.tables.check_bank(manifest, path=where)  # TablesError naming both sides
+        self.k_max, self.cost, self.budget, self.impl = k_max, cost, budget, impl
+        self.max_failures = max_failures
+        self.history = history if history is not None else RequestHistory()
+        self.failures = 0  # every failed step or history update this run
+        self.consecutive_failures = 0
+        self.disabled = False
+        self._warned = False
+
+    @property
+    def enabled(self) -> bool:
+        return not self.disabled
+
+    def decide(self, inputs: StepInputs) -> StepDecision:
+        """This step's drafts; the engine's own (``passthrough=True``) after an error or once disabled."""
+        start = time.perf_counter()
+        if not self.disabled:
+            try:
+                picked = StepInputs(
+                    inputs.req_ids, inputs.temperature,
+                    *((inputs.model_tokens, inputs.model_conf) if MODEL in self.chains else (None, None)),
+                    *((inputs.ngram_tokens, inputs.ngram_features) if NGRAM in self.chains else (None, None)))
+                out = decide_step(self.tables, picked, self.history, k_max=self.k_max, cost=self.cost,
+                                  budget=self.budget, impl=self.impl)
+                self.consecutive_failures = 0
+                return out
+            except Exception as exc:  # noqa: BLE001 - the serving rule: never raise into the engine
+                self._fail(exc, "decide")
+        return self._passthrough(inputs, start)
+
+    def observe(self, req_id: str, accepted: int, drafted: int | None = None) -> None:
+        """:meth:`RequestHistory.observe`, never raising (a failure counts as one)."""
+        try:
+            self.history.observe(req_id, accepted, drafted)
+        except Exception as exc:  # noqa: BLE001
+            self._fail(exc, "observe")
+
+    def finish(self, req_id: str) -> None:
+        try:
+            self.history.finish(req_id)
+        except Exception as exc:  # noqa: BLE001
+            self._fail(exc, "finish")
+
+    def _fail(self, exc: BaseException, where: str) -> None:
+        self.failures += 1
+        self.consecutive_failures += 1
+        if not self._warned:
+            self._warned = True
+            logger.warning("calib serve: %s failed (%s: %s); passing the engine's own drafts through for this "
+                           "step (further failures are counted, not logged; disabled after %d in a row)",
+                           where, type(exc).__name__, exc, self.max_failures, exc_info=exc)
+        if not self.disabled and self.consecutive_failures >= self.max_failures:
+            self.disabled = True
+            logger.warning("calib serve: %d consecutive failures (%d in all); calib is disabled for the rest "
+                           "of this run, the engine drafts on its own", self.consecutive_failures, self.failures)
+
+    def _passthrough(self, inputs: StepInputs, start: float) -> StepDecision:
+        try:
+            drafts = inputs.engine_drafts(self.engine_chain)
+        except Exception:  # noqa: BLE001 - malformed inputs: hand back nothing rather than raise
+            drafts = [[] for _ in getattr(inputs, "req_ids", [])]
+        B = len(drafts)
+        ids = [chain(self.engine_chain).id if d else NO_CHAIN for d in drafts]
+        return StepDecision(list(getattr(inputs, "req_ids", [])), drafts, torch.tensor(ids, dtype=torch.int8),
+                            torch.tensor([len(d) for d in drafts], dtype=torch.int32),
+                            torch.full((B,), math.nan), (time.perf_counter() - start) * 1e3, passthrough=True)

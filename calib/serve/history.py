@@ -1,0 +1,88 @@
+"""What the engine knows about each running request before a round: the history context axes.
+
+:class:`RequestHistory` holds, per request id, the running values of the context axes that come
+from the request's earlier rounds (:data:`calib.labels.HISTORY_COLUMNS`): ``prev_accept``,
+``mean_accept`` and ``position``. Their definitions are those of
+:func:`calib.labels._request_history` (one definition; ``tests/serve/test_history.py`` feeds the
+same rounds through both and gets identical values):
+
+* ``prev_accept``: the accepted length of the request's previous round; NaN in its first round;
+* ``mean_accept``: the mean accepted length over its earlier rounds; NaN in its first round;
+* ``position``: the tokens its earlier rounds emitted, ``accepted + 1`` each; 0 in its first round.
+
+A *round* is what the bank records as one (:mod:`calib.collect.hooks`): a verify step in which the
+request had at least one draft token. A step in which the request verified no draft token (no
+n-gram match, or calib chose ``[]``) is not a round of the bank, so :meth:`RequestHistory.observe`
+with ``drafted=0`` leaves the history unchanged. Nor is the token sampled at prefill counted: the
+tables were fitted on these values, so the engine must pass the same, not its own output length.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from calib.labels import HISTORY_COLUMNS
+
+
+@dataclass
+class _State:
+    rounds: int = 0  # rounds observed (verify steps with >= 1 draft token)
+    accepted: int = 0  # accepted draft tokens over them
+    last: int = -1  # accepted length of the latest round
+
+
+class RequestHistory:
+    """Per-request history context, keyed by the engine's request id.
+
+    ``observe(req_id, accepted, drafted)`` after each verify step, ``finish(req_id)`` when the request
+    ends (finished, aborted, preempted for good); ``values(req_ids)`` before a decision.
+    """
+
+    def __init__(self) -> None:
+        self._state: dict[str, _State] = {}
+
+    def __len__(self) -> int:
+        return len(self._state)
+
+    def __contains__(self, req_id) -> bool:
+        return req_id in self._state
+
+    def observe(self, req_id: str, accepted: int, drafted: int | None = None) -> None:
+        """Record one verify step of ``req_id``: ``accepted`` draft tokens accepted out of ``drafted``
+        (None: at least one, i.e. a round). ``drafted == 0`` is no round and changes nothing."""
+        if isinstance(accepted, bool) or int(accepted) != accepted or accepted < 0:
+            raise ValueError(f"request {req_id!r}: accepted must be an integer >= 0, got {accepted!r}")
+        if drafted is not None:
+            if drafted == 0:
+                return
+            if accepted > drafted:
+                raise ValueError(f"request {req_id!r}: accepted={accepted} > drafted={drafted}")
+        s = self._state.setdefault(req_id, _State())
+        s.rounds += 1
+        s.accepted += int(accepted)
+        s.last = int(accepted)
+
+    def finish(self, req_id: str) -> None:
+        """Forget ``req_id`` (a later request with the same id starts afresh). Unknown ids are fine."""
+        self._state.pop(req_id, None)
+
+    def context(self, req_id: str) -> dict[str, float]:
+        """``{prev_accept, mean_accept, position}`` of ``req_id`` before its next round (a request never
+        observed is in its first round)."""
+        s = self._state.get(req_id)
+        if s is None or s.rounds == 0:
+            return {"prev_accept": math.nan, "mean_accept": math.nan, "position": 0.0}
+        return {"prev_accept": float(s.last), "mean_accept": s.accepted / s.rounds,
+                "position": float(s.accepted + s.rounds)}
+
+    def values(self, req_ids: Sequence[str], names: Sequence[str] = HISTORY_COLUMNS) -> dict[str, np.ndarray]:
+        """``{name: float64 [B]}`` for the history columns in ``names``, in ``req_ids`` order."""
+        unknown = [n for n in names if n not in HISTORY_COLUMNS]
+        if unknown:
+            raise KeyError(f"no history column {unknown}; known: {HISTORY_COLUMNS}")
+        rows = [self.context(r) for r in req_ids]
+        return {n: np.array([row[n] for row in rows], dtype=np.float64) for n in names}

@@ -1,0 +1,282 @@
+"""calib.serve.decide on SYNTHETIC tables (random grids with context axes, tests/synthetic.py style):
+draft lists within k_max and the proposal, n-gram substitution, nothing when nothing pays, decisions
+identical to calib.allocate.allocate on hand-built inputs, one-chain engines and tables, SafeDecider's
+construction checks, pass-through, warn-once and disable-after-N."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+import torch
+
+from calib.allocate import allocate
+from calib.chains import Axis, chain
+from calib.serve import (
+    RequestHistory,
+    SafeDecider,
+    StepInputs,
+    chain_inputs,
+    decide_step,
+    ngram_feature_tensor,
+)
+from calib.serve import decide as decide_mod
+from calib.tables.io import TablesError, load, save
+from calib.tables.layout import ChainTable, GridTables
+
+NAN = float("nan")
+G, D = 9, 4
+NG_OWN = ["match_n", "agreement"]
+
+
+def _tables(seed: int = 0, model_scale=1.0, ngram_scale=1.0, chains=("model", "ngram")) -> GridTables:
+    """SYNTHETIC tables: model = conf x temperature (2) x prev_accept (3); n-gram = match_n (3) x
+    agreement (2) x temperature (2) x mean_accept (2) x position (2)."""
+    g = torch.Generator().manual_seed(seed)
+    m_axes = (Axis("conf", points=G), Axis("temperature", edges=(0.4,)), Axis("prev_accept", edges=(0.0, 2.0)))
+    m = ChainTable.build(m_axes, model_scale * torch.rand(D, 6 * G, generator=g).sort(dim=1).values,
+                         torch.tensor([[0.4, math.inf], [0.0, 2.0]]), torch.tensor([3 * G, G]))
+    n_axes = (Axis("match_n", edges=(1.5, 2.5)), Axis("agreement", edges=(0.5,)), Axis("temperature", edges=(0.4,)),
+              Axis("mean_accept", edges=(1.0,)), Axis("position", edges=(3.5,)))
+    n = ChainTable.build(n_axes, ngram_scale * torch.rand(D, 48, generator=g),
+                         torch.tensor([[1.5, 2.5], [0.5, math.inf], [0.4, math.inf], [1.0, math.inf], [3.5, math.inf]]),
+                         torch.tensor([16, 8, 4, 2, 1]))
+    both = {"model": m, "ngram": n}
+    return GridTables({c: both[c] for c in chains})
+
+
+def _history(req_ids, seed=0) -> RequestHistory:
+    g = torch.Generator().manual_seed(seed)
+    h = RequestHistory()
+    for r in req_ids:
+        for _ in range(int(torch.randint(0, 4, (1,), generator=g))):  # 0 rounds: first round, NaN
+            d = int(torch.randint(1, 5, (1,), generator=g))
+            h.observe(r, int(torch.randint(0, d + 1, (1,), generator=g)), d)
+    return h
+
+
+def _inputs(B=6, K=5, L=5, seed=0, model=True, ngram=True) -> StepInputs:
+    g = torch.Generator().manual_seed(seed)
+    req_ids = [f"req-{i}" for i in range(B)]
+    mt = [torch.randint(0, 1000, (int(torch.randint(0, K + 1, (1,), generator=g)),), generator=g).tolist()
+          for _ in range(B)]
+    conf = torch.rand(B, K, generator=g)
+    nt = [torch.randint(0, 1000, (int(torch.randint(0, L + 1, (1,), generator=g)),), generator=g).tolist()
+          for _ in range(B)]
+    feats = [{"match_n": int(torch.randint(1, 5, (1,), generator=g)), "agreement": float(torch.rand(1, generator=g))}
+             if t else None for t in nt]
+    temp = torch.where(torch.rand(B, generator=g) < 0.5, 0.0, 0.8)
+    return StepInputs(req_ids, temp, mt if model else None, conf if model else None,
+                      nt if ngram else None,
+                      ngram_feature_tensor(feats, [len(t) for t in nt], NG_OWN, L) if ngram else None)
+
+
+def _cheap(B, K=5):
+    return torch.linspace(1.0, 1.5, B + 2 * K * B + 1)
+
+
+def _check_drafts(out, inputs, k_max):
+    for i in range(len(inputs.req_ids)):
+        d, c = out.drafts[i], int(out.chain[i])
+        assert len(d) <= k_max and len(d) == int(out.depth[i])
+        assert all(isinstance(x, int) and x >= 0 for x in d)
+        if c == 0:
+            assert d == []
+        else:
+            src = inputs.model_tokens if c == chain("model").id else inputs.ngram_tokens
+            assert d == src[i][: len(d)] and len(d) <= len(src[i])
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_drafts_within_k_max_and_the_proposal(seed):
+    t = _tables(seed)
+    inputs = _inputs(B=7, seed=seed)
+    h = _history(inputs.req_ids, seed)
+    for k_max in (1, 3, 4):
+        out = decide_step(t, inputs, h, k_max=k_max, cost=_cheap(7))
+        _check_drafts(out, inputs, k_max)
+        assert out.allocator_ms >= 0 and not out.passthrough
+        out = decide_step(t, inputs, h, k_max=k_max, budget=100)  # budget mode: every token it can use
+        _check_drafts(out, inputs, k_max)
+
+
+def test_substitution_returns_the_ngram_tokens():
+    t = _tables()
+    t.chains["ngram"].grid.fill_(0.95)  # n-gram chains accept more often than model drafts
+    t.chains["model"].grid.fill_(0.6)
+    B = 3
+    inputs = StepInputs(["a", "b", "c"], [0.0, 0.8, 0.0],
+                        model_tokens=[[1, 2, 3], [4, 5], []], model_conf=torch.full((B, 3), 0.9),
+                        ngram_tokens=[[7, 8, 9, 10, 11], [], [12, 13]],
+                        ngram_features=ngram_feature_tensor([{"match_n": 3, "agreement": 1.0}, None,
+                                                             {"match_n": 3, "agreement": 1.0}], [5, 0, 2], NG_OWN, 5))
+    out = decide_step(t, inputs, RequestHistory(), k_max=4, cost=_cheap(B))
+    assert out.drafts == [[7, 8, 9, 10], [4, 5], [12, 13]]  # n-gram cut to k_max; b has no n-gram chain
+    assert out.chain.tolist() == [chain("ngram").id, chain("model").id, chain("ngram").id]
+
+
+def test_nothing_pays_nothing_drafted():
+    t = _tables(1)
+    inputs = _inputs(B=5, seed=1)
+    B = 5
+    steep = torch.cat([torch.ones(B + 1), torch.full((50,), 1e6)])  # any draft token costs a million passes
+    out = decide_step(t, inputs, _history(inputs.req_ids), k_max=4, cost=steep)
+    assert out.drafts == [[]] * B and out.depth.tolist() == [0] * B and out.chain.tolist() == [0] * B
+    out = decide_step(t, inputs, _history(inputs.req_ids), k_max=4, budget=0)
+    assert out.drafts == [[]] * B
+
+
+def _by_hand(t, inputs, h, k_max):
+    """The per-chain inputs written out cell by cell from the README's recipe."""
+    B = len(inputs.req_ids)
+    temp = torch.as_tensor(inputs.temperature, dtype=torch.float64)
+    hist = {r: h.context(r) for r in inputs.req_ids}
+    sig = {}
+    if inputs.model_tokens is not None and "model" in t.chains:
+        W = max(1, max(min(len(x), k_max) for x in inputs.model_tokens))
+        x = torch.full((B, W, 3), NAN)
+        for i, r in enumerate(inputs.req_ids):
+            for k in range(W):
+                conf = float(inputs.model_conf[i, k]) if k < min(len(inputs.model_tokens[i]), k_max) else NAN
+                x[i, k] = torch.tensor([conf, float(temp[i]), hist[r]["prev_accept"]])
+        sig["model"] = x
+    if inputs.ngram_tokens is not None and "ngram" in t.chains:
+        W = max(1, max(min(len(x), k_max) for x in inputs.ngram_tokens))
+        x = torch.full((B, W, 5), NAN)
+        for i, r in enumerate(inputs.req_ids):
+            for k in range(W):
+                on = k < min(len(inputs.ngram_tokens[i]), k_max)
+                f = inputs.ngram_features[i, k] if on else torch.tensor([NAN, NAN])
+                x[i, k] = torch.tensor([float(f[0]), float(f[1]), float(temp[i]), hist[r]["mean_accept"],
+                                        hist[r]["position"]])
+        sig["ngram"] = x
+    return sig
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("offered", [("model", "ngram"), ("model",), ("ngram",)])
+def test_identical_to_allocate_on_hand_built_inputs(seed, offered):
+    t = _tables(seed + 10)
+    inputs = _inputs(B=6, seed=seed, model="model" in offered, ngram="ngram" in offered)
+    h = _history(inputs.req_ids, seed)
+    k_max = 4
+    sig = _by_hand(t, inputs, h, k_max)
+    built, _ = chain_inputs(t, inputs, h, k_max=k_max)
+    assert built.keys() == sig.keys()
+    for k in sig:
+        assert torch.equal(built[k].isnan(), sig[k].isnan()) and torch.equal(built[k].nan_to_num(), sig[k].nan_to_num())
+    for mode in ({"cost": _cheap(6)}, {"cost": torch.linspace(1.0, 4.0, 60)}, {"budget": 5}):
+        ref = allocate(t, sig, **mode)
+        out = decide_step(t, inputs, h, k_max=k_max, **mode)
+        assert torch.equal(out.chain, ref.drafter) and torch.equal(out.depth, ref.depth)
+        assert torch.equal(out.expected_accepted, ref.expected_accepted)
+
+
+def test_one_chain_tables_and_engines():
+    inputs = _inputs(B=5, seed=3)
+    h = _history(inputs.req_ids, 3)
+    only_model = _tables(3, chains=("model",))  # tables without the n-gram chain: the n-gram offer is unused
+    out = decide_step(only_model, inputs, h, k_max=4, cost=_cheap(5))
+    assert set(out.chain.tolist()) <= {0, chain("model").id}
+    _check_drafts(out, inputs, 4)
+    eagle_only = _inputs(B=5, seed=3, ngram=False)  # an EAGLE-only engine with two-chain tables
+    out = decide_step(_tables(3), eagle_only, h, k_max=4, cost=_cheap(5))
+    assert set(out.chain.tolist()) <= {0, chain("model").id}
+    with pytest.raises(ValueError, match=r"no chain to decide on: the engine offers \['ngram'\], the tables "
+                                         r"calibrate \['model'\]"):
+        decide_step(only_model, _inputs(B=5, seed=3, model=False), h, k_max=4, cost=_cheap(5))
+
+
+def test_context_columns_follow_the_history():
+    t = _tables(0)
+    inputs = _inputs(B=2, seed=0)
+    h = RequestHistory()
+    h.observe("req-1", 3, 4)
+    sig, _ = chain_inputs(t, inputs, h, k_max=4)
+    assert math.isnan(sig["model"][0, 0, 2]) and sig["model"][1, 0, 2] == 3.0  # prev_accept
+    assert sig["model"][:, 0, 1].tolist() == pytest.approx([float(x) for x in inputs.temperature])
+
+
+# --- SafeDecider ----------------------------------------------------------------------------------
+
+META = {"target_models": ["synthetic-model"],
+        "chains": {"model": {"ids": ["eagle:head"], "k": D}, "ngram": {"ids": ["ngram"], "k": D}}}
+
+
+@pytest.fixture
+def saved(tmp_path):
+    return save(tmp_path / "tables", _tables(5), META)
+
+
+def _decider(path, **kw):
+    args = {"model_id": "synthetic-model", "speculator": "eagle:head", "method": "eagle", "k_max": 4,
+            "cost": _cheap(8), **kw}
+    return SafeDecider(path, **args)
+
+
+def test_construction_refuses_tables_the_engine_does_not_match(saved):
+    assert _decider(saved).chains == ["model", "ngram"]
+    assert _decider(load(saved), speculator="ngram", method="ngram").engine_chain == "ngram"
+    with pytest.raises(TablesError, match=r"fitted for \['synthetic-model'\], bank engine \(model 'Other-7B'.*"
+                                          r"was collected with 'Other-7B'"):
+        _decider(saved, model_id="Other-7B")
+    with pytest.raises(TablesError, match=r"\['eagle:head'\], bank engine .* was drafted by 'eagle:other'"):
+        _decider(saved, speculator="eagle:other")
+    with pytest.raises(TablesError, match=r"cover model-drafter depths 0..3 \(K=4\), bank engine .* drafts K=6"):
+        _decider(saved, k_max=6)
+    with pytest.raises(ValueError, match="cost"):
+        _decider(saved, cost=torch.tensor([1.0, 0.0]))
+
+
+def test_safe_decider_decides_like_decide_step(saved):
+    dec = _decider(saved)
+    inputs = _inputs(B=6, seed=2)
+    for r in inputs.req_ids[:3]:
+        dec.observe(r, 2, 3)
+    out = dec.decide(inputs)
+    ref = decide_step(load(saved), inputs, dec.history, k_max=4, cost=_cheap(8))
+    assert out.drafts == ref.drafts and not out.passthrough and dec.failures == 0
+
+
+def test_safe_decider_passes_through_warns_once_and_disables(saved, monkeypatch, caplog):
+    dec = _decider(saved, max_failures=3)
+    inputs = _inputs(B=4, seed=4)
+    calls = []
+    real = decide_mod.decide_step
+
+    def boom(*a, **k):
+        calls.append(1)
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(decide_mod, "decide_step", boom)
+    with caplog.at_level(logging.WARNING, logger="calib.serve"):
+        for _ in range(2):
+            out = dec.decide(inputs)
+            assert out.passthrough and out.drafts == inputs.model_tokens
+            assert out.depth.tolist() == [len(x) for x in inputs.model_tokens]
+        assert len(caplog.records) == 1 and "injected" in caplog.text and caplog.records[0].exc_info
+        monkeypatch.setattr(decide_mod, "decide_step", real)  # a good step resets the run of failures
+        assert not dec.decide(inputs).passthrough and dec.consecutive_failures == 0
+        bad = StepInputs(inputs.req_ids, inputs.temperature, inputs.model_tokens, inputs.model_conf * 10,
+                         inputs.ngram_tokens, inputs.ngram_features)  # confidences > 1: allocate refuses
+        bad.model_tokens = [[5, 6, 7, 8]] * 4
+        for _ in range(3):
+            out = dec.decide(bad)
+            assert out.passthrough and out.drafts == bad.model_tokens
+        assert dec.disabled and dec.failures == 5 and len(caplog.records) == 2
+        assert "disabled" in caplog.records[1].getMessage()
+        monkeypatch.setattr(decide_mod, "decide_step", boom)
+        n = len(calls)
+        assert dec.decide(inputs).passthrough and len(calls) == n  # disabled: not even tried
+        dec.observe("x", -1)  # a bad history update never raises either
+        assert len(caplog.records) == 2
+
+
+def test_passthrough_of_an_ngram_engine(saved, monkeypatch):
+    dec = _decider(saved, speculator="ngram", method="ngram")
+    monkeypatch.setattr(decide_mod, "decide_step", lambda *a, **k: 1 / 0)
+    inputs = _inputs(B=3, seed=1, model=False)
+    out = dec.decide(inputs)
+    assert out.passthrough and out.drafts == inputs.ngram_tokens
+    assert out.chain.tolist() == [chain("ngram").id if x else 0 for x in inputs.ngram_tokens]
