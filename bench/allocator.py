@@ -20,7 +20,7 @@ from functools import partial
 
 import torch
 
-from calib.allocate import allocate_probs
+from calib.allocate import allocate_probs, plan_draft
 
 BATCHES = (1, 4, 64, 256, 1024)
 WIDTHS = (4, 8, 16)
@@ -67,6 +67,22 @@ def cpu_table() -> None:
                 t_price = median_ms(partial(allocate_probs, probs, cost=cost))
                 t_naive = median_ms(partial(naive_topk, model_p, ng, budget))
                 print(f"{b:>5} {k:>3} {2 if two else 1:>8} {t_budget:>11.3f} {t_price:>10.3f} {t_naive:>11.3f}")
+
+
+def plan_table() -> None:
+    """The draft-aware decision before the first model pass (the widest: K + 1 candidate plans, each one
+    price-mode allocation), next to one price-mode allocation of the drafted chains."""
+    print("\nDraft-aware plan before pass 0 (calib.allocate.plan_draft, reference; pass cost 0.05): median ms")
+    print(f"{'B':>5} {'K':>3} {'drafters':>8} {'plan':>8} {'allocate':>9}")
+    for b in (4, 64, 256):
+        for k in (4, 16):
+            model_p, ngram_p, _, cost = make_inputs(b, k)
+            for two in (False, True):
+                known = {"model": torch.empty(b, 0)} | ({"ngram": ngram_p} if two else {})
+                probs = {"model": model_p} | ({"ngram": ngram_p} if two else {})
+                t_plan = median_ms(partial(plan_draft, known, model_p, cost=cost, pass_cost=0.05))
+                t_alloc = median_ms(partial(allocate_probs, probs, cost=cost))
+                print(f"{b:>5} {k:>3} {2 if two else 1:>8} {t_plan:>8.3f} {t_alloc:>9.3f}")
 
 
 def gpu_table() -> None:
@@ -117,6 +133,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     if not args.skip_cpu:
         cpu_table()
+        plan_table()
     if torch.cuda.is_available():
         gpu_table()
     else:
