@@ -199,11 +199,7 @@ def install(out_dir: str, ngram: tuple[int, int, int], routing: bool = False,
     orig_draft = SpecDecodeBaseProposer._sample_draft_tokens
 
     def _sample_draft_tokens(self, hidden_states, sampling_metadata):
-        plain_greedy = (
-            (not self._enable_probabilistic_draft_probs or sampling_metadata.all_greedy)
-            and not self.use_local_argmax_reduction and not self.use_heterogeneous_vocab
-            and type(self)._greedy_sample is SpecDecodeBaseProposer._greedy_sample
-        )
+        plain_greedy = takes_plain_argmax(self, sampling_metadata, SpecDecodeBaseProposer)
         if rec.depth_rows() is None:
             return orig_draft(self, hidden_states, sampling_metadata)
         if plain_greedy:
@@ -229,6 +225,15 @@ def install(out_dir: str, ngram: tuple[int, int, int], routing: bool = False,
     if routing and shadow is None:
         _install_routing(rec)
     log.info("calib capture installed (pid %d) -> %s", os.getpid(), rec.path)
+
+
+def takes_plain_argmax(proposer, sampling_metadata, base) -> bool:
+    """Whether the proposer's ``_sample_draft_tokens`` takes vLLM's plain argmax path
+    (``base._greedy_sample``, no draft probabilities): the one path whose logits the hooks may
+    recompute to keep the drafter's distribution (capture here, serving in :mod:`calib.serve.hooks`)."""
+    return ((not proposer._enable_probabilistic_draft_probs or sampling_metadata.all_greedy)
+            and not proposer.use_local_argmax_reduction and not proposer.use_heterogeneous_vocab
+            and type(proposer)._greedy_sample is base._greedy_sample)
 
 
 def _install_routing(rec: Recorder) -> None:

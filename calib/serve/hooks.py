@@ -53,6 +53,7 @@ from pathlib import Path
 
 import torch
 
+from calib.collect.hooks import takes_plain_argmax
 from calib.ngram import find_match
 
 log = logging.getLogger("calib.serve")
@@ -299,13 +300,6 @@ def stats() -> ServeStats | None:
     return _SERVER.stats if _SERVER is not None else None
 
 
-def _plain_greedy(proposer, sampling_metadata, base) -> bool:
-    """Whether ``_sample_draft_tokens`` would take vLLM's plain argmax path (as calib.collect.hooks)."""
-    return ((not proposer._enable_probabilistic_draft_probs or sampling_metadata.all_greedy)
-            and not proposer.use_local_argmax_reduction and not proposer.use_heterogeneous_vocab
-            and type(proposer)._greedy_sample is base._greedy_sample)
-
-
 def install(tables: str, cost: str = "1.0,0.01", model_id: str | None = None,
             ngram: tuple[int, int, int] = (1, 4, 4)) -> Server:
     """Patch the V1 model runner and the proposer base class for serving (idempotent).
@@ -371,7 +365,7 @@ def install(tables: str, cost: str = "1.0,0.01", model_id: str | None = None,
     def _sample_draft_tokens(self, hidden_states, sampling_metadata):
         if srv.rows is None:
             return orig_draft(self, hidden_states, sampling_metadata)
-        if _plain_greedy(self, sampling_metadata, SpecDecodeBaseProposer):
+        if takes_plain_argmax(self, sampling_metadata, SpecDecodeBaseProposer):
             # Exactly SpecDecodeBaseProposer._greedy_sample, keeping the logits it discards.
             logits = self.model.compute_logits(hidden_states)
             token_ids = logits.argmax(dim=-1)
