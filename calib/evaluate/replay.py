@@ -279,6 +279,7 @@ class Setting:
         self.budget = None if cfg.mode == "price" else max(round(cfg.budget_per_request * self.B), 0)
         self.one = np.full((self.S, self.B), self.P, dtype=np.int64)  # fixed-depth policies verify the primary
         self.sunk = self.draft(self.K)
+        self.second_cost = self.draft(self.K, second=True) - self.draft(self.K)  # the second chain's drafting
 
     def draft(self, passes, second=False):
         """Drafting cost of ``passes`` draft passes over the batch (both chains' if ``second``)."""
@@ -294,20 +295,25 @@ class Setting:
 
     def ragged(self, p1, p2, extra_cost) -> PolicyResult:
         """The allocator per step on probabilities ``p1`` (primary) and ``p2`` (second chain, or None)."""
-        sb, S, B, curve, Q = self.sb, self.S, self.B, self.curve, self.Q
+        sb, S, B, curve = self.sb, self.S, self.B, self.curve
         dr = np.zeros((S, B), np.int64)
         de = np.zeros((S, B), np.int64)
         for s in range(S):
             dr[s], de[s] = _alloc(p1[s], None if p2 is None else p2[s], curve.tensor(extra=extra_cost),
                                   self.budget, self.cfg.impl, sb.names)
-        tok = _committed(sb, dr, de)
+        return self.allocated(dr, de, extra_cost)
+
+    def allocated(self, dr, de, extra_cost, **extra) -> PolicyResult:
+        """The :class:`PolicyResult` of allocator decisions ``dr`` (chain id) / ``de`` (depth) [S, B] charged
+        the verify pass plus ``extra_cost`` (drafting, scalar or [S]); ``extra`` joins the row's extras."""
+        tok = _committed(self.sb, dr, de)
         pos = de.sum(axis=1)
-        share2 = float((dr == Q).mean()) if Q is not None else 0.0
-        charged = curve.charge(de) + extra_cost
+        share2 = float((dr == self.Q).mean()) if self.Q is not None else 0.0
+        charged = self.curve.charge(de) + extra_cost
         # What the allocator priced (a curve over T for this B) vs the shape's actual cost.
-        seen = curve(B + pos) + extra_cost
+        seen = self.curve(self.B + pos) + extra_cost
         return PolicyResult(tok, charged, pos, {"ngram_share": share2,
-                                                "charged_vs_priced": float(charged.sum() / seen.sum())})
+                                                "charged_vs_priced": float(charged.sum() / seen.sum()), **extra})
 
 
 def draft_aware(s: Setting, p1: np.ndarray, forecast: np.ndarray, p2: np.ndarray | None) -> PolicyResult:
@@ -323,7 +329,7 @@ def draft_aware(s: Setting, p1: np.ndarray, forecast: np.ndarray, p2: np.ndarray
         return s.ragged(p1, p2, s.draft(K, second=p2 is not None))
     first, second = sb.names
     pass_cost = s.draft(1)
-    free_cost = s.draft(K, second=True) - s.draft(K) if p2 is not None else 0.0  # the second chain's drafting
+    free_cost = s.second_cost if p2 is not None else 0.0
     verify = s.curve.tensor()
     dr = np.zeros((S, B), np.int64)
     de = np.zeros((S, B), np.int64)
@@ -346,14 +352,7 @@ def draft_aware(s: Setting, p1: np.ndarray, forecast: np.ndarray, p2: np.ndarray
         extra = free_cost + done * pass_cost
         dr[i], de[i] = _alloc(known, None if p2 is None else p2[i], s.curve.tensor(extra=extra), None,
                               s.cfg.impl, sb.names)
-    tok = _committed(sb, dr, de)
-    pos = de.sum(axis=1)
-    extra_cost = free_cost + passes * pass_cost
-    charged = s.curve.charge(de) + extra_cost
-    seen = s.curve(B + pos) + extra_cost
-    return PolicyResult(tok, charged, pos, {
-        "ngram_share": float((dr == s.Q).mean()) if s.Q is not None else 0.0,
-        "charged_vs_priced": float(charged.sum() / seen.sum()), "draft_passes": float(passes.mean())})
+    return s.allocated(dr, de, free_cost + passes * pass_cost, draft_passes=float(passes.mean()))
 
 
 def replay_setting(sb: StepBatch, curve: CostCurve, cfg: ReplayConfig, train_curve: np.ndarray) -> dict:
@@ -440,7 +439,7 @@ def _oracle(s: Setting) -> PolicyResult:
     free = s.draft(1) == 0
     depths_to_try = [K] if (free or budget is not None) else list(range(K + 1))
     first, second = sb.ids
-    second_cost = s.draft(K, second=True) - s.draft(K) if sb.second else 0.0
+    second_cost = s.second_cost if sb.second else 0.0
     best = (np.full(S, float(B)), np.full(S, curve.values[B]), np.zeros(S))  # no drafting at all
     best_gp = best[0] / best[1]
     for gmax in depths_to_try:
