@@ -57,6 +57,7 @@ class Recorder:
         self.local = threading.local()
         self.pending: dict[str, dict] = {}  # req_id -> drafter signals of its last drafting pass
         self.moe_rows: list = []  # topk_ids [tokens, top_k] of each MoE layer of the current pass, in call order
+        self.v1_runner = False  # set by the first V1 `_sample`: the routing hook records only then (claim 5)
 
     def error(self, where: str, exc: BaseException) -> None:
         self.errors += 1
@@ -166,6 +167,7 @@ def install(out_dir: str, ngram: tuple[int, int, int], routing: bool = False,
     orig_sample = GPUModelRunner._sample
 
     def _sample(self, logits, spec_decode_metadata):
+        rec.v1_runner = True  # this process runs the V1 model runner (V2 never calls this)
         if shadow is not None and not shadow["hooked"]:
             # The first step is a pure prefill (no round), so hooking here loses no round's routing;
             # load_model is overridden per platform, this method is not.
@@ -237,13 +239,24 @@ def takes_plain_argmax(proposer, sampling_metadata, base) -> bool:
 
 
 def _install_routing(rec: Recorder) -> None:
-    """Keep every MoE layer's expert choice (``topk_ids``) of the current forward pass."""
+    """Keep every MoE layer's expert choice (``topk_ids``) of the current forward pass.
+
+    V1 only: the V1 wrappers of :func:`install` are what empty ``rec.moe_rows`` after each pass. Model
+    Runner V2 (vLLM 0.32's GPU default) shares the model layers, so ``select_experts`` fires there
+    too, but never calls those wrappers, and the rows would grow without bound
+    (docs/serving_design.md, claim 5). The plugin cannot tell V1 from V2 when it installs (the
+    runner is chosen later, from the engine's config), so the check is made per call:
+    ``rec.v1_runner``, set by the first V1 ``_sample``. The pass before it is the first prefill, whose
+    routing is no round's and was dropped anyway.
+    """
     from vllm.model_executor.layers.fused_moe.router.fused_moe_router import FusedMoERouter
 
     orig_select = FusedMoERouter.select_experts
 
     def select_experts(self, *args, **kwargs):
         topk_weights, topk_ids = orig_select(self, *args, **kwargs)
+        if not rec.v1_runner:  # V2 (or no V1 step yet): nothing would ever empty rec.moe_rows
+            return topk_weights, topk_ids
         try:
             rec.moe_rows.append(topk_ids.detach().to("cpu", copy=True))
         except Exception as exc:  # noqa: BLE001
