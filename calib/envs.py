@@ -47,6 +47,19 @@ def _ints(name: str, default: str) -> Callable[[], tuple[int, ...]]:
     return read
 
 
+def _float(name: str, default: float) -> Callable[[], float]:
+    def read() -> float:
+        v = os.environ.get(name)
+        if v is None or v == "":
+            return default
+        try:
+            return float(v)
+        except ValueError:
+            raise ValueError(f"environment variable {name}={v!r}: expected a number like {default!r}") from None
+
+    return read
+
+
 @dataclass(frozen=True)
 class EnvVar:
     name: str
@@ -84,8 +97,23 @@ REGISTRY: dict[str, EnvVar] = {v.name: v for v in (
          "step's drafts with calib.serve.SafeDecider (calib/serve/hooks.py). Unset: vLLM unchanged",
          _str("CALIB_SERVE_TABLES", None)),
     _var("CALIB_SERVE_COST", "str", "1.0,0.01",
-         "serving mode: parametric verify cost weight_read,per_position (conf/cost/parametric.yaml: "
-         "C(T) = weight_read + per_position * T)", _str("CALIB_SERVE_COST", "1.0,0.01")),
+         "serving mode: the verify cost curve C(T) the allocator prices drafts with: parametric "
+         "'weight_read,per_position' (conf/cost/parametric.yaml: C(T) = weight_read + per_position * T) or "
+         "a measured CSV 'PATH[:column]' (bench/verify_cost.py; column default seconds_min)",
+         _str("CALIB_SERVE_COST", "1.0,0.01")),
+    _var("CALIB_SERVE_CHAINS", "str", "model,ngram",
+         "serving mode: the chains calib may verify, comma-separated registry names; the engine's own "
+         "drafter's chain is always offered, 'ngram' beside a model drafter adds the recomputed n-gram "
+         "chain (two drafters); 'model' alone: truncate the drafter's chain only",
+         _str("CALIB_SERVE_CHAINS", "model,ngram")),
+    _var("CALIB_SERVE_PLAN", "flag", True,
+         "serving mode with a model drafter: choose each step's number of draft passes with "
+         "calib.allocate.plan_draft (sets scheduler_output.num_spec_tokens_to_schedule, 0..K)",
+         _flag("CALIB_SERVE_PLAN", True)),
+    _var("CALIB_SERVE_DRAFT_COST", "float", 0.24,
+         "serving mode: one model-drafter pass priced as this fraction of the verify pass C(B) "
+         "(conf/eval.yaml draft_cost.model; the sample EAGLE head: 0.24)",
+         _float("CALIB_SERVE_DRAFT_COST", 0.24)),
     _var("CALIB_SERVE_MODEL_ID", "str", None,
          "serving mode: the target's model id checked against the tables' target_models (default: the "
          "name of the engine's model folder)", _str("CALIB_SERVE_MODEL_ID", None)),

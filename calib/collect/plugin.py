@@ -52,4 +52,6 @@ def register() -> None:
     if tables:  # serving mode (calib/serve/hooks.py); after capture, so both work when both are on
         from calib.serve import hooks as serve_hooks
 
-        serve_hooks.install(tables, envs.CALIB_SERVE_COST, envs.CALIB_SERVE_MODEL_ID, envs.CALIB_NGRAM)
+        serve_hooks.install(tables, envs.CALIB_SERVE_COST, envs.CALIB_SERVE_MODEL_ID, envs.CALIB_NGRAM,
+                            chains=envs.CALIB_SERVE_CHAINS, plan=envs.CALIB_SERVE_PLAN,
+                            draft_cost=envs.CALIB_SERVE_DRAFT_COST)

@@ -51,6 +51,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from calib.collect.hooks import takes_plain_argmax
@@ -79,6 +80,10 @@ class ServeStats:
     ngram_mismatch: int = 0  # n-gram engine: recomputed chain != vLLM's own (should stay 0)
     allocator_ms: list[float] = field(default_factory=list)  # per decided step: SafeDecider (inputs + allocate)
     hook_ms: list[float] = field(default_factory=list)  # per decided step: the whole hook (n-gram recompute too)
+    planned: int = 0  # steps whose draft passes calib chose (plan_draft)
+    passes_engine: int = 0  # draft passes vLLM would have run on those steps
+    passes_planned: int = 0  # ... and the passes calib ran instead
+    plan_ms: list[float] = field(default_factory=list)  # per planned step: n-gram chains + forecast + plan_draft
     errors: int = 0  # exceptions caught in the hooks themselves
     disabled_reason: str | None = None  # why the decider was not built (None: built, or not reached)
 
@@ -94,34 +99,62 @@ class ServeStats:
                 f"({self.truncated} truncated, {self.substituted} substituted, {self.emptied} emptied); draft "
                 f"tokens {self.tokens_engine} -> {self.tokens_out}; allocator_ms mean {mean:.2f} max "
                 f"{max(ms, default=math.nan):.2f}; hook_ms mean {(sum(hk) / len(hk)) if hk else math.nan:.2f}; "
+                f"draft passes {self.passes_engine} -> {self.passes_planned} on {self.planned} planned steps "
+                f"(plan_ms mean {(sum(self.plan_ms) / len(self.plan_ms)) if self.plan_ms else math.nan:.2f}); "
                 f"{self.errors} hook errors" + (f"; OFF: {self.disabled_reason}" if self.disabled_reason else ""))
 
 
 def parse_cost(text: str) -> tuple[float, float]:
-    """``"weight_read,per_position"`` -> two positive floats (``CALIB_SERVE_COST``)."""
+    """``"weight_read,per_position"`` -> two positive floats (the parametric ``CALIB_SERVE_COST``)."""
     try:
         w, p = (float(x) for x in str(text).split(","))
     except ValueError:
-        raise ValueError(f"CALIB_SERVE_COST={text!r}: expected 'weight_read,per_position', e.g. '1.0,0.01'") from None
+        raise ValueError(f"CALIB_SERVE_COST={text!r}: expected 'weight_read,per_position' (e.g. '1.0,0.01') "
+                         "or a measured curve 'PATH.csv[:column]'") from None
     if not (w > 0 and p >= 0 and math.isfinite(w) and math.isfinite(p)):
         raise ValueError(f"CALIB_SERVE_COST={text!r}: weight_read must be > 0 and per_position >= 0")
     return w, p
+
+
+def cost_curve(text: str, t_max: int) -> torch.Tensor:
+    """``CALIB_SERVE_COST`` as the allocator's price-mode curve, float32 ``[t_max + 1]``: parametric
+    ``weight_read,per_position`` or a measured CSV ``PATH[:column]`` (``T, seconds[, seconds_min]``,
+    bench/verify_cost.py; column default ``seconds_min``), read as conf/cost/measured.yaml reads it."""
+    text = str(text)
+    if ".csv" in text:
+        path, _, column = text.partition(".csv")
+        path, column = path + ".csv", column.lstrip(":")
+        from calib.evaluate.cost import make_curve
+
+        curve = make_curve("CALIB_SERVE_COST", {"kind": "measured", "path": path,
+                                                 "column": column or "seconds_min"}, t_max)
+        return torch.from_numpy(np.ascontiguousarray(curve.values)).to(torch.float32)
+    w, p = parse_cost(text)
+    return (w + p * torch.arange(t_max + 1, dtype=torch.float64)).to(torch.float32)
 
 
 class Server:
     """Per-process serving state: the lazily built decider, drafter confidences, statistics."""
 
     def __init__(self, tables: str, cost: str = "1.0,0.01", model_id: str | None = None,
-                 ngram: tuple[int, int, int] = (1, 4, 4)):
+                 ngram: tuple[int, int, int] = (1, 4, 4), chains: str = "model,ngram", plan: bool = True,
+                 draft_cost: float = 0.24):
         self.tables_dir = str(tables)
         self.cost_text = cost
         self.model_id = model_id
         self.default_ngram = tuple(int(x) for x in ngram)
+        self.chains = tuple(c.strip() for c in str(chains).split(",") if c.strip())
+        self.plan = bool(plan)
+        if not (math.isfinite(float(draft_cost)) and float(draft_cost) >= 0):
+            raise ValueError(f"CALIB_SERVE_DRAFT_COST={draft_cost!r}: must be a number >= 0")
+        self.draft_cost = float(draft_cost)
+        self.planning = False  # set at construction: a model drafter whose passes calib chooses
         self.decider = None
         self.failed = False  # construction failed: pass-through for the run
         self.stats = ServeStats()
         self.rows: list | None = None  # per-depth confidences of the drafting pass in progress
         self.conf: dict[str, list[float]] = {}  # req_id -> confidence per depth of its latest draft
+        self.matches: dict[str, tuple] = {}  # req_id -> ((req_id, context length, last token), chain, features)
         self._error_logged = 0
 
     # -- construction ----------------------------------------------------------------------------
@@ -163,17 +196,20 @@ class Server:
         else:
             lo, hi, k = self.default_ngram
             self.ngram = (lo, hi, min(k, self.k))
-        w, p = parse_cost(self.cost_text)
-        n = int(runner.max_num_reqs) * (self.k + 1) + 1
-        cost = w + p * torch.arange(n, dtype=torch.float64)
+        cost = cost_curve(self.cost_text, int(runner.max_num_reqs) * (self.k + 1))
         self.max_model_len = getattr(runner, "max_model_len", None)
         dec = SafeDecider(self.tables_dir, model_id=model_id, speculator=speculator, k_max=self.k,
-                          method=method, cost=cost.to(torch.float32))
+                          method=method, chains=self.chains, cost=cost)
         self.ngram_own = []
         if NGRAM in dec.chains:
             from calib.serve.decide import feature_names, split_context
 
             self.ngram_own = split_context(feature_names(dec.tables, NGRAM), NGRAM)[0]
+        self.planning = (self.plan and dec.engine_chain == MODEL
+                         and dec.tables.meta["chains"].get(MODEL, {}).get("forecast") is not None)
+        if self.plan and dec.engine_chain == MODEL and not self.planning:
+            log.warning("calib serve: the tables hold no forecast of the model chain (re-run train.py): vLLM "
+                        "keeps drafting K=%d passes per step; calib only truncates or substitutes", self.k)
         return dec
 
     def error(self, where: str, exc: BaseException) -> None:
@@ -211,14 +247,94 @@ class Server:
     def finished(self, req_ids) -> None:
         for r in req_ids:
             self.conf.pop(r, None)
+            self.matches.pop(r, None)
             if self.decider is not None:
                 self.decider.finish(r)
+
+    def ngram_chains(self, batch, rows: list[int], extra: list[list[int]] | None = None):
+        """Per batch row in ``rows``: the n-gram chain (``[B][<= K]``) vLLM's proposer would draft from the
+        request's tokens (``token_ids_cpu[:num_tokens_no_spec]``, then ``extra[b]`` when bookkeeping has
+        not appended this step's tokens yet), and its features float32 ``[B, L, F]`` for the tables."""
+        from calib.serve.decide import ngram_feature_tensor
+
+        lo, hi, k = self.ngram
+        tokens, feats = [], []
+        for b, i in enumerate(rows):
+            n = int(batch.num_tokens_no_spec[i])
+            ctx = batch.token_ids_cpu[i, :n]
+            if extra is not None and extra[b]:
+                ctx = np.concatenate([ctx, np.asarray(extra[b], dtype=ctx.dtype)])
+            # The plan (before bookkeeping) and the decision (after it) see the same context: match once.
+            key = (batch.req_ids[i], int(ctx.shape[0]), int(ctx[-1]) if ctx.shape[0] else -1)
+            hit = self.matches.get(key[0])
+            if hit is not None and hit[0] == key:
+                toks, feat = hit[1], hit[2]
+            else:
+                m = find_match(ctx, lo, hi, k, int(batch.num_prompt_tokens[i]), self.max_model_len)
+                toks = [int(t) for t in m.tokens][: self.k]
+                feat = m.features() if toks else None
+                self.matches[key[0]] = (key, toks, feat)
+            tokens.append(toks)
+            feats.append(feat)
+        width = max(1, max((len(t) for t in tokens), default=0))
+        return tokens, ngram_feature_tensor(feats, [len(t) for t in tokens], self.ngram_own, width)
+
+    # -- the number of draft passes ----------------------------------------------------------------
+    def plan_passes(self, runner, scheduler_output, sampled_token_ids) -> None:
+        """Before the drafter runs: set this step's draft passes (``num_spec_tokens_to_schedule``,
+        batch-wide, 0..K) to :func:`calib.allocate.plan_draft`'s choice, from the n-gram chain each
+        request will offer (known in full) and the tables' forecast of the model chain in each request's
+        context (design note claim 4). Leaves vLLM's K on anything unexpected."""
+        dec = self.decider
+        if dec is None or not dec.enabled or not self.planning:
+            return
+        k_sched = int(getattr(scheduler_output, "num_spec_tokens_to_schedule", self.k) or 0)
+        if k_sched <= 0:
+            return
+        start = time.perf_counter()
+        from calib.allocate import forecast_probs, plan_draft
+        from calib.serve.decide import _context_columns, chain_inputs
+
+        batch = runner.input_batch
+        req_ids = list(batch.req_ids)
+        B = len(req_ids)
+        if B == 0:
+            return
+        rows = list(range(B))
+        temps = [float(batch.temperature_cpu[i]) for i in rows]
+        extra = None
+        if isinstance(sampled_token_ids, torch.Tensor):  # padded EAGLE: drafting runs before bookkeeping
+            sampled = sampled_token_ids.detach().cpu().tolist()
+            extra = [[t for t in r if t >= 0] for r in sampled[:B]]
+        tables = dec.tables
+        known = {MODEL: torch.zeros(B, 0)}
+        from calib.serve import StepInputs
+
+        if NGRAM in dec.chains:
+            toks, feats = self.ngram_chains(batch, rows, extra)
+            inputs = StepInputs(req_ids, temps, ngram_tokens=toks, ngram_features=feats)
+            signals, _ = chain_inputs(tables, inputs, dec.history, k_max=self.k)
+            known[NGRAM] = tables.chains[NGRAM].lookup(signals[NGRAM], NGRAM).to(torch.float32)
+        else:
+            inputs = StepInputs(req_ids, temps)
+        axes = [a["name"] for a in tables.meta["chains"][MODEL]["forecast"]["axes"]]
+        ctx = torch.from_numpy(_context_columns(axes, inputs, dec.history))
+        forecast = forecast_probs(tables, MODEL, ctx, depths=k_sched)  # [B, k_sched]
+        cost = dec.cost
+        pass_cost = self.draft_cost * float(cost[min(B, cost.numel() - 1)])
+        plan = plan_draft(known, forecast, cost=cost, pass_cost=pass_cost, chain=MODEL)
+        passes = max(0, min(int(plan.passes), k_sched))
+        scheduler_output.num_spec_tokens_to_schedule = passes
+        s = self.stats
+        s.planned += 1
+        s.passes_planned += passes
+        s.passes_engine += k_sched
+        s.plan_ms.append((time.perf_counter() - start) * 1e3)
 
     # -- the decision ----------------------------------------------------------------------------
     def step(self, runner, out):
         """vLLM's ``DraftTokenIds`` -> calib's (or ``out`` itself when passing through)."""
         from calib.serve import StepInputs
-        from calib.serve.decide import ngram_feature_tensor
 
         start = time.perf_counter()
         self.stats.steps += 1
@@ -248,19 +364,9 @@ class Server:
                     conf[b, : len(c)] = torch.tensor(c[:K])
             model_conf = conf
         if NGRAM in dec.chains:
-            lo, hi, k = self.ngram
-            ngram_tokens, feats = [], []
-            for b, i in enumerate(rows):
-                n = int(batch.num_tokens_no_spec[i])
-                m = find_match(batch.token_ids_cpu[i, :n], lo, hi, k, int(batch.num_prompt_tokens[i]),
-                               self.max_model_len)
-                toks = [int(t) for t in m.tokens][:K]
-                if dec.engine_chain == NGRAM and toks != engine[b]:
-                    self.stats.ngram_mismatch += 1
-                ngram_tokens.append(toks)
-                feats.append(m.features() if toks else None)
-            ngram_feats = ngram_feature_tensor(feats, [len(t) for t in ngram_tokens], self.ngram_own,
-                                               max(1, max((len(t) for t in ngram_tokens), default=0)))
+            ngram_tokens, ngram_feats = self.ngram_chains(batch, rows)
+            if dec.engine_chain == NGRAM:
+                self.stats.ngram_mismatch += sum(a != b for a, b in zip(ngram_tokens, engine))
         d = dec.decide(StepInputs(req_ids, temps, model_tokens, model_conf, ngram_tokens, ngram_feats))
         if d.passthrough:
             self.stats.passthrough += 1
@@ -301,7 +407,8 @@ def stats() -> ServeStats | None:
 
 
 def install(tables: str, cost: str = "1.0,0.01", model_id: str | None = None,
-            ngram: tuple[int, int, int] = (1, 4, 4)) -> Server:
+            ngram: tuple[int, int, int] = (1, 4, 4), *, chains: str = "model,ngram", plan: bool = True,
+            draft_cost: float = 0.24) -> Server:
     """Patch the V1 model runner and the proposer base class for serving (idempotent).
 
     Install after :func:`calib.collect.hooks.install` when both are on (the plugin does): these
@@ -313,7 +420,7 @@ def install(tables: str, cost: str = "1.0,0.01", model_id: str | None = None,
     from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    srv = _SERVER = Server(tables, cost, model_id, ngram)
+    srv = _SERVER = Server(tables, cost, model_id, ngram, chains, plan, draft_cost)
 
     orig_take = GPUModelRunner.take_draft_token_ids
 
@@ -340,10 +447,15 @@ def install(tables: str, cost: str = "1.0,0.01", model_id: str | None = None,
 
     orig_propose = GPUModelRunner.propose_draft_token_ids
 
-    def propose_draft_token_ids(self, *args, **kwargs):
+    def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, *args, **kwargs):
+        try:
+            if srv.planning:
+                srv.plan_passes(self, scheduler_output, sampled_token_ids)
+        except Exception as exc:  # noqa: BLE001 - vLLM keeps its own K for this step
+            srv.error("plan_passes", exc)
         srv.rows = []
         try:
-            return orig_propose(self, *args, **kwargs)
+            return orig_propose(self, scheduler_output, sampled_token_ids, *args, **kwargs)
         finally:
             try:
                 srv.finish_drafting(list(self.input_batch.req_ids))

@@ -1,0 +1,228 @@
+"""Wall-clock serving benchmark: calib's policies against vLLM's own, all arms in one run.
+
+    python bench/serve.py --tables DIR                   # the full grid (hours on 2 CPU cores)
+    python bench/serve.py --tables DIR --concurrency 1 4 --categories code_edit --sampling greedy --reps 3
+
+Arms (conf/policy/ + conf/speculative/): ``none`` (no speculation), ``vllm_eagle`` and ``vllm_ngram``
+(vLLM, K=4), ``vllm_dynamic`` (vLLM Dynamic SD, EAGLE, K by batch size), ``calib_ragged`` (EAGLE, calib
+truncates and picks the draft passes) and ``calib_two_drafter`` (EAGLE + the n-gram chain, calib picks
+chain, depth and passes). Each (arm, repetition) is one process (calib's hooks install once per process)
+that builds its engine once (``max_num_seqs`` = the largest concurrency) and serves every cell (category x
+sampling x concurrency) in a shuffled order after a short warm-up; repetitions rotate the arms' order, so
+arms alternate on the clock. A cell at concurrency ``c`` serves ``max(min_prompts, 2c)`` prompts (at
+most the category's) with ``c`` in flight. Reported per cell: the median over repetitions of output
+tokens/s, and each arm's ratio to the best vLLM arm (eagle, ngram, dynamic) of that cell.
+
+``--identity`` (on by default) also serves every category greedily in float32 with every arm, at
+concurrency 4, and counts prompts whose text equals no speculation's (tests/engine_identity.py explains
+why float32: bf16 greedy parts at near-ties that differ between CPUs).
+
+Writes ``--out`` (default runs/bench/serve.json, staged then renamed) and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+ARMS = {
+    "none": ["policy=none"],
+    "vllm_eagle": ["policy=vllm", "speculative=eagle"],
+    "vllm_ngram": ["policy=vllm", "speculative=ngram"],
+    "vllm_dynamic": ["policy=vllm_dynamic", "speculative=eagle"],
+    "calib_ragged": ["policy=calib_ragged", "speculative=eagle"],
+    "calib_two_drafter": ["policy=calib_two_drafter", "speculative=eagle"],
+}
+VLLM_ARMS = ("vllm_eagle", "vllm_ngram", "vllm_dynamic")
+SAMPLING = {"greedy": "greedy", "sampled": "sampled"}
+
+
+def compose(overrides: list[str]) -> dict:
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from omegaconf import OmegaConf
+
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        cfg = hydra_compose("serve", overrides=[f"root={ROOT}", *overrides])
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+def worker(spec_path: str) -> None:
+    """One (arm, repetition): build the engine, warm it up, serve every cell; results to spec['out']."""
+    import random
+
+    from calib.prompts import load_prompts
+    from calib.serve.runner import build_engine, serve_cell
+
+    spec = json.loads(Path(spec_path).read_text())
+    cfg = compose(spec["overrides"])
+    llm = build_engine(cfg, ROOT, max_num_seqs=max(c["concurrency"] for c in spec["cells"]))
+    cells = list(spec["cells"])
+    random.Random(spec["seed"]).shuffle(cells)
+    by_category = {}
+    results = []
+    for i, cell in enumerate(cells):
+        cat = cell["category"]
+        if cat not in by_category:
+            by_category[cat] = load_prompts(compose([f"prompts={cat}"])["prompts"]["files"], root=ROOT)
+        prompts = by_category[cat][: cell["n_prompts"]]
+        sampling = compose([f"sampling={cell['sampling']}"])["sampling"]
+        sampling["max_tokens"] = cell["max_tokens"]
+        if i == 0:  # warm-up: first-call costs (lazy tables, allocator, caches) off the clock
+            serve_cell(llm, cfg, prompts[:2], {**sampling, "max_tokens": 8}, 2, cat, progress=False)
+        record, texts = serve_cell(llm, cfg, prompts, sampling, cell["concurrency"], cat, progress=False)
+        record.update(arm=spec["arm"], rep=spec["rep"], cell=cell, texts=texts)
+        results.append(record)
+        print(f"  {spec['arm']:<18} rep {spec['rep']} {cat:<9} {cell['sampling']:<7} c={cell['concurrency']:<3} "
+              f"{record['tok_s']:7.1f} tok/s", flush=True)
+    Path(spec["out"]).write_text(json.dumps(results))
+
+
+def run_arm(arm: str, rep: int, cells: list, args, extra: list[str], tmp: Path) -> list:
+    spec = {"arm": arm, "rep": rep, "seed": rep, "cells": cells, "out": str(tmp / f"{arm}-{rep}.json"),
+            "overrides": [*ARMS[arm], f"tables={args.tables}", *extra]}
+    path = tmp / f"{arm}-{rep}.spec.json"
+    path.write_text(json.dumps(spec))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "offline"}
+    log = tmp / f"{arm}-{rep}.log"
+    with open(log, "w") as fh:
+        proc = subprocess.run([sys.executable, __file__, "--worker", str(path)], check=False, stdout=fh,
+                              stderr=subprocess.STDOUT,
+                              env=env, cwd=ROOT)
+    lines = log.read_text().splitlines()
+    for line in lines:
+        if line.startswith("  ") and "tok/s" in line:
+            print(line, flush=True)
+    if proc.returncode != 0:
+        tail = "\n".join(lines[-30:])
+        raise RuntimeError(f"arm {arm} rep {rep} failed (exit {proc.returncode}); log {log}:\n{tail}")
+    return json.loads(Path(spec["out"]).read_text())
+
+
+def cells_for(args) -> list:
+    return [{"category": cat, "sampling": s, "concurrency": c, "max_tokens": args.max_tokens,
+             "n_prompts": max(args.min_prompts, 2 * c)}
+            for cat in args.categories for s in args.sampling for c in args.concurrency]
+
+
+def table(records: list, arms: list[str]) -> tuple[list[dict], str]:
+    """Median tok/s per (cell, arm) over repetitions, and each arm's ratio to the best vLLM arm."""
+    cells: dict[tuple, dict[str, list]] = {}
+    for r in records:
+        c = r["cell"]
+        key = (c["category"], c["sampling"], c["concurrency"])
+        cells.setdefault(key, {}).setdefault(r["arm"], []).append(r)
+    rows = []
+    for key in sorted(cells, key=lambda k: (k[0], k[1], k[2])):
+        med = {a: statistics.median(x["tok_s"] for x in rs) for a, rs in cells[key].items()}
+        vllm = {a: med[a] for a in VLLM_ARMS if a in med}
+        best = max(vllm, key=vllm.get) if vllm else None
+        row = {"category": key[0], "sampling": key[1], "concurrency": key[2], "tok_s": med,
+               "reps": {a: len(rs) for a, rs in cells[key].items()}, "best_vllm": best,
+               "ratio_to_best_vllm": {a: med[a] / vllm[best] for a in med} if best else {},
+               "calib_overhead_pct": {a: statistics.median(x["overhead_pct"] for x in rs)
+                                      for a, rs in cells[key].items() if rs[0].get("overhead_pct") is not None}}
+        rows.append(row)
+    head = "| category | sampling | c | " + " | ".join(arms) + " | best vLLM |"
+    lines = [head, "|" + "---|" * (len(arms) + 4)]
+    for row in rows:
+        cellv = []
+        for a in arms:
+            if a not in row["tok_s"]:
+                cellv.append("–")
+                continue
+            ratio = row["ratio_to_best_vllm"].get(a)
+            cellv.append(f"{row['tok_s'][a]:.1f}" + (f" ({ratio:.2f}×)" if ratio is not None else ""))
+        lines.append(f"| {row['category']} | {row['sampling']} | {row['concurrency']} | " + " | ".join(cellv)
+                     + f" | {row['best_vllm']} |")
+    return rows, "\n".join(lines)
+
+
+def identity(records: list) -> dict:
+    """Per arm: prompts whose float32 greedy text equals no speculation's."""
+    ref = {}
+    for r in records:
+        if r["arm"] == "none":
+            ref.update(r["texts"])
+    out = {}
+    for r in records:
+        if r["arm"] == "none":
+            continue
+        same = [k for k, v in r["texts"].items() if ref.get(k) == v]
+        o = out.setdefault(r["arm"], {"identical": 0, "prompts": 0, "differ": []})
+        o["identical"] += len(same)
+        o["prompts"] += len(r["texts"])
+        o["differ"] += sorted(set(r["texts"]) - set(same))
+    return out
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--tables", default="runs/train/default", help="tables folder (python train.py out_dir=DIR)")
+    ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    ap.add_argument("--concurrency", nargs="+", type=int, default=[1, 4, 16, 64])
+    ap.add_argument("--categories", nargs="+", default=["chat", "code_edit"])
+    ap.add_argument("--sampling", nargs="+", default=["greedy", "sampled"], choices=list(SAMPLING))
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--min-prompts", type=int, default=8, help="prompts per cell: max(this, 2 x concurrency)")
+    ap.add_argument("--identity", action=argparse.BooleanOptionalAction, default=True,
+                    help="float32 greedy output identity against no speculation (concurrency 4)")
+    ap.add_argument("--identity-prompts", type=int, default=8)
+    ap.add_argument("--out", default="runs/bench/serve.json")
+    args = ap.parse_args(argv)
+    if args.worker:
+        return worker(args.worker)
+    if not (Path(args.tables) / "tables.json").is_file():
+        sys.exit(f"--tables {args.tables}: no tables.json there; make tables with "
+                 f"`python train.py out_dir={args.tables} logger=none`")
+    args.tables = str(Path(args.tables).resolve())
+    cells = cells_for(args)
+    t_start = time.time()
+    records = []
+    with tempfile.TemporaryDirectory(prefix="calib-bench-serve-") as tmp:
+        tmp = Path(tmp)
+        print(f"{len(args.arms)} arms x {args.reps} reps x {len(cells)} cells", flush=True)
+        for rep in range(args.reps):
+            order = args.arms[rep % len(args.arms):] + args.arms[: rep % len(args.arms)]
+            for arm in order:
+                records += run_arm(arm, rep, cells, args, [], tmp)
+        ident = None
+        if args.identity:
+            icells = [{"category": cat, "sampling": "greedy", "concurrency": 4, "max_tokens": args.max_tokens,
+                       "n_prompts": args.identity_prompts} for cat in args.categories]
+            id_records = []
+            for arm in ["none", *[a for a in args.arms if a != "none"]]:
+                id_records += run_arm(arm, 99, icells, args, ["engine.dtype=float32"], tmp)
+            ident = identity(id_records)
+    rows, text = table(records, args.arms)
+    for r in records:
+        r.pop("texts", None)
+    result = {"command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]), "wall_s": time.time() - t_start,
+              "arms": args.arms, "table": rows, "identity_float32_greedy": ident, "runs": records}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(dir=out.parent, prefix=out.name + ".")
+    with os.fdopen(fd, "w") as fh:
+        json.dump(result, fh, indent=1)
+    os.replace(tmp_name, out)
+    print("\nOutput tokens/s, median of", args.reps, "(ratio to the best vLLM arm of the cell):")
+    print(text)
+    if ident:
+        print("\nfloat32 greedy outputs identical to no speculation:")
+        for arm, o in ident.items():
+            print(f"  {arm:<18} {o['identical']}/{o['prompts']}" + (f"  differ: {o['differ']}" if o["differ"] else ""))
+    print(f"\nwrote {out} ({result['wall_s'] / 60:.1f} min)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,289 @@
+"""``python serve.py``: vLLM offline over a prompt set, with one serving policy, timed on the clock.
+
+One run = one policy in one process (the plugin installs calib's serving hooks once per process, from
+the environment it finds at engine start):
+
+* ``none`` — no speculation (the reference for greedy output identity);
+* ``vllm`` / ``vllm_dynamic`` — vLLM's own speculation (fixed K, or Dynamic SD's K per batch size);
+* ``calib_ragged`` / ``calib_two_drafter`` — vLLM drafts, calib decides every step inside the engine
+  (calib/serve/hooks.py): a calibrated prefix of the drafter's chain, or (two drafters) of the n-gram
+  chain, or nothing; with a model drafter, also how many draft passes the step runs.
+
+Every prompt is submitted at once and vLLM keeps ``concurrency`` requests in flight (``max_num_seqs``).
+The clock covers ``LLM.generate`` only (engine start excluded). Writes, as one unit (staged, then
+renamed; an existing out_dir is replaced only with ``overwrite=true``):
+
+* ``serve.json`` — {policy, speculative, concurrency, n_prompts, output_tokens, wall_s, tok_s, steps,
+  mean_verified_per_step, mean_accepted_per_step, allocator_ms_per_step, ...}: ``steps`` are engine
+  steps with a verify (vLLM's spec-decode counter, ``num_drafts`` = request-steps with drafts), the
+  per-step means are draft tokens verified / accepted per engine step; ``calib`` holds the serving
+  hooks' statistics (calib policies), ``overhead_pct`` the hooks' share of the wall time.
+* ``outputs.json`` — {prompt id: generated text}.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from calib import envs
+from calib.atomic import staged_output
+
+log = logging.getLogger("calib.serve")
+
+POLICIES = ("none", "vllm", "vllm_dynamic", "calib_ragged", "calib_two_drafter")
+
+
+def check_config(cfg: dict) -> None:
+    """Refuse what the run cannot honour before anything loads; errors name the key and its values."""
+    pol = cfg["policy"]
+    if pol.get("name") not in POLICIES:
+        raise ValueError(f"policy={pol.get('name')!r}: choose one of {', '.join(POLICIES)} (conf/policy/)")
+    if int(cfg["concurrency"]) < 1:
+        raise ValueError(f"concurrency={cfg['concurrency']!r}: must be >= 1 (requests in flight)")
+    spec = cfg["speculative"]
+    if pol["speculate"] and spec["method"] == "none":
+        raise ValueError(f"policy={pol['name']} speculates but speculative=none; choose speculative=eagle|ngram|...")
+    if pol.get("calib"):
+        tables = Path(cfg["root"]) / cfg["tables"] if not Path(cfg["tables"]).is_absolute() else Path(cfg["tables"])
+        if not (tables / "tables.json").is_file():
+            raise FileNotFoundError(f"tables={cfg['tables']!r}: no tables.json in {tables}; make tables with "
+                                    f"`python train.py out_dir={cfg['tables']}` or pass tables=DIR")
+    if pol.get("dynamic") and spec["method"] == "ngram":
+        log.warning("policy=%s with speculative=ngram: vLLM's Dynamic SD schedule applies to the n-gram K too",
+                    pol["name"])
+
+
+def run(cfg: dict) -> dict:
+    """Serve ``cfg``'s prompts with its policy; returns the serve.json record."""
+    check_config(cfg)
+    root = Path(cfg["root"])
+    out_dir = Path(cfg["out_dir"])
+    if not out_dir.is_absolute():
+        out_dir = root / out_dir
+    with staged_output(out_dir, overwrite=bool(cfg.get("overwrite", False)), markers=("serve.json",),
+                       job="serve") as stage:
+        record, texts = _serve(cfg, root)
+        (stage / "serve.json").write_text(json.dumps(record, indent=2) + "\n")
+        (stage / "outputs.json").write_text(json.dumps(texts, indent=1, ensure_ascii=False) + "\n")
+    print(summary(record))
+    print(f"wrote {out_dir}/serve.json and outputs.json")
+    return record
+
+
+def _serve(cfg: dict, root: Path) -> tuple[dict, dict]:
+    from calib.prompts import load_prompts
+
+    prompts = load_prompts(cfg["prompts"]["files"], cfg["prompts"].get("limit_per_file"), root=root)
+    if cfg.get("limit"):
+        prompts = prompts[: int(cfg["limit"])]
+    if not prompts:
+        raise ValueError(f"prompts={cfg['prompts'].get('name')!r}: no prompts in {cfg['prompts']['files']}")
+    concurrency = int(cfg["concurrency"])
+    llm = build_engine(cfg, root, max_num_seqs=concurrency)
+    record, texts = serve_cell(llm, cfg, prompts, cfg["sampling"], concurrency, cfg["prompts"].get("name"),
+                               progress=bool(cfg.get("progress", True)))
+    del llm
+    return record, texts
+
+
+def build_engine(cfg: dict, root: Path, max_num_seqs: int):
+    """vLLM's ``LLM`` for ``cfg``'s policy and speculative config, with calib's serving mode switched on
+    (through calib.envs, before the engine starts) for the calib policies. One per process."""
+    from calib.collect.runner import _speculative_config
+    from calib.target import prepare_target
+
+    pol, spec_cfg = cfg["policy"], cfg["speculative"]
+    cache_dir = Path(cfg["model"]["cache_dir"]) if cfg["model"].get("cache_dir") else None
+    model_dir = prepare_target(cfg["model"].get("gguf"), cache_dir, cfg["model"]["name"],
+                               cfg["model"].get("dtype", "bfloat16"))
+    spec = None
+    if pol["speculate"]:
+        spec, _ = _speculative_config({**spec_cfg, "model": str(_path(root, spec_cfg.get("model")))
+                                       if spec_cfg.get("model") else None}, model_dir, cache_dir)
+        if pol.get("dynamic"):
+            k = int(spec["num_speculative_tokens"])
+            spec["num_speculative_tokens_per_batch_size"] = [[int(a), int(b), min(int(g), k)]
+                                                             for a, b, g in pol["dynamic"]]
+    serve_env = {"CALIB_SERVE_TABLES": None, "CALIB_SERVE_COST": None, "CALIB_SERVE_CHAINS": None,
+                 "CALIB_SERVE_PLAN": None, "CALIB_SERVE_DRAFT_COST": None, "CALIB_SERVE_MODEL_ID": None}
+    if pol.get("calib"):
+        cost = str(cfg["serve"]["cost"])
+        if ".csv" in cost:
+            path, _, column = cost.partition(".csv")
+            cost = str(_path(root, path + ".csv")) + column
+        ng = spec_cfg.get("ngram") or {}
+        serve_env.update(CALIB_SERVE_TABLES=str(_path(root, cfg["tables"])), CALIB_SERVE_COST=cost,
+                         CALIB_SERVE_CHAINS=",".join(pol["chains"]), CALIB_SERVE_PLAN=bool(pol.get("plan", True)),
+                         CALIB_SERVE_DRAFT_COST=float(cfg["serve"]["draft_cost"]),
+                         CALIB_SERVE_MODEL_ID=cfg["serve"].get("model_id") or cfg["model"]["name"],
+                         CALIB_NGRAM=(int(ng.get("min_n", 1)), int(ng.get("max_n", 4)),
+                                      int(ng.get("k", spec_cfg["num_speculative_tokens"]))))
+    envs.export({"VLLM_ENABLE_V1_MULTIPROCESSING": not cfg["engine"]["in_process"],
+                 "VLLM_CPU_KVCACHE_SPACE": cfg["engine"]["kv_cache_gb"],
+                 "CALIB_COLLECT_DIR": None, "CALIB_CPU_SAMPLING_FIX": True, **serve_env})
+    from vllm import LLM
+
+    llm = LLM(model=str(model_dir), speculative_config=spec, dtype=str(cfg["engine"].get("dtype", "auto")),
+              enforce_eager=bool(cfg["engine"]["enforce_eager"]), max_model_len=int(cfg["engine"]["max_model_len"]),
+              max_num_seqs=int(max_num_seqs), seed=int(cfg["seed"]), disable_log_stats=False)
+    llm._calib_spec = spec  # what serve_cell reports
+    return llm
+
+
+_REQUESTS = iter(range(1 << 62))  # request ids unique across the cells one engine serves
+
+
+def generate(llm, inputs: list, params: list, concurrency: int, on_done=None) -> list:
+    """Serve ``inputs`` keeping at most ``concurrency`` requests in flight (as ``concurrency`` clients
+    that each send their next request when the last one returns); outputs in input order."""
+    engine = llm.llm_engine
+    out = [None] * len(inputs)
+    ids: dict[str, int] = {}
+    nxt = inflight = 0
+    while nxt < len(inputs) or inflight:
+        while nxt < len(inputs) and inflight < concurrency:
+            rid = f"calib-{next(_REQUESTS)}"
+            ids[rid] = nxt
+            engine.add_request(rid, inputs[nxt], params[nxt])
+            nxt += 1
+            inflight += 1
+        for o in engine.step():
+            if o.finished and o.request_id in ids:
+                out[ids.pop(o.request_id)] = o
+                inflight -= 1
+                if on_done is not None:
+                    on_done()
+    return out
+
+
+def serve_cell(llm, cfg: dict, prompts: list, sampling: dict, concurrency: int, prompts_name: str | None,
+               progress: bool = True) -> tuple[dict, dict]:
+    """Serve ``prompts`` once on ``llm`` at ``concurrency``; the serve.json record and {prompt id: text}."""
+    from vllm import SamplingParams
+
+    from calib.prompts import encode_chat
+    from calib.serve import hooks
+
+    pol, spec = cfg["policy"], getattr(llm, "_calib_spec", None)
+    tokenizer = llm.get_tokenizer()
+    temperature = float(sampling["temperature"])
+    params = [SamplingParams(temperature=temperature, top_p=float(sampling.get("top_p", 1.0)),
+                             max_tokens=int(sampling["max_tokens"]),
+                             seed=int(cfg["seed"]) + p.idx if temperature > 0 else None) for p in prompts]
+    inputs = [{"prompt_token_ids": encode_chat(tokenizer, p.messages)} for p in prompts]
+    before, st0 = _spec_counters(llm), _stats_snapshot(hooks.stats())
+    with tqdm(total=len(prompts), desc=f"serve {pol['name']} {prompts_name} c{concurrency}", unit="prompt",
+              disable=not progress, leave=False) as bar:
+        t0 = time.perf_counter()
+        outputs = generate(llm, inputs, params, concurrency, on_done=bar.update)
+        wall = time.perf_counter() - t0
+    after = _spec_counters(llm)
+    texts = {str(p.id): o.outputs[0].text for p, o in zip(prompts, outputs)}
+    n_out = sum(len(o.outputs[0].token_ids) for o in outputs)
+    counters = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    record = {
+        "policy": pol["name"], "speculative": cfg["speculative"]["name"] if spec else "none",
+        "num_speculative_tokens": int(spec["num_speculative_tokens"]) if spec else 0,
+        "prompts": prompts_name, "sampling": sampling.get("name"), "temperature": temperature,
+        "max_tokens": int(sampling["max_tokens"]),
+        "concurrency": concurrency, "n_prompts": len(prompts), "output_tokens": n_out, "wall_s": wall,
+        "tok_s": n_out / wall if wall > 0 else float("nan"), "dtype": str(cfg["engine"].get("dtype", "auto")),
+        **_step_figures(counters),
+        "vllm_spec_decode": counters,
+    }
+    record.update(_calib_figures(_stats_delta(st0, _stats_snapshot(hooks.stats())), wall))
+    return record, texts
+
+
+def _path(root: Path, p) -> Path:
+    p = Path(str(p))
+    return p if p.is_absolute() else root / p
+
+
+_COUNTERS = {"vllm:spec_decode_num_drafts": "num_drafts", "vllm:spec_decode_num_draft_tokens": "num_draft_tokens",
+             "vllm:spec_decode_num_accepted_tokens": "num_accepted_tokens", "vllm:generation_tokens": "generation_tokens",
+             "vllm:iteration_tokens_total": "iterations"}
+
+
+def _spec_counters(llm) -> dict:
+    """vLLM's own counters (``LLM.get_metrics``): spec-decode drafts / draft tokens / accepted, engine steps."""
+    out = {}
+    try:
+        metrics = llm.get_metrics()
+    except Exception:  # noqa: BLE001 - stats off or unavailable: the figures are then absent
+        return out
+    for m in metrics:
+        key = _COUNTERS.get(m.name)
+        if key is None:
+            continue
+        if key == "iterations":  # a histogram: one observation per engine step
+            out[key] = out.get(key, 0) + int(getattr(m, "count", 0))
+        elif hasattr(m, "value"):
+            out[key] = out.get(key, 0) + int(m.value)
+    return out
+
+
+def _step_figures(c: dict) -> dict:
+    steps = c.get("iterations", 0)
+    return {"steps": steps,
+            "mean_verified_per_step": c.get("num_draft_tokens", 0) / steps if steps else 0.0,
+            "mean_accepted_per_step": c.get("num_accepted_tokens", 0) / steps if steps else 0.0,
+            "acceptance_rate": (c.get("num_accepted_tokens", 0) / c["num_draft_tokens"]
+                                if c.get("num_draft_tokens") else None)}
+
+
+def _stats_snapshot(st) -> dict | None:
+    return None if st is None else {k: (list(v) if isinstance(v, list) else v) for k, v in st.as_dict().items()}
+
+
+def _stats_delta(a: dict | None, b: dict | None) -> dict | None:
+    """The serving statistics of one cell: counters differenced, per-step lists sliced."""
+    if b is None:
+        return None
+    a = a or {}
+    out = {}
+    for k, v in b.items():
+        if isinstance(v, list):
+            out[k] = v[len(a.get(k, [])):]
+        elif isinstance(v, (int, float)) and not isinstance(v, bool):
+            out[k] = v - a.get(k, 0)
+        else:
+            out[k] = v
+    return out
+
+
+def _calib_figures(st: dict | None, wall: float) -> dict:
+    if st is None:
+        return {"allocator_ms_per_step": None, "calib": None}
+    hook_ms = sum(st["hook_ms"]) + sum(st["plan_ms"])
+    return {"allocator_ms_per_step": sum(st["allocator_ms"]) / max(1, st["decided"]),
+            "calib_ms_per_step": hook_ms / max(1, st["steps"]),
+            "overhead_pct": 100.0 * hook_ms / 1e3 / wall if wall > 0 else None,
+            "calib": {k: v for k, v in st.items() if not isinstance(v, list)}}
+
+
+def summary(r: dict) -> str:
+    """One screen: the answer first (tokens/s), then what speculation and calib did."""
+    lines = [(f"{r['policy']} ({r['speculative']}, K={r['num_speculative_tokens']}) on {r['n_prompts']} "
+              f"{r['prompts']} prompts, concurrency {r['concurrency']}, {r['sampling']}: "
+              f"{r['tok_s']:.1f} tok/s ({r['output_tokens']} tokens in {r['wall_s']:.1f} s)")]
+    if r["steps"]:
+        lines.append(f"  {r['steps']} engine steps; per step {r['mean_verified_per_step']:.2f} draft tokens verified, "
+                     f"{r['mean_accepted_per_step']:.2f} accepted")
+    c = r.get("calib")
+    if c:
+        lines.append(f"  calib: {c['decided']} of {c['steps']} steps decided, {c['replaced']} of {c['requests']} "
+                     f"request-steps changed ({c['truncated']} truncated, {c['substituted']} substituted, "
+                     f"{c['emptied']} emptied); draft tokens {c['tokens_engine']} -> {c['tokens_out']}")
+        if c.get("planned"):
+            lines.append(f"  draft passes {c['passes_engine']} -> {c['passes_planned']} on {c['planned']} steps")
+        lines.append(f"  overhead {r['overhead_pct']:.1f}% of wall ({r['calib_ms_per_step']:.2f} ms/step; allocator "
+                     f"{r['allocator_ms_per_step']:.2f} ms/step)"
+                     + (f"; OFF: {c['disabled_reason']}" if c.get("disabled_reason") else "")
+                     + (f"; {c['errors']} hook errors" if c.get("errors") else ""))
+    return "\n".join(lines)

@@ -1,0 +1,15 @@
+"""Serve a prompt set with vLLM offline, with or without calib deciding the drafts: ``python serve.py [overrides]``."""
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+
+@hydra.main(config_path="conf", config_name="serve", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    from calib.serve.runner import run
+
+    run(OmegaConf.to_container(cfg, resolve=True))
+
+
+if __name__ == "__main__":
+    main()
