@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from calib.allocate.api import allocate_probs
+from calib.allocate.api import _batch, _check_mode, _check_probs, _kinds, allocate_probs
 from calib.allocate.reference import SCALE, survival
 
 
@@ -89,7 +89,222 @@ def plan_draft(
         pass_cost: price of one draft pass of ``chain`` (>= 0), in the curve's unit.
         sunk: drafting already spent in this step (it is part of every plan's cost).
         impl: the allocator implementation.
+
+    With the reference allocator on CPU tensors all ``K - passes_done + 1`` plans are scored at once
+    (:func:`_plan_all`, the reference's price rule vectorised over the plans on exact integer gains);
+    its answer is identical to allocating each plan in turn (:func:`_plan_draft_loop`, the Triton path
+    and the fallback for anything unusual).
     """
+    if chain not in known:
+        raise ValueError(f"`known` must hold the {chain} chain's drafted depths ([B, 0] before the first pass)")
+    done_p = known[chain]
+    B, done = done_p.shape
+    K = forecast.shape[1]
+    if forecast.ndim != 2 or forecast.shape[0] != B:
+        raise ValueError(f"forecast must be [B={B}, K], got {tuple(forecast.shape)}")
+    if done > K:
+        raise ValueError(f"{done} passes done but the forecast covers K={K} depths")
+    if not (np.isfinite(pass_cost) and pass_cost >= 0 and np.isfinite(sunk) and sunk >= 0):
+        raise ValueError(f"pass_cost={pass_cost!r} and sunk={sunk!r} must be finite and >= 0")
+    kwargs = {"cost": cost, "pass_cost": pass_cost, "sunk": sunk, "chain": chain, "impl": impl}
+    tensors = [*known.values(), forecast, cost]
+    if impl != "reference" or B == 0 or not all(isinstance(t, torch.Tensor) and t.device.type == "cpu"
+                                                and not t.requires_grad for t in tensors):
+        return _plan_draft_loop(known, forecast, **kwargs)
+    extras = [sunk + (g - done) * pass_cost for g in range(done, K + 1)]
+    try:
+        # allocate_probs's checks of the first plan (g = done), on the same chains, shapes and dtypes.
+        # They pass for every later plan too: its curve entries are these plus a larger extra, still
+        # > 0 (or still +inf), unless cost[B] overflows, which is refused here (the loop reports it).
+        others = {n: x for n, x in known.items() if n != chain}
+        done_p = done_p.to(torch.float32)
+        probs = {chain: done_p, **others}
+        cost64 = cost.to(torch.float64)
+        _check_mode(None, cost64, impl)
+        kinds = _kinds(probs, "probs")
+        for kind in kinds:
+            _check_probs(probs[kind.name], kind.name)
+        _batch(probs, kinds)
+        cost64 = cost64.numpy()
+        priced = cost64[B:] + extras[0]  # check_cost's conditions on the curve of plan g = done
+        if not (priced.size and np.isfinite(priced[0]) and (priced > 0).all() and np.isfinite(cost64[B] + extras[-1])):
+            raise ValueError("a cost check fails")
+        other = next(iter(others.values()), None)
+        other = None if other is None else other.to(torch.float32).numpy()
+        # Plan g's chain is p's first g columns (the loop's): survival is a running product along a row,
+        # so its gains are those of p's first g columns.
+        p = forecast[:, done:].to(torch.float32).numpy()
+        if done:
+            done_np = done_p.numpy()
+            ended = np.isnan(done_np).any(axis=1, keepdims=True)
+            p = np.concatenate([done_np, np.where(ended, np.float32(np.nan), p)], axis=1)
+    except Exception:  # noqa: BLE001 - anything the loop would refuse: it raises what allocate_probs does
+        return _plan_draft_loop(known, forecast, **kwargs)
+    value, _, depth = _plan_all(p, other, chain_first=kinds[0].name == chain, done=done, cost=cost64,
+                                extras=np.array(extras))
+    drafting = depth > done
+    run = bool(drafting.any())
+    drafting = torch.from_numpy(drafting) if run else torch.zeros(B, dtype=torch.bool)
+    return DraftPlan(run, drafting, int(depth.max()) if run else done, value)
+
+
+def _plan_all(p: np.ndarray, other: np.ndarray | None, *, chain_first: bool, done: int, cost: np.ndarray,
+              extras: np.ndarray) -> tuple[float, int, np.ndarray]:
+    """Every plan ``g = done..K`` at once: the reference price rule (one chain, or two:
+    :func:`calib.allocate.reference._two_chain_price`) on the planned chain's first ``g`` columns of
+    ``p [B, K]`` (with ``other [B, L]``, the free chain; ``chain_first``: the planned chain has the
+    lower registry id) priced ``cost + extras[g - done]``, then :func:`_plan_value`'s goodput.
+
+    Returns ``(value, g, depth)`` of the best plan (first maximum: the fewest passes), ``depth`` its
+    verified depth on the planned chain per request (int64 [B]).
+
+    Exactness. The reference pads both chains to one width with NaN (zero gains); a zero gain is
+    never allocated, is never above a slot price (always a positive gain, or ``SCALE + 1``), adds
+    nothing to a surplus, and its prefixes are infeasible, so widths do not change a decision. Every
+    sorted gain list the reference builds (a chain alone, the chosen chains) is here one sort of all
+    positive gains with the entries a plan does not hold skipped (:func:`_best_prefixes`).
+    Goodputs are the reference's float64 divisions of the same exact integers by the same prices, and
+    maxima are first maxima in the same order, so every decision is the reference's.
+    """
+    B, K = p.shape
+    gs = np.arange(done, K + 1)
+    base = B * SCALE
+    if other is None:
+        qm, qo = _gains(p), None  # [B, K or 1]
+    else:  # one pass over both chains (NaN padding: zero gains), as the reference
+        stacked = np.full((2 * B, max(K, other.shape[1])), np.float32(np.nan), dtype=np.float32)
+        stacked[:B, :K], stacked[B:, : other.shape[1]] = p, other
+        q_both = _gains(stacked)
+        qm, qo = q_both[:B, : max(K, 1)], q_both[B:, : max(other.shape[1], 1)]
+    W = max(qm.shape[1], 0 if qo is None else qo.shape[1])
+    # price[m] = cost[B + m] for m <= the reference's B W (NaN: no entry), plus each plan's extra.
+    size = B * W
+    available = cost[B : B + size + 1]
+    price = np.full(size + 1, np.nan)
+    price[: available.size] = available
+    # Every positive gain of both chains, sorted non-increasing once: value, request, column, chain.
+    chains = [qm] if qo is None else [qm, qo]
+    flat = np.concatenate([q.ravel() for q in chains])
+    idx = np.flatnonzero(flat > 0)
+    idx = idx[np.argsort(-flat[idx], kind="stable")]
+    v = flat[idx]
+    mine = idx < qm.size  # the planned chain's entries
+    req = np.where(mine, idx // qm.shape[1], (idx - qm.size) // (1 if qo is None else qo.shape[1]))
+    held = ~mine | ((idx % qm.shape[1])[None, :] < gs[:, None])  # [G, E]: plan g holds the entry
+    alone = _best_prefixes(v, held & mine, price, extras, base)  # the planned chain alone
+    q_plan = np.where(np.arange(qm.shape[1])[None, None, :] < gs[:, None, None], qm[None], 0)  # [G, B, K]
+
+    if qo is None:
+        m, total, threshold, _ = alone
+        values = (total / SCALE) / (price[m] + extras)
+        best = int(np.argmax(values))
+        return float(values[best]), int(gs[best]), _take_top(q_plan[best], threshold[best], m[best])
+
+    free = _best_prefixes(v[~mine], None, price, extras, base)  # the free chain alone
+    first, second = (alone, free) if chain_first else (free, alone)
+    q = (q_plan, qo[None]) if chain_first else (qo[None], q_plan)
+    # Slot price of the better single chain, each request's Lagrangian choice at it.
+    lam = np.where(second[3] > first[3], second[2], first[2])[:, None, None]
+    depth_f, depth_s = ((x > lam).sum(axis=2) for x in q)
+    surplus_f, surplus_s = (np.maximum(x - lam, 0).sum(axis=2) for x in q)
+    use_second = (surplus_s > surplus_f) | ((surplus_s == surplus_f) & (depth_s < depth_f))
+    depth = np.where(use_second, depth_s, depth_f)
+    use_second = np.where(depth > 0, use_second, q[1][:, :, 0] > q[0][:, :, 0])  # [G, B]
+    plan_second_id = not chain_first  # the planned chain is the second
+    picked = held & ((use_second[:, req] == plan_second_id) == mine[None, :])  # the chosen chains
+    both = _best_prefixes(v, picked, price, extras, base)
+
+    candidates = (both, first, second)
+    winner = np.argmax(np.stack([c[3] for c in candidates]), axis=0)  # first maximum, in this order
+    m = np.choose(winner, [c[0] for c in candidates])
+    total = np.choose(winner, [c[1] for c in candidates])
+    values = (total / SCALE) / (price[m] + extras)
+    best = int(np.argmax(values))
+    w = int(winner[best])
+    q_best = [x[min(best, x.shape[0] - 1)] for x in q]  # plan best's chains [B, W_c]
+    if w == 0:
+        plan_second = use_second[best]
+        width = max(x.shape[1] for x in q_best)
+        chosen = np.zeros((B, width), dtype=np.int64)
+        for x, rows in zip(q_best, (~plan_second, plan_second), strict=True):
+            chosen[rows, : x.shape[1]] = x[rows]
+    else:
+        plan_second = np.full(B, w == 2)
+        chosen = q_best[w - 1]
+    depth = _take_top(chosen, candidates[w][2][best], m[best])
+    return float(values[best]), int(gs[best]), np.where(plan_second == plan_second_id, depth, 0)
+
+
+def _best_prefixes(v: np.ndarray, held: np.ndarray | None, price: np.ndarray, extras: np.ndarray,
+                   base: int) -> tuple:
+    """:func:`calib.allocate.reference.best_sorted_prefix` per plan: ``(m, gained, threshold, goodput)``
+    [G] of the best top-``m`` prefix of the gains ``v [E]`` (positive, non-increasing) that plan ``g``
+    holds (``held [G, E]``; None: all), priced ``price[B + m] + extras[g]`` (``price``: the curve from
+    ``B`` on, NaN-padded); ``gained`` = ``base`` + the prefix's gains (an exact integer, in float64).
+
+    The reference's sorted list is ``v[held[g]]`` then zeros (never feasible): its prefix of ``m``
+    entries ends at the ``m``-th held entry here, and an entry not held repeats the prefix before it,
+    marked infeasible, so the first maximum is at the same ``m``. Sums are integers below 2**53, exact
+    in float64 in any order. A price is positive wherever the curve was checked, so infeasible means
+    NaN (no entry) or +inf.
+    """
+    G = extras.size
+    rows = np.arange(G)
+    gained = np.empty((G if held is not None else 1, v.size + 1))
+    gained[:, 0] = 0
+    if held is None:
+        m_at = np.arange(v.size + 1)[None, :]
+        np.cumsum(v, out=gained[0, 1:])
+    else:
+        m_at = np.zeros((G, v.size + 1), dtype=np.intp)
+        np.cumsum(held, axis=1, out=m_at[:, 1:])
+        np.cumsum(np.where(held, v, 0), axis=1, out=gained[:, 1:])
+    gained += base
+    priced = price[m_at] + extras[:, None]
+    infeasible = ~(priced < np.inf)
+    if held is not None:
+        infeasible[:, 1:] |= ~held
+    good = gained / priced
+    good[infeasible] = -np.inf
+    j = np.argmax(good, axis=1)
+    threshold = np.concatenate([[SCALE + 1], v])[j]  # the last gain taken (SCALE + 1: none)
+    m = m_at[rows, j] if held is not None else j
+    return m, gained[rows if held is not None else 0, j], threshold, good[rows, j]
+
+
+def _gains(p: np.ndarray) -> np.ndarray:
+    """:func:`calib.allocate.reference.survival`'s fixed-point gains of float32 ``p [B, K]`` (int64;
+    one zero column if ``K = 0``, as the reference pads): the same float32 operations (NaN -> 0,
+    clamp to [0, 1], running product left to right, scale by 2**24 and truncate), so the same
+    integers (a product below 2**-24 gives 0 whether or not it is flushed to zero)."""
+    q = np.zeros((p.shape[0], max(p.shape[1], 1)), dtype=np.int64)
+    surv = np.fmin(np.fmax(p, np.float32(0)), np.float32(1))  # fmax: NaN -> 0; +-inf -> 1, 0
+    surv = np.multiply.accumulate(surv, axis=1, dtype=np.float32)
+    q[:, : p.shape[1]] = (surv * np.float32(SCALE)).astype(np.int32)
+    return q
+
+
+def _take_top(q: np.ndarray, threshold: int, n: int) -> np.ndarray:
+    """:func:`calib.allocate.reference.take_top` on one ``[B, W]`` gain matrix (int64 depths [B])."""
+    above = (q > threshold).sum(axis=1)
+    ties_per_row = ((q == threshold) & (threshold > 0)).sum(axis=1)
+    left = max(int(n) - int(above.sum()), 0)
+    ties_before = np.cumsum(ties_per_row) - ties_per_row
+    return above + np.minimum(np.maximum(left - ties_before, 0), ties_per_row)
+
+
+def _plan_draft_loop(
+    known: Mapping[str, torch.Tensor],
+    forecast: torch.Tensor,
+    *,
+    cost: torch.Tensor,
+    pass_cost: float,
+    sunk: float = 0.0,
+    chain: str = "model",
+    impl: str = "reference",
+) -> DraftPlan:
+    """:func:`plan_draft` one plan at a time: one :func:`calib.allocate.allocate_probs` call per ``g``
+    (the Triton path, the fallback of the fast path, and its reference in the tests)."""
     if chain not in known:
         raise ValueError(f"`known` must hold the {chain} chain's drafted depths ([B, 0] before the first pass)")
     done_p = known[chain]

@@ -76,7 +76,7 @@ def test_reference_and_triton_plans_are_identical():
         B, K = 5, 4
         f = torch.from_numpy(rng.uniform(0.1, 0.95, (B, K)).astype(np.float32))
         known = {"model": f[:, :1].clone(), "ngram": torch.from_numpy(rng.uniform(0, 1, (B, 3)).astype(np.float32))}
-        kw = dict(cost=_curve(B, K, 0.02), pass_cost=0.2, sunk=0.2)
+        kw = {"cost": _curve(B, K, 0.02), "pass_cost": 0.2, "sunk": 0.2}
         ref, tri = (plan_draft(known, f, impl=impl, **kw) for impl in ("reference", "triton"))
         assert (ref.run_pass, ref.passes, ref.goodput) == (tri.run_pass, tri.passes, tri.goodput)
         assert torch.equal(ref.drafting, tri.drafting)
@@ -106,3 +106,126 @@ def test_forecast_lookup_by_context_cell():
         forecast_probs(_Tables(fc), "model", np.zeros((2, 2)))
     with pytest.raises(ValueError, match="no forecast"):
         forecast_probs(_Tables(None), "model", None)
+
+
+# -- the vectorised plan (plan_draft) against the plan-by-plan loop (_plan_draft_loop) -----------------------
+
+
+def _random_probs(rng, b: int, w: int) -> torch.Tensor:
+    """SYNTHETIC [b, w] confidences: uniform, coarse (many tied gains), near 1, out of [0, 1], or 1 - eps;
+    about a third of the rows end early (NaN from a random depth on)."""
+    kind = rng.integers(5)
+    if kind == 0:
+        p = rng.uniform(0, 1, (b, w))
+    elif kind == 1:
+        p = rng.choice([0.0, 0.25, 0.5, 0.75, 1.0], (b, w))
+    elif kind == 2:
+        p = rng.uniform(0.8, 1.0, (b, w)) ** 0.3
+    elif kind == 3:
+        p = rng.uniform(-0.2, 1.2, (b, w))
+    else:
+        p = 1 - rng.choice([1e-3, 1e-2, 0.05, 0.2], (b, w))
+    p = p.astype(np.float32)
+    for i in range(b):
+        if w and rng.random() < 0.3:
+            p[i, rng.integers(0, w) :] = np.nan
+    return torch.from_numpy(p)
+
+
+def _random_curve(rng, b: int, n: int) -> np.ndarray:
+    """SYNTHETIC verify-cost curve of n entries: linear, flat then linear, steps, or +inf from some total on."""
+    t = np.arange(n, dtype=np.float64)
+    kind = rng.integers(4)
+    if kind == 0:
+        return 1 + rng.choice([0.0005, 0.002, 0.01, 0.05]) * t
+    if kind == 1:
+        return 1 + np.clip(t - rng.integers(0, 3 * b + 1), 0, None) / rng.choice([4, 32, 256])
+    if kind == 2:
+        return 1 + 0.2 * np.floor(t / rng.choice([4, 8, 16])) + rng.choice([0, 0.01]) * t
+    c = 1 + rng.uniform(0, 0.05, n).cumsum()
+    c[rng.integers(b + 1, n + 1) :] = np.inf
+    return c
+
+
+def _random_case(rng):
+    B, K = int(rng.integers(1, 65)), int(rng.integers(1, 17))
+    done = int(rng.integers(0, K + 1))
+    forecast = _random_probs(rng, B, K)
+    known = {"model": _random_probs(rng, B, done)}
+    if rng.random() < 0.6:  # a free chain, shorter or longer than K
+        known["ngram"] = _random_probs(rng, B, int(rng.integers(0, K + 3)))
+    c = _random_curve(rng, B, int(rng.integers(B + 1, B + 2 * B * (K + 1) + 3)))  # may end before B + 2 B K
+    cost = torch.from_numpy(c).to(torch.float32 if rng.random() < 0.2 else torch.float64)
+    kw = {"cost": cost, "pass_cost": float(rng.choice([0.0, 0.0, 0.001, 0.01, 0.03, 0.1, 1.0]) * c[B]),
+          "sunk": float(rng.choice([0.0, 0.1, 1.0]))}
+    if "ngram" in known and rng.random() < 0.2:  # plan the n-gram chain (higher id) with the model chain free
+        known = {"ngram": known["model"], "model": _random_probs(rng, B, K)}
+        kw["chain"] = "ngram"
+    return known, forecast, kw
+
+
+def _same_plan(a, b) -> bool:
+    # goodput compared exactly (tolerance 0): the same float64 operations on the same exact integers
+    return ((a.run_pass, a.passes, a.goodput) == (b.run_pass, b.passes, b.goodput)
+            and a.drafting.dtype == b.drafting.dtype and torch.equal(a.drafting, b.drafting))
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_vectorised_plan_equals_the_plan_by_plan_loop(seed, monkeypatch):
+    from calib.allocate import draft
+
+    loop = draft._plan_draft_loop
+    rng = np.random.default_rng(1000 + seed)
+    cases = [_random_case(rng) for _ in range(50)]
+    expected = [loop(known, forecast, **kw) for known, forecast, kw in cases]
+
+    def no_fallback(*args, **kwargs):
+        raise AssertionError("plan_draft fell back to the loop")
+
+    monkeypatch.setattr(draft, "_plan_draft_loop", no_fallback)  # every case takes the vectorised path
+    for (known, forecast, kw), want in zip(cases, expected, strict=True):
+        got = plan_draft(known, forecast, **kw)
+        assert _same_plan(got, want), ({n: tuple(p.shape) for n, p in known.items()}, tuple(forecast.shape), kw,
+                                       got, want)
+
+
+def test_vectorised_gains_equal_the_reference_survival():
+    from calib.allocate.draft import _gains
+    from calib.allocate.reference import survival
+
+    rng = np.random.default_rng(3)
+    values = [np.nan, np.inf, -np.inf, 0.0, -0.0, 1.0, 0.5, 1e-30, 1e-45, 1 - 1e-7]
+    for p in (rng.uniform(-0.5, 1.5, (40, 9)), np.exp(-rng.uniform(0, 30, (40, 9))),  # products below 2**-126
+              rng.choice(values, (40, 9)), rng.uniform(0, 1, (40, 17)) ** 0.1, np.zeros((3, 0))):
+        p = p.astype(np.float32)
+        q = _gains(p)
+        assert q.dtype == np.int64 and np.array_equal(q[:, : p.shape[1]], survival(torch.from_numpy(p))[1].numpy())
+
+
+def test_unusual_inputs_take_the_loop_and_answer_the_same():
+    from calib.allocate.draft import _plan_draft_loop
+
+    f = torch.full((3, 2), 0.9)
+    for known, forecast, cost in [
+        ({"model": torch.zeros(0, 0)}, torch.zeros(0, 2), _curve(1, 2)),  # B = 0: the loop
+        ({"model": torch.zeros(3, 0)}, torch.zeros(3, 0), _curve(3, 0)),  # K = 0: vectorised, one plan
+        ({"model": torch.zeros(3, 0), "ngram": torch.zeros(3, 0)}, f, _curve(3, 2)),  # an empty free chain
+    ]:
+        want = _plan_draft_loop(known, forecast, cost=cost, pass_cost=0.1)
+        assert _same_plan(plan_draft(known, forecast, cost=cost, pass_cost=0.1), want)
+    # refusals are the loop's (it raises what allocate_probs does)
+    bad_cost = _curve(3, 2).clone()
+    bad_cost[5] = float("nan")
+    for known, kw in [
+        ({"model": torch.zeros(3, 0)}, {"cost": torch.ones(3, dtype=torch.float64)}),  # no entry for T = B
+        ({"model": torch.zeros(3, 0)}, {"cost": bad_cost}),
+        ({"model": torch.zeros(3, 0), "ngram": torch.zeros(2, 2)}, {"cost": _curve(3, 2)}),  # batch sizes differ
+        ({"model": torch.zeros(3, 0), "nope": torch.zeros(3, 2)}, {"cost": _curve(3, 2)}),  # not a chain
+        ({"model": torch.zeros(3, 0)}, {"cost": _curve(3, 2), "sunk": 1e308, "pass_cost": 1e308}),
+    ]:
+        kw.setdefault("pass_cost", 0.1)
+        with pytest.raises(ValueError) as loop_err:
+            _plan_draft_loop(known, f, **kw)
+        with pytest.raises(ValueError) as fast_err:
+            plan_draft(known, f, **kw)
+        assert str(fast_err.value) == str(loop_err.value)
