@@ -89,7 +89,7 @@ def main() -> None:
               f"({sum(f.stat().st_size for f in bank.iterdir()) / 1e6:.1f} MB)", flush=True)
         cmd = [sys.executable, "train.py", f"data.train=[{bank}]", f"out_dir={tmp}/out", *args.overrides]
         t0 = time.time()
-        proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "WANDB_MODE": "offline"},
+        proc = subprocess.run(cmd, check=False, cwd=ROOT, env={**os.environ, "WANDB_MODE": "offline"},
                               capture_output=True, text=True)
         wall = time.time() - t0
         peak_gb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024**2

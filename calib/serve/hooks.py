@@ -84,6 +84,8 @@ class ServeStats:
     passes_engine: int = 0  # draft passes vLLM would have run on those steps
     passes_planned: int = 0  # ... and the passes calib ran instead
     plan_ms: list[float] = field(default_factory=list)  # per planned step: n-gram chains + forecast + plan_draft
+    draft_ms: list[float] = field(default_factory=list)  # per step: vLLM's drafting (propose_draft_token_ids)
+    step_ms: list[float] = field(default_factory=list)  # wall time between consecutive decisions (one engine step)
     errors: int = 0  # exceptions caught in the hooks themselves
     disabled_reason: str | None = None  # why the decider was not built (None: built, or not reached)
 
@@ -154,6 +156,7 @@ class Server:
         self.stats = ServeStats()
         self.rows: list | None = None  # per-depth confidences of the drafting pass in progress
         self.conf: dict[str, list[float]] = {}  # req_id -> confidence per depth of its latest draft
+        self.last_take: float | None = None  # perf_counter at the previous decision (step_ms)
         self.matches: dict[str, tuple] = {}  # req_id -> ((req_id, context length, last token), chain, features)
         self._error_logged = 0
 
@@ -425,6 +428,10 @@ def install(tables: str, cost: str = "1.0,0.01", model_id: str | None = None,
     orig_take = GPUModelRunner.take_draft_token_ids
 
     def take_draft_token_ids(self):
+        now = time.perf_counter()
+        if srv.last_take is not None:
+            srv.stats.step_ms.append((now - srv.last_take) * 1e3)
+        srv.last_take = now
         out = orig_take(self)
         if out is None:
             return out
@@ -454,9 +461,11 @@ def install(tables: str, cost: str = "1.0,0.01", model_id: str | None = None,
         except Exception as exc:  # noqa: BLE001 - vLLM keeps its own K for this step
             srv.error("plan_passes", exc)
         srv.rows = []
+        start = time.perf_counter()
         try:
             return orig_propose(self, scheduler_output, sampled_token_ids, *args, **kwargs)
         finally:
+            srv.stats.draft_ms.append((time.perf_counter() - start) * 1e3)
             try:
                 srv.finish_drafting(list(self.input_batch.req_ids))
             except Exception as exc:  # noqa: BLE001

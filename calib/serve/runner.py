@@ -265,6 +265,8 @@ def _calib_figures(st: dict | None, wall: float) -> dict:
     return {"allocator_ms_per_step": sum(st["allocator_ms"]) / max(1, st["decided"]),
             "calib_ms_per_step": hook_ms / max(1, st["steps"]),
             "overhead_pct": 100.0 * hook_ms / 1e3 / wall if wall > 0 else None,
+            "draft_ms_per_step": sum(st["draft_ms"]) / len(st["draft_ms"]) if st["draft_ms"] else None,
+            "step_ms_median": sorted(st["step_ms"])[len(st["step_ms"]) // 2] if st["step_ms"] else None,
             "calib": {k: v for k, v in st.items() if not isinstance(v, list)}}
 
 
