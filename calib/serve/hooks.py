@@ -17,6 +17,13 @@ subclasses ``GPUModelRunner``, so one patch covers both), all in the worker proc
   drafter's probability of each token it proposed, per depth (EAGLE / draft model; the greedy path
   recomputes vLLM's own argmax on the same logits, as :mod:`calib.collect.hooks` does).
 * ``GPUModelRunner._update_states`` — finished requests leave the history.
+* Before the drafter runs (same ``propose_draft_token_ids`` wrapper, model drafter, ``CALIB_SERVE_PLAN``):
+  this step's draft passes, ``scheduler_output.num_spec_tokens_to_schedule`` in 0..K, from
+  :func:`calib.allocate.plan_draft` on the n-gram chains (known in full) and the tables' forecast of the
+  model chain (:meth:`Server.plan_passes`; design note claim 4).
+
+``CALIB_SERVE_CHAINS`` names the chains calib may verify (``model,ngram``: two drafters; ``model``: only
+truncate the drafter's own chain).
 
 The decider is built lazily at the first step (the API-server and engine-core processes load the
 plugin too and never reach a runner), with the engine's model id (``CALIB_SERVE_MODEL_ID``, default
@@ -424,6 +431,7 @@ def install(tables: str, cost: str = "1.0,0.01", model_id: str | None = None,
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     srv = _SERVER = Server(tables, cost, model_id, ngram, chains, plan, draft_cost)
+    _ensure_log_handler()
 
     orig_take = GPUModelRunner.take_draft_token_ids
 
@@ -517,6 +525,19 @@ def install(tables: str, cost: str = "1.0,0.01", model_id: str | None = None,
     atexit.register(_log_summary)
     log.info("calib serving hooks installed (pid %d), tables %s", os.getpid(), tables)
     return srv
+
+
+def _ensure_log_handler() -> None:
+    """Under ``vllm serve`` nothing configures the root logger (vLLM configures its own ``vllm`` logger),
+    so calib's INFO lines (hooks installed, tables in use, the exit summary) would be dropped: give
+    ``calib.serve`` a stderr handler at INFO there. Where a handler exists (Hydra, pytest), change nothing."""
+    if log.hasHandlers():
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [calib.serve] %(message)s", "%m-%d %H:%M:%S"))
+    log.addHandler(handler)
+    if log.level == logging.NOTSET:
+        log.setLevel(logging.INFO)
 
 
 def _log_summary() -> None:
