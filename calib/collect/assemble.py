@@ -93,6 +93,13 @@ def build_tables(rounds: dict[int, list[dict]], categories: dict[int, str],
                 for k, v in key.items():
                     table[k].append(v)
             drafted, a = rec["drafted"], rec["accepted"]
+            # Serving on while collecting: calib may have verified the n-gram chain instead of the
+            # speculator's draft. Then the speculator's columns stay empty (its draft was not
+            # verified) and the n-gram row carries the verdict, so each chain's labels stay its own.
+            substituted = (rec.get("verified_chain") == "ngram" and not keys.ngram_verified and bool(drafted)
+                           and list(rec["ngram_tokens"])[: len(drafted)] == list(drafted))
+            if substituted:
+                drafted, a = [], 0
             d = len(drafted)
             if d > D:
                 raise ValueError(f"prompt {idx} round {r_idx}: {d} drafted tokens > width {D}")
@@ -105,22 +112,26 @@ def build_tables(rounds: dict[int, list[dict]], categories: dict[int, str],
                     spec_cols[f"{name}{k}"].append(float(vals[k]) if vals is not None and k < d else None)
             spec_cols["batch_size"].append(rec["batch_size"])
             spec_cols["temperature"].append(keys.temperature)
-            _ngram_row(ng_cols, rec, idx, r_idx, final_tokens[idx], keys)
+            spec_cols["verified_chain"].append(rec.get("verified_chain"))
+            _ngram_row(ng_cols, rec, idx, r_idx, final_tokens[idx], keys, verified=keys.ngram_verified or substituted)
     order = list(schema.KEYS)
     acceptance = pa.table({c: acc_cols[c] for c in order + ["accept"] + [f"acc{k}" for k in range(D)]})
     spec_names = order + [f"{p}{k}" for p in ("conf", "tok", "entropy", "margin") for k in range(D)]
-    speculator = pa.table({c: spec_cols[c] for c in spec_names + ["batch_size", "temperature"]},
-                          schema=_schema(spec_names + ["batch_size", "temperature"], schema.SPECULATOR))
+    round_names = ["batch_size", "temperature"]
+    if any(v is not None for v in spec_cols["verified_chain"]):  # only banks collected with serving on
+        round_names.append("verified_chain")
+    speculator = pa.table({c: spec_cols[c] for c in spec_names + round_names},
+                          schema=_schema(spec_names + round_names, schema.SPECULATOR))
     ng_names = (order + list(schema.NGRAM_ROUND) + [f"{schema.NGRAM_TOK}{j}" for j in range(L)]
                 + [f"acc{j}" for j in range(L)])
     ngram = pa.table({c: ng_cols[c] for c in ng_names}, schema=_schema(ng_names, schema.NGRAM))
     return acceptance, speculator, ngram
 
 
-def _ngram_row(cols, rec, idx, r_idx, final, keys: RunKeys) -> None:
+def _ngram_row(cols, rec, idx, r_idx, final, keys: RunKeys, verified: bool) -> None:
     L = keys.ngram_width
     chain = list(rec["ngram_tokens"])
-    if keys.ngram_verified:
+    if verified:
         drafted = rec["drafted"]
         if chain[: len(drafted)] != drafted:
             raise ReconciliationError(
@@ -137,7 +148,7 @@ def _ngram_row(cols, rec, idx, r_idx, final, keys: RunKeys) -> None:
     for name, v in rec["ngram"].items():
         cols[name].append(v if chain else None)
     cols["accept"].append(accept)
-    cols["verified"].append(keys.ngram_verified)
+    cols["verified"].append(verified)
     cols["label_source"].append(source)
     for j in range(L):
         cols[f"{schema.NGRAM_TOK}{j}"].append(chain[j] if j < len(chain) else None)

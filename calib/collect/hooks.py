@@ -111,6 +111,7 @@ class Recorder:
             positions = runner.positions[: int(token_starts[-1])].cpu().numpy()
         min_n, max_n, k = self.ngram
         max_model_len = getattr(runner, "max_model_len", None)
+        serving = _serving()
         for i, req_id in enumerate(batch.req_ids[:n_active]):
             d = int(num_draft[i])
             signals = self.pending.pop(req_id, None)
@@ -130,12 +131,23 @@ class Recorder:
             }
             if signals is not None:
                 rec.update({name: v[:d] for name, v in signals.items()})
+            if serving is not None:  # calib chose what was verified: say which chain (labels per chain)
+                rec["verified_chain"] = serving.chosen.pop(req_id, None)
             if routing is not None:
                 lo, hi = int(token_starts[i]), int(token_starts[i + 1])
                 rec["routing"] = routing[lo:hi].tolist()
                 rec["routing_start"] = int(positions[lo])
             self.fh.write(json.dumps(rec) + "\n")
         self.fh.flush()
+
+
+def _serving():
+    """calib's serving state when the serving hooks run in this process too (its decisions), else None."""
+    import sys
+
+    mod = sys.modules.get("calib.serve.hooks")
+    srv = mod.server() if mod is not None else None
+    return srv if srv is not None and srv.decider is not None else None
 
 
 _RECORDER: Recorder | None = None

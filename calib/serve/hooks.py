@@ -39,10 +39,12 @@ is passed through too: a substituted chain would be verified against the wrong q
 
 With capture on as well (``CALIB_COLLECT_DIR``), both work: capture's ``_sample`` wrapper records the
 tokens actually verified (``drafted``, i.e. calib's choice) next to the recomputed n-gram chain, and the
-greedy ``_sample_draft_tokens`` path here feeds capture's :meth:`Recorder.record_depth` too. The bank
-does NOT record which chain calib chose (it can be told from ``drafted`` vs ``ngram_tokens``), and a
-round whose model draft was replaced by the n-gram chain keeps the model drafter's confidences: do not
-train on banks collected with serving on.
+chain calib chose (``verified_chain``, from :attr:`Server.chosen`); the bank's speculator.parquet then
+has a ``verified_chain`` column, a round whose n-gram chain was verified instead of the drafter's has
+empty drafter columns and a "verified" n-gram row, so each chain's labels stay its own
+(calib/collect/assemble.py). The greedy ``_sample_draft_tokens`` path here feeds capture's
+:meth:`Recorder.record_depth` too. Truncation by calib censors the drafter's rounds on what it knew
+(confidences, context), as vLLM's own K does.
 
 Per-process statistics: :func:`stats` (:class:`ServeStats`: steps, decisions, replaced / truncated /
 substituted / emptied lists, ``allocator_ms``), one log line at exit.
@@ -163,6 +165,7 @@ class Server:
         self.stats = ServeStats()
         self.rows: list | None = None  # per-depth confidences of the drafting pass in progress
         self.conf: dict[str, list[float]] = {}  # req_id -> confidence per depth of its latest draft
+        self.chosen: dict[str, str] = {}  # req_id -> the chain handed back for its next verify (capture reads it)
         self.last_take: float | None = None  # perf_counter at the previous decision (step_ms)
         self.matches: dict[str, tuple] = {}  # req_id -> ((req_id, context length, last token), chain, features)
         self._error_logged = 0
@@ -258,6 +261,7 @@ class Server:
         for r in req_ids:
             self.conf.pop(r, None)
             self.matches.pop(r, None)
+            self.chosen.pop(r, None)
             if self.decider is not None:
                 self.decider.finish(r)
 
@@ -384,6 +388,10 @@ class Server:
         drafts = d.drafts
         if len(drafts) != len(req_ids) or any(len(x) > K or any(t < 0 for t in x) for x in drafts):
             raise RuntimeError("decision out of bounds (more than K tokens, or a negative id)")
+        from calib.chains import NO_CHAIN, chain
+
+        for r, cid, x in zip(req_ids, d.chain.tolist(), drafts):
+            self.chosen[r] = chain(int(cid)).name if (cid != NO_CHAIN and x) else None
         s = self.stats
         s.decided += 1
         s.requests += len(req_ids)

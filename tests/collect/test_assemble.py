@@ -54,6 +54,28 @@ def test_verified_ngram_must_reproduce_draft():
         build_tables(bad, {0: "chat"}, {0: [1, 2, 3, 4]}, keys)
 
 
+def test_serving_while_collecting_labels_each_chain_by_what_was_verified(tmp_path):
+    """calib served while collecting (SYNTHETIC records): a round where it verified the n-gram chain
+    instead of the drafter's keeps no drafter labels, and its n-gram row is the verified one."""
+    final = [10, 11, 12, 13, 20, 21, 22, 23]
+    own = _rec(1, [20, 99], 1, ngram_tokens=[20, 21, 5], context_len=4)
+    own["verified_chain"] = "model"
+    sub = _rec(2, [22, 23], 2, ngram_tokens=[22, 23, 7], context_len=6)
+    sub["verified_chain"] = "ngram"
+    acc, spec, ng = build_tables({0: [own, sub]}, {0: "chat"}, {0: final}, KEYS)
+    assert acc.column("accept").to_pylist() == [1, 0]
+    assert acc.column("acc0").to_pylist() == [1, None]  # the drafter's draft was not verified in round 2
+    assert spec.column("conf0").to_pylist() == [0.9, None] and spec.column("tok0").to_pylist() == [20, None]
+    assert spec.column("verified_chain").to_pylist() == ["model", "ngram"]
+    assert ng.column("label_source").to_pylist() == ["counterfactual", "verified"]
+    assert ng.column("verified").to_pylist() == [False, True]
+    assert ng.column("accept").to_pylist() == [2, 2] and ng.column("ngram_len").to_pylist() == [3, 2]
+    assert write_bank(tmp_path / "b", acc, spec, ng) and validate(str(tmp_path / "b")) == []
+    # no serving: no verified_chain column, the bank layout is unchanged
+    _, spec0, _ = build_tables({0: [_rec(1, [20, 99], 1)]}, {0: "chat"}, {0: final}, KEYS)
+    assert "verified_chain" not in spec0.column_names
+
+
 def test_reconcile_gate():
     rounds = {0: [_rec(1, [1, 2, 3], 1), _rec(2, [1, 2, 3], 0)]}
     reconcile(rounds, {0: ([1, 0], [3, 3])}, {0: "p0"})
