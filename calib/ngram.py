@@ -14,7 +14,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 
 @dataclass
@@ -47,12 +46,24 @@ def find_match(context, min_n: int, max_n: int, k: int, prompt_len: int = 0,
         k = min(k, max_model_len - total)
     if total < min_n or k <= 0:
         return out
-    for n in range(min(max_n, total - 1), min_n - 1, -1):
-        # Windows of length n that end before the last token (an occurrence may overlap the suffix).
-        windows = sliding_window_view(ctx[: total - 1], n)
-        starts = np.flatnonzero((windows == ctx[total - n:]).all(axis=1))
-        if starts.size == 0:
+    top = min(max_n, total - 1)
+    if top < min_n:
+        return out
+    # An occurrence of the last n tokens is a window ctx[s:s+n] ending before the last token (it may
+    # overlap the suffix). Its last element sits at i = s+n-1 <= total-2 with ctx[i] == ctx[-1]: find
+    # those once, then keep the candidates that also match 2, 3, ... tokens back (one pass per depth
+    # over the few candidates, not over the whole context).
+    ends_at = np.flatnonzero(ctx[: total - 1] == ctx[total - 1])
+    alive = [ends_at]
+    for j in range(1, top):
+        prev = alive[-1]
+        prev = prev[prev >= j]
+        alive.append(prev[ctx[prev - j] == ctx[total - 1 - j]])
+    for n in range(top, min_n - 1, -1):
+        last = alive[n - 1]
+        if last.size == 0:
             continue
+        starts = last - (n - 1)
         ends = starts + n
         start = int(starts[0])
         end = start + n

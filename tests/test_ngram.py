@@ -45,3 +45,49 @@ def test_label_chain():
     assert label_chain([9, 4], 3, final) == (0, [0, 0])
     # Beyond the end of the realised sequence the token would not be committed.
     assert label_chain([5, 6], 5, final) == (1, [1, 0])
+
+
+def _find_match_windows(context, min_n, max_n, k, prompt_len=0, max_model_len=None):
+    """The sliding-window matcher find_match replaced (kept to test that the faster one is the same)."""
+    from numpy.lib.stride_tricks import sliding_window_view
+
+    from calib.ngram import NgramMatch
+
+    ctx = np.asarray(context, dtype=np.int64)
+    total = ctx.shape[0]
+    out = NgramMatch(context_len=int(total))
+    if max_model_len is not None:
+        k = min(k, max_model_len - total)
+    if total < min_n or k <= 0:
+        return out
+    for n in range(min(max_n, total - 1), min_n - 1, -1):
+        windows = sliding_window_view(ctx[: total - 1], n)
+        starts = np.flatnonzero((windows == ctx[total - n:]).all(axis=1))
+        if starts.size == 0:
+            continue
+        ends = starts + n
+        start = int(starts[0])
+        end = start + n
+        chain = ctx[end: end + min(k, total - end)]
+        nxt = ctx[ends]
+        out.tokens, out.match_n, out.occurrences = chain.tolist(), n, int(starts.size)
+        out.distance, out.in_prompt = int(total - start), bool(end <= prompt_len)
+        out.distinct_next, out.agreement = int(np.unique(nxt).size), float(np.mean(nxt == chain[0]))
+        out.cont_len = int(total - end)
+        return out
+    return out
+
+
+def test_find_match_equals_the_sliding_window_matcher():
+    """SYNTHETIC contexts (small vocabularies: many and overlapping matches, and none)."""
+    rng = np.random.default_rng(0)
+    for _ in range(3000):
+        total = int(rng.integers(0, 60))
+        ctx = rng.integers(0, int(rng.integers(1, 8)), total)
+        min_n = int(rng.integers(1, 4))
+        max_n = int(rng.integers(min_n, 6))
+        k = int(rng.integers(1, 6))
+        prompt_len = int(rng.integers(0, total + 1))
+        mml = None if rng.random() < 0.5 else int(total + rng.integers(0, 4))
+        assert find_match(ctx, min_n, max_n, k, prompt_len, mml) == _find_match_windows(
+            ctx, min_n, max_n, k, prompt_len, mml), (ctx.tolist(), min_n, max_n, k, prompt_len, mml)
