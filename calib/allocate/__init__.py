@@ -9,7 +9,7 @@ The Triton kernel lives in :mod:`calib.allocate.triton_kernels` and is imported 
 switches on with ``TRITON_INTERPRET=1`` before triton is first imported (nothing here sets it).
 """
 
-from calib.allocate.api import MAX_CHAINS, Allocation, allocate, allocate_probs, check_cost
+from calib.allocate.api import MAX_CHAINS, Allocation, allocate, allocate_probs, calibrated_probs, check_cost
 from calib.allocate.draft import DraftPlan, forecast_probs, plan_draft
 from calib.allocate.reference import SCALE
 from calib.allocate.tables import AcceptanceTables, ChainTable, GridTables
@@ -26,6 +26,7 @@ __all__ = [
     "GridTables",
     "allocate",
     "allocate_probs",
+    "calibrated_probs",
     "check_cost",
     "forecast_probs",
     "plan_draft",

@@ -120,22 +120,7 @@ def allocate(
     """
     _check_mode(budget, cost, impl)
     kinds = _kinds(signals, "signals")
-    reuse = bool(getattr(tables, "reuse_last_row", False))
-    checked = {}
-    for kind in kinds:
-        name = kind.name
-        if name not in tables.chains:
-            raise ValueError(f"signals name the {name} chain, but the tables calibrate {sorted(tables.chains)}")
-        table = tables.chains[name]
-        x = signals[name]
-        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
-            raise ValueError(f"signals[{name!r}] must be a float tensor, got {type(x).__name__} "
-                             f"{getattr(x, 'dtype', '')}".rstrip())
-        x = check_chain_inputs(x, table, f"signals[{name!r}]")
-        _check_depths(f"signals[{name!r}]", x.shape[1], f"{name}.grid", table.depths, reuse)
-        if table.interpolated and _host_readable(x, impl):
-            check_confidences(x[..., 0], f"signals[{name!r}]")
-        checked[name] = x
+    checked = _checked_signals(tables, signals, kinds, impl)
     n_requests = _batch(checked, kinds)
     if cost is not None and _host_readable(cost, impl):
         check_cost(cost, n_requests)
@@ -153,6 +138,36 @@ def allocate(
         return Allocation(*allocate_triton(first, second, budget=budget, cost=cost, ids=ids,
                                            tables=[tables.chains[k.name] for k in kinds]))
     raise ValueError(f"impl must be one of {IMPLEMENTATIONS}, got {impl!r}")
+
+
+def calibrated_probs(tables: AcceptanceTables, signals: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``{chain name: float32 [B, L]}`` calibrated P(accept | reached) per depth from raw ``signals``
+    (as :func:`allocate` takes them, checked the same way; NaN where there is no token): what
+    :func:`allocate` feeds :func:`allocate_probs`, for a caller that reuses or combines them (an engine
+    that prices a plan before drafting and decides after it). Reference lookup."""
+    kinds = _kinds(signals, "signals")
+    checked = _checked_signals(tables, signals, kinds, "reference")
+    return {k.name: tables.chains[k.name].lookup(checked[k.name], k.name) for k in kinds}
+
+
+def _checked_signals(tables, signals, kinds, impl: str) -> dict[str, torch.Tensor]:
+    reuse = bool(getattr(tables, "reuse_last_row", False))
+    checked = {}
+    for kind in kinds:
+        name = kind.name
+        if name not in tables.chains:
+            raise ValueError(f"signals name the {name} chain, but the tables calibrate {sorted(tables.chains)}")
+        table = tables.chains[name]
+        x = signals[name]
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+            raise ValueError(f"signals[{name!r}] must be a float tensor, got {type(x).__name__} "
+                             f"{getattr(x, 'dtype', '')}".rstrip())
+        x = check_chain_inputs(x, table, f"signals[{name!r}]")
+        _check_depths(f"signals[{name!r}]", x.shape[1], f"{name}.grid", table.depths, reuse)
+        if table.interpolated and _host_readable(x, impl):
+            check_confidences(x[..., 0], f"signals[{name!r}]")
+        checked[name] = x
+    return checked
 
 
 def _kinds(mapping, what: str) -> list[ChainKind]:

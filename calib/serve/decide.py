@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from calib.allocate import allocate, check_cost
+from calib.allocate import allocate, allocate_probs, calibrated_probs, check_cost
 from calib.chains import CONTEXT, NO_CHAIN, chain
 from calib.serve.history import RequestHistory
 
@@ -50,6 +50,10 @@ class StepInputs:
     ngram_features: torch.Tensor | None = None  # float [B, L, F]: the n-gram table's own (non-context)
     #                                             features, in tables.feature_names("ngram") order
     #                                             (ngram_feature_tensor builds it); beyond a chain ignored
+    ngram_probs: torch.Tensor | None = None  # float [B, >= L]: the n-gram chain's calibrated P(accept |
+    #                                          reached) when the engine already looked it up this step
+    #                                          (calib.allocate.calibrated_probs on the same inputs: the
+    #                                          serving plan); replaces ngram_features' lookup (reference)
 
     def engine_drafts(self, chain_name: str) -> list[list[int]]:
         """The lists the engine would verify on its own (its drafter's chain), [] per request if absent."""
@@ -153,7 +157,8 @@ def _own(x: torch.Tensor | None, B: int, lengths: list[int], n_own: int, what: s
     return x
 
 
-def chain_inputs(tables, inputs: StepInputs, history: RequestHistory, *, k_max: int):
+def chain_inputs(tables, inputs: StepInputs, history: RequestHistory, *, k_max: int,
+                 skip: Sequence[str] = ()):
     """``({chain name: float32 [B, L, A]}, {chain name: token lists [B][<= k_max]})`` for the chains
     both the engine (non-None tokens) and the tables have: the chain's own features, then the context
     axes the tables hold (``tables.feature_names(chain)`` order), NaN where a request has no token."""
@@ -164,6 +169,9 @@ def chain_inputs(tables, inputs: StepInputs, history: RequestHistory, *, k_max: 
     for name, (toks, feats, what) in offered.items():
         if toks is None or name not in tables.chains:
             continue
+        if name in skip:  # the caller has this chain's probabilities already
+            tokens[name] = _tokens(toks, B, k_max, f"{name}_tokens")
+            continue
         own, ctx = split_context(feature_names(tables, name), name)
         if name == MODEL and own != ["conf"]:
             raise ValueError(f"the model chain's table reads {own} before its context axes; decide_step "
@@ -173,7 +181,7 @@ def chain_inputs(tables, inputs: StepInputs, history: RequestHistory, *, k_max: 
         c = torch.from_numpy(_context_columns(ctx, inputs, history))  # [B, A_ctx]
         x = torch.cat([x, c[:, None, :].expand(B, x.shape[1], len(ctx))], dim=2)
         signals[name], tokens[name] = x.to(torch.float32), toks
-    if not signals:
+    if not signals and not tokens:
         raise ValueError(f"no chain to decide on: the engine offers "
                          f"{[n for n, v in offered.items() if v[0] is not None]}, the tables calibrate "
                          f"{sorted(tables.chains)}")
@@ -195,8 +203,18 @@ def decide_step(tables, inputs: StepInputs, history: RequestHistory, *, k_max: i
     if B == 0:
         return StepDecision([], [], torch.zeros(0, dtype=torch.int8), torch.zeros(0, dtype=torch.int32),
                             torch.zeros(0), (time.perf_counter() - start) * 1e3)
-    signals, tokens = chain_inputs(tables, inputs, history, k_max=k_max)
-    out = allocate(tables, signals, cost=cost, budget=budget, impl=impl)
+    given = inputs.ngram_probs if impl == "reference" and inputs.ngram_tokens is not None else None
+    signals, tokens = chain_inputs(tables, inputs, history, k_max=k_max, skip=(NGRAM,) if given is not None else ())
+    if given is not None and NGRAM in tokens:
+        lengths = torch.tensor([len(t) for t in tokens[NGRAM]])
+        width = max(1, int(lengths.max()))
+        p = torch.full((B, width), math.nan, dtype=torch.float32)
+        p[:, : min(width, given.shape[1])] = given[:, :width].to(torch.float32)
+        p[torch.arange(width)[None, :] >= lengths[:, None]] = math.nan  # a chain ends with its tokens
+        probs = {**calibrated_probs(tables, signals), NGRAM: p} if signals else {NGRAM: p}
+        out = allocate_probs(probs, cost=cost, budget=budget, impl=impl)
+    else:
+        out = allocate(tables, signals, cost=cost, budget=budget, impl=impl)
     ids = out.drafter.cpu().tolist()
     depths = out.depth.cpu().tolist()
     by_id = {chain(n).id: t for n, t in tokens.items()}
@@ -276,7 +294,8 @@ class SafeDecider:
                 picked = StepInputs(
                     inputs.req_ids, inputs.temperature,
                     *((inputs.model_tokens, inputs.model_conf) if MODEL in self.chains else (None, None)),
-                    *((inputs.ngram_tokens, inputs.ngram_features) if NGRAM in self.chains else (None, None)))
+                    *((inputs.ngram_tokens, inputs.ngram_features, inputs.ngram_probs) if NGRAM in self.chains
+                      else (None, None, None)))
                 out = decide_step(self.tables, picked, self.history, k_max=self.k_max, cost=self.cost,
                                   budget=self.budget, impl=self.impl)
                 self.consecutive_failures = 0

@@ -167,7 +167,8 @@ class Server:
         self.conf: dict[str, list[float]] = {}  # req_id -> confidence per depth of its latest draft
         self.chosen: dict[str, str] = {}  # req_id -> the chain handed back for its next verify (capture reads it)
         self.last_take: float | None = None  # perf_counter at the previous decision (step_ms)
-        self.matches: dict[str, tuple] = {}  # req_id -> ((req_id, context length, last token), chain, features)
+        self.matches: dict[str, tuple] = {}
+        self.planned: dict[str, tuple] = {}  # req_id -> (match key, n-gram probs [L]) from this step's plan  # req_id -> ((req_id, context length, last token), chain, features)
         self._error_logged = 0
 
     # -- construction ----------------------------------------------------------------------------
@@ -293,6 +294,23 @@ class Server:
         width = max(1, max((len(t) for t in tokens), default=0))
         return tokens, ngram_feature_tensor(feats, [len(t) for t in tokens], self.ngram_own, width)
 
+    def planned_probs(self, req_ids: list[str]) -> torch.Tensor | None:
+        """float32 ``[B, W]``: the n-gram probabilities the plan looked up this step, when it did so for
+        every request on the chain the decision sees now (same match); else None (look them up)."""
+        rows = []
+        for r in req_ids:
+            hit, match = self.planned.get(r), self.matches.get(r)
+            if hit is None or match is None or hit[0] != match[0]:
+                return None
+            rows.append(hit[1])
+        if not rows:
+            return None
+        width = max(x.shape[0] for x in rows)
+        out = torch.full((len(rows), width), math.nan)
+        for b, x in enumerate(rows):
+            out[b, : x.shape[0]] = x
+        return out
+
     # -- the number of draft passes ----------------------------------------------------------------
     def plan_passes(self, runner, scheduler_output, sampled_token_ids) -> None:
         """Before the drafter runs: set this step's draft passes (``num_spec_tokens_to_schedule``,
@@ -306,7 +324,7 @@ class Server:
         if k_sched <= 0:
             return
         start = time.perf_counter()
-        from calib.allocate import forecast_probs, plan_draft
+        from calib.allocate import calibrated_probs, forecast_probs, plan_draft
         from calib.serve.decide import _context_columns, chain_inputs
 
         batch = runner.input_batch
@@ -328,7 +346,10 @@ class Server:
             toks, feats = self.ngram_chains(batch, rows, extra)
             inputs = StepInputs(req_ids, temps, ngram_tokens=toks, ngram_features=feats)
             signals, _ = chain_inputs(tables, inputs, dec.history, k_max=self.k)
-            known[NGRAM] = tables.chains[NGRAM].lookup(signals[NGRAM], NGRAM).to(torch.float32)
+            known[NGRAM] = calibrated_probs(tables, {NGRAM: signals[NGRAM]})[NGRAM].to(torch.float32)
+            # the decision after drafting sees the same chains and history: it reuses these
+            self.planned = {r: (self.matches[r][0], known[NGRAM][b]) for b, r in enumerate(req_ids)
+                            if r in self.matches}
         else:
             inputs = StepInputs(req_ids, temps)
         axes = [a["name"] for a in tables.meta["chains"][MODEL]["forecast"]["axes"]]
@@ -377,11 +398,15 @@ class Server:
                 if c:
                     conf[b, : len(c)] = torch.tensor(c[:K])
             model_conf = conf
+        ngram_probs = None
         if NGRAM in dec.chains:
             ngram_tokens, ngram_feats = self.ngram_chains(batch, rows)
             if dec.engine_chain == NGRAM:
                 self.stats.ngram_mismatch += sum(a != b for a, b in zip(ngram_tokens, engine))
-        d = dec.decide(StepInputs(req_ids, temps, model_tokens, model_conf, ngram_tokens, ngram_feats))
+            ngram_probs = self.planned_probs(req_ids)
+        self.planned = {}
+        d = dec.decide(StepInputs(req_ids, temps, model_tokens, model_conf, ngram_tokens, ngram_feats,
+                                  ngram_probs))
         if d.passthrough:
             self.stats.passthrough += 1
             return out

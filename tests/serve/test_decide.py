@@ -173,6 +173,28 @@ def test_identical_to_allocate_on_hand_built_inputs(seed, offered):
         assert torch.equal(out.expected_accepted, ref.expected_accepted)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_given_ngram_probs_decide_as_the_lookup(seed):
+    """An engine that looked the n-gram chain up already (the serving plan) passes its probabilities:
+    the same decision as decide_step's own lookup."""
+    from dataclasses import replace
+
+    from calib.allocate import calibrated_probs
+
+    t = _tables(seed + 20)
+    inputs = _inputs(B=6, seed=seed)
+    h = _history(inputs.req_ids, seed)
+    sig, _ = chain_inputs(t, inputs, h, k_max=4)
+    given = replace(inputs, ngram_probs=calibrated_probs(t, {"ngram": sig["ngram"]})["ngram"])
+    for mode in ({"cost": _cheap(6)}, {"cost": torch.linspace(1.0, 4.0, 60)}, {"budget": 5}):
+        ref = decide_step(t, inputs, h, k_max=4, **mode)
+        out = decide_step(t, given, h, k_max=4, **mode)
+        assert out.drafts == ref.drafts and torch.equal(out.chain, ref.chain)
+        assert torch.equal(out.expected_accepted, ref.expected_accepted)
+    wrong = replace(inputs, ngram_probs=torch.zeros(6, 5))  # probabilities are used, not recomputed
+    assert all(c != chain("ngram").id for c in decide_step(t, wrong, h, k_max=4, budget=5).chain.tolist())
+
+
 def test_one_chain_tables_and_engines():
     inputs = _inputs(B=5, seed=3)
     h = _history(inputs.req_ids, 3)
