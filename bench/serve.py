@@ -11,7 +11,8 @@ that builds its engine once (``max_num_seqs`` = the largest concurrency) and ser
 sampling x concurrency) in a shuffled order after a short warm-up; repetitions rotate the arms' order, so
 arms alternate on the clock. A cell at concurrency ``c`` serves ``max(min_prompts, 2c)`` prompts (at
 most the category's) with ``c`` in flight. Reported per cell: the median over repetitions of output
-tokens/s, and each arm's ratio to the best vLLM arm (eagle, ngram, dynamic) of that cell.
+tokens/s, and each arm's ratio to the best vLLM arm of that cell: no speculation included (a user who
+finds speculation slower turns it off), and to the best vLLM speculation arm (eagle, ngram, dynamic).
 
 ``--identity`` (on by default) also serves every category greedily in float32 with every arm, at
 concurrency 4, and counts prompts whose text equals no speculation's (tests/engine_identity.py explains
@@ -41,7 +42,8 @@ ARMS = {
     "calib_ragged": ["policy=calib_ragged", "speculative=eagle"],
     "calib_two_drafter": ["policy=calib_two_drafter", "speculative=eagle"],
 }
-VLLM_ARMS = ("vllm_eagle", "vllm_ngram", "vllm_dynamic")
+VLLM_ARMS = ("none", "vllm_eagle", "vllm_ngram", "vllm_dynamic")  # what vLLM offers: not speculating too
+VLLM_SPEC_ARMS = VLLM_ARMS[1:]
 SAMPLING = {"greedy": "greedy", "sampled": "sampled"}
 
 
@@ -125,13 +127,17 @@ def table(records: list, arms: list[str]) -> tuple[list[dict], str]:
         med = {a: statistics.median(x["tok_s"] for x in rs) for a, rs in cells[key].items()}
         vllm = {a: med[a] for a in VLLM_ARMS if a in med}
         best = max(vllm, key=vllm.get) if vllm else None
+        spec = {a: med[a] for a in VLLM_SPEC_ARMS if a in med}
+        best_spec = max(spec, key=spec.get) if spec else None
         row = {"category": key[0], "sampling": key[1], "concurrency": key[2], "tok_s": med,
                "reps": {a: len(rs) for a, rs in cells[key].items()}, "best_vllm": best,
                "ratio_to_best_vllm": {a: med[a] / vllm[best] for a in med} if best else {},
+               "best_vllm_speculative": best_spec,
+               "ratio_to_best_vllm_speculative": {a: med[a] / spec[best_spec] for a in med} if best_spec else {},
                "calib_overhead_pct": {a: statistics.median(x["overhead_pct"] for x in rs)
                                       for a, rs in cells[key].items() if rs[0].get("overhead_pct") is not None}}
         rows.append(row)
-    head = "| category | sampling | c | " + " | ".join(arms) + " | best vLLM |"
+    head = "| category | sampling | c | " + " | ".join(arms) + " | best vLLM arm |"
     lines = [head, "|" + "---|" * (len(arms) + 4)]
     for row in rows:
         cellv = []
@@ -179,9 +185,13 @@ def main(argv=None) -> None:
                     help="float32 greedy output identity against no speculation (concurrency 4)")
     ap.add_argument("--identity-prompts", type=int, default=8)
     ap.add_argument("--out", default="runs/bench/serve.json")
+    ap.add_argument("--from-json", help="print the table of an earlier run's --out file (runs nothing)")
     args = ap.parse_args(argv)
     if args.worker:
         return worker(args.worker)
+    if args.from_json:
+        done = json.loads(Path(args.from_json).read_text())
+        return report(done["runs"], done["arms"], done.get("identity_float32_greedy"), len({r["rep"] for r in done["runs"]}))
     if not (Path(args.tables) / "tables.json").is_file():
         sys.exit(f"--tables {args.tables}: no tables.json there; make tables with "
                  f"`python train.py out_dir={args.tables} logger=none`")
@@ -204,7 +214,7 @@ def main(argv=None) -> None:
             for arm in ["none", *[a for a in args.arms if a != "none"]]:
                 id_records += run_arm(arm, 99, icells, args, ["engine.dtype=float32"], tmp)
             ident = identity(id_records)
-    rows, text = table(records, args.arms)
+    rows, _ = table(records, args.arms)
     for r in records:
         r.pop("texts", None)
     result = {"command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]), "wall_s": time.time() - t_start,
@@ -215,13 +225,25 @@ def main(argv=None) -> None:
     with os.fdopen(fd, "w") as fh:
         json.dump(result, fh, indent=1)
     os.replace(tmp_name, out)
-    print("\nOutput tokens/s, median of", args.reps, "(ratio to the best vLLM arm of the cell):")
+    report(records, args.arms, ident, args.reps)
+    print(f"\nwrote {out} ({result['wall_s'] / 60:.1f} min)")
+
+
+def report(records: list, arms: list[str], ident: dict | None, reps: int) -> None:
+    """The answer first (calib's ratios to vLLM), then the table and the identity check."""
+    rows, text = table(records, arms)
+    for arm in ("calib_two_drafter", "calib_ragged"):
+        r = [row["ratio_to_best_vllm"].get(arm) for row in rows if arm in row["tok_s"]]
+        s = [row["ratio_to_best_vllm_speculative"].get(arm) for row in rows if arm in row["tok_s"]]
+        if r:
+            print(f"{arm}: {min(r):.2f}-{max(r):.2f}x the best vLLM arm (no speculation included), "
+                  f"{min(s):.2f}-{max(s):.2f}x the best vLLM speculation arm, over {len(r)} cells")
+    print(f"\nOutput tokens/s, median of {reps} (ratio to the best vLLM arm of the cell, no speculation included):")
     print(text)
     if ident:
         print("\nfloat32 greedy outputs identical to no speculation:")
         for arm, o in ident.items():
             print(f"  {arm:<18} {o['identical']}/{o['prompts']}" + (f"  differ: {o['differ']}" if o["differ"] else ""))
-    print(f"\nwrote {out} ({result['wall_s'] / 60:.1f} min)")
 
 
 if __name__ == "__main__":
