@@ -6,7 +6,7 @@
 Arms (conf/policy/ + conf/speculative/): ``none`` (no speculation), ``vllm_eagle`` and ``vllm_ngram``
 (vLLM, K=4), ``vllm_dynamic`` (vLLM Dynamic SD, EAGLE, K by batch size), ``calib_ragged`` (EAGLE, calib
 truncates and picks the draft passes) and ``calib_two_drafter`` (EAGLE + the n-gram chain, calib picks
-chain, depth and passes). Each (arm, repetition) is one process (calib's hooks install once per process)
+chain, depth and passes); ``--arms ... calib_ngram`` adds calib cutting vLLM's n-gram drafts. Each (arm, repetition) is one process (calib's hooks install once per process)
 that builds its engine once (``max_num_seqs`` = the largest concurrency) and serves every cell (category x
 sampling x concurrency) in a shuffled order after a short warm-up; repetitions rotate the arms' order, so
 arms alternate on the clock. A cell at concurrency ``c`` serves ``max(min_prompts, 2c)`` prompts (at
@@ -41,7 +41,9 @@ ARMS = {
     "vllm_dynamic": ["policy=vllm_dynamic", "speculative=eagle"],
     "calib_ragged": ["policy=calib_ragged", "speculative=eagle"],
     "calib_two_drafter": ["policy=calib_two_drafter", "speculative=eagle"],
+    "calib_ngram": ["policy=calib_ragged", "speculative=ngram"],  # calib cuts vLLM's n-gram drafts (no drafter)
 }
+DEFAULT_ARMS = [a for a in ARMS if a != "calib_ngram"]
 VLLM_ARMS = ("none", "vllm_eagle", "vllm_ngram", "vllm_dynamic")  # what vLLM offers: not speculating too
 VLLM_SPEC_ARMS = VLLM_ARMS[1:]
 SAMPLING = {"greedy": "greedy", "sampled": "sampled"}
@@ -174,7 +176,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--tables", default="runs/train/default", help="tables folder (python train.py out_dir=DIR)")
-    ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    ap.add_argument("--arms", nargs="+", default=DEFAULT_ARMS, choices=list(ARMS))
     ap.add_argument("--concurrency", nargs="+", type=int, default=[1, 4, 16, 64])
     ap.add_argument("--categories", nargs="+", default=["chat", "code_edit"])
     ap.add_argument("--sampling", nargs="+", default=["greedy", "sampled"], choices=list(SAMPLING))
