@@ -95,17 +95,7 @@ def plan_draft(
     its answer is identical to allocating each plan in turn (:func:`_plan_draft_loop`, the Triton path
     and the fallback for anything unusual).
     """
-    if chain not in known:
-        raise ValueError(f"`known` must hold the {chain} chain's drafted depths ([B, 0] before the first pass)")
-    done_p = known[chain]
-    B, done = done_p.shape
-    K = forecast.shape[1]
-    if forecast.ndim != 2 or forecast.shape[0] != B:
-        raise ValueError(f"forecast must be [B={B}, K], got {tuple(forecast.shape)}")
-    if done > K:
-        raise ValueError(f"{done} passes done but the forecast covers K={K} depths")
-    if not (np.isfinite(pass_cost) and pass_cost >= 0 and np.isfinite(sunk) and sunk >= 0):
-        raise ValueError(f"pass_cost={pass_cost!r} and sunk={sunk!r} must be finite and >= 0")
+    done_p, B, done, K = _check_plan(known, forecast, chain, pass_cost, sunk)
     kwargs = {"cost": cost, "pass_cost": pass_cost, "sunk": sunk, "chain": chain, "impl": impl}
     tensors = [*known.values(), forecast, cost]
     if impl != "reference" or B == 0 or not all(isinstance(t, torch.Tensor) and t.device.type == "cpu"
@@ -293,6 +283,22 @@ def _take_top(q: np.ndarray, threshold: int, n: int) -> np.ndarray:
     return above + np.minimum(np.maximum(left - ties_before, 0), ties_per_row)
 
 
+def _check_plan(known, forecast, chain: str, pass_cost: float, sunk: float):
+    """``(drafted [B, passes_done], B, passes_done, K)`` of a plan's inputs, refused with what is wrong."""
+    if chain not in known:
+        raise ValueError(f"`known` must hold the {chain} chain's drafted depths ([B, 0] before the first pass)")
+    done_p = known[chain]
+    B, done = done_p.shape
+    K = forecast.shape[1]
+    if forecast.ndim != 2 or forecast.shape[0] != B:
+        raise ValueError(f"forecast must be [B={B}, K], got {tuple(forecast.shape)}")
+    if done > K:
+        raise ValueError(f"{done} passes done but the forecast covers K={K} depths")
+    if not (np.isfinite(pass_cost) and pass_cost >= 0 and np.isfinite(sunk) and sunk >= 0):
+        raise ValueError(f"pass_cost={pass_cost!r} and sunk={sunk!r} must be finite and >= 0")
+    return done_p, B, done, K
+
+
 def _plan_draft_loop(
     known: Mapping[str, torch.Tensor],
     forecast: torch.Tensor,
@@ -305,17 +311,7 @@ def _plan_draft_loop(
 ) -> DraftPlan:
     """:func:`plan_draft` one plan at a time: one :func:`calib.allocate.allocate_probs` call per ``g``
     (the Triton path, the fallback of the fast path, and its reference in the tests)."""
-    if chain not in known:
-        raise ValueError(f"`known` must hold the {chain} chain's drafted depths ([B, 0] before the first pass)")
-    done_p = known[chain]
-    B, done = done_p.shape
-    K = forecast.shape[1]
-    if forecast.ndim != 2 or forecast.shape[0] != B:
-        raise ValueError(f"forecast must be [B={B}, K], got {tuple(forecast.shape)}")
-    if done > K:
-        raise ValueError(f"{done} passes done but the forecast covers K={K} depths")
-    if not (np.isfinite(pass_cost) and pass_cost >= 0 and np.isfinite(sunk) and sunk >= 0):
-        raise ValueError(f"pass_cost={pass_cost!r} and sunk={sunk!r} must be finite and >= 0")
+    done_p, B, done, K = _check_plan(known, forecast, chain, pass_cost, sunk)
     others = {n: p for n, p in known.items() if n != chain}
     done_p = done_p.to(torch.float32)
     ended = torch.isnan(done_p).any(dim=1, keepdim=True) if done else torch.zeros(B, 1, dtype=torch.bool)
