@@ -127,18 +127,26 @@ def parse_cost(text: str) -> tuple[float, float]:
     return w, p
 
 
+def measured_cost(text: str) -> tuple[str, str] | None:
+    """``(path, column)`` when ``CALIB_SERVE_COST`` names a measured CSV (``PATH.csv[:column]``; column
+    default ``seconds_min``), None for the parametric ``weight_read,per_position``."""
+    text = str(text)
+    if ".csv" not in text:
+        return None
+    path, _, column = text.partition(".csv")
+    return path + ".csv", column.lstrip(":") or "seconds_min"
+
+
 def cost_curve(text: str, t_max: int) -> torch.Tensor:
     """``CALIB_SERVE_COST`` as the allocator's price-mode curve, float32 ``[t_max + 1]``: parametric
     ``weight_read,per_position`` or a measured CSV ``PATH[:column]`` (``T, seconds[, seconds_min]``,
     bench/verify_cost.py; column default ``seconds_min``), read as conf/cost/measured.yaml reads it."""
-    text = str(text)
-    if ".csv" in text:
-        path, _, column = text.partition(".csv")
-        path, column = path + ".csv", column.lstrip(":")
+    measured = measured_cost(text)
+    if measured is not None:
         from calib.evaluate.cost import make_curve
 
-        curve = make_curve("CALIB_SERVE_COST", {"kind": "measured", "path": path,
-                                                 "column": column or "seconds_min"}, t_max)
+        path, column = measured
+        curve = make_curve("CALIB_SERVE_COST", {"kind": "measured", "path": path, "column": column}, t_max)
         return torch.from_numpy(np.ascontiguousarray(curve.values)).to(torch.float32)
     w, p = parse_cost(text)
     return (w + p * torch.arange(t_max + 1, dtype=torch.float64)).to(torch.float32)
@@ -167,8 +175,8 @@ class Server:
         self.conf: dict[str, list[float]] = {}  # req_id -> confidence per depth of its latest draft
         self.chosen: dict[str, str] = {}  # req_id -> the chain handed back for its next verify (capture reads it)
         self.last_take: float | None = None  # perf_counter at the previous decision (step_ms)
-        self.matches: dict[str, tuple] = {}
-        self.planned: dict[str, tuple] = {}  # req_id -> (match key, n-gram probs [L]) from this step's plan  # req_id -> ((req_id, context length, last token), chain, features)
+        self.matches: dict[str, tuple] = {}  # req_id -> ((req_id, context length, last token), chain, features)
+        self.planned: dict[str, tuple] = {}  # req_id -> (match key, n-gram probs [L]) from this step's plan
         self._error_logged = 0
 
     # -- construction ----------------------------------------------------------------------------

@@ -95,6 +95,7 @@ def build_engine(cfg: dict, root: Path, max_num_seqs: int):
     """vLLM's ``LLM`` for ``cfg``'s policy and speculative config, with calib's serving mode switched on
     (through calib.envs, before the engine starts) for the calib policies. One per process."""
     from calib.collect.runner import _speculative_config
+    from calib.serve.hooks import measured_cost
     from calib.target import prepare_target
 
     pol, spec_cfg = cfg["policy"], cfg["speculative"]
@@ -114,9 +115,9 @@ def build_engine(cfg: dict, root: Path, max_num_seqs: int):
     if pol.get("calib"):
         cost = cfg["serve"]["cost"]  # a CSV path[:column], or [weight_read, per_position]
         cost = ",".join(str(float(x)) for x in cost) if isinstance(cost, (list, tuple)) else str(cost)
-        if ".csv" in cost:
-            path, _, column = cost.partition(".csv")
-            cost = str(_path(root, path + ".csv")) + column
+        measured = measured_cost(cost)
+        if measured is not None:  # a project-relative CSV: absolute for the engine's processes
+            cost = f"{_path(root, measured[0])}:{measured[1]}"
         ng = spec_cfg.get("ngram") or {}
         serve_env.update(CALIB_SERVE_TABLES=str(_path(root, cfg["tables"])), CALIB_SERVE_COST=cost,
                          CALIB_SERVE_CHAINS=",".join(pol["chains"]), CALIB_SERVE_PLAN=bool(pol.get("plan", True)),
