@@ -17,7 +17,8 @@ import torch
 
 from calib import envs
 from calib.atomic import write_json_atomic
-from calib.drafters.eagle.corpus import build_corpus
+from calib.drafters.eagle import magpie
+from calib.drafters.eagle.corpus import build_corpus, excluded_prompts
 from calib.drafters.eagle.distill import (
     HiddenStateSequences,
     extract_hidden_states,
@@ -76,6 +77,20 @@ def run(cfg: dict) -> Path:
     c = cfg["corpus"]
     records = build_corpus(c["n_chat"], c["n_rewrite"], c["n_code_edit"], [root / d for d in c["exclude_dirs"]],
                            seed=cfg["seed"], n_howto=c.get("n_howto", 0))
+    n_magpie, n_code = c.get("n_magpie", 0), c.get("n_magpie_code", 0)
+    if n_magpie or n_code:  # self-generated requests: sampled once (resumable), then filtered
+        m = c.get("magpie") or {}
+        raw = work / "magpie_raw.jsonl"
+        have = sum(1 for line in raw.open()) if raw.exists() else 0
+        _, ex_texts, ex_files = excluded_prompts([root / d for d in c["exclude_dirs"]])
+        _stage("magpie", raw, have >= n_magpie + n_code, timings, timings_path,
+               lambda: magpie.generate(raw, model_dir, n_magpie, n_code, cfg["seed"], m.get("temperature", 1.0),
+                                       m.get("top_p", 1.0), m.get("max_tokens", 160), m.get("max_num_seqs", 128),
+                                       cfg["distill"]["kv_cache_gb"], frozenset(ex_files)),
+               resumed=have > 0)
+        kept, dropped = magpie.select(raw, ex_texts)
+        print(f"[eagle] magpie: kept {len(kept)} of {n_magpie + n_code} requests; dropped {dropped}")
+        records += kept
     text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
     if not corpus_path.exists() or corpus_path.read_text(encoding="utf-8") != text:
         if corpus_path.exists():
@@ -172,7 +187,7 @@ def train(cfg: dict, t: dict, model_dir: str, hidden_path: Path, head_dir: Path,
     trainer = L.Trainer(max_epochs=t["max_epochs"], max_time=t["max_time"], accumulate_grad_batches=t["accumulate"],
                         logger=_lightning_logger(cfg, work), enable_checkpointing=False,
                         enable_progress_bar=t["progress"], callbacks=[ExportEachEpoch()], log_every_n_steps=20,
-                        val_check_interval=0.5, gradient_clip_val=1.0, accelerator="cpu", devices=1,
+                        val_check_interval=0.5, gradient_clip_val=1.0, accelerator=t.get("accelerator", "auto"), devices=1,
                         limit_train_batches=fraction)
     val_loader = torch.utils.data.DataLoader(val_ds, batch_size=1, collate_fn=collate)
 
