@@ -122,3 +122,25 @@ def test_hidden_states_extend_when_the_corpus_grows(tmp_path):
     changed[2]["output_ids"] = changed[2]["output_ids"][::-1]
     with pytest.raises(ValueError, match="part.safetensors.*delete it"):
         extract_hidden_states(changed, str(target_dir), part)
+
+
+def test_head_cost_ratio_counts_the_weights_both_models_multiply():
+    """FLOPs per token are 2 x the matmul weights used: the head's fc + layer + shared lm_head vs the target's."""
+    from calib.drafters.eagle.model import EagleHead, head_cost_ratio
+
+    cfg = LlamaConfig(vocab_size=500, hidden_size=64, intermediate_size=96, num_hidden_layers=5,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    target = LlamaForCausalLM(cfg)
+    head = EagleHead(cfg)
+
+    def linear_weights(m):
+        return sum(x.weight.numel() for x in m.modules() if isinstance(x, torch.nn.Linear))
+
+    lm_head = target.lm_head.weight.numel()
+    assert head_cost_ratio(cfg) == (linear_weights(head) + lm_head) / linear_weights(target)
+    from transformers import AutoConfig
+
+    from calib.target import prepare_target
+
+    smol = AutoConfig.from_pretrained(prepare_target())  # SmolLM2-135M: the shipped head's budget is <= 0.25
+    assert 0.2 < head_cost_ratio(smol) <= 0.25

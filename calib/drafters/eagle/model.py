@@ -95,6 +95,21 @@ class EagleHead(nn.Module):
         return outs
 
 
+def head_cost_ratio(config) -> float:
+    """Matmul FLOPs of one head draft step over one target forward, per token, from the target's config.
+
+    Head: fc [2H -> H] + one decoder layer + the target's lm_head; target: its layers + lm_head. Both
+    are weight matmuls (2 FLOPs per weight per token); attention over the context adds the same per
+    layer to both (the head has 1 layer to the target's L), so this ratio is also their upper bound.
+    """
+    h, inter, vocab = config.hidden_size, config.intermediate_size, config.vocab_size
+    head_dim = getattr(config, "head_dim", None) or h // config.num_attention_heads
+    kv = config.num_key_value_heads * head_dim
+    layer = h * (config.num_attention_heads * head_dim) * 2 + h * kv * 2 + 3 * h * inter  # q, o, k, v, mlp
+    lm_head = h * vocab
+    return (2 * h * h + layer + lm_head) / (config.num_hidden_layers * layer + lm_head)
+
+
 def eagle_loss(head: EagleHead, embed: nn.Module, lm_head: nn.Module, input_ids: torch.Tensor,
                hidden: torch.Tensor, token_weight: float = 0.1,
                target_hidden: torch.Tensor | None = None, steps: int = 1,

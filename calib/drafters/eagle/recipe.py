@@ -28,7 +28,7 @@ from calib.drafters.eagle.distill import (
     read_responses,
 )
 from calib.drafters.eagle.export import export_head, load_exported
-from calib.drafters.eagle.model import EagleHead
+from calib.drafters.eagle.model import EagleHead, head_cost_ratio
 from calib.drafters.eagle.training import EagleTrainingModule
 from calib.target import prepare_target
 
@@ -143,7 +143,11 @@ def run(cfg: dict) -> Path:
                 shutil.copy2(extra, tmp / extra.name)
         shutil.rmtree(export)
     os.replace(tmp, export)
-    print(f"[eagle] exported {export} ({sum(p.stat().st_size for p in export.iterdir()) / 1e6:.1f} MB)")
+    from transformers import AutoConfig
+
+    cost = head_cost_ratio(AutoConfig.from_pretrained(model_dir))
+    print(f"[eagle] exported {export} ({sum(p.stat().st_size for p in export.iterdir()) / 1e6:.1f} MB; "
+          f"a draft step costs {cost:.3f} of a target forward per token)")
     return export
 
 
