@@ -74,6 +74,8 @@ def test_select_drops_unfinished_duplicate_and_excluded_requests(tmp_path):
     code = records[1]
     assert code["category"] == "code_edit" and code["source"]["file"] == "pkg/mod.py"
     assert code["messages"][0]["content"] == raw[4]["lead"] + "Add a docstring to this function."
+    fewer, _ = magpie.select(path, ex_texts, n_chat=1, n_code=0)  # counts lowered after sampling
+    assert [r["id"] for r in fewer] == ["eagle-magpie-00000"]
 
 
 def test_recipe_adds_kept_requests_to_the_corpus_and_samples_once(tmp_path, monkeypatch):

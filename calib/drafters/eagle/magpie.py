@@ -96,7 +96,11 @@ def generate(raw_path: Path, model_dir: str, n_chat: int, n_code: int, seed: int
     if raw_path.exists():
         done = {json.loads(line)["id"] for line in raw_path.read_text().splitlines() if line.strip()}
     rng = random.Random(f"magpie-{seed}")
-    snippets = code_snippets(Path(sysconfig.get_paths()["purelib"]), seed, skip_files)
+    site_packages = Path(sysconfig.get_paths()["purelib"])
+    snippets = code_snippets(site_packages, seed, skip_files) if n_code else []
+    if n_code and not snippets:
+        raise ValueError(f"no function in {site_packages} fits a code request ({MIN_LINES}-{MAX_LINES} lines, "
+                         f"ASCII, <= {MAX_CHARS} characters): set corpus.n_magpie_code=0")
     rng.shuffle(snippets)
     jobs = [{"id": f"magpie-{i:05d}", "kind": "magpie", "lead": ""} for i in range(n_chat)]
     for i in range(n_code):
@@ -158,8 +162,12 @@ def degenerate(text: str) -> str | None:
     return None
 
 
-def select(raw_path: Path, excluded_texts: set[str]) -> tuple[list[dict], dict[str, int]]:
+def select(raw_path: Path, excluded_texts: set[str], n_chat: int | None = None,
+           n_code: int | None = None) -> tuple[list[dict], dict[str, int]]:
     """Corpus records from the raw samples, in sample order, and how many were dropped, by reason.
+
+    Only the first ``n_chat`` free and ``n_code`` code samples are read (None: all), so lowering a
+    count after sampling shrinks the corpus instead of keeping every sample.
 
     Dropped: unfinished (no end of turn within ``max_tokens``), :func:`degenerate`, a duplicate of an
     earlier request (same normalised first 80 characters) and anything sharing an 8-word run with an
@@ -171,6 +179,9 @@ def select(raw_path: Path, excluded_texts: set[str]) -> tuple[list[dict], dict[s
         if not line.strip():
             continue
         r = json.loads(line)
+        limit = n_code if r["kind"] == "magpie_code" else n_chat
+        if limit is not None and int(r["id"].rsplit("-", 1)[1]) >= limit:
+            continue
         text = r["text"].strip()
         why = None if r["finished"] else "unfinished"
         why = why or degenerate(text)

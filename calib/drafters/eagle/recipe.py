@@ -81,14 +81,14 @@ def run(cfg: dict) -> Path:
     if n_magpie or n_code:  # self-generated requests: sampled once (resumable), then filtered
         m = c.get("magpie") or {}
         raw = work / "magpie_raw.jsonl"
-        have = sum(1 for line in raw.open()) if raw.exists() else 0
+        have = len(raw.read_text(encoding="utf-8").splitlines()) if raw.exists() else 0
         _, ex_texts, ex_files = excluded_prompts([root / d for d in c["exclude_dirs"]])
         _stage("magpie", raw, have >= n_magpie + n_code, timings, timings_path,
                lambda: magpie.generate(raw, model_dir, n_magpie, n_code, cfg["seed"], m.get("temperature", 1.0),
                                        m.get("top_p", 1.0), m.get("max_tokens", 160), m.get("max_num_seqs", 128),
                                        cfg["distill"]["kv_cache_gb"], frozenset(ex_files)),
                resumed=have > 0)
-        kept, dropped = magpie.select(raw, ex_texts)
+        kept, dropped = magpie.select(raw, ex_texts, n_magpie, n_code)
         print(f"[eagle] magpie: kept {len(kept)} of {n_magpie + n_code} requests; dropped {dropped}")
         records += kept
     text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
