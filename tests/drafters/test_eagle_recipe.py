@@ -144,3 +144,21 @@ def test_head_cost_ratio_counts_the_weights_both_models_multiply():
 
     smol = AutoConfig.from_pretrained(prepare_target())  # SmolLM2-135M: the shipped head's budget is <= 0.25
     assert 0.2 < head_cost_ratio(smol) <= 0.25
+
+
+def test_chunked_jsonl_survives_a_run_killed_mid_write(tmp_path):
+    """A stage appends chunks; a kill can truncate the last line, which is cut off (and its chunk redone)."""
+    import pytest
+
+    from calib.drafters.eagle.distill import read_chunked_jsonl
+
+    path = tmp_path / "responses.jsonl"
+    path.write_text('{"id": "a"}\n{"id": "b"}\n{"id": "c", "outp')
+    assert [r["id"] for r in read_chunked_jsonl(path)] == ["a", "b"]
+    assert path.read_text() == '{"id": "a"}\n{"id": "b"}\n'
+    path.write_text('{"id": "a"}\n{"id": "b"}')  # killed just before the newline
+    assert [r["id"] for r in read_chunked_jsonl(path)] == ["a", "b"] and path.read_text().endswith("}\n")
+    path.write_text('{"id": "a"}\nnot json\n{"id": "c"}\n')
+    with pytest.raises(ValueError, match="line 2"):
+        read_chunked_jsonl(path)
+    assert read_chunked_jsonl(tmp_path / "absent.jsonl") == []

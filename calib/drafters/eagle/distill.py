@@ -44,9 +44,7 @@ def generate_responses(records: list[dict], model_dir: str, out_path: Path, max_
 
     from calib.prompts import encode_chat
 
-    done = set()
-    if out_path.exists():
-        done = {json.loads(line)["id"] for line in out_path.read_text().splitlines() if line.strip()}
+    done = {r["id"] for r in read_chunked_jsonl(out_path)}
     todo = [r for r in records if r["id"] not in done]
     if not todo:
         return out_path
@@ -74,8 +72,35 @@ def generate_responses(records: list[dict], model_dir: str, out_path: Path, max_
     return out_path
 
 
+def read_chunked_jsonl(path: Path) -> list[dict]:
+    """The records of a JSONL file that a stage appends to by chunk. A run killed mid-write can leave a
+    truncated last line: it is cut off the file (its chunk is redone), any other bad line is an error."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    text = path.read_text(encoding="utf-8")
+    lines = text.splitlines()
+    out = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            if i < len(lines) - 1 or text.endswith("\n"):
+                raise ValueError(f"{path}, line {i + 1}: not JSON ({exc}); delete the file to redo its stage") from exc
+            print(f"[eagle] {path}: dropped a truncated last line (a killed run); its chunk is redone")
+            with open(path, "r+", encoding="utf-8") as f:
+                f.truncate(len(text.encode("utf-8")) - len(line.encode("utf-8")))
+            return out
+    if text and not text.endswith("\n"):  # killed just before a newline: the next chunk starts a new line
+        with open(path, "a", encoding="utf-8") as f:
+            f.write("\n")
+    return out
+
+
 def read_responses(path: Path) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    return read_chunked_jsonl(path)
 
 
 def hidden_state_count(path: Path) -> int:

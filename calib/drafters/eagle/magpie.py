@@ -29,6 +29,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from calib import envs
+from calib.drafters.eagle.distill import read_chunked_jsonl
 
 CODE_FRAMINGS = [
     "Here is the function `{name}` from `{file}`.\n\n```python\n{code}\n```\n\n",
@@ -92,9 +93,7 @@ def generate(raw_path: Path, model_dir: str, n_chat: int, n_code: int, seed: int
     samples already there are kept)."""
     envs.export({"VLLM_ENABLE_V1_MULTIPROCESSING": True, "VLLM_CPU_KVCACHE_SPACE": kv_cache_gb,
                  "VLLM_CPU_NUM_OF_RESERVED_CPU": 0, "CALIB_COLLECT_DIR": None})
-    done = set()
-    if raw_path.exists():
-        done = {json.loads(line)["id"] for line in raw_path.read_text().splitlines() if line.strip()}
+    done = {r["id"] for r in read_chunked_jsonl(raw_path)}
     rng = random.Random(f"magpie-{seed}")
     site_packages = Path(sysconfig.get_paths()["purelib"])
     snippets = code_snippets(site_packages, seed, skip_files) if n_code else []
@@ -175,10 +174,7 @@ def select(raw_path: Path, excluded_texts: set[str], n_chat: int | None = None,
     ex_shingles = set().union(*(_shingles(t) for t in excluded_texts)) if excluded_texts else set()
     ex_norm = {_norm(t) for t in excluded_texts}
     seen, out, dropped = set(), [], {}
-    for line in raw_path.read_text(encoding="utf-8").splitlines():
-        if not line.strip():
-            continue
-        r = json.loads(line)
+    for r in read_chunked_jsonl(raw_path):
         limit = n_code if r["kind"] == "magpie_code" else n_chat
         if limit is not None and int(r["id"].rsplit("-", 1)[1]) >= limit:
             continue

@@ -25,6 +25,7 @@ from calib.drafters.eagle.distill import (
     generate_responses,
     hidden_state_count,
     load_hidden_states,
+    read_chunked_jsonl,
     read_responses,
 )
 from calib.drafters.eagle.export import export_head, load_exported
@@ -81,7 +82,7 @@ def run(cfg: dict) -> Path:
     if n_magpie or n_code:  # self-generated requests: sampled once (resumable), then filtered
         m = c.get("magpie") or {}
         raw = work / "magpie_raw.jsonl"
-        have = len(raw.read_text(encoding="utf-8").splitlines()) if raw.exists() else 0
+        have = len(read_chunked_jsonl(raw))
         _, ex_texts, ex_files = excluded_prompts([root / d for d in c["exclude_dirs"]])
         _stage("magpie", raw, have >= n_magpie + n_code, timings, timings_path,
                lambda: magpie.generate(raw, model_dir, n_magpie, n_code, cfg["seed"], m.get("temperature", 1.0),
