@@ -192,8 +192,8 @@ def train(cfg: dict, t: dict, model_dir: str, hidden_path: Path, head_dir: Path,
     trainer = L.Trainer(max_epochs=t["max_epochs"], max_time=t["max_time"], accumulate_grad_batches=t["accumulate"],
                         logger=_lightning_logger(cfg, work), enable_checkpointing=False,
                         enable_progress_bar=t["progress"], callbacks=[ExportEachEpoch()], log_every_n_steps=20,
-                        val_check_interval=0.5, gradient_clip_val=1.0, accelerator=t.get("accelerator", "auto"), devices=1,
-                        limit_train_batches=fraction)
+                        val_check_interval=0.5, gradient_clip_val=1.0, accelerator=t.get("accelerator", "auto"),
+                        devices=1, limit_train_batches=fraction)
     val_loader = torch.utils.data.DataLoader(val_ds, batch_size=1, collate_fn=collate)
 
     def report(when: str) -> None:  # the same metrics before and after (a time limit can stop mid-epoch)
