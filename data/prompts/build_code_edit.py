@@ -238,11 +238,12 @@ def uses_old_formatting(fn: ast.FunctionDef) -> bool:
     return False
 
 
-def extract(lines: list[str], fn: ast.FunctionDef) -> tuple[int, int, str] | None:
+def extract(lines: list[str], fn: ast.FunctionDef, min_lines: int = MIN_LINES, max_lines: int = MAX_LINES,
+            max_chars: int = MAX_CHARS) -> tuple[int, int, str] | None:
     start = min([fn.lineno] + [d.lineno for d in fn.decorator_list])
     end = fn.end_lineno
     n = end - start + 1
-    if not (MIN_LINES <= n <= MAX_LINES):
+    if not (min_lines <= n <= max_lines):
         return None
     indent = " " * fn.col_offset
     out = []
@@ -257,7 +258,7 @@ def extract(lines: list[str], fn: ast.FunctionDef) -> tuple[int, int, str] | Non
         else:
             return None  # e.g. a multi-line string dedented past the def
     code = "\n".join(out)
-    if len(code) > MAX_CHARS or not code.isascii():
+    if len(code) > max_chars or not code.isascii():
         return None
     return start, end, code
 

@@ -19,6 +19,7 @@ out: by id, by text, and, for code edits, every source file those prompts quote 
 from __future__ import annotations
 
 import ast
+import functools
 import importlib.util
 import json
 import random
@@ -210,11 +211,18 @@ def _paragraphs(stdlib: Path, skip_files: set[str]) -> list[str]:
     return out
 
 
-def _code_edits(n: int, stdlib: Path, skip_files: set[str], seed: int) -> list[dict]:
+@functools.cache
+def build_code_edit():
+    """``data/prompts/build_code_edit.py`` (a script, not a package module): its function picker and edits."""
     spec = importlib.util.spec_from_file_location("_build_code_edit", Path(__file__).resolve().parents[3]
                                                   / "data" / "prompts" / "build_code_edit.py")
     bce = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bce)
+    return bce
+
+
+def _code_edits(n: int, stdlib: Path, skip_files: set[str], seed: int) -> list[dict]:
+    bce = build_code_edit()
     cands = [c for c in bce.candidates(stdlib) if c["file"] not in skip_files]
     cands.sort(key=lambda c: (c["file"], c["start"]))
     rng = random.Random(seed)

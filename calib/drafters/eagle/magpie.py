@@ -29,6 +29,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from calib import envs
+from calib.drafters.eagle.corpus import build_code_edit
 from calib.drafters.eagle.distill import read_chunked_jsonl
 
 CODE_FRAMINGS = [
@@ -52,6 +53,7 @@ def user_prefix(tokenizer) -> str:
 def code_snippets(site_packages: Path, seed: int = 0, skip_files: frozenset[str] = frozenset()) -> list[dict]:
     """Whole functions (``MIN_LINES``-``MAX_LINES`` lines, ASCII, at most ``MAX_CHARS``) from a seeded sample
     of each installed package's files; sorted walks, so the list depends only on what is installed."""
+    extract = build_code_edit().extract
     rng = random.Random(f"magpie-code-{seed}")
     out = []
     for pkg in sorted(p for p in site_packages.iterdir() if p.is_dir() and p.name.isidentifier()
@@ -72,16 +74,10 @@ def code_snippets(site_packages: Path, seed: int = 0, skip_files: frozenset[str]
             fns = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
             rng.shuffle(fns)
             for fn in fns:  # the first that fits; one per file: many packages, not many of one file
-                start = min([fn.lineno] + [d.lineno for d in fn.decorator_list])
-                body = lines[start - 1: fn.end_lineno]
-                indent = len(body[0]) - len(body[0].lstrip())
-                if not MIN_LINES <= len(body) <= MAX_LINES or any(
-                        line.strip() and len(line) - len(line.lstrip()) < indent for line in body):
-                    continue
-                code = "\n".join(line[indent:].rstrip() for line in body)
-                if len(code) <= MAX_CHARS and code.isascii() and "```" not in code and "\t" not in code:
-                    out.append({"package": pkg.name, "file": rel, "name": fn.name, "start_line": start,
-                                "code": code})
+                got = extract(lines, fn, MIN_LINES, MAX_LINES, MAX_CHARS)  # the sample prompts' picker
+                if got is not None:
+                    out.append({"package": pkg.name, "file": rel, "name": fn.name, "start_line": got[0],
+                                "code": got[2]})
                     break
     return out
 
