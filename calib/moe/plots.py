@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
+
+from calib.atomic import atomic_path
 
 COLORS = {"measured": "k", "uniform": "tab:gray", "independent": "tab:blue", "maxent": "tab:red"}
 TAG = " (PROXY)"  # set by the analysis from the capture's manifest (routing.proxy)
@@ -17,11 +16,9 @@ FAMILY_STYLE = {"depth": "tab:red", "same_seq_random": "tab:orange", "width": "t
 
 
 def _save(fig, path) -> str:
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    fig.savefig(tmp, dpi=110, format="png")
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=110, format="png")
     plt.close(fig)
-    os.replace(tmp, path)
     return str(path)
 
 

@@ -13,6 +13,7 @@ import matplotlib.ticker
 import numpy as np
 
 from calib import metrics as M
+from calib.atomic import atomic_path
 
 COLORS = {"raw": "tab:red", "calibrated": "tab:blue"}
 
@@ -58,9 +59,7 @@ def reliability_figure(panels: dict[str, dict[str, tuple]], path: str | os.PathL
             axc.set_ylabel("samples (log)")
     fig.suptitle(f"{title} — {n_bins} equal-width bins")
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")
-    fig.savefig(tmp, dpi=110, bbox_inches="tight")
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=110, bbox_inches="tight", format=path.suffix.lstrip(".") or "png")
     plt.close(fig)
-    os.replace(tmp, path)
     return path

@@ -32,7 +32,6 @@ import hashlib
 import json
 import os
 import subprocess
-import tempfile
 import warnings
 from pathlib import Path
 
@@ -40,7 +39,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from calib.atomic import set_public_mode, write_text_atomic
+from calib.atomic import atomic_path, write_text_atomic
 from calib.chains import CONTEXT, Axis
 from calib.tables.layout import ChainTable, GridTables
 
@@ -307,7 +306,7 @@ def _verified_chain(speculator: str, method: str | None) -> str:
 
 def git_commit() -> str | None:
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
+        out = subprocess.run(["git", "rev-parse", "HEAD"], check=False, capture_output=True, text=True, timeout=5,
                              cwd=Path(__file__).resolve().parent)
         return out.stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
@@ -336,22 +335,16 @@ def save(out_dir: str | os.PathLike, tables: GridTables, meta: dict) -> Path:
         entry["axes"] = [a.to_json() for a in table.axes]
         entry.setdefault("id", _chain_id(name))
     meta = {**meta, "chains": chain_meta}
-    fd, tmp = tempfile.mkstemp(prefix=f".{TENSORS}.", dir=out)
-    os.close(fd)
-    try:
+    with atomic_path(out / TENSORS) as tmp:
         save_file(tensors, tmp, metadata={"schema_version": str(SCHEMA_VERSION)})
         full = {"schema_version": SCHEMA_VERSION, "calib_version": __version__, "git_commit": git_commit(),
                 **meta, "reuse_last_row": bool(getattr(tables, "reuse_last_row", False)),
-                "tensors_sha256": _sha256(Path(tmp)),
+                "tensors_sha256": _sha256(tmp),
                 "shapes": {n: list(t.shape) for n, t in tensors.items()}}
-        full.pop("json_sha256", None)
-        full = json.loads(json.dumps(full, default=float))  # the digest is over what a reader parses back
-        full["json_sha256"] = json_digest(full)
-        set_public_mode(tmp)
-        os.replace(tmp, out / TENSORS)
-        write_text_atomic(out / META, json.dumps(full, indent=2, sort_keys=True) + "\n")
-    finally:
-        Path(tmp).unlink(missing_ok=True)
+    full.pop("json_sha256", None)
+    full = json.loads(json.dumps(full, default=float))  # the digest is over what a reader parses back
+    full["json_sha256"] = json_digest(full)
+    write_text_atomic(out / META, json.dumps(full, indent=2, sort_keys=True) + "\n")
     return out
 
 

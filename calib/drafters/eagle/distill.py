@@ -11,7 +11,6 @@ returns ``norm(h)``), so that is what is extracted: ``model.model(ids).last_hidd
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +19,7 @@ from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from calib import envs
+from calib.atomic import atomic_path
 
 
 def generate_responses(records: list[dict], model_dir: str, out_path: Path, max_tokens: int,
@@ -142,11 +142,10 @@ def extract_hidden_states(responses: list[dict], model_dir: str, out_path: Path,
         for i in tqdm(range(done, len(seqs)), desc="hidden states", unit="seq"):
             h = model.model(input_ids=torch.tensor([seqs[i]])).last_hidden_state[0]
             hidden[offsets[i]:offsets[i + 1]] = h.to(torch.bfloat16)
-    tmp = out_path.with_name(f".{out_path.name}.tmp-{os.getpid()}")
     prompt_lens = torch.tensor([min(len(r["prompt_ids"]), len(s)) for r, s in zip(responses, seqs)], dtype=torch.int64)
-    save_file({"input_ids": all_ids, "offsets": torch.from_numpy(offsets.astype(np.int64)),
-               "prompt_lens": prompt_lens, "hidden": hidden}, str(tmp))
-    os.replace(tmp, out_path)
+    with atomic_path(out_path) as tmp:
+        save_file({"input_ids": all_ids, "offsets": torch.from_numpy(offsets.astype(np.int64)),
+                   "prompt_lens": prompt_lens, "hidden": hidden}, str(tmp))
     return out_path
 
 

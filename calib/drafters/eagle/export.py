@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+
+from calib.atomic import atomic_dir
 
 
 def export_head(head, out_dir: str | os.PathLike, dtype: torch.dtype = torch.bfloat16, extra: dict | None = None) -> Path:
@@ -30,18 +30,9 @@ def export_head(head, out_dir: str | os.PathLike, dtype: torch.dtype = torch.bfl
     config.update(num_hidden_layers=1, architectures=["LlamaForCausalLM"], torch_dtype=str(dtype).split(".")[-1],
                   **(extra or {}))
     config.pop("_attn_implementation", None)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(config, indent=2, default=str))
-        for f in tmp.iterdir():  # mkdtemp/mkstemp permissions are owner-only; a checkpoint is for sharing
-            f.chmod(0o644)
-        tmp.chmod(0o755)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    with atomic_dir(out) as stage:
+        save_file(tensors, stage / "model.safetensors", metadata={"format": "pt"})
+        (stage / "config.json").write_text(json.dumps(config, indent=2, default=str))
     return out
 
 

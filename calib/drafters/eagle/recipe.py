@@ -7,7 +7,6 @@ killed run resumes where it stopped and a user can redo one stage by deleting it
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
 import time
@@ -16,7 +15,7 @@ from pathlib import Path
 import torch
 
 from calib import envs
-from calib.atomic import write_json_atomic
+from calib.atomic import atomic_dir, write_json_atomic, write_text_atomic
 from calib.drafters.eagle import magpie
 from calib.drafters.eagle.corpus import build_corpus, excluded_prompts
 from calib.drafters.eagle.distill import (
@@ -96,9 +95,7 @@ def run(cfg: dict) -> Path:
     if not corpus_path.exists() or corpus_path.read_text(encoding="utf-8") != text:
         if corpus_path.exists():
             print(f"[eagle] corpus: the config changed; {len(records)} prompts now (answers kept by id)")
-        tmp = corpus_path.with_name(".corpus.jsonl.tmp")
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, corpus_path)
+        write_text_atomic(corpus_path, text)
         (work / ".responses.done").unlink(missing_ok=True)
 
     responses_path = work / "responses.jsonl"
@@ -134,16 +131,12 @@ def run(cfg: dict) -> Path:
         head_dir = refined
 
     export = root / cfg["export_dir"]
-    export.parent.mkdir(parents=True, exist_ok=True)
-    tmp = export.with_name(f".{export.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(head_dir, tmp)  # a complete copy first, then swap: never half a checkpoint
-    if export.exists():
-        for extra in export.iterdir():  # files the head does not write (a README) stay
-            if extra.is_file() and not (tmp / extra.name).exists():
-                shutil.copy2(extra, tmp / extra.name)
-        shutil.rmtree(export)
-    os.replace(tmp, export)
+    with atomic_dir(export) as stage:  # a complete copy first, then swap: never half a checkpoint
+        shutil.copytree(head_dir, stage, dirs_exist_ok=True)
+        if export.exists():
+            for extra in export.iterdir():  # files the head does not write (a README) stay
+                if extra.is_file() and not (stage / extra.name).exists():
+                    shutil.copy2(extra, stage / extra.name)
     from transformers import AutoConfig
 
     cost = head_cost_ratio(AutoConfig.from_pretrained(model_dir))
