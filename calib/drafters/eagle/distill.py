@@ -99,10 +99,6 @@ def read_chunked_jsonl(path: Path) -> list[dict]:
     return out
 
 
-def read_responses(path: Path) -> list[dict]:
-    return read_chunked_jsonl(path)
-
-
 def hidden_state_count(path: Path) -> int:
     """How many sequences a file from :func:`extract_hidden_states` holds (reads only its offsets)."""
     from safetensors import safe_open

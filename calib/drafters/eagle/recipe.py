@@ -25,7 +25,6 @@ from calib.drafters.eagle.distill import (
     hidden_state_count,
     load_hidden_states,
     read_chunked_jsonl,
-    read_responses,
 )
 from calib.drafters.eagle.export import export_head, load_exported
 from calib.drafters.eagle.model import EagleHead, head_cost_ratio
@@ -111,7 +110,7 @@ def run(cfg: dict) -> Path:
 
     hidden_path = work / "hidden.safetensors"
     f = cfg["features"]
-    responses = read_responses(responses_path)
+    responses = read_chunked_jsonl(responses_path)
     # extract_hidden_states extends a file that holds the first answers (the corpus grew), else fails
     have = hidden_path.exists()
     _stage("hidden_states", hidden_path, have and hidden_state_count(hidden_path) == len(responses), timings,
