@@ -17,99 +17,15 @@ then context features (netcal's convention); a 1-D ``X`` is the confidence alone
 from __future__ import annotations
 
 import inspect
-import numbers
-from dataclasses import dataclass
 from typing import ClassVar
 
 import numpy as np
 
+from calib.params import Boolean, Interval, Options, Subset, validate_params  # noqa: F401 - re-exported
+
 
 class NotFittedError(RuntimeError):
     pass
-
-
-@dataclass(frozen=True)
-class Options:
-    """A parameter that must be one of ``values`` (an enum-like option)."""
-
-    values: tuple
-
-    def accepts(self, value) -> bool:
-        return isinstance(value, str) == isinstance(self.values[0], str) and value in self.values
-
-    def __str__(self) -> str:
-        return "one of " + ", ".join(repr(v) for v in self.values)
-
-
-@dataclass(frozen=True)
-class Interval:
-    """A number of ``kind`` (``numbers.Integral`` or ``numbers.Real``; never a bool) in the interval
-    from ``low`` to ``high`` (None = unbounded); ``closed`` says which ends belong to it."""
-
-    kind: type
-    low: float | None = None
-    high: float | None = None
-    closed: str = "both"  # both | left | right | neither
-
-    def accepts(self, value) -> bool:
-        if isinstance(value, bool) or not isinstance(value, self.kind):
-            return False
-        if self.kind is numbers.Real and not np.isfinite(value):
-            return False
-        left_in, right_in = self.closed in ("both", "left"), self.closed in ("both", "right")
-        if self.low is not None and (value < self.low or (value == self.low and not left_in)):
-            return False
-        return not (self.high is not None and (value > self.high or (value == self.high and not right_in)))
-
-    def __str__(self) -> str:
-        kind = "an integer" if self.kind is numbers.Integral else "a finite number"
-        lo = "-inf" if self.low is None else self.low
-        hi = "inf" if self.high is None else self.high
-        left = "[" if self.closed in ("both", "left") and self.low is not None else "("
-        right = "]" if self.closed in ("both", "right") and self.high is not None else ")"
-        return f"{kind} in {left}{lo}, {hi}{right}"
-
-
-@dataclass(frozen=True)
-class Subset:
-    """A non-empty sequence of distinct names, each one of ``values`` (e.g. feature names)."""
-
-    values: tuple
-
-    def accepts(self, value) -> bool:
-        if isinstance(value, str):
-            return False
-        try:
-            items = list(value)
-        except TypeError:
-            return False
-        return bool(items) and len(set(items)) == len(items) and all(v in self.values for v in items)
-
-    def __str__(self) -> str:
-        return "a non-empty list of distinct names from " + ", ".join(repr(v) for v in self.values)
-
-
-@dataclass(frozen=True)
-class Boolean:
-    """``True`` or ``False`` (a numpy bool too; not 0/1 nor the string "false")."""
-
-    def accepts(self, value) -> bool:
-        return isinstance(value, (bool, np.bool_))
-
-    def __str__(self) -> str:
-        return "a bool"
-
-
-def validate_params(owner: str, params: dict, constraints: dict) -> None:
-    """Raise ``ValueError`` naming the parameter, its value and what it may be, for the first
-    parameter of ``params`` that none of its ``constraints[name]`` accepts (sklearn's convention)."""
-    for name, allowed in constraints.items():
-        if name not in params:
-            raise KeyError(f"{owner}._parameter_constraints names {name!r}, which is not a parameter")
-        value = params[name]
-        if not any(c.accepts(value) for c in allowed):
-            want = " or ".join(str(c) for c in allowed)
-            raise ValueError(f"{owner}: parameter {name}={value!r} is invalid; it must be {want}")
 
 
 class Calibrator:
