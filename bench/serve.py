@@ -64,7 +64,7 @@ def worker(spec_path: str) -> None:
     import random
 
     from calib.prompts import load_prompts
-    from calib.serve.runner import build_engine, serve_cell
+    from calib.serve.runner import build_engine, calib_off, serve_cell
 
     spec = json.loads(Path(spec_path).read_text())
     cfg = compose(spec["overrides"])
@@ -83,10 +83,13 @@ def worker(spec_path: str) -> None:
         if i == 0:  # warm-up: first-call costs (lazy tables, allocator, caches) off the clock
             serve_cell(llm, cfg, prompts[:2], {**sampling, "max_tokens": 8}, 2, cat, progress=False)
         record, texts = serve_cell(llm, cfg, prompts, sampling, cell["concurrency"], cat, progress=False)
+        # A calib arm that decided nothing is vLLM's own arm under another name: recorded, never counted.
+        record["calib_off"] = calib_off(cfg["policy"], record)
         record.update(arm=spec["arm"], rep=spec["rep"], cell=cell, texts=texts)
         results.append(record)
         print(f"  {spec['arm']:<18} rep {spec['rep']} {cat:<9} {cell['sampling']:<7} c={cell['concurrency']:<3} "
-              f"{record['tok_s']:7.1f} tok/s", flush=True)
+              f"{record['tok_s']:7.1f} tok/s" + (f"  calib OFF: {record['calib_off']}" if record["calib_off"] else ""),
+              flush=True)
     Path(spec["out"]).write_text(json.dumps(results))
 
 
@@ -118,12 +121,19 @@ def cells_for(args) -> list:
 
 
 def table(records: list, arms: list[str]) -> tuple[list[dict], str]:
-    """Median tok/s per (cell, arm) over repetitions, and each arm's ratio to the best vLLM arm."""
+    """Median tok/s per (cell, arm) over repetitions, and each arm's ratio to the best vLLM arm. A calib
+    arm's repetition served with calib off (``calib_off``, :func:`calib.serve.runner.calib_off`) is not
+    counted; a cell where every repetition was is shown as OFF."""
     cells: dict[tuple, dict[str, list]] = {}
+    off: dict[tuple, dict[str, str]] = {}
     for r in records:
         c = r["cell"]
         key = (c["category"], c["sampling"], c["concurrency"])
-        cells.setdefault(key, {}).setdefault(r["arm"], []).append(r)
+        cells.setdefault(key, {})
+        if r.get("calib_off"):
+            off.setdefault(key, {})[r["arm"]] = r["calib_off"]
+            continue
+        cells[key].setdefault(r["arm"], []).append(r)
     rows = []
     for key in sorted(cells, key=lambda k: (k[0], k[1], k[2])):
         med = {a: statistics.median(x["tok_s"] for x in rs) for a, rs in cells[key].items()}
@@ -133,6 +143,7 @@ def table(records: list, arms: list[str]) -> tuple[list[dict], str]:
         best_spec = max(spec, key=spec.get) if spec else None
         row = {"category": key[0], "sampling": key[1], "concurrency": key[2], "tok_s": med,
                "reps": {a: len(rs) for a, rs in cells[key].items()}, "best_vllm": best,
+               "calib_off": off.get(key, {}),
                "ratio_to_best_vllm": {a: med[a] / vllm[best] for a in med} if best else {},
                "best_vllm_speculative": best_spec,
                "ratio_to_best_vllm_speculative": {a: med[a] / spec[best_spec] for a in med} if best_spec else {},
@@ -145,7 +156,7 @@ def table(records: list, arms: list[str]) -> tuple[list[dict], str]:
         cellv = []
         for a in arms:
             if a not in row["tok_s"]:
-                cellv.append("–")
+                cellv.append("OFF" if a in row["calib_off"] else "–")
                 continue
             ratio = row["ratio_to_best_vllm"].get(a)
             cellv.append(f"{row['tok_s'][a]:.1f}" + (f" ({ratio:.2f}×)" if ratio is not None else ""))
@@ -240,6 +251,11 @@ def report(records: list, arms: list[str], ident: dict | None, reps: int) -> Non
         if r:
             print(f"{arm}: {min(r):.2f}-{max(r):.2f}x the best vLLM arm (no speculation included), "
                   f"{min(s):.2f}-{max(s):.2f}x the best vLLM speculation arm, over {len(r)} cells")
+        off = [f"{row['category']}/{row['sampling']}/c{row['concurrency']}" for row in rows
+               if arm in row["calib_off"] and arm not in row["tok_s"]]
+        if off:
+            print(f"{arm}: calib was OFF in {len(off)} cells, not counted ({', '.join(off)}): "
+                  f"{next(row['calib_off'][arm] for row in rows if arm in row['calib_off'])}")
     print(f"\nOutput tokens/s, median of {reps} (ratio to the best vLLM arm of the cell, no speculation included):")
     print(text)
     if ident:

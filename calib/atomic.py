@@ -5,22 +5,34 @@ artifacts that belong together (tables + summary + pictures) is built in a temp 
 target and swapped in as one unit (:func:`publish_dir`). Files get ``0644`` and folders ``0755``
 (less what the process umask removes), not the ``0600``/``0700`` of :mod:`tempfile`.
 
-A job's whole output folder (``train.py``, ``eval.py``) goes through :func:`staged_output`: the
-folder is refused when it holds something else or an earlier run (unless ``overwrite``), built in a
-staging folder with the run's log, and published on success only; a failed run leaves the previous
-folder as it was and removes its staging folder.
+Every published folder carries an ownership record (:data:`OWNED`: each file's size and sha256, each
+link, each subfolder, and the job that wrote them). A folder is replaced only while it holds exactly
+what its record lists: a user's notes beside old tables, a project folder with a stray ``train.log``,
+a file edited since, or a folder from before records existed are never replaced, whatever
+``overwrite`` says; the refusal lists what else is there. A symlinked target is followed (the folder it
+points at is replaced, the link kept).
+
+A job's whole output folder (``train.py``, ``eval.py``, ``serve.py``) goes through
+:func:`staged_output`: the folder is refused when it holds something else, another job's output or
+(without ``overwrite``) an earlier run, built in a staging folder with the run's log, and published on
+success only; a failed run, Ctrl-C, SIGTERM or SIGHUP leaves the previous folder as it was and removes
+its staging folder.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import fcntl
+import hashlib
 import json
 import logging
 import os
 import shutil
+import signal
 import tempfile
-from collections.abc import Iterator, Sequence
+import threading
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -69,13 +81,17 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
 
 
 @contextmanager
-def atomic_dir(target: str | os.PathLike) -> Iterator[Path]:
+def atomic_dir(target: str | os.PathLike, *, job: str = "calib") -> Iterator[Path]:
     """A fresh staging folder beside ``target``, published at ``target`` as one unit when the block
-    ends (:func:`publish_dir`: an existing ``target`` is replaced whole), removed if it raises."""
+    ends (:func:`publish_dir`: an existing ``target`` is replaced whole, and only if it holds just
+    what calib wrote there), removed if it raises. ``target`` is checked before the block runs too,
+    so a refused folder costs no work."""
+    target = resolve_target(target)
+    check_replaceable(target, job=job, what="folder")
     stage = staging_dir(target)
     try:
         yield stage
-        publish_dir(stage, target)
+        publish_dir(stage, target, job=job, what="folder")
     finally:
         shutil.rmtree(stage, ignore_errors=True)
 
@@ -95,8 +111,12 @@ def write_json_atomic(path: str | os.PathLike, obj) -> Path:
 def staging_dir(target: str | os.PathLike) -> Path:
     """A fresh temp folder beside ``target`` (same file system, so it can be renamed onto it)."""
     target = Path(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    except OSError as exc:
+        raise OSError(exc.errno, f"cannot create a staging folder beside {target} ({exc.strerror or exc}); "
+                                 f"choose an out_dir in a writable folder with free space") from exc
 
 
 _RENAME_EXCHANGE = 2  # linux/fs.h
@@ -115,92 +135,211 @@ def _exchange(a: Path, b: Path) -> bool:
     return rc == 0
 
 
-def publish_dir(staged: str | os.PathLike, target: str | os.PathLike) -> Path:
-    """Put the folder ``staged`` at ``target`` as one unit; an existing ``target`` is replaced whole.
+# -- ownership: calib replaces a folder only if it holds exactly what calib recorded writing there ------
+OWNED = ".calib-owned.json"  # written into every folder calib publishes: {job, files: {path: entry}}
+OWNED_VERSION = 1
 
-    A kill at any moment leaves either the old folder or the new one at ``target`` (on Linux the swap
-    is one ``renameat2(RENAME_EXCHANGE)``; elsewhere the old folder is moved aside first and a kill
-    between the two renames leaves it beside ``target`` as ``.NAME.old-*``).
-    """
-    staged, target = Path(staged), Path(target)
-    set_public_mode(staged)
-    if not target.exists():
-        os.replace(staged, target)
-        return target
-    if _exchange(staged, target):
-        shutil.rmtree(staged, ignore_errors=True)  # now holds the old folder
-        return target
-    old = target.with_name(f".{target.name}.old-{os.getpid()}")
-    os.replace(target, old)
-    os.replace(staged, target)
-    shutil.rmtree(old, ignore_errors=True)
+
+def _entries(folder: Path) -> dict[str, dict]:
+    """Every file, link and folder under ``folder`` (relative POSIX paths, the ownership record
+    excluded): a file as {size, sha256}, a link as {link: where it points}, a folder as {dir: true}.
+    Links are recorded, never followed."""
+    out: dict[str, dict] = {}
+    for root, dirs, files in os.walk(folder, followlinks=False):
+        for name in dirs + files:
+            p = Path(root) / name
+            rel = p.relative_to(folder).as_posix()
+            if rel == OWNED:
+                continue
+            if p.is_symlink():
+                out[rel] = {"link": os.readlink(p)}
+            elif p.is_dir():
+                out[rel] = {"dir": True}
+            else:
+                out[rel] = {"size": p.stat().st_size, "sha256": _sha256(p)}
+    return out
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _record(folder: Path) -> dict | None:
+    """The ownership record of ``folder`` (None: none, or one that cannot be trusted)."""
+    from calib.sidefiles import SideFileError, read_json
+
+    try:
+        rec = read_json(folder / OWNED, missing_ok=True)
+    except SideFileError:
+        return None
+    if rec is None or not isinstance(rec.get("files"), dict) or rec.get("version") != OWNED_VERSION:
+        return None
+    return rec
+
+
+def foreign_entries(folder: str | os.PathLike) -> list[str]:
+    """What ``folder`` holds that calib did not record writing there: entries missing from its
+    ownership record, or changed since (another size or content, a file where a link was). Empty for
+    a folder that is exactly what calib published; every entry for a folder with no record."""
+    folder = Path(folder)
+    rec = _record(folder)
+    recorded = rec["files"] if rec is not None else {}
+    foreign = []
+    for rel, entry in _entries(folder).items():
+        mine = recorded.get(rel)
+        if mine is None:
+            foreign.append(rel)
+        elif "sha256" in entry:
+            if mine.get("size") != entry["size"] or mine.get("sha256") != entry["sha256"]:
+                foreign.append(rel)
+        elif entry != mine:
+            foreign.append(rel)
+    # A foreign folder counts once: its contents are named by the folder.
+    dirs = [f for f in foreign if f.endswith("/") or (folder / f).is_dir() and not (folder / f).is_symlink()]
+    return sorted(f for f in foreign if not any(f.startswith(d.rstrip("/") + "/") for d in dirs))
+
+
+def _write_record(folder: Path, job: str) -> None:
+    write_json_atomic(folder / OWNED, {"version": OWNED_VERSION, "job": job, "files": _entries(folder),
+                                       "note": "what calib wrote here; calib replaces this folder only while "
+                                               "it holds exactly these files (delete this file to keep calib "
+                                               "from ever replacing the folder)"})
+
+
+def owner(folder: str | os.PathLike) -> str | None:
+    """The job that published ``folder`` (its ownership record's ``job``), None without a record."""
+    rec = _record(Path(folder))
+    return None if rec is None else str(rec.get("job"))
+
+
+def resolve_target(target: str | os.PathLike) -> Path:
+    """``target`` with a symlink followed (calib writes into the folder a link points at and leaves the
+    link as it is); a dangling link is refused, naming it and where it points."""
+    target = Path(target)
+    if target.is_symlink():
+        real = Path(os.path.realpath(target))
+        if not real.exists():
+            raise FileNotFoundError(f"out_dir {target} is a symlink to {os.readlink(target)}, which does not exist; "
+                                    "create that folder or point out_dir elsewhere")
+        return real
     return target
 
 
-def check_out_dir(target: str | os.PathLike, overwrite: bool, markers: Sequence[str], job: str) -> None:
-    """Refuse to replace ``target`` unless that is safe and was asked for.
+def check_replaceable(target: str | os.PathLike, *, job: str = "calib", overwrite: bool = True,
+                      what: str = "out_dir") -> None:
+    """Refuse to replace ``target`` unless everything in it is what calib wrote there.
 
-    Publishing swaps the whole folder, so ``target`` must be absent, empty, or an earlier output of
-    the same job (it holds one of ``markers``, e.g. ``tables.json``), and the last only with
-    ``overwrite``. A folder holding anything else is never replaced, whatever ``overwrite`` says.
+    ``target`` may be absent or empty. A folder with content is replaced only if its ownership
+    record (:data:`OWNED`, written by :func:`publish_dir`) lists exactly what it holds, the record
+    names the same ``job``, and ``overwrite`` is set. Anything else — a user's notes beside old
+    tables, a project folder, a file edited since — is never replaced, whatever ``overwrite`` says.
 
     Raises:
-        FileExistsError: naming the folder, what it holds and what to do.
+        FileExistsError: naming the folder, what else it holds and what to do.
     """
-    target = Path(target)
+    target = resolve_target(target)
     if not target.exists():
         return
     if not target.is_dir():
-        raise FileExistsError(f"out_dir {target} is a file, not a folder; choose another out_dir")
-    entries = sorted(e.name for e in target.iterdir())
-    if not entries:
+        raise FileExistsError(f"{what} {target} is a file, not a folder; choose another {what}")
+    if not any(target.iterdir()):
         return
-    found = [m for m in markers if (target / m).exists()]
-    if not found:
-        shown = ", ".join(entries[:5]) + (f" and {len(entries) - 5} more" if len(entries) > 5 else "")
+    foreign = foreign_entries(target)
+    if foreign:
+        shown = ", ".join(foreign[:8]) + (f" and {len(foreign) - 8} more" if len(foreign) > 8 else "")
+        why = ("it has no calib ownership record (" + OWNED + ")" if _record(target) is None else
+               "these are not what calib recorded writing there (added, or changed since)")
         raise FileExistsError(
-            f"out_dir {target} exists and holds files that are not {job} output ({shown}); {job} replaces "
-            "its out_dir as a whole, so it will not write there: choose another out_dir (or empty this one)")
+            f"{what} {target} holds files calib did not write: {shown} ({why}). {job} replaces its {what} as a "
+            f"whole and never deletes what it did not write: choose another {what}, or move those files out")
+    prior = owner(target)
+    if prior != job:
+        raise FileExistsError(f"{what} {target} holds the output of {prior}, not of {job}; choose another {what}")
     if not overwrite:
-        raise FileExistsError(
-            f"out_dir {target} already holds {found[0]} from an earlier {job} run; pass overwrite=true to "
-            "replace that folder as a whole, or choose another out_dir")
+        raise FileExistsError(f"{what} {target} already holds an earlier {job} output; pass overwrite=true to "
+                              f"replace that folder as a whole, or choose another {what}")
+
+
+@contextmanager
+def _parent_lock(target: Path) -> Iterator[None]:
+    """An exclusive flock on ``target``'s parent folder: the last check and the swap of two runs
+    publishing at the same place do not interleave."""
+    fd = os.open(target.parent, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+
+def publish_dir(staged: str | os.PathLike, target: str | os.PathLike, *, job: str = "calib",
+                overwrite: bool = True, what: str = "out_dir") -> Path:
+    """Put the folder ``staged`` at ``target`` as one unit, with an ownership record of what it holds.
+
+    An existing ``target`` is replaced whole, and only if :func:`check_replaceable` allows it (checked
+    here under a lock, right before the swap); a symlinked ``target`` is followed, the link kept. A
+    kill at any moment leaves either the old folder or the new one at ``target`` (on Linux the swap
+    is one ``renameat2(RENAME_EXCHANGE)``; elsewhere the old folder is moved aside first and a kill
+    between the two renames leaves it beside ``target`` as ``.NAME.old-*``).
+    """
+    staged, target = Path(staged), resolve_target(target)
+    _write_record(staged, job)
+    set_public_mode(staged)
+    with _parent_lock(target):
+        check_replaceable(target, job=job, overwrite=overwrite, what=what)
+        if not target.exists():
+            os.replace(staged, target)
+            return target
+        if _exchange(staged, target):
+            shutil.rmtree(staged, ignore_errors=True)  # now holds the old folder
+            return target
+        old = target.with_name(f".{target.name}.old-{os.getpid()}")
+        os.replace(target, old)
+        os.replace(staged, target)
+        shutil.rmtree(old, ignore_errors=True)
+    return target
 
 
 _LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"  # Hydra's job-log format
 
 
 @contextmanager
-def staged_output(target: str | os.PathLike, *, overwrite: bool = False, markers: Sequence[str] = (),
-                  job: str = "calib", log_file: str | None = None) -> Iterator[Path]:
+def staged_output(target: str | os.PathLike, *, overwrite: bool = False, job: str = "calib",
+                  log_file: str | None = None) -> Iterator[Path]:
     """Build a job's output folder in a staging folder; publish it at ``target`` as one unit on success.
 
     Yields the staging folder: write everything there (the tracker's files too, finished before the
-    block ends). ``target`` is checked with :func:`check_out_dir` before the work and again before
-    publishing (another run may have published meanwhile). With ``log_file``, the ``calib`` loggers
-    (and everything else reaching the root logger) at INFO and above also go to that file in the
-    staging folder, so the log travels with the outputs it describes. On any exception the staging
-    folder is removed and ``target`` is left as it was.
+    block ends). ``target`` is checked with :func:`check_replaceable` before the work and again, under
+    a lock, right before publishing (another run may have published meanwhile). With ``log_file``, the
+    ``calib`` loggers (and everything else reaching the root logger) at INFO and above also go to that
+    file in the staging folder, so the log travels with the outputs it describes. On any exception,
+    Ctrl-C, SIGTERM or SIGHUP the staging folder is removed and ``target`` is left as it was.
     """
-    check_out_dir(target, overwrite, markers, job)
+    target = resolve_target(target)
+    check_replaceable(target, job=job, overwrite=overwrite)
     stage = staging_dir(target)
     handler, calib_logger, level = None, logging.getLogger("calib"), None
     try:
-        if log_file:
-            handler = logging.FileHandler(stage / log_file)
-            handler.setFormatter(logging.Formatter(_LOG_FORMAT))
-            handler.setLevel(logging.INFO)
-            logging.getLogger().addHandler(handler)
-            if calib_logger.getEffectiveLevel() > logging.INFO:  # e.g. no Hydra logging config (tests)
-                level = calib_logger.level
-                calib_logger.setLevel(logging.INFO)
-        yield stage
-        if handler is not None:
-            logging.getLogger().removeHandler(handler)
-            handler.close()
-            handler = None
-        check_out_dir(target, overwrite, markers, job)
-        publish_dir(stage, target)
+        with _signals_raise():
+            if log_file:
+                handler = logging.FileHandler(stage / log_file)
+                handler.setFormatter(logging.Formatter(_LOG_FORMAT))
+                handler.setLevel(logging.INFO)
+                logging.getLogger().addHandler(handler)
+                if calib_logger.getEffectiveLevel() > logging.INFO:  # e.g. no Hydra logging config (tests)
+                    level = calib_logger.level
+                    calib_logger.setLevel(logging.INFO)
+            yield stage
+            if handler is not None:
+                logging.getLogger().removeHandler(handler)
+                handler.close()
+                handler = None
+            publish_dir(stage, target, job=job, overwrite=overwrite)
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         raise
@@ -210,3 +349,30 @@ def staged_output(target: str | os.PathLike, *, overwrite: bool = False, markers
             handler.close()
         if level is not None:
             calib_logger.setLevel(level)
+
+
+class Terminated(SystemExit):
+    """Raised in the main thread on SIGTERM / SIGHUP inside :func:`staged_output`, so the staging folder
+    is cleaned up as on Ctrl-C; exits with 128 + the signal number, as the default handler would."""
+
+
+@contextmanager
+def _signals_raise() -> Iterator[None]:
+    """Within the block, SIGTERM and SIGHUP raise :class:`Terminated` (main thread only; elsewhere, or
+    where a handler other than the default is installed, signals are left as they are)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def _raise(signum, _frame):
+        raise Terminated(128 + signum)
+
+    previous = {}
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(sig) is signal.SIG_DFL:
+            previous[sig] = signal.signal(sig, _raise)
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)

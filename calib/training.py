@@ -37,9 +37,6 @@ from calib.tracking import make_tracker
 
 log = logging.getLogger("calib.train")
 
-# What marks a folder as an earlier train.py output (replaced only with overwrite=true); .hydra and
-# train.log are what runs before the staged layout left in a folder whose tables were never written.
-OUT_MARKERS = (META, TENSORS, "summary.txt", "train.log", ".hydra")
 
 
 def _metrics(p, y) -> dict:
@@ -270,8 +267,8 @@ def run(cfg: dict) -> Path:
     ``out_dir`` keeps what it held.
     """
     out_dir = Path(cfg["out_dir"])
-    with staged_output(out_dir, overwrite=bool(cfg.get("overwrite", False)), markers=OUT_MARKERS,
-                       job="train.py", log_file="train.log") as stage:
+    with staged_output(out_dir, overwrite=bool(cfg.get("overwrite", False)), job="train.py",
+                       log_file="train.log") as stage:
         write_text_atomic(stage / "config.yaml", OmegaConf.to_yaml(OmegaConf.create(cfg)))
         log.info("train.py -> %s (staged in %s)", out_dir, stage.name)
         summary = _fit_and_export(cfg, stage, out_dir)

@@ -7,7 +7,7 @@ import stat
 
 import pytest
 
-from calib.atomic import atomic_dir, atomic_path, write_text_atomic
+from calib.atomic import OWNED, atomic_dir, atomic_path, write_text_atomic
 
 
 def _mode(path) -> int:
@@ -40,22 +40,32 @@ def test_write_text_atomic_is_utf8(tmp_path):
     assert path.read_bytes() == "accept α ≥ 0.5\n".encode()
 
 
-def test_atomic_dir_replaces_a_folder_whole(tmp_path):
+def test_atomic_dir_replaces_a_folder_it_wrote_whole(tmp_path):
     target = tmp_path / "head"
-    target.mkdir()
-    (target / "stale.bin").write_text("old")
+    with atomic_dir(target) as stage:
+        (stage / "stale.bin").write_text("old")
     with atomic_dir(target) as stage:
         (stage / "model.safetensors").write_text("new")
         assert (target / "stale.bin").exists()  # nothing visible until the block ends
-    assert sorted(p.name for p in target.iterdir()) == ["model.safetensors"]
+    assert sorted(p.name for p in target.iterdir()) == [OWNED, "model.safetensors"]
     assert _mode(target) == 0o755 & ~_umask()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["head"]
+
+
+def test_atomic_dir_refuses_a_folder_holding_what_it_did_not_write(tmp_path):
+    target = tmp_path / "head"
+    target.mkdir()
+    (target / "README.md").write_text("mine")
+    with pytest.raises(FileExistsError, match=r"holds files calib did not write: README.md"), atomic_dir(target):
+        raise AssertionError("the block must not run")
+    assert sorted(p.name for p in target.iterdir()) == ["README.md"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["head"]
 
 
 def test_atomic_dir_leaves_the_old_folder_when_the_writer_fails(tmp_path):
     target = tmp_path / "head"
-    target.mkdir()
-    (target / "model.safetensors").write_text("old")
+    with atomic_dir(target) as stage:
+        (stage / "model.safetensors").write_text("old")
     with pytest.raises(RuntimeError), atomic_dir(target) as stage:
         (stage / "model.safetensors").write_text("half")
         raise RuntimeError("writer died")

@@ -82,7 +82,7 @@ def test_existing_tables_are_replaced_only_with_overwrite(tmp_path, small_bank):
     out = tmp_path / "out"
     run(_compose(small_bank, out, "calibrator=isotonic"))
     before = _snapshot(out)
-    with pytest.raises(FileExistsError, match=r"already holds tables.json .*pass overwrite=true"):
+    with pytest.raises(FileExistsError, match=r"already holds an earlier train.py output; pass overwrite=true"):
         run(_compose(small_bank, out, "calibrator=histogram"))
     assert _snapshot(out) == before
     run(_compose(small_bank, out, "calibrator=histogram", "overwrite=true"))
@@ -93,9 +93,14 @@ def test_existing_tables_are_replaced_only_with_overwrite(tmp_path, small_bank):
     foreign = tmp_path / "mine"
     foreign.mkdir()
     (foreign / "notes.txt").write_text("keep me")
-    with pytest.raises(FileExistsError, match=r"holds files that are not train.py output \(notes.txt\)"):
+    with pytest.raises(FileExistsError, match=r"holds files calib did not write: notes.txt"):
         run(_compose(small_bank, foreign, "calibrator=isotonic", "overwrite=true"))
     assert (foreign / "notes.txt").read_text() == "keep me"
+    # Nor is a train.py output that a user has since added to (the lost notes and bank).
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match=r"holds files calib did not write: notes.txt"):
+        run(_compose(small_bank, out, "calibrator=isotonic", "overwrite=true"))
+    assert (out / "notes.txt").read_text() == "mine"
 
 
 def test_failed_run_leaves_previous_out_dir_untouched(tmp_path, small_bank, monkeypatch):

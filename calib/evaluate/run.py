@@ -46,8 +46,6 @@ POOLED_COLS = ["temperature", "chain", "banks", "n", "ece_raw", "ece_calibrated"
                "ece_if_calibrated_q95", "within_noise", "target_met"]
 TEMP_PIC = "reliability_temperature_"  # file prefix of the per-temperature reliability figures
 log = logging.getLogger("calib.eval")
-# What marks a folder as an earlier eval.py output (replaced only with overwrite=true).
-OUT_MARKERS = ("metrics.json", "report.md", "eval.log", ".hydra")
 
 
 def _path(root, p) -> Path:
@@ -64,7 +62,7 @@ def run(cfg: DictConfig) -> dict:
     """
     root = cfg.get("root") or "."
     target = _path(root, cfg.out_dir)
-    with staged_output(target, overwrite=bool(cfg.get("overwrite", False)), markers=OUT_MARKERS, job="eval.py",
+    with staged_output(target, overwrite=bool(cfg.get("overwrite", False)), job="eval.py",
                        log_file="eval.log") as stage:
         write_text_atomic(stage / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
         log.info("eval.py -> %s (staged in %s); tables %s", target, stage.name, _path(root, cfg.tables))

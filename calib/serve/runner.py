@@ -65,14 +65,39 @@ def run(cfg: dict) -> dict:
     out_dir = Path(cfg["out_dir"])
     if not out_dir.is_absolute():
         out_dir = root / out_dir
-    with staged_output(out_dir, overwrite=bool(cfg.get("overwrite", False)), markers=("serve.json",),
-                       job="serve") as stage:
+    with staged_output(out_dir, overwrite=bool(cfg.get("overwrite", False)), job="serve.py") as stage:
         record, texts = _serve(cfg, root)
+        off = calib_off(cfg["policy"], record)
+        if off:  # nothing is published: a calib-labelled figure measured with calib off would mislead
+            print(summary(record))
+            raise CalibOffError(f"policy={cfg['policy']['name']}: calib was OFF in this run ({off}); the figures "
+                                f"above are vLLM's own speculation, so no serve.json was written to {out_dir}. "
+                                "Fix the cause (see the engine log's 'calib serve' lines) and rerun")
         (stage / "serve.json").write_text(json.dumps(record, indent=2) + "\n")
         (stage / "outputs.json").write_text(json.dumps(texts, indent=1, ensure_ascii=False) + "\n")
     print(summary(record))
     print(f"wrote {out_dir}/serve.json and outputs.json")
     return record
+
+
+class CalibOffError(RuntimeError):
+    """A calib policy's run in which calib decided nothing (switched itself off, or never installed)."""
+
+
+def calib_off(policy: dict, record: dict) -> str | None:
+    """Why a calib policy's ``record`` (a :func:`serve_cell` record) was served with calib off, or None:
+    the serving hooks never installed in the engine's process, refused the tables at engine start
+    (``disabled_reason``), or decided no step of a run that had steps. None for the other policies."""
+    if not policy.get("calib"):
+        return None
+    st = record.get("calib")
+    if st is None:
+        return "the serving hooks were never installed: the calib plugin did not load in the engine's process"
+    if st.get("disabled_reason"):
+        return str(st["disabled_reason"])
+    if st.get("steps", 0) > 0 and st.get("decided", 0) == 0:
+        return f"none of {st['steps']} engine steps was decided ({st.get('errors', 0)} hook errors)"
+    return None
 
 
 def _serve(cfg: dict, root: Path) -> tuple[dict, dict]:

@@ -145,13 +145,12 @@ def test_eval_out_dir_is_one_unit(tmp_path):
     try:
         run(_cfg([bank], tmp_path / "tables", out, "logger=wandb"))
         first = {p.name for p in out.iterdir()}
-        (out / "ladder_stale_parametric.png").write_bytes(b"from an earlier run")
-        with pytest.raises(FileExistsError, match=r"already holds metrics.json .*pass overwrite=true"):
+        with pytest.raises(FileExistsError, match=r"already holds an earlier eval.py output; pass overwrite=true"):
             run(_cfg([bank], tmp_path / "tables", out))
         run(_cfg([bank], tmp_path / "tables", out, "overwrite=true"))
     finally:
         os.umask(old_umask)
-    assert not (out / "ladder_stale_parametric.png").exists()  # was: kept beside the new report
+    assert not (out / "wandb").exists()  # the earlier run's files went with it: one unit, never a mix
     assert {"metrics.json", "report.md", "config.yaml", "eval.log", "wandb"} <= first
     assert {"metrics.json", "report.md", "config.yaml", "eval.log", "csv"} <= {p.name for p in out.iterdir()}
     assert f"({bank}): held-out split" in (out / "eval.log").read_text()
@@ -160,7 +159,7 @@ def test_eval_out_dir_is_one_unit(tmp_path):
     for p in [out, *out.rglob("*")]:
         if not p.is_symlink():
             assert p.stat().st_mode & 0o777 == (0o755 if p.is_dir() else 0o644), p
-    foreign = tmp_path / "tables"  # a train.py out_dir is not eval output: never replaced
-    with pytest.raises(FileExistsError, match="not eval.py output"):
+    foreign = tmp_path / "tables"  # tables written outside a train.py run (no ownership record): never replaced
+    with pytest.raises(FileExistsError, match="holds files calib did not write: tables.json, tables.safetensors"):
         run(_cfg([bank], tmp_path / "tables", foreign, "overwrite=true"))
     assert calib.tables.load(foreign)

@@ -1,0 +1,283 @@
+"""Hostile cases for calib's output folders: calib replaces only what it wrote, and a fault, a signal or
+a second run never loses anything.
+
+Each case builds a folder, tries to publish over it, and asserts the refusal names the folder and what
+else it holds, and that nothing outside calib's own staging changed (a snapshot of the whole tmp
+tree, contents included, before and after).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from calib.atomic import OWNED, atomic_dir, check_replaceable, foreign_entries, staged_output
+from calib.serve.runner import calib_off
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def snapshot(root: Path) -> dict:
+    """Every path under ``root`` with what it is: file bytes, link target, or a folder."""
+    out = {}
+    for p in sorted(root.rglob("*")):
+        rel = str(p.relative_to(root))
+        if p.is_symlink():
+            out[rel] = ("link", os.readlink(p))
+        elif p.is_dir():
+            out[rel] = ("dir",)
+        else:
+            out[rel] = ("file", p.read_bytes())
+    return out
+
+
+def publish(target: Path, job: str = "train.py", overwrite: bool = True, files=None) -> None:
+    with staged_output(target, overwrite=overwrite, job=job) as stage:
+        for name, text in (files or {"tables.json": "{}", "summary.txt": "new"}).items():
+            (stage / name).parent.mkdir(parents=True, exist_ok=True)
+            (stage / name).write_text(text)
+
+
+# -- folders calib must never replace ---------------------------------------------------------------
+
+
+def _old_tables_plus_notes_and_bank(d: Path):
+    publish(d, files={"tables.json": "{}", "train.log": "old"})
+    (d / "notes.md").write_text("my notes")
+    (d / "bank").mkdir()
+    (d / "bank" / "acceptance.parquet").write_bytes(b"PAR1")
+
+
+def _project_with_stray_train_log(d: Path):
+    (d / ".git").mkdir(parents=True)
+    (d / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    (d / "src").mkdir()
+    (d / "src" / "main.py").write_text("print('hi')\n")
+    (d / "train.log").write_text("a log")
+
+
+def _legacy_output_without_record(d: Path):
+    d.mkdir()
+    for name in ("tables.json", "tables.safetensors", "summary.txt", "train.log"):
+        (d / name).write_text("from an older calib")
+
+
+def _owned_file_edited_since(d: Path):
+    publish(d)
+    (d / "summary.txt").write_text("edited by hand")
+
+
+def _owned_file_replaced_by_link(d: Path):
+    publish(d)
+    (d / "summary.txt").unlink()
+    (d / "summary.txt").symlink_to("/etc/hostname")
+
+
+def _record_forged_as_a_list(d: Path):
+    publish(d)
+    (d / OWNED).write_text("[]")
+
+
+def _record_binary(d: Path):
+    publish(d)
+    (d / OWNED).write_bytes(b"\x89PNG\r\n\x1a\n\x00\xff")
+
+
+def _user_subfolder_in_owned_output(d: Path):
+    publish(d)
+    (d / "mine").mkdir()
+    (d / "mine" / "a.txt").write_text("a")
+    (d / "mine" / "b.txt").write_text("b")
+
+
+FOREIGN = [
+    # (case, build, what the message must name)
+    ("old tables + a user's notes and bank", _old_tables_plus_notes_and_bank, ["bank", "notes.md"]),
+    ("a project folder with a stray train.log", _project_with_stray_train_log, [".git", "src", "train.log"]),
+    ("an older calib's output (no record)", _legacy_output_without_record, ["tables.json", OWNED]),
+    ("an owned file edited since", _owned_file_edited_since, ["summary.txt", "changed since"]),
+    ("an owned file replaced by a link", _owned_file_replaced_by_link, ["summary.txt"]),
+    ("an ownership record that is a list", _record_forged_as_a_list, ["tables.json", OWNED]),
+    ("a binary ownership record", _record_binary, ["tables.json", OWNED]),
+    ("a user's subfolder in an owned output", _user_subfolder_in_owned_output, ["mine"]),
+]
+
+
+@pytest.mark.parametrize("case,build,named", FOREIGN, ids=[c[0] for c in FOREIGN])
+def test_a_folder_holding_what_calib_did_not_write_is_never_replaced(tmp_path, case, build, named):
+    target = tmp_path / "out"
+    build(target)
+    before = snapshot(tmp_path)
+    with pytest.raises(FileExistsError) as err:
+        publish(target, overwrite=True)
+    msg = str(err.value)
+    assert str(target) in msg and "calib did not write" in msg, msg
+    for name in named:
+        assert name in msg, (name, msg)
+    assert "choose another out_dir, or move those files out" in msg
+    assert snapshot(tmp_path) == before  # nothing changed, no staging folder left
+
+
+def test_the_foreign_subfolder_is_named_once_not_file_by_file(tmp_path):
+    target = tmp_path / "out"
+    _user_subfolder_in_owned_output(target)
+    assert foreign_entries(target) == ["mine"]
+
+
+def test_an_owned_output_is_replaced_only_with_overwrite_and_only_by_its_own_job(tmp_path):
+    target = tmp_path / "out"
+    publish(target, files={"tables.json": "{}", "old.png": "old"})
+    before = snapshot(tmp_path)
+    with pytest.raises(FileExistsError, match=r"already holds an earlier train.py output; pass overwrite=true"):
+        publish(target, overwrite=False)
+    with pytest.raises(FileExistsError, match=r"holds the output of train.py, not of eval.py"):
+        publish(target, job="eval.py", overwrite=True)
+    assert snapshot(tmp_path) == before
+    publish(target, overwrite=True, files={"tables.json": '{"new": 1}'})
+    assert sorted(p.name for p in target.iterdir()) == [OWNED, "tables.json"]  # old.png went with its run
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_a_file_or_a_dangling_link_as_out_dir_is_refused(tmp_path):
+    (tmp_path / "out").write_text("a file")
+    with pytest.raises(FileExistsError, match=r"out_dir .*out is a file, not a folder"):
+        publish(tmp_path / "out")
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    with pytest.raises(FileNotFoundError, match=r"dangling is a symlink to .*nowhere, which does not exist"):
+        publish(tmp_path / "dangling")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dangling", "out"]
+
+
+def test_a_symlinked_out_dir_is_followed_and_the_link_kept(tmp_path):
+    real = tmp_path / "disk" / "tables"
+    publish(real, files={"tables.json": "old"})
+    link = tmp_path / "out"
+    link.symlink_to(real)
+    publish(link, overwrite=True, files={"tables.json": "new"})
+    assert link.is_symlink() and os.readlink(link) == str(real)  # was: replaced by a real folder
+    assert (real / "tables.json").read_text() == "new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["disk", "out"]  # no old link left under a temp name
+    assert sorted(p.name for p in real.parent.iterdir()) == ["tables"]
+
+
+def test_a_link_inside_an_owned_output_is_recorded_not_followed(tmp_path):
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    (outside / "big.bin").write_text("not calib's")
+    target = tmp_path / "out"
+    with staged_output(target, job="eval.py") as stage:
+        (stage / "latest-run").symlink_to(outside)
+    assert foreign_entries(target) == []
+    publish(target, job="eval.py", overwrite=True)
+    assert (outside / "big.bin").read_text() == "not calib's"  # replacing the folder never follows the link
+
+
+# -- faults, signals, concurrent runs -----------------------------------------------------------------
+
+
+def test_disk_full_mid_run_leaves_the_previous_output_and_no_staging(tmp_path):
+    target = tmp_path / "out"
+    publish(target, files={"tables.json": "old"})
+    before = snapshot(tmp_path)
+    with pytest.raises(OSError, match="No space left"), staged_output(target, overwrite=True, job="train.py") as stage:
+        (stage / "tables.json").write_text("half")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    assert snapshot(tmp_path) == before
+
+
+def test_an_unwritable_parent_is_named_with_what_to_do(tmp_path, monkeypatch):
+    import tempfile
+
+    def read_only(*a, **k):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+
+    monkeypatch.setattr(tempfile, "mkdtemp", read_only)  # root ignores chmod, so the refusal is simulated
+    with pytest.raises(OSError, match=r"cannot create a staging folder beside .*out \(Permission denied\); "
+                                      r"choose an out_dir in a writable folder"):
+        publish(tmp_path / "out")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_second_run_that_published_meanwhile_is_not_overwritten_without_overwrite(tmp_path):
+    target = tmp_path / "out"
+    with pytest.raises(FileExistsError, match="already holds an earlier train.py output"):
+        with staged_output(target, job="train.py") as first:  # started while out_dir was empty
+            (first / "tables.json").write_text("first")
+            publish(target, overwrite=False, files={"tables.json": "second"})  # finished first
+    assert (target / "tables.json").read_text() == "second"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+SLOW_JOB = r"""
+import sys, time
+from pathlib import Path
+from calib.atomic import staged_output
+with staged_output(Path(sys.argv[1]), overwrite=True, job="train.py") as stage:
+    (stage / "tables.json").write_text("half")
+    print("staged", flush=True)
+    time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT], ids=["SIGTERM", "SIGHUP", "SIGINT"])
+def test_a_signal_mid_run_cleans_up_like_ctrl_c(tmp_path, sig):
+    target = tmp_path / "out"
+    publish(target, files={"tables.json": "old"})
+    before = snapshot(tmp_path)
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_JOB, str(target)], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "staged"
+    assert len(list(tmp_path.iterdir())) == 2  # out and the run's staging folder
+    proc.send_signal(sig)
+    proc.wait(timeout=30)
+    assert proc.returncode != 0
+    if sig != signal.SIGINT:
+        assert proc.returncode == 128 + sig
+    deadline = time.time() + 5
+    while snapshot(tmp_path) != before and time.time() < deadline:
+        time.sleep(0.1)
+    assert snapshot(tmp_path) == before  # was: a staging folder left behind on SIGTERM
+
+
+def test_check_replaceable_is_silent_for_absent_and_empty_folders(tmp_path):
+    check_replaceable(tmp_path / "absent", job="train.py", overwrite=False)
+    (tmp_path / "empty").mkdir()
+    check_replaceable(tmp_path / "empty", job="train.py", overwrite=False)
+
+
+def test_atomic_dir_refuses_before_the_work_runs(tmp_path):
+    (tmp_path / "head").mkdir()
+    (tmp_path / "head" / "README.md").write_text("mine")
+    ran = []
+    with pytest.raises(FileExistsError, match="README.md"), atomic_dir(tmp_path / "head"):
+        ran.append(1)
+    assert ran == []
+
+
+# -- serve.py: a calib run with calib off is not a calib figure ---------------------------------------
+
+CALIB = {"name": "calib_two_drafter", "calib": True}
+OFF_CASES = [
+    ("hooks never installed", {"calib": None}, "never installed"),
+    ("tables refused at engine start", {"calib": {"steps": 9, "decided": 0, "disabled_reason": "TablesError: x"}},
+     "TablesError: x"),
+    ("no step decided", {"calib": {"steps": 9, "decided": 0, "errors": 3, "disabled_reason": None}},
+     "none of 9 engine steps was decided (3 hook errors)"),
+]
+
+
+@pytest.mark.parametrize("case,record,why", OFF_CASES, ids=[c[0] for c in OFF_CASES])
+def test_calib_off_is_detected(case, record, why):
+    assert why in calib_off(CALIB, record)
+
+
+def test_calib_on_and_vllm_policies_are_not_off():
+    assert calib_off(CALIB, {"calib": {"steps": 9, "decided": 4, "disabled_reason": None}}) is None
+    assert calib_off({"name": "vllm"}, {"calib": None}) is None
