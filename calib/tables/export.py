@@ -41,8 +41,10 @@ def encode_chain(kind, estimator, train_samples: pd.DataFrame, chain_cfg: dict, 
     axes = tuple(kind.table_axes(chain_cfg))
     ctx_axes = context_axes(chain_cfg)
     own_axes = axes[: len(axes) - len(ctx_axes)]
+    temperatures = fitted_temperatures(train_samples, kind.name)
     if not ctx_axes:
-        return _encode_own(kind, estimator, train_samples, chain_cfg, own_axes, n_depths, uses_context, seed)
+        table, info = _encode_own(kind, estimator, train_samples, chain_cfg, own_axes, n_depths, uses_context, seed)
+        return table, {**info, "temperatures": temperatures}
     ctx_edges = [list(a.edges) for a in ctx_axes]
     sizes = [len(e) + 1 for e in ctx_edges]
     cells = context_cells(train_samples[[a.name for a in ctx_axes]].to_numpy(np.float64), ctx_edges)
@@ -70,7 +72,44 @@ def encode_chain(kind, estimator, train_samples: pd.DataFrame, chain_cfg: dict, 
         info["monotone_projection_max_change"] = max(i["monotone_projection_max_change"] for i in infos)
     info["context"] = {"axes": [a.to_json() for a in ctx_axes], "cells": len(blocks),
                        "train_samples_per_cell": np.bincount(cells, minlength=len(blocks)).tolist()}
+    info["temperatures"] = temperatures
     return ChainTable.build(axes, grid, edges, strides), info
+
+
+MAX_TEMPERATURES = 256  # distinct fitted temperatures listed in tables.json (the range is always kept)
+TEMPERATURE_DECIMALS = 6  # fitted temperatures are recorded (and compared) at this precision
+
+
+def fitted_temperatures(samples: pd.DataFrame, chain_name: str = "?") -> dict:
+    """tables.json ``chains.<name>.temperatures``: the sampling temperatures of the training samples a
+    chain's table was fitted on, ``{"values": distinct values (sorted, rounded to 6 decimals; at most
+    256 listed), "n_values": how many distinct, "min", "max", "unrecorded_samples": samples without one}``.
+
+    A single temperature is recorded too (``values: [0.0], min = max = 0.0``) although its context axis
+    has one bin and no edges. Samples without a temperature (a bank that records none: the column is
+    absent or NaN) are counted, not listed; with none recorded ``values`` is empty and ``min``/``max``
+    are None (the tables then cannot tell which temperature they fit, and checks say so).
+    A negative or infinite temperature is refused: a sampling temperature is finite and >= 0.
+    """
+    n = len(samples)
+    if "temperature" not in getattr(samples, "columns", ()):
+        return {"values": [], "n_values": 0, "min": None, "max": None, "unrecorded_samples": int(n)}
+    t = pd.to_numeric(samples["temperature"], errors="coerce").to_numpy(np.float64)
+    recorded = ~np.isnan(t)
+    bad = recorded & ~(np.isfinite(t) & (t >= 0))
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        row = samples.iloc[i]
+        where = ", ".join(f"{k}={row[k]!r}" for k in ("model", "speculator", "config", "category", "prompt_idx")
+                          if k in samples.columns)
+        raise ValueError(f"chain {chain_name!r}: {int(bad.sum())} training samples have a sampling temperature "
+                         f"that is not a finite number >= 0 (first: {float(t[i])!r} at {where}); fix or drop "
+                         "that bank (python -m calib.bank validate PATH) before training")
+    values = np.unique(np.round(t[recorded], TEMPERATURE_DECIMALS))
+    listed = values if len(values) <= MAX_TEMPERATURES else values[:: max(1, len(values) // MAX_TEMPERATURES)]
+    return {"values": [float(v) for v in listed[:MAX_TEMPERATURES]], "n_values": len(values),
+            "min": float(values[0]) if len(values) else None, "max": float(values[-1]) if len(values) else None,
+            "unrecorded_samples": int((~recorded).sum())}
 
 
 def _encode_own(kind, estimator, train_samples, chain_cfg, axes, n_depths, uses_context, seed):

@@ -15,21 +15,34 @@ name               dtype, shape      meaning
 (of the JSON's own content, see :func:`json_digest`), ``target_models`` (the target models of the
 banks fitted on), ``chains`` (per chain: its registry ``id`` = the allocator's ``drafter`` value,
 ``axes`` = the input features in the order an engine passes them, with their edges or grid points,
-``ids`` of the drafters fitted on, ``k`` = the drafted depth the tables cover, the estimator and its
-metrics), ``banks`` (identity of the banks fitted on: path, ``acceptance_sha256``, rounds; eval uses
+``ids`` of the drafters fitted on, ``k`` = the drafted depth the tables cover, ``temperatures`` = the
+sampling temperatures its training samples were drawn at (:func:`calib.tables.export.fitted_temperatures`:
+distinct ``values``, ``min``, ``max``; absent in tables exported before calib recorded them), the
+estimator and its metrics), ``banks`` (identity of the banks fitted on: path, ``acceptance_sha256``, rounds; eval uses
 the fingerprint to tell a training bank from an unseen one), ``split``, ``calib_version`` and
 ``git_commit``.
 
 :func:`load` refuses tables whose schema version, tensor checksum or JSON digest is off: an edited
 feature order or bin edge changes what the tensors mean without any error downstream, so tables
-are re-exported, never edited. :meth:`Tables.check_bank` refuses a bank the tables do not fit
-(target model, drafter, depth, n-gram features), naming both sides.
+are re-exported, never edited. Behind the digests it refuses, with a :class:`TablesError` naming the
+file, the chain, the key or tensor and the first bad index and value: a tables.json that is not a
+calib tables.json (binary, not JSON, nested too deep, a mistyped field: :func:`calib.sidefiles.read_json`
+and :data:`META_CONSTRAINTS`), tensor shapes or dtypes other than tables.json's ``shapes``, grid values
+outside [0, 1] (NaN included: a grid cell always holds a probability; "no token" is the input's NaN,
+never the grid's), edges that are NaN, -inf, unsorted or finite after the +inf padding, or differ from
+the axes tables.json lists, and negative strides (or a zero stride on an axis that has edges).
+:meth:`Tables.check_bank` refuses a bank the tables do not fit (target model, drafter, depth, n-gram
+features, sampling temperature), naming both sides; :meth:`Tables.check_temperature` does the same for
+an engine's temperature.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
+import math
+import numbers
 import os
 import subprocess
 import warnings
@@ -41,6 +54,8 @@ from safetensors.torch import load_file, save_file
 
 from calib.atomic import atomic_path, write_text_atomic
 from calib.chains import CONTEXT, Axis
+from calib.params import Boolean, Interval, NoneValue, Options
+from calib.sidefiles import SideFileError, read_json
 from calib.tables.layout import ChainTable, GridTables
 
 # 2: tables.json carries json_sha256 (its own digest), target_models and per-chain ids / k.
@@ -50,6 +65,11 @@ SCHEMA_VERSION = 3
 TENSORS = "tables.safetensors"
 META = "tables.json"
 PARTS = ("grid", "edges", "strides")  # a chain's tensors: "<chain>.<part>"
+DTYPES = {"grid": torch.float32, "edges": torch.float32, "strides": torch.int64}
+REEXPORT = "re-export the tables (python train.py out_dir=DIR overwrite=true) instead of editing them"
+# Fitted and served temperatures are compared at the precision tables.json records them
+# (calib.tables.export.TEMPERATURE_DECIMALS); a value this close to a fitted one is that one.
+TEMPERATURE_TOL = 1e-6
 
 
 class TablesError(ValueError):
@@ -59,6 +79,155 @@ class TablesError(ValueError):
 
 class TablesWarning(UserWarning):
     """A tables/bank cross-check that could not be made (the bank or the tables do not record it)."""
+
+
+# --- what a tables.json holds (declarative: calib.params' constraints, plus JSON shapes) ---------------
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+class _Json:
+    """A JSON value ``test`` accepts, described as ``label`` (a constraint as in :mod:`calib.params`)."""
+
+    def __init__(self, label: str, test):
+        self.label, self.test = label, test
+
+    def accepts(self, value) -> bool:
+        try:
+            return bool(self.test(value))
+        except (TypeError, ValueError):
+            return False
+
+    def __str__(self) -> str:
+        return self.label
+
+
+def _finite(v) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
+
+
+TEXT = _Json("a non-empty string", lambda v: isinstance(v, str) and bool(v))
+OBJECT = _Json("an object ({...})", lambda v: isinstance(v, dict))
+TEXTS = _Json("a list of strings", lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v))
+ARRAY = _Json("a list", lambda v: isinstance(v, list))
+EDGES = _Json("a list of finite numbers in ascending order",
+              lambda v: isinstance(v, list) and all(_finite(x) for x in v)
+              and all(a <= b for a, b in itertools.pairwise(v)))
+TEMPERATURES = _Json("a list of finite numbers >= 0 in ascending order",
+                     lambda v: isinstance(v, list) and all(_finite(x) and x >= 0 for x in v)
+                     and all(a <= b for a, b in itertools.pairwise(v)))
+SHAPE = _Json("a list of integers >= 0", lambda v: isinstance(v, list)
+              and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v))
+ROWS = _Json("a non-empty list of equally long non-empty lists of probabilities in [0, 1]",
+             lambda v: isinstance(v, list) and bool(v) and all(isinstance(r, list) and r and len(r) == len(v[0])
+                                                               and all(_finite(x) and 0 <= x <= 1 for x in r)
+                                                               for r in v))
+AXES = _Json("a non-empty list of axis objects", lambda v: isinstance(v, list) and bool(v)
+             and all(isinstance(a, dict) for a in v))
+_INT1 = Interval(numbers.Integral, 1, None)
+
+# tables.json's keys: top level, per chain (``chains.<name>.*``), per axis, and the nested records.
+# Keys absent from a file are not checked here (the older fields are optional, as their readers are).
+META_CONSTRAINTS = {
+    "tensors_sha256": [TEXT], "chains": [OBJECT], "shapes": [OBJECT], "target_models": [NoneValue(), TEXTS],
+    "reuse_last_row": [Boolean()], "banks": [NoneValue(), ARRAY], "split": [NoneValue(), OBJECT],
+}
+CHAIN_CONSTRAINTS = {
+    "axes": [AXES], "id": [NoneValue(), Interval(numbers.Integral, 1, 127)], "k": [NoneValue(), _INT1],
+    "depths": [NoneValue(), _INT1], "ids": [NoneValue(), TEXTS], "temperatures": [NoneValue(), OBJECT],
+    "forecast": [NoneValue(), OBJECT],
+}
+AXIS_CONSTRAINTS = {"name": [TEXT], "kind": [Options(("interpolate", "bins"))]}
+AXIS_KIND_CONSTRAINTS = {"interpolate": {"points": [_INT1]}, "bins": {"edges": [EDGES]}}
+TEMPERATURE_CONSTRAINTS = {"values": [TEMPERATURES], "min": [NoneValue(), Interval(numbers.Real, 0, None)],
+                           "max": [NoneValue(), Interval(numbers.Real, 0, None)]}
+FORECAST_CONSTRAINTS = {"axes": [_Json("a list of axis objects", lambda v: isinstance(v, list)
+                                       and all(isinstance(a, dict) for a in v))], "values": [ROWS]}
+BANK_CONSTRAINTS = {"path": [NoneValue(), TEXT], "acceptance_sha256": [NoneValue(), TEXT]}
+SPLIT_CONSTRAINTS = {"fractions": [NoneValue(), _Json("a list of 3 fractions in [0, 1] summing to 1", lambda v: (
+    isinstance(v, list) and len(v) == 3 and all(_finite(x) and 0 <= x <= 1 for x in v) and abs(sum(v) - 1) <= 1e-6))],
+                     "seed": [NoneValue(), Interval(numbers.Integral, 0, None)]}
+
+
+def _check_keys(where: Path, prefix: str, obj: dict, constraints: dict) -> None:
+    """Refuse the first key of ``obj`` that none of its constraints accepts, naming file, key and value."""
+    for key, allowed in constraints.items():
+        if key not in obj:
+            continue
+        value = obj[key]
+        if not any(c.accepts(value) for c in allowed):
+            want = " or ".join(str(c) for c in allowed)
+            raise TablesError(f"{where}: {prefix}{key} = {_short(value)} ({type(value).__name__}) is invalid; it "
+                              f"must be {want}; {REEXPORT}")
+
+
+def _check_axes(where: Path, prefix: str, axes: list, kinds=("interpolate", "bins")) -> None:
+    for i, axis in enumerate(axes):
+        at = f"{prefix}[{i}]."
+        _check_keys(where, at, axis, AXIS_CONSTRAINTS)
+        for key in ("name", "kind"):
+            if key not in axis:
+                raise TablesError(f"{where}: {at}{key} is missing; {REEXPORT}")
+        if axis["kind"] not in kinds:
+            raise TablesError(f"{where}: {at}kind = {axis['kind']!r} is invalid here; it must be one of {list(kinds)}; "
+                              f"{REEXPORT}")
+        need = AXIS_KIND_CONSTRAINTS[axis["kind"]]
+        for key in need:
+            if key not in axis:
+                raise TablesError(f"{where}: {at}{key} is missing (a {axis['kind']!r} axis has one); {REEXPORT}")
+        _check_keys(where, at, axis, need)
+    if any(a["kind"] == "interpolate" for a in axes[1:]):
+        raise TablesError(f"{where}: {prefix}: only axis 0 (the raw confidence) may be interpolated; {REEXPORT}")
+
+
+def check_meta(meta: dict, where: Path) -> None:
+    """Refuse a tables.json whose fields do not have the types and ranges calib writes
+    (:data:`META_CONSTRAINTS` and the per-chain, per-axis and nested ones), naming the file and the
+    dotted key (``chains.model.k``) with its value. Run behind the digest check: a hand edit is refused
+    by digest first; this catches what a digest cannot (a file written by something else)."""
+    _check_keys(where, "", meta, META_CONSTRAINTS)
+    for key in ("chains", "shapes", "tensors_sha256"):
+        if key not in meta:
+            raise TablesError(f"{where}: key {key!r} is missing: not a tables.json calib wrote; {REEXPORT}")
+    if not meta["chains"]:
+        raise TablesError(f"{where}: chains = {{}}: these tables calibrate no chain; {REEXPORT}")
+    for i, bank in enumerate(meta.get("banks") or []):  # a record per bank (stand-in tables list paths)
+        if isinstance(bank, dict):
+            _check_keys(where, f"banks[{i}].", bank, BANK_CONSTRAINTS)
+    if meta.get("split") is not None:
+        _check_keys(where, "split.", meta["split"], SPLIT_CONSTRAINTS)
+    for name, shape in meta["shapes"].items():
+        _check_keys(where, "shapes.", {name: shape}, {name: [SHAPE]})
+    for name, entry in meta["chains"].items():
+        at = f"chains.{name}."
+        if not isinstance(entry, dict):
+            raise TablesError(f"{where}: chains.{name} = {_short(entry)} ({type(entry).__name__}) is invalid; it "
+                              f"must be an object ({{...}}) describing the chain; {REEXPORT}")
+        if "axes" not in entry:
+            raise TablesError(f"{where}: {at}axes is missing; {REEXPORT}")
+        _check_keys(where, at, entry, CHAIN_CONSTRAINTS)
+        _check_axes(where, f"{at}axes", entry["axes"])
+        temps = entry.get("temperatures")
+        if temps is not None:
+            _check_keys(where, f"{at}temperatures.", temps, TEMPERATURE_CONSTRAINTS)
+            values, lo, hi = temps.get("values") or [], temps.get("min"), temps.get("max")
+            if (lo is None) != (hi is None) or (lo is not None and (lo > hi or not values)) or (
+                    values and (lo is None or values[0] < lo - TEMPERATURE_TOL or values[-1] > hi + TEMPERATURE_TOL)):
+                raise TablesError(f"{where}: {at}temperatures = {_short(temps)} is inconsistent: min <= every value "
+                                  f"<= max, min and max None only without values; {REEXPORT}")
+        fc = entry.get("forecast")
+        if fc is not None:
+            _check_keys(where, f"{at}forecast.", fc, FORECAST_CONSTRAINTS)
+            for key in ("axes", "values"):
+                if key not in fc:
+                    raise TablesError(f"{where}: {at}forecast.{key} is missing; {REEXPORT}")
+            _check_axes(where, f"{at}forecast.axes", fc["axes"], kinds=("bins",))
+            cells = int(np.prod([len(a["edges"]) + 1 for a in fc["axes"]])) if fc["axes"] else 1
+            if len(fc["values"][0]) != cells:
+                raise TablesError(f"{where}: {at}forecast.values has {len(fc['values'][0])} cells per depth, its axes "
+                                  f"cut {cells}; {REEXPORT}")
 
 
 class Tables(GridTables):
@@ -75,12 +244,129 @@ class Tables(GridTables):
         super().__init__(chains, reuse_last_row=bool(reuse_last_row))
         self.meta = dict(meta or {})
         self.path = None if path is None else Path(path)
+        self._reported_temperatures: set = set()  # (chains, temperature) unfitted_temperatures returned
 
     @property
     def target_models(self) -> list[str] | None:
         """Target models of the banks the tables were fitted on (None: not recorded)."""
         t = self.meta.get("target_models")
         return None if t is None else list(t)
+
+    def fitted_temperatures(self, chain: str) -> dict | None:
+        """The sampling temperatures ``chain``'s table was fitted on, as tables.json records them
+        (``{"values", "n_values", "min", "max", ...}``, :func:`calib.tables.export.fitted_temperatures`);
+        None where it records none (tables exported before calib recorded them, or fitted on banks
+        that record no temperature)."""
+        rec = (self.meta.get("chains") or {}).get(chain, {}).get("temperatures")
+        if not isinstance(rec, dict) or rec.get("min") is None or rec.get("max") is None:
+            return None
+        return rec
+
+    def _where(self) -> str:
+        return str(self.path) if self.path is not None else "(tables not loaded from a folder)"
+
+    def _temperature_findings(self, temps, chains, who: str, action: str) -> tuple[list[str], list[str]]:
+        """``(problems, notes)`` of the temperatures ``temps`` (floats) that ``who`` samples at against
+        what ``chains`` were fitted on: outside a chain's fitted range is a problem; between its fitted
+        values, or a chain that records none, a note. Chains fitted on the same temperatures share one line."""
+        tdir, problems, notes = self._where(), [], []
+        temps = sorted(set(temps))
+        shown = _temps_text(temps)
+        invalid = [t for t in temps if not (math.isfinite(t) and t >= 0)]
+        if invalid:
+            problems.append(f"temperature: {who} holds temperature {_temps_text(invalid)}, which no sampler uses (a "
+                            "sampling temperature is finite and >= 0); fix or recollect it")
+            temps = [t for t in temps if t not in invalid]
+        unrecorded, groups = [], {}
+        for c in chains:
+            rec = self.fitted_temperatures(c)
+            if rec is None:
+                unrecorded.append(c)
+                continue
+            values = tuple(rec.get("values") or ())
+            key = (values, float(rec["min"]), float(rec["max"]), int(rec.get("n_values", len(values))))
+            groups.setdefault(key, []).append(c)
+        if unrecorded:
+            notes.append(f"tables {tdir}: tables.json records no fitted temperatures for the "
+                         f"{' and '.join(unrecorded)} chain{'s' if len(unrecorded) > 1 else ''} (exported before calib recorded them, or fitted on "
+                         f"banks without a temperature); cannot check {who}'s temperature {shown} against "
+                         "them; re-export the tables (python train.py out_dir=DIR) to have it checked")
+        for (values, lo, hi, n_values), cs in groups.items():
+            fitted = _fitted_text(values, lo, hi, n_values)
+            outside = [t for t in temps if not (lo - TEMPERATURE_TOL <= t <= hi + TEMPERATURE_TOL)]
+            if outside:
+                problems.append(f"temperature: tables {tdir} were fitted at {fitted} ({' and '.join(cs)} "
+                                f"chain{'s' if len(cs) > 1 else ''}), {who} samples at temperature "
+                                f"{_temps_text(outside)}, outside that range: the tables would read their end "
+                                "temperature bin, fitted at another temperature; " + action)
+            elif n_values == len(values):  # every fitted value listed: tell one in between too
+                between = [t for t in temps if not any(abs(t - v) <= TEMPERATURE_TOL for v in values)]
+                if between:
+                    notes.append(f"tables {tdir}: {who} samples at temperature {_temps_text(between)}, between the "
+                                 f"temperatures the {' and '.join(cs)} chain was fitted at ({fitted}); the tables "
+                                 "read the temperature bin it falls in")
+        return problems, notes
+
+    def check_temperature(self, temperature, where: str = "the engine", chains=None) -> list[str]:
+        """Refuse serving at a sampling ``temperature`` (a number, or several) outside the range the
+        tables' ``chains`` (names; default: every chain of these tables) were fitted at; return (and
+        warn, :class:`TablesWarning`) what could not be checked or lies between fitted temperatures.
+
+        serve.py calls it with its ``sampling.temperature`` before the engine starts (``where`` names
+        the setting in messages). A temperature that is not a finite number >= 0 is a ``ValueError``.
+
+        Raises:
+            TablesError: naming the tables folder and their fitted temperatures, ``where`` and its value,
+                and what to do.
+        """
+        values = [temperature] if isinstance(temperature, numbers.Number) or temperature is None else list(temperature)
+        for t in values:
+            if isinstance(t, bool) or not _finite(t) or t < 0:
+                raise ValueError(f"{where}: temperature={t!r} is invalid; a sampling temperature is a finite "
+                                 "number >= 0 (0 = greedy)")
+        names = list(self.chains) if chains is None else [c for c in chains if c in self.chains]
+        problems, notes = self._temperature_findings(
+            [float(t) for t in values], names, where,
+            "serve at a temperature the tables were fitted at, or train tables on banks collected at "
+            "this one too (python collect.py sampling.temperature=T, then python train.py data.train=[BANK,...])")
+        if problems:
+            raise TablesError("tables and serving temperature do not match:\n  - " + "\n  - ".join(problems))
+        for n in notes:
+            warnings.warn(n, TablesWarning, stacklevel=2)
+        return notes
+
+    def unfitted_temperatures(self, temperatures, chains=None) -> list[float]:
+        """The distinct values of ``temperatures`` (a float tensor, array or list; finite, checked by the
+        caller) outside the range ``chains`` (default: all) were fitted at, each returned once per
+        Tables object (the serving decider logs each once). [] where nothing is recorded. Cheap: one
+        min/max when every value is inside."""
+        names = tuple(self.chains if chains is None else (c for c in chains if c in self.chains))
+        ranges = [r for r in (self.fitted_temperatures(c) for c in names) if r is not None]
+        if not ranges:
+            return []
+        lo = max(float(r["min"]) for r in ranges) - TEMPERATURE_TOL
+        hi = min(float(r["max"]) for r in ranges) + TEMPERATURE_TOL
+        t = temperatures.detach().cpu().numpy() if isinstance(temperatures, torch.Tensor) else np.asarray(temperatures)
+        t = t.astype(np.float64).reshape(-1)
+        if not t.size or (t.min() >= lo and t.max() <= hi):
+            return []
+        new = []
+        for v in np.unique(t[(t < lo) | (t > hi)]):
+            key = (names, round(float(v), 6))
+            if key not in self._reported_temperatures:
+                self._reported_temperatures.add(key)
+                new.append(float(v))
+        return new
+
+    def temperature_range_text(self, chains=None) -> str:
+        """What ``chains`` (default: all) were fitted at, for a message ("not recorded" where none says)."""
+        names = list(self.chains) if chains is None else [c for c in chains if c in self.chains]
+        parts = []
+        for c in names:
+            r = self.fitted_temperatures(c)
+            parts.append(f"{c}: " + ("not recorded" if r is None else _fitted_text(
+                tuple(r.get("values") or ()), float(r["min"]), float(r["max"]), int(r.get("n_values", 0)))))
+        return "; ".join(parts)
 
     def chain_depth(self, chain: str) -> int | None:
         """The drafted depth K the tables cover for ``chain`` (a chain name): the recorded ``k``
@@ -111,8 +397,16 @@ class Tables(GridTables):
           bank; any registered kind, by its ``drafted_depth`` hook): its depth; for the n-gram chain
           also the tables' feature columns (its axes, in ngram.parquet).
 
+        - the bank's sampling temperatures (the distinct values of speculator.parquet's ``temperature``
+          column; a manifest's ``sampling.temperature`` where it has none) lie inside the range each
+          checked chain was fitted at (tables.json ``chains.<name>.temperatures``): a T = 0.8 bank on
+          tables fitted at T = 0 is refused. One between the fitted values is a warning (the tables read
+          the temperature bin it falls in). A manifest dict without a temperature (an engine's: serve
+          checks its temperature with :meth:`check_temperature`) is not checked for it.
+
         Where the bank's manifest lacks ``model`` or ``speculator``, or the tables do not record a
-        field, that check is skipped with a :class:`TablesWarning` naming it.
+        field (temperatures: tables exported before they were recorded), that check is skipped with a
+        :class:`TablesWarning` naming it.
 
         Raises:
             TablesError: listing every mismatch with the tables folder, the bank path and both values.
@@ -174,6 +468,25 @@ class Tables(GridTables):
                     problems.append(f"n-gram features: tables {tdir} read {feats}, bank {bdir}'s ngram.parquet "
                                     f"lacks {missing}")
 
+        # sampling temperature: every chain checked above that the tables calibrate and the bank records
+        checked = [c for c in drafters if c == chain or (c in self.chains and facts["chain_k"].get(c))]
+        temps = facts["temperatures"]
+        if temps is None:
+            if facts["folder"]:  # an engine's manifest dict is checked with check_temperature instead
+                notes.append(f"bank {bdir}: speculator.parquet has no temperature column and run_manifest.json no "
+                             f"sampling.temperature; cannot check it against the temperatures the tables {tdir} "
+                             f"were fitted at ({self.temperature_range_text(checked)})")
+        elif checked:
+            found, unchecked = self._temperature_findings(
+                temps, checked, f"bank {bdir}",
+                f"evaluate banks at the tables' temperatures, or train tables on banks at that temperature "
+                f"too (python train.py data.train=[...,{bdir}] out_dir=DIR)")
+            problems += found
+            notes += unchecked
+        if facts["unrecorded_temperatures"]:
+            notes.append(f"bank {bdir}: {facts['unrecorded_temperatures']} rounds of speculator.parquet have no "
+                         "temperature (null or NaN); they were not checked against the tables' temperatures")
+
         if problems:
             raise TablesError("tables and bank do not match:\n  - " + "\n  - ".join(problems)
                               + "\nuse tables fitted on banks of this target and drafter (python train.py "
@@ -222,6 +535,16 @@ class Tables(GridTables):
         flat = x.reshape(-1, 1, *(() if one_axis else (x.shape[-1],)))
         row = ChainTable(table.axes, table.grid[min(int(depth), n_depths - 1)][None, :], table.edges, table.strides)
         return row.lookup(flat, chain).reshape(lead)
+
+
+def _temps_text(temps) -> str:
+    return "[" + ", ".join(f"{t:g}" for t in temps) + "]"
+
+
+def _fitted_text(values, lo: float, hi: float, n_values: int) -> str:
+    if n_values == len(values):
+        return f"temperatures {_temps_text(values)}"
+    return f"{n_values} temperatures in {lo:g}..{hi:g}"
 
 
 def _sha256(path: Path) -> str:
@@ -273,14 +596,21 @@ def _bank_facts(bank, path=None) -> dict:
     else:
         folder = Path(bank)
         where = str(folder)
-        f = folder / schema.MANIFEST
-        man = json.loads(f.read_text()) if f.exists() else {}
+        man = read_json(folder / schema.MANIFEST, dict, missing_ok=True,
+                        hint="rewrite it (python -m calib.bank validate PATH says what a bank holds)") or {}
     spec = man.get("speculator")
-    chain = None if spec is None else _verified_chain(spec, man.get("method"))
+    spec = spec if isinstance(spec, str) else None if spec is None else str(spec)
+    method = man.get("method") if isinstance(man.get("method"), str) else None
+    chain = None if spec is None else _verified_chain(spec, method)
     ng_man = man.get("ngram_chain") if isinstance(man.get("ngram_chain"), dict) else {}
-    facts = {"path": where, "model": man.get("model"), "speculator": spec, "chain": chain,
-             "k": man.get("num_speculative_tokens"), "has_ngram": bool(ng_man), "ngram_columns": None,
-             "chain_k": {"ngram": ng_man.get("width")}}  # drafted depth per chain the bank records
+    k = man.get("num_speculative_tokens")
+    width = ng_man.get("width")
+    facts = {"path": where, "folder": folder is not None, "model": man.get("model"), "speculator": spec,
+             "chain": chain, "k": k if _count(k) else None, "has_ngram": bool(ng_man), "ngram_columns": None,
+             "chain_k": {"ngram": width if _count(width) else None},  # drafted depth per chain the bank records
+             "temperatures": _manifest_temperature(man), "unrecorded_temperatures": 0}
+    if facts["temperatures"] is not None:
+        facts["temperatures"] = [facts["temperatures"]]
     if folder is not None:  # the data's own widths beat the manifest's
         from calib.chains import chains
 
@@ -290,7 +620,26 @@ def _bank_facts(bank, path=None) -> dict:
             facts.update(has_ngram=True, ngram_columns=set(pq.read_schema(folder / schema.NGRAM).names))
         else:
             facts["has_ngram"] = False
+        spec_file = folder / schema.SPECULATOR
+        if "temperature" in pq.read_schema(spec_file).names:  # the rounds' own temperatures beat the manifest's
+            col = pq.read_table(spec_file, columns=["temperature"]).column(0)
+            t = col.to_numpy(zero_copy_only=False).astype(np.float64)
+            missing = np.isnan(t)
+            facts["unrecorded_temperatures"] = int(missing.sum())
+            facts["temperatures"] = [float(v) for v in np.unique(np.round(t[~missing], 6))] or None
     return facts
+
+
+def _count(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _manifest_temperature(man: dict):
+    """A manifest's sampling temperature (``sampling.temperature``, or a top-level ``temperature``), None
+    where it records none."""
+    sampling = man.get("sampling") if isinstance(man.get("sampling"), dict) else {}
+    t = sampling.get("temperature", man.get("temperature"))
+    return float(t) if isinstance(t, numbers.Real) and not isinstance(t, bool) else None
 
 
 def _verified_chain(speculator: str, method: str | None) -> str:
@@ -349,7 +698,15 @@ def save(out_dir: str | os.PathLike, tables: GridTables, meta: dict) -> Path:
 
 
 def load(path: str | os.PathLike) -> Tables:
-    """Load and verify tables from a folder (or its ``tables.json``); refuse anything off."""
+    """Load and verify tables from a folder (or its ``tables.json``); refuse anything off.
+
+    In order: both files present; tables.json readable as JSON (:func:`calib.sidefiles.read_json`), of
+    this :data:`SCHEMA_VERSION`, matching its own digest, then every field of the types calib writes
+    (:func:`check_meta`); the tensor file matching tables.json's checksum, a safetensors file holding
+    exactly the tensors and shapes tables.json lists, each chain's tensors consistent with its axes and
+    their values in range (:func:`check_chain_tensors`). Each refusal is a :class:`TablesError` naming
+    the file, and the chain, key or tensor, and the first bad value.
+    """
     d = Path(path)
     if d.name == META:
         d = d.parent
@@ -359,11 +716,11 @@ def load(path: str | os.PathLike) -> Tables:
             raise TablesError(f"{p} not found: a tables folder holds {TENSORS} and {META} "
                               "(written by `python train.py out_dir=...`)")
     try:
-        meta = json.loads(meta_path.read_text())
-    except json.JSONDecodeError as exc:
-        raise TablesError(f"{meta_path}: not valid JSON ({exc})") from exc
+        meta = read_json(meta_path, dict, hint="re-export the tables (python train.py out_dir=DIR overwrite=true)")
+    except SideFileError as exc:
+        raise TablesError(str(exc)) from exc
     version = meta.get("schema_version")
-    if version != SCHEMA_VERSION:
+    if isinstance(version, bool) or version != SCHEMA_VERSION:
         raise TablesError(f"{meta_path}: schema_version {version!r}, this calib reads {SCHEMA_VERSION}; "
                           "re-export the tables with this calib version (python train.py out_dir=DIR)")
     recorded, actual = meta.get("json_sha256"), json_digest(meta)
@@ -373,24 +730,112 @@ def load(path: str | os.PathLike) -> Tables:
                           "order, edge or depth changes what the tensors mean without any other error; "
                           "re-export the tables (python train.py out_dir=DIR overwrite=true) instead of "
                           "editing them")
+    check_meta(meta, meta_path)
     digest = _sha256(tensor_path)
-    if digest != meta.get("tensors_sha256"):
+    if digest != meta["tensors_sha256"]:
         raise TablesError(f"{tensor_path}: sha256 {digest[:12]}… does not match tables.json "
                           f"({str(meta.get('tensors_sha256'))[:12]}…); the files are from different "
                           "exports or were modified; re-export the tables (python train.py out_dir=DIR)")
-    tensors = load_file(tensor_path)
+    try:
+        tensors = load_file(tensor_path)
+    except Exception as exc:  # safetensors raises its own error types for a corrupt file
+        raise TablesError(f"{tensor_path}: not a readable safetensors file ({type(exc).__name__}: {exc}); "
+                          f"{REEXPORT}") from exc
+    _check_shapes(meta["shapes"], tensors, meta_path, tensor_path)
     chain_tables = {}
-    for name, entry in (meta.get("chains") or {}).items():
+    for name, entry in meta["chains"].items():
         missing = [f"{name}.{p}" for p in PARTS if f"{name}.{p}" not in tensors]
         if missing:
             raise TablesError(f"{tensor_path}: missing tensors {missing}")
+        parts = {p: tensors[f"{name}.{p}"] for p in PARTS}
+        axes = tuple(Axis.from_json(a) for a in entry["axes"])
+        check_chain_tensors(name, axes, parts, entry, tensor_path)
         try:
-            chain_tables[name] = ChainTable(tuple(Axis.from_json(a) for a in entry["axes"]),
-                                            *(tensors[f"{name}.{p}"] for p in PARTS))
+            chain_tables[name] = ChainTable(axes, *(parts[p] for p in PARTS))
         except (KeyError, TypeError, ValueError) as exc:
             raise TablesError(f"{d}: chain {name!r}: its axes in tables.json do not describe its tensors "
                               f"({exc}); re-export the tables") from exc
     return Tables(chain_tables, meta=meta, path=d, reuse_last_row=meta.get("reuse_last_row", False))
+
+
+def _check_shapes(shapes: dict, tensors: dict, meta_path: Path, tensor_path: Path) -> None:
+    """The tensor file holds exactly the tensors tables.json's ``shapes`` lists, each of that shape."""
+    listed, held = set(shapes), set(tensors)
+    if listed != held:
+        raise TablesError(f"{tensor_path}: holds tensors {sorted(held)}, {meta_path.name}'s shapes list "
+                          f"{sorted(listed)} (not in the file: {sorted(listed - held)}, not listed: "
+                          f"{sorted(held - listed)}); {REEXPORT}")
+    for name in sorted(held):
+        if list(tensors[name].shape) != shapes[name]:
+            raise TablesError(f"{tensor_path}: tensor {name} has shape {list(tensors[name].shape)}, "
+                              f"{meta_path.name}'s shapes.{name} says {shapes[name]}; {REEXPORT}")
+
+
+def _first(bad: torch.Tensor) -> tuple[int, ...]:
+    return tuple(int(i) for i in bad.nonzero()[0])
+
+
+def check_chain_tensors(name: str, axes: tuple, parts: dict, entry: dict, where) -> None:
+    """Refuse chain ``name``'s tensors (``parts``: grid, edges, strides) where they cannot mean what the
+    layout says (:mod:`calib.tables.layout`), naming ``where`` (the tensor file), the tensor and the
+    first bad index and value:
+
+    * dtypes: grid and edges float32, strides int64;
+    * grid values in [0, 1]: every cell holds a probability (NaN too is refused: "no token" is an
+      input's NaN, and a NaN cell would silently drop that cell's chains from every allocation);
+      its rows match tables.json's ``depths`` where recorded;
+    * edges: one row per binned axis, each ascending finite edges then ``+inf`` padding only (NaN,
+      ``-inf`` or a finite edge after the padding is refused), equal to the axis' edges in tables.json;
+    * strides: none negative, none zero on an axis that has edges (its buckets would all read one cell).
+    """
+    for part, dtype in DTYPES.items():
+        if parts[part].dtype != dtype:
+            raise TablesError(f"{where}: tensor {name}.{part} is {parts[part].dtype}, the layout's is {dtype}; "
+                              f"{REEXPORT}")
+    grid, edges, strides = parts["grid"], parts["edges"], parts["strides"]
+    if grid.ndim == 2:
+        bad = ~((grid >= 0) & (grid <= 1))
+        if bool(bad.any()):
+            at = _first(bad)
+            raise TablesError(f"{where}: chain {name!r}: tensor {name}.grid{list(at)} = {float(grid[at])!r} is not a "
+                              f"probability in [0, 1] ({int(bad.sum())} of {grid.numel()} cells are off); {REEXPORT}")
+        depths = entry.get("depths")
+        if depths is not None and grid.shape[0] != depths:
+            raise TablesError(f"{where}: chain {name!r}: tensor {name}.grid has {grid.shape[0]} depth rows, "
+                              f"tables.json's chains.{name}.depths says {depths}; {REEXPORT}")
+    binned = [a for a in axes if not a.interpolated]
+    if edges.ndim != 2 or edges.shape[0] != len(binned) or strides.ndim != 1 or strides.shape[0] != len(binned):
+        raise TablesError(f"{where}: chain {name!r}: {name}.edges {list(edges.shape)} and {name}.strides "
+                          f"{list(strides.shape)} must be [A_b, E] and [A_b] with A_b = {len(binned)} binned axes "
+                          f"({[a.name for a in binned]}); {REEXPORT}")
+    for a, axis in enumerate(binned):
+        row = edges[a]
+        finite = torch.isfinite(row)
+        padding = (~finite).nonzero()
+        n = int(padding[0, 0]) if padding.numel() else int(row.numel())  # the finite edges before the padding
+        problem = None
+        if bool(torch.isnan(row).any()):
+            problem, at = "NaN", int(torch.isnan(row).nonzero()[0, 0])
+        elif bool((row == -torch.inf).any()):
+            problem, at = "-inf", int((row == -torch.inf).nonzero()[0, 0])
+        elif bool(finite[n:].any()):
+            problem, at = "a finite edge after the +inf padding", n + int(finite[n:].nonzero()[0, 0])
+        elif n > 1 and not bool((row[1:n] >= row[: n - 1]).all()):
+            at = int((row[1:n] < row[: n - 1]).nonzero()[0, 0]) + 1
+            problem = "smaller than the edge before it (edges must ascend)"
+        if problem is not None:
+            raise TablesError(f"{where}: chain {name!r}: tensor {name}.edges[{a}, {at}] = {float(row[at])!r} "
+                              f"(axis {axis.name!r}): {problem}; edges are ascending finite values padded with +inf; "
+                              f"{REEXPORT}")
+        listed = torch.tensor(axis.edges, dtype=torch.float32)
+        if n != len(axis.edges) or not torch.equal(row[:n], listed):
+            raise TablesError(f"{where}: chain {name!r}: tensor {name}.edges[{a}] holds {row[:n].tolist()}, "
+                              f"tables.json's axis {axis.name!r} says {list(axis.edges)}; {REEXPORT}")
+        s = int(strides[a])
+        if s < 0 or (s == 0 and n):
+            raise TablesError(f"{where}: chain {name!r}: tensor {name}.strides[{a}] = {s} (axis {axis.name!r}) "
+                              f"{'is negative' if s < 0 else 'is 0 on an axis with edges: every bucket would read one cell'}"
+                              f"; {REEXPORT}")
 
 
 def _chain_id(name: str) -> int | None:

@@ -11,6 +11,7 @@ from calib.calibrators.binning import IsotonicPerDepth
 from calib.calibrators.features import LogisticAcceptance
 from calib.tables import ChainTable, GridTables, TablesError, load, save
 from calib.tables.export import model_grid, ngram_grid, table_predict
+from calib.tables.io import TablesWarning
 from tests.synthetic import two_chain_tables
 
 FEATS = ["match_n", "agreement"]
@@ -127,17 +128,32 @@ def test_saved_files_are_public(tmp_path, tables):
 MANIFEST = {"model": "synthetic-model", "speculator": "eagle:head", "method": "eagle", "num_speculative_tokens": 4}
 
 
-def _bank(tmp_path, name="bank", width=4, speculator="eagle:head", manifest=None):
+def _bank(tmp_path, name="bank", width=4, speculator="eagle:head", manifest=None, temperature=0.0):
+    """A SYNTHETIC bank; ``temperature`` (a number, a list cycled over the rounds, or None = no column)
+    is speculator.parquet's temperature column."""
+    import pyarrow as pa
+
     from calib.bank import write_bank
     from tests.synthetic import synthetic_tables
 
     man = {**MANIFEST, "speculator": speculator, "num_speculative_tokens": width} if manifest is None else manifest
-    return write_bank(tmp_path / name, *synthetic_tables(n_prompts=6, rounds_per_prompt=4, width=width,
-                                                          speculator=speculator), manifest=man)
+    acceptance, spec, ngram = synthetic_tables(n_prompts=6, rounds_per_prompt=4, width=width, speculator=speculator)
+    if temperature is not None:
+        temps = temperature if isinstance(temperature, list) else [temperature]
+        spec = spec.append_column(pa.field("temperature", pa.float64()),
+                                  pa.array([temps[i % len(temps)] for i in range(spec.num_rows)], pa.float64()))
+    return write_bank(tmp_path / name, acceptance, spec, ngram, manifest=man)
 
 
-def _fitted(tmp_path, tables, k=4, ids=("eagle:head",), target="synthetic-model"):
-    meta = {"target_models": [target], "chains": {"model": {"ids": list(ids), "k": k}, "ngram": {"ids": ["ngram"], "k": k}}}
+def _temps(*values):
+    return {"values": list(values), "n_values": len(values), "min": min(values), "max": max(values),
+            "unrecorded_samples": 0}
+
+
+def _fitted(tmp_path, tables, k=4, ids=("eagle:head",), target="synthetic-model", temperatures=(0.0,)):
+    rec = {"temperatures": _temps(*temperatures)} if temperatures else {}
+    meta = {"target_models": [target], "chains": {"model": {"ids": list(ids), "k": k, **rec},
+                                                  "ngram": {"ids": ["ngram"], "k": k, **rec}}}
     return load(save(tmp_path / "tables", tables, meta))
 
 
@@ -201,14 +217,68 @@ def test_check_bank_refuses_missing_ngram_features(tmp_path, tables):
 
 
 def test_check_bank_warns_what_it_cannot_check(tmp_path, tables):
-    from calib.tables.io import TablesWarning
-
     t = _fitted(tmp_path, tables)
     bank = _bank(tmp_path, manifest={"num_speculative_tokens": 4})
     with pytest.warns(TablesWarning) as rec:
         notes = t.check_bank(bank)
     assert len(notes) == 2 and "records no `model`" in notes[0] and "records no `speculator`" in notes[1]
     assert {str(w.message) for w in rec} == set(notes)
+    # no temperature on either side: said, not skipped silently
+    with pytest.warns(TablesWarning) as rec:
+        notes = _fitted(tmp_path / "old", tables, temperatures=()).check_bank(_bank(tmp_path, "b2", temperature=None))
+    assert len(notes) == 1 and "no temperature column" in notes[0] and "model: not recorded" in notes[0]
+
+
+def test_check_bank_refuses_a_bank_at_another_temperature(tmp_path, tables):
+    """A T = 0.8 bank on tables fitted at T = 0 used to be evaluated without a word (issue 25)."""
+    import warnings
+
+    t = _fitted(tmp_path, tables, temperatures=(0.0,))  # one temperature: still recorded
+    hot = _bank(tmp_path, "hot", temperature=0.8)
+    with pytest.raises(TablesError) as err:
+        t.check_bank(hot)
+    msg = str(err.value)
+    assert f"tables {tmp_path / 'tables'} were fitted at temperatures [0] (model and ngram chains)" in msg
+    assert f"bank {hot} samples at temperature [0.8], outside that range" in msg
+    assert f"python train.py data.train=[...,{hot}]" in msg
+    both = _fitted(tmp_path / "both", tables, temperatures=(0.0, 0.8))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert both.check_bank(hot) == [] and both.check_bank(_bank(tmp_path, "mixed", temperature=[0.0, 0.8])) == []
+    with pytest.warns(TablesWarning, match=r"temperature \[0.4\], between the temperatures"):
+        both.check_bank(_bank(tmp_path, "mid", temperature=0.4))
+    neg = _bank(tmp_path, "neg")  # a negative temperature written behind the bank validator's back
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    spec = pq.read_table(neg / "speculator.parquet")
+    temps = pa.array([-1.0 if i % 2 else 0.0 for i in range(spec.num_rows)], pa.float64())
+    pq.write_table(spec.set_column(spec.column_names.index("temperature"), "temperature", temps),
+                   neg / "speculator.parquet")
+    with pytest.raises(TablesError, match=rf"bank {neg} holds temperature \[-1\], which no sampler uses"):
+        both.check_bank(neg)
+    # no temperature column: the manifest's sampling.temperature stands in
+    dict_bank = _bank(tmp_path, "man", temperature=None, manifest={**MANIFEST, "sampling": {"temperature": 0.8}})
+    with pytest.raises(TablesError, match=r"samples at temperature \[0.8\]"):
+        t.check_bank(dict_bank)
+    # a manifest dict without a temperature (an engine's) is left to check_temperature
+    assert t.check_bank(dict(MANIFEST), path="engine") == []
+
+
+def test_check_temperature_for_serving(tmp_path, tables):
+    t = _fitted(tmp_path, tables, temperatures=(0.0, 0.8))
+    assert t.check_temperature(0.0) == [] and t.check_temperature(0.8, chains=["model"]) == []
+    with pytest.raises(TablesError, match=r"fitted at temperatures \[0, 0.8\] \(model and ngram chains\), "
+                                          r"sampling.temperature samples at temperature \[1.2\]"):
+        t.check_temperature(1.2, where="sampling.temperature")
+    for bad in (float("nan"), -0.1, float("inf"), "hot"):
+        with pytest.raises(ValueError, match=r"sampling.temperature: temperature=.* finite number >= 0"):
+            t.check_temperature(bad, where="sampling.temperature")
+    with pytest.warns(TablesWarning, match="records no fitted temperatures"):
+        _fitted(tmp_path / "old", tables, temperatures=()).check_temperature(0.8)
+    assert t.unfitted_temperatures(torch.tensor([0.0, 0.8, 0.8])) == []
+    assert t.unfitted_temperatures([0.0, 1.5, 1.5, 2.0]) == [1.5, 2.0]
+    assert t.unfitted_temperatures([1.5, 3.0]) == [3.0]  # each once
 
 
 def test_reuse_last_row_survives_save_and_load(tmp_path, tables):
@@ -220,7 +290,8 @@ def test_reuse_last_row_survives_save_and_load(tmp_path, tables):
 
     deep = first_rows(True)
     meta = {"target_models": ["synthetic-model"],
-            "chains": {"model": {"ids": ["eagle:head"]}, "ngram": {"ids": ["ngram"]}}}
+            "chains": {"model": {"ids": ["eagle:head"], "temperatures": _temps(0.0)},
+                       "ngram": {"ids": ["ngram"], "temperatures": _temps(0.0)}}}
     t = load(save(tmp_path / "t", deep, meta))
     assert t.reuse_last_row and not load(save(tmp_path / "u", tables, meta)).reuse_last_row
     assert t.check_bank(_bank(tmp_path)) == []  # K=4 bank on 2 rows: allowed, the tables say so
