@@ -101,6 +101,27 @@ def test_serve_entry_calib_two_drafter_is_lossless(tmp_path):
 
 
 @pytest.mark.engine
+def test_serve_with_calib_off_exits_non_zero_and_publishes_nothing(tmp_path):
+    """Tables the engine refuses at start (fitted for another target): calib switches itself off and vLLM
+    serves on its own. serve.py must not publish that as a calib figure (it used to exit 0 with a
+    serve.json labelled calib_ragged while no step was decided)."""
+    pytest.importorskip("vllm")
+    from calib.tables.io import save
+    from tests.serve.test_decide import D, _tables
+
+    meta = {"target_models": ["Other-7B"], "chains": {"model": {"ids": [f"eagle:{HEAD}"], "k": D},
+                                                     "ngram": {"ids": ["ngram"], "k": D}}}
+    tables = save(tmp_path / "tables", _tables(seed=3), meta)
+    out = tmp_path / "out"
+    proc = _serve("policy=calib_ragged", "speculative=ngram", f"out_dir={out}", "prompts=smoke", "limit=1",
+                  "sampling.max_tokens=8", "engine.dtype=float32", f"tables={tables}", "serve.cost=[1.0,0.05]")
+    text = proc.stdout + proc.stderr
+    assert proc.returncode != 0, text[-4000:]
+    assert "calib was OFF in this run" in text and "Other-7B" in text, text[-4000:]
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["tables"]
+
+
+@pytest.mark.engine
 def test_collecting_while_serving_records_the_verified_chain(tmp_path):
     """collect.py with calib serving on (EAGLE + n-gram, SYNTHETIC tables that substitute often): the
     capture still reconciles with vLLM's per-request metrics, the bank validates, and every round says
