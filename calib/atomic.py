@@ -81,17 +81,33 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
 
 
 @contextmanager
-def atomic_dir(target: str | os.PathLike, *, job: str = "calib") -> Iterator[Path]:
+def atomic_dir(target: str | os.PathLike, *, job: str = "calib", carry_foreign: bool = False) -> Iterator[Path]:
     """A fresh staging folder beside ``target``, published at ``target`` as one unit when the block
     ends (:func:`publish_dir`: an existing ``target`` is replaced whole, and only if it holds just
     what calib wrote there), removed if it raises. ``target`` is checked before the block runs too,
-    so a refused folder costs no work."""
+    so a refused folder costs no work.
+
+    With ``carry_foreign``, whatever ``target`` holds that calib did not write (a README beside an
+    exported checkpoint) is copied into the staging folder first and published with the new files;
+    the block must leave those copies as they are (overwriting one is refused at publish: it would
+    be lost)."""
     target = resolve_target(target)
-    check_replaceable(target, job=job, what="folder")
+    if not carry_foreign:
+        check_replaceable(target, job=job, what="folder")
     stage = staging_dir(target)
     try:
+        if carry_foreign and target.is_dir():
+            for rel in foreign_entries(target):
+                src, dst = target / rel, stage / rel
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                if src.is_symlink():
+                    os.symlink(os.readlink(src), dst)
+                elif src.is_dir():
+                    shutil.copytree(src, dst, symlinks=True)
+                else:
+                    shutil.copy2(src, dst)
         yield stage
-        publish_dir(stage, target, job=job, what="folder")
+        publish_dir(stage, target, job=job, what="folder", carry_foreign=carry_foreign)
     finally:
         shutil.rmtree(stage, ignore_errors=True)
 
@@ -181,30 +197,36 @@ def _record(folder: Path) -> dict | None:
     return rec
 
 
-def foreign_entries(folder: str | os.PathLike) -> list[str]:
+def foreign_entries(folder: str | os.PathLike, carried: str | os.PathLike | None = None) -> list[str]:
     """What ``folder`` holds that calib did not record writing there: entries missing from its
     ownership record, or changed since (another size or content, a file where a link was). Empty for
-    a folder that is exactly what calib published; every entry for a folder with no record."""
+    a folder that is exactly what calib published; every entry for a folder with no record. A foreign
+    folder is named once, not file by file. With ``carried`` (a staging folder), a foreign entry that
+    stands there unchanged is not counted: it is carried into the new folder, so nothing is lost."""
     folder = Path(folder)
     rec = _record(folder)
     recorded = rec["files"] if rec is not None else {}
-    foreign = []
-    for rel, entry in _entries(folder).items():
-        mine = recorded.get(rel)
-        if mine is None:
-            foreign.append(rel)
-        elif "sha256" in entry:
-            if mine.get("size") != entry["size"] or mine.get("sha256") != entry["sha256"]:
-                foreign.append(rel)
-        elif entry != mine:
-            foreign.append(rel)
-    # A foreign folder counts once: its contents are named by the folder.
-    dirs = [f for f in foreign if f.endswith("/") or (folder / f).is_dir() and not (folder / f).is_symlink()]
-    return sorted(f for f in foreign if not any(f.startswith(d.rstrip("/") + "/") for d in dirs))
+    entries = _entries(folder)
+    foreign = {rel for rel, entry in entries.items() if not _same(recorded.get(rel), entry)}
+    if carried is not None and foreign:
+        staged = _entries(Path(carried))
+        foreign = {rel for rel in foreign if not _same(staged.get(rel), entries[rel])}
+    return sorted(f for f in foreign if not any(f.startswith(d + "/") for d in foreign if d != f))
 
 
-def _write_record(folder: Path, job: str) -> None:
-    write_json_atomic(folder / OWNED, {"version": OWNED_VERSION, "job": job, "files": _entries(folder),
+def _same(mine: dict | None, entry: dict) -> bool:
+    if mine is None:
+        return False
+    if "sha256" in entry:
+        return mine.get("size") == entry["size"] and mine.get("sha256") == entry["sha256"]
+    return mine == entry
+
+
+def _write_record(folder: Path, job: str, exclude: set[str] = frozenset()) -> None:
+    """Record what ``folder`` holds as calib's, less ``exclude`` (carried foreign entries stay foreign)."""
+    files = {rel: e for rel, e in _entries(folder).items()
+             if rel not in exclude and not any(rel.startswith(x + "/") for x in exclude)}
+    write_json_atomic(folder / OWNED, {"version": OWNED_VERSION, "job": job, "files": files,
                                        "note": "what calib wrote here; calib replaces this folder only while "
                                                "it holds exactly these files (delete this file to keep calib "
                                                "from ever replacing the folder)"})
@@ -230,13 +252,15 @@ def resolve_target(target: str | os.PathLike) -> Path:
 
 
 def check_replaceable(target: str | os.PathLike, *, job: str = "calib", overwrite: bool = True,
-                      what: str = "out_dir") -> None:
+                      what: str = "out_dir", carried: str | os.PathLike | None = None) -> None:
     """Refuse to replace ``target`` unless everything in it is what calib wrote there.
 
     ``target`` may be absent or empty. A folder with content is replaced only if its ownership
     record (:data:`OWNED`, written by :func:`publish_dir`) lists exactly what it holds, the record
     names the same ``job``, and ``overwrite`` is set. Anything else — a user's notes beside old
-    tables, a project folder, a file edited since — is never replaced, whatever ``overwrite`` says.
+    tables, a project folder, a file edited since — is never replaced, whatever ``overwrite`` says,
+    unless it stands unchanged in ``carried`` (the staging folder of an :func:`atomic_dir` with
+    ``carry_foreign``), which then publishes it with the new files.
 
     Raises:
         FileExistsError: naming the folder, what else it holds and what to do.
@@ -248,7 +272,7 @@ def check_replaceable(target: str | os.PathLike, *, job: str = "calib", overwrit
         raise FileExistsError(f"{what} {target} is a file, not a folder; choose another {what}")
     if not any(target.iterdir()):
         return
-    foreign = foreign_entries(target)
+    foreign = foreign_entries(target, carried)
     if foreign:
         shown = ", ".join(foreign[:8]) + (f" and {len(foreign) - 8} more" if len(foreign) > 8 else "")
         why = ("it has no calib ownership record (" + OWNED + ")" if _record(target) is None else
@@ -257,6 +281,8 @@ def check_replaceable(target: str | os.PathLike, *, job: str = "calib", overwrit
             f"{what} {target} holds files calib did not write: {shown} ({why}). {job} replaces its {what} as a "
             f"whole and never deletes what it did not write: choose another {what}, or move those files out")
     prior = owner(target)
+    if prior is None and carried is not None:  # no record, but every entry is carried: nothing is lost
+        return
     if prior != job:
         raise FileExistsError(f"{what} {target} holds the output of {prior}, not of {job}; choose another {what}")
     if not overwrite:
@@ -278,20 +304,23 @@ def _parent_lock(target: Path) -> Iterator[None]:
 
 
 def publish_dir(staged: str | os.PathLike, target: str | os.PathLike, *, job: str = "calib",
-                overwrite: bool = True, what: str = "out_dir") -> Path:
+                overwrite: bool = True, what: str = "out_dir", carry_foreign: bool = False) -> Path:
     """Put the folder ``staged`` at ``target`` as one unit, with an ownership record of what it holds.
 
     An existing ``target`` is replaced whole, and only if :func:`check_replaceable` allows it (checked
     here under a lock, right before the swap); a symlinked ``target`` is followed, the link kept. A
     kill at any moment leaves either the old folder or the new one at ``target`` (on Linux the swap
     is one ``renameat2(RENAME_EXCHANGE)``; elsewhere the old folder is moved aside first and a kill
-    between the two renames leaves it beside ``target`` as ``.NAME.old-*``).
+    between the two renames leaves it beside ``target`` as ``.NAME.old-*``). With ``carry_foreign``,
+    what ``target`` holds that calib did not write may stay if ``staged`` holds it unchanged.
     """
     staged, target = Path(staged), resolve_target(target)
-    _write_record(staged, job)
+    carried = set(foreign_entries(target)) if carry_foreign and target.is_dir() else set()
+    _write_record(staged, job, exclude=carried)
     set_public_mode(staged)
     with _parent_lock(target):
-        check_replaceable(target, job=job, overwrite=overwrite, what=what)
+        check_replaceable(target, job=job, overwrite=overwrite, what=what,
+                          carried=staged if carry_foreign else None)
         if not target.exists():
             os.replace(staged, target)
             return target

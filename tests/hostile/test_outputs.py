@@ -179,6 +179,33 @@ def test_a_link_inside_an_owned_output_is_recorded_not_followed(tmp_path):
     assert (outside / "big.bin").read_text() == "not calib's"  # replacing the folder never follows the link
 
 
+def test_carry_foreign_publishes_what_calib_did_not_write_with_the_new_files(tmp_path):
+    head = tmp_path / "head"
+    head.mkdir()
+    (head / "README.md").write_text("the maintainers' notes")
+    (head / "runs").mkdir()
+    (head / "runs" / "log.txt").write_text("run 1")
+    with atomic_dir(head, carry_foreign=True) as stage:
+        (stage / "model.safetensors").write_text("weights 1")
+    assert (head / "README.md").read_text() == "the maintainers' notes" and (head / "runs" / "log.txt").exists()
+    assert foreign_entries(head) == ["README.md", "runs"]  # still not calib's: carried, not claimed
+    with atomic_dir(head, carry_foreign=True) as stage:  # the next export replaces calib's own file
+        (stage / "model.safetensors").write_text("weights 2")
+    assert (head / "model.safetensors").read_text() == "weights 2"
+    assert (head / "README.md").read_text() == "the maintainers' notes"
+
+
+def test_carry_foreign_refuses_a_block_that_overwrites_a_carried_file(tmp_path):
+    head = tmp_path / "head"
+    head.mkdir()
+    (head / "config.json").write_text('{"mine": true}')
+    before = snapshot(tmp_path)
+    with pytest.raises(FileExistsError, match=r"holds files calib did not write: config.json"):
+        with atomic_dir(head, carry_foreign=True) as stage:
+            (stage / "config.json").write_text('{"exported": true}')
+    assert snapshot(tmp_path) == before
+
+
 # -- faults, signals, concurrent runs -----------------------------------------------------------------
 
 
