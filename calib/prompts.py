@@ -22,16 +22,65 @@ def encode_chat(tokenizer, messages) -> list[int]:
     return tokenizer(text, add_special_tokens=False).input_ids
 
 
+ROLES = ("system", "user", "assistant", "tool")
+RECORD = '{"id": ..., "category": ..., "messages": [{"role": "user", "content": "..."}]}'
+
+
+def _record(rec) -> tuple[str, str, list]:
+    """(id, category, messages) of one parsed JSONL record; a ValueError/TypeError saying what is wrong."""
+    if not isinstance(rec, dict):
+        raise TypeError(f"the line is a JSON {type(rec).__name__}, not an object")
+    for key in ("id", "category", "messages"):
+        if key not in rec:
+            raise ValueError(f"field {key!r} is missing")
+    pid, cat, msgs = rec["id"], rec["category"], rec["messages"]
+    if isinstance(pid, bool) or not isinstance(pid, (str, int)) or not str(pid).strip():
+        raise ValueError(f"'id' is {pid!r}; expected a non-empty string (or an integer)")
+    if not isinstance(cat, str) or not cat.strip():
+        raise ValueError(f"'category' is {cat!r}; expected a non-empty string")
+    if not isinstance(msgs, list) or not msgs:
+        raise ValueError("'messages' must be a non-empty list")
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict):
+            raise TypeError(f"messages[{i}] is a {type(m).__name__}, not an object with 'role' and 'content'")
+        if m.get("role") not in ROLES:
+            raise ValueError(f"messages[{i}].role is {m.get('role')!r}; expected one of {', '.join(ROLES)}")
+        if not isinstance(m.get("content"), str):
+            raise TypeError(f"messages[{i}].content is {m.get('content')!r}; expected a string")
+    return str(pid), cat, msgs
+
+
+def _lines(path: Path) -> list[str]:
+    """The lines of the UTF-8 text file ``path``; ValueError naming the file (and line) otherwise."""
+    if path.is_dir():
+        raise ValueError(f"prompt file {path} is a folder, not a JSONL file: name the .jsonl file itself")
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise ValueError(f"prompt file {path} cannot be read ({exc.strerror or exc})") from exc
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line_no = raw.count(b"\n", 0, exc.start) + 1
+        raise ValueError(f"{path}, line {line_no}: not UTF-8 text (byte {exc.start}); prompt files are "
+                         "UTF-8 JSONL: re-save it as UTF-8") from exc
+    # Lines end at "\n" only: a JSON string may hold U+2028 and friends, which str.splitlines splits at.
+    return [line.removesuffix("\r") for line in text.split("\n")]
+
+
 def load_prompts(files, limit_per_file: int | None = None, root: str | Path = ".") -> list[Prompt]:
     """The prompts of ``files`` in order (at most ``limit_per_file`` from each), relative to ``root``.
 
     A file without a single prompt, or a set without any, is an error naming the file: callers load
     prompts before a model, so a typo or an empty file fails at once, not after an engine started.
+    So is a malformed record (not JSON, not an object, a missing or mistyped field, empty messages, a
+    message whose role is not one of :data:`ROLES` or whose content is not a string), naming the
+    file and the line, and a file that is not UTF-8 text or is a folder.
     """
-    if limit_per_file is not None and int(limit_per_file) < 1:
+    if limit_per_file is not None and (isinstance(limit_per_file, bool) or int(limit_per_file) < 1):
         raise ValueError(f"limit_per_file={limit_per_file!r} would keep no prompts: use a number >= 1, "
                          "or null for every prompt")
-    files = list(files)
+    files = [files] if isinstance(files, (str, Path)) else list(files)  # one file, not its characters
     if not files:
         raise ValueError("no prompt files given: list at least one JSONL file (prompts.files)")
     out: list[Prompt] = []
@@ -40,18 +89,18 @@ def load_prompts(files, limit_per_file: int | None = None, root: str | Path = ".
         if not path.exists():
             raise FileNotFoundError(f"prompt file {path} not found")
         n = 0
-        for line_no, line in enumerate(path.read_text().splitlines(), start=1):
+        for line_no, line in enumerate(_lines(path), start=1):
             if not line.strip():
                 continue
             try:
-                rec = json.loads(line)
-                msgs = rec["messages"]
-                if not isinstance(msgs, list) or not msgs:
-                    raise ValueError("'messages' must be a non-empty list")
-                out.append(Prompt(len(out), str(rec["id"]), str(rec["category"]), msgs))
-            except (json.JSONDecodeError, KeyError, ValueError) as exc:
-                raise ValueError(f"{path}, line {line_no}: bad prompt record ({exc}); expected "
-                                 '{"id": ..., "category": ..., "messages": [...]}') from exc
+                pid, cat, msgs = _record(json.loads(line))
+            except (RecursionError, TypeError, ValueError) as exc:  # JSONDecodeError is a ValueError
+                why = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+                if isinstance(exc, json.JSONDecodeError):
+                    why = f"not JSON: {exc.msg} at column {exc.colno}"
+                raise ValueError(f"{path}, line {line_no}: bad prompt record ({why}); expected one JSON "
+                                 f"object per line, {RECORD}") from None
+            out.append(Prompt(len(out), pid, cat, msgs))
             n += 1
             if limit_per_file is not None and n >= limit_per_file:
                 break

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-import json
+import hashlib
+import logging
 import os
 import shutil
+import warnings
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -16,6 +18,9 @@ from calib.atomic import publish_dir, staging_dir, write_json_atomic
 from calib.bank import schema
 from calib.bank.stats import compute_stats
 from calib.bank.validate import BankError, Problem, validate
+from calib.sidefiles import read_json
+
+log = logging.getLogger("calib.bank")
 
 
 def _canonical(table: pa.Table, file: str) -> pa.Table:
@@ -97,8 +102,9 @@ def read_routing(bank_dir: str | os.PathLike, validate_on_open: bool = True) -> 
             raise BankError(problems)
     experts = np.load(bank_dir / schema.ROUTING, mmap_mode="r", allow_pickle=False)
     meta = pq.read_table(bank_dir / schema.ROUTING_META)
-    manifest = bank_dir / schema.MANIFEST
-    info = json.loads(manifest.read_text()).get("routing", {}) if manifest.exists() else {}
+    manifest = read_json(bank_dir / schema.MANIFEST, missing_ok=True,
+                         hint="fix or delete run_manifest.json, or recollect the bank") or {}
+    info = manifest.get("routing", {})
     return Routing(experts, meta, info if isinstance(info, dict) else {})
 
 
@@ -106,8 +112,70 @@ def is_bank(path: str | os.PathLike) -> bool:
     return (Path(path) / schema.ACCEPTANCE).exists()
 
 
-def find_banks(paths: str | os.PathLike | Iterable[str | os.PathLike]) -> list[Path]:
-    """Bank folders named by ``paths``: bank folders themselves, or folders holding banks (1 level)."""
+class DuplicateBankWarning(UserWarning):
+    """A bank listed more than once (the same folder, a symlink to it, or a copy of it): counted once."""
+
+
+def fingerprint(bank_dir: str | os.PathLike) -> str:
+    """A bank's content identity: the sha256 of its acceptance.parquet (the same digest as
+    ``calib.tables.io.bank_fingerprint``). A copy or a move of a bank keeps it."""
+    h = hashlib.sha256()
+    with open(Path(bank_dir) / schema.ACCEPTANCE, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _drop(dup: Path, kept: Path, why: str) -> None:
+    if os.path.abspath(dup) == os.path.abspath(kept):
+        msg = f"bank {dup} is listed twice; it is used once"
+    else:
+        msg = f"bank {dup} {why} bank {kept}; {dup} is dropped and {kept} used once"
+    msg += " (its rounds would otherwise count twice; list each bank once to silence this)"
+    log.warning("%s", msg)
+    warnings.warn(msg, DuplicateBankWarning, stacklevel=4)
+
+
+def unique_banks(banks: Iterable[str | os.PathLike], by_content: bool = True) -> list[Path]:
+    """``banks`` with every repeat dropped (a :class:`DuplicateBankWarning` and a ``calib.bank`` log
+    warning naming both paths): the same resolved path (the same folder twice, a symlink to it), then,
+    with ``by_content``, the same content (a copy: identical acceptance.parquet). The first listed is
+    kept. Only banks whose acceptance.parquet sizes collide are hashed."""
+    by_path: dict[str, Path] = {}
+    out: list[Path] = []
+    for b in map(Path, banks):
+        real = os.path.realpath(b)
+        if real in by_path:
+            kept = by_path[real]
+            _drop(b, kept, f"resolves to {real}, the same folder as")
+            continue
+        by_path[real] = b
+        out.append(b)
+    if not by_content:
+        return out
+    sizes: dict[int, list[Path]] = {}
+    for b in out:
+        sizes.setdefault((b / schema.ACCEPTANCE).stat().st_size, []).append(b)
+    dropped: set[Path] = set()
+    for group in sizes.values():
+        if len(group) < 2:
+            continue
+        seen: dict[str, Path] = {}
+        for b in group:
+            digest = fingerprint(b)
+            if digest in seen:
+                _drop(b, seen[digest], f"is a copy (the same {schema.ACCEPTANCE}, sha256 {digest[:12]}) of")
+                dropped.add(b)
+            else:
+                seen[digest] = b
+    return [b for b in out if b not in dropped]
+
+
+def find_banks(paths: str | os.PathLike | Iterable[str | os.PathLike], dedupe: bool = True) -> list[Path]:
+    """Bank folders named by ``paths``: bank folders themselves, or folders holding banks (1 level).
+
+    A bank named twice (directly, through a symlink, or as a copy) is kept once (see
+    :func:`unique_banks`) unless ``dedupe`` is False."""
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
     found: list[Path] = []
@@ -118,7 +186,54 @@ def find_banks(paths: str | os.PathLike | Iterable[str | os.PathLike]) -> list[P
             found.extend(subs)
         else:
             raise FileNotFoundError(f"{p}: not a bank (no {schema.ACCEPTANCE}) and holds no bank folders")
-    return found
+    return unique_banks(found) if dedupe and len(found) > 1 else found
+
+
+class OverlappingBanksError(ValueError):
+    """Two banks hold rounds with the same keys: the same rounds collected (or copied) twice."""
+
+
+def check_disjoint(banks: Sequence[str | os.PathLike]) -> None:
+    """Refuse (:class:`OverlappingBanksError`, a ValueError) banks that share a round key
+    (:data:`schema.KEYS`): the same rounds collected twice, which a union would count twice (and a
+    join would multiply). Reads only the key columns of acceptance.parquet."""
+    import pyarrow.compute as pc
+
+    banks = [Path(b) for b in banks]
+    if len(banks) < 2:
+        return
+    key_schema = pa.schema([pa.field(k, schema.KEY_TYPES[k]) for k in schema.KEYS])
+    parts = []
+    for i, b in enumerate(banks):
+        path = b / schema.ACCEPTANCE
+        names = pq.read_schema(path).names
+        missing = [k for k in schema.KEYS if k not in names]
+        if missing:
+            raise ValueError(f"{path}: missing key column(s) {missing}; validate the bank "
+                             f"(python -m calib.bank validate {b})")
+        t = pq.read_table(path, columns=list(schema.KEYS))
+        try:
+            t = pa.table([pc.cast(t.column(k), schema.KEY_TYPES[k]) for k in schema.KEYS], schema=key_schema)
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
+            raise ValueError(f"{path}: key columns of the wrong type ({exc}); validate the bank "
+                             f"(python -m calib.bank validate {b})") from exc
+        parts.append(t.append_column("bank", pa.array(np.full(t.num_rows, i, dtype=np.int32))))
+    table = pa.concat_tables(parts)
+    groups = pa.TableGroupBy(table, list(schema.KEYS), use_threads=False).aggregate(
+        [("bank", "min"), ("bank", "max")])
+    shared = groups.filter(pc.not_equal(groups.column("bank_min"), groups.column("bank_max")))
+    if shared.num_rows == 0:
+        return
+    a, b = shared.column("bank_min")[0].as_py(), shared.column("bank_max")[0].as_py()
+    first = ", ".join(f"{k}={shared.column(k)[0].as_py()!r}" for k in schema.KEYS)
+    pair = pc.and_(pc.equal(shared.column("bank_min"), a), pc.equal(shared.column("bank_max"), b))
+    between = pc.sum(pair.cast(pa.int64())).as_py()
+    others = (f" ({shared.num_rows} keys are shared among the {len(banks)} banks in all)"
+              if shared.num_rows != between else "")
+    raise OverlappingBanksError(
+        f"banks {banks[a]} and {banks[b]} share {between} round key(s){others}; first: {first}. "
+        f"The same rounds were collected (or copied) twice and would be counted twice: drop one of the two "
+        f"banks from the list (or recollect one with another config / prompt set)")
 
 
 class Bank:
@@ -129,22 +244,21 @@ class Bank:
     """
 
     def __init__(self, paths, validate_on_open: bool = True):
-        self.paths = find_banks(paths)
+        self.paths = find_banks(paths)  # deduplicated: a bank listed twice (or a copy) counts once
         if validate_on_open:
             for p in self.paths:
                 problems = validate(str(p))
                 if problems:
                     raise BankError(problems)
+        check_disjoint(self.paths)
 
     def __repr__(self) -> str:
         return f"Bank({[str(p) for p in self.paths]})"
 
     def manifests(self) -> list[dict]:
-        out = []
-        for p in self.paths:
-            f = p / schema.MANIFEST
-            out.append(json.loads(f.read_text()) if f.exists() else {})
-        return out
+        return [read_json(p / schema.MANIFEST, missing_ok=True,
+                          hint="fix or delete run_manifest.json, or recollect the bank") or {}
+                for p in self.paths]
 
     def has(self, file: str) -> bool:
         return all((p / file).exists() for p in self.paths)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import json
+import numbers
 import os
 from dataclasses import dataclass
 
@@ -13,6 +13,15 @@ import pyarrow.parquet as pq
 
 from calib.bank import schema
 from calib.bank.stats import acc_matrix, compare_stats, compute_stats
+from calib.params import Interval, validate_params
+from calib.sidefiles import SideFileError, field, read_json
+
+# The optional side files are metadata: what is wrong with one is a finding, and the way out is
+# to fix it or delete it (both are optional) or to recollect the bank.
+_SIDE_HINT = "fix or delete the file (it is optional), or recollect the bank"
+# run_manifest.json fields the validator compares with the data, and their JSON types.
+MANIFEST_FIELDS: dict[str, type] = {"n_rounds": int, "model": str, "speculator": str, "config": str,
+                                    "categories": list, "num_speculative_tokens": int, "routing": dict}
 
 
 @dataclass(frozen=True)
@@ -56,6 +65,7 @@ class _Checker:
         self.dir = bank_dir
         self.max = max_problems
         self.problems: list[Problem] = []
+        self._json: dict[str, dict | None] = {}
 
     def add(self, file, column, row, message):
         if len(self.problems) < self.max:
@@ -194,6 +204,15 @@ class _Checker:
         if "batch_size" in table.column_names:
             bs = _floats(table.column("batch_size"))
             self.first_bad(file, "batch_size", bs < 1, table, "batch_size below 1")
+        if "temperature" in table.column_names:  # null: not recorded; a value must be a temperature
+            v = table.column("temperature")
+            raw, valid = _floats(v, nulls_as_nan=False), _valid_mask(v)
+            self.first_bad(file, "temperature", valid & np.isnan(raw), table,
+                           "NaN temperature (write null where it is not known)")
+            self.first_bad(file, "temperature", valid & np.isinf(raw), table, "infinite temperature")
+            with np.errstate(invalid="ignore"):
+                self.first_bad(file, "temperature", valid & (raw < 0), table,
+                               "negative temperature (a sampling temperature is >= 0; 0 is greedy)")
 
     def ngram(self, table: pa.Table, acceptance: pa.Table):
         f = schema.NGRAM
@@ -217,6 +236,9 @@ class _Checker:
             for k in np.flatnonzero(wrong.any(axis=0)):
                 self.first_bad(f, toks[k], wrong[:, k], table,
                                "ngram_tok must be set exactly on the first ngram_len depths")
+        else:
+            self.first_bad(f, "ngram_len", n > 0, table, "ngram_len is above 0 but the file has no "
+                           "ngram_tok columns (the chain's tokens)")
         src = np.asarray(table.column("label_source").to_pylist(), dtype=object)
         self.first_bad(f, "label_source", ~np.isin(src, schema.LABEL_SOURCES), table,
                        f"label_source not one of {schema.LABEL_SOURCES}")
@@ -356,44 +378,67 @@ class _Checker:
                        "(expected accept or accept + 1)")
 
     def read_json(self, file: str) -> dict | None:
-        """An optional JSON object beside the parquet files (None if absent or unreadable)."""
-        path = os.path.join(self.dir, file)
-        if not os.path.exists(path):
-            return None
-        try:
-            with open(path) as fh:
-                obj = json.load(fh)
-        except (OSError, json.JSONDecodeError) as exc:
-            self.add(file, None, None, f"not readable JSON: {exc}")
-            return None
-        if not isinstance(obj, dict):
-            self.add(file, None, None, "top level is not an object")
-            return None
-        return obj
+        """An optional JSON object beside the parquet files (None if absent or unusable: then a
+        finding names the file and what is wrong). Read once per validation."""
+        if file not in self._json:
+            try:
+                self._json[file] = read_json(os.path.join(self.dir, file), dict, missing_ok=True)
+            except SideFileError as exc:
+                self.add(file, None, None, f"{exc.problem}; {_SIDE_HINT}")
+                self._json[file] = None
+        return self._json[file]
 
     def manifest(self, acceptance: pa.Table):
         m = self.read_json(schema.MANIFEST)
         if m is None:
             return
-        if "n_rounds" in m and int(m["n_rounds"]) != acceptance.num_rows:
+        typed = {}
+        for key, kind in MANIFEST_FIELDS.items():
+            try:
+                typed[key] = field(m, key, kind, schema.MANIFEST)
+            except SideFileError as exc:
+                self.add(schema.MANIFEST, key, None, f"{exc.problem}; {_SIDE_HINT}")
+        cats = typed.get("categories")
+        if cats is not None and not all(isinstance(c, str) for c in cats):
+            bad = next(c for c in cats if not isinstance(c, str))
+            self.add(schema.MANIFEST, "categories", None,
+                     f"holds {bad!r} ({type(bad).__name__}); expected a list of category names (strings)")
+            cats = None
+        routing = typed.get("routing")
+        for key, kind in schema.ROUTING_INFO.items():
+            if routing is None:
+                break
+            try:
+                value = field(routing, key, kind, schema.MANIFEST)
+            except SideFileError as exc:
+                self.add(schema.MANIFEST, f"routing.{key}", None,
+                         f"{exc.problem.replace(repr(key), repr('routing.' + key))}; {_SIDE_HINT}")
+                continue
+            if kind is int and value is not None and value < 1:
+                self.add(schema.MANIFEST, f"routing.{key}", None, f"is {value}, expected an integer >= 1")
+        n = typed.get("n_rounds")
+        if n is not None and n != acceptance.num_rows:
             self.add(schema.MANIFEST, "n_rounds", None,
-                     f"says {m['n_rounds']} rounds, acceptance.parquet has {acceptance.num_rows}")
-        for field in ("model", "speculator", "config"):
-            if isinstance(m.get(field), str):
-                values = set(pc.unique(acceptance.column(field)).to_pylist())
-                if values != {m[field]}:
-                    self.add(schema.MANIFEST, field, None,
-                             f"says {m[field]!r}, the data hold {sorted(map(str, values))}")
-        if isinstance(m.get("categories"), list):
+                     f"says {n} rounds, acceptance.parquet has {acceptance.num_rows}")
+        for key in ("model", "speculator", "config"):
+            if typed.get(key) is not None:
+                values = set(pc.unique(acceptance.column(key)).to_pylist())
+                if values != {typed[key]}:
+                    self.add(schema.MANIFEST, key, None,
+                             f"says {typed[key]!r}, the data hold {sorted(map(str, values))}")
+        if cats is not None:
             values = set(pc.unique(acceptance.column("category")).to_pylist())
-            if not values <= set(m["categories"]):
+            if not values <= set(cats):
                 self.add(schema.MANIFEST, "categories", None,
-                         f"lists {m['categories']}, the data hold {sorted(values)}")
-        if isinstance(m.get("num_speculative_tokens"), int):
+                         f"lists {cats}, the data hold {sorted(values)}")
+        k = typed.get("num_speculative_tokens")
+        if k is not None:
             d = schema.width(acceptance.column_names)
-            if m["num_speculative_tokens"] > d:
+            if k < 1:
+                self.add(schema.MANIFEST, "num_speculative_tokens", None, f"is {k}, expected an integer >= 1")
+            elif k > d:
                 self.add(schema.MANIFEST, "num_speculative_tokens", None,
-                         f"says {m['num_speculative_tokens']}, the bank has {d} acc columns")
+                         f"says {k}, the bank has {d} acc columns")
 
     def stats(self, acceptance: pa.Table):
         claimed = self.read_json(schema.STATS)
@@ -404,7 +449,10 @@ class _Checker:
 
 
 def validate(bank_dir: str, max_problems: int = 50) -> list[Problem]:
-    """All problems found in the bank at ``bank_dir`` (empty list: valid)."""
+    """All problems found in the bank at ``bank_dir`` (empty list: valid), at most ``max_problems``
+    (>= 1: a validator that may report nothing would call every bank valid)."""
+    validate_params("calib.bank.validate", {"max_problems": max_problems},
+                    {"max_problems": [Interval(numbers.Integral, 1, None)]})
     ck = _Checker(str(bank_dir), max_problems)
     if not os.path.isdir(bank_dir):
         ck.add("", None, None, "not a directory")

@@ -34,13 +34,34 @@ class RunKeys:
     temperature: float
 
 
+def _capture_records(f: Path):
+    """(line number, record) of a capture file; a CaptureError naming the file and line for a line
+    that is not a JSON object with the fields the hooks write (a truncated or corrupted capture)."""
+    try:
+        text = f.read_bytes().decode("utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CaptureError(f"{f}: unreadable capture file ({exc}); rerun the part to capture it again") from exc
+    for line_no, line in enumerate(text.split("\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except (RecursionError, ValueError) as exc:
+            raise CaptureError(f"{f}, line {line_no}: not a JSON record ({exc}); the capture is truncated "
+                               "or corrupted: rerun the part to capture it again") from None
+        if not isinstance(rec, dict) or ("capture_error" not in rec and not
+                                         (isinstance(rec.get("req"), str) and isinstance(rec.get("step"), int))):
+            raise CaptureError(f"{f}, line {line_no}: not a capture record (a JSON object with 'req' and "
+                               "'step'); rerun the part to capture it again")
+        yield line_no, rec
+
+
 def read_capture(capture_dir: str | Path) -> dict[str, list[dict]]:
     """Records grouped by engine request id, in step order. Raises on reported hook failures."""
     by_req: dict[str, list[dict]] = defaultdict(list)
     errors = []
     for f in sorted(Path(capture_dir).glob("capture-*.jsonl")):
-        for line_no, line in enumerate(f.read_text().splitlines(), start=1):
-            rec = json.loads(line)
+        for line_no, rec in _capture_records(f):
             if "capture_error" in rec:
                 errors.append(f"{f.name}:{line_no}: {rec['capture_error']}")
                 continue

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from calib.ngram import find_match
+from calib.sidefiles import field, read_json
 
 log = logging.getLogger("calib.collect")
 
@@ -286,7 +287,9 @@ def _hook_shadow_router(rec: Recorder, model, shadow: dict) -> None:
 
     folder = Path(shadow["dir"])
     weights = load_file(folder / "router.safetensors")
-    top_k = int(json.loads((folder / "router.json").read_text())["top_k"])
+    hint = "remake the router (python -m calib.moe stage=moefy) or point routing.shadow_router elsewhere"
+    top_k = field(read_json(folder / "router.json", hint=hint), "top_k", int, folder / "router.json",
+                  required=True, hint=hint)
     found = {}
     for name, module in model.named_modules():
         m = re.search(r"(?:^|\.)layers\.(\d+)\.mlp$", name)

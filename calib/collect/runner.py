@@ -37,6 +37,7 @@ from calib.atomic import write_json_atomic
 from calib.bank import load, write_bank
 from calib.collect.assemble import RunKeys, build_tables, engine_request_prefix, read_capture, reconcile
 from calib.prompts import encode_chat, load_prompts
+from calib.sidefiles import field, read_json
 
 log = logging.getLogger("calib.collect")
 
@@ -66,7 +67,8 @@ class RunFolder:
     def open(self) -> None:
         state = self.dir / "collect_config.json"
         if state.exists():
-            old = json.loads(state.read_text())
+            old = read_json(state, hint=f"it records the config of the parts in {self.parts}: restore it, "
+                                        f"or use a new out_dir, or delete {self.dir} to start over")
             if old.get("hash") != self.hash:
                 raise RuntimeError(
                     f"{self.dir} holds parts collected with another config (hash {old.get('hash')}, "
@@ -342,7 +344,7 @@ def _merge(folder: RunFolder, cfg: dict, keys: RunKeys, spec: dict, model_dir: P
            wall: float) -> Path | None:
     import vllm
 
-    infos = [json.loads((p / SUCCESS).read_text()) for p in folder.finished_parts()]
+    infos = [_part_info(p) for p in folder.finished_parts()]
     outputs = {k: v for i in infos for k, v in i.get("outputs", {}).items()}
     write_json_atomic(folder.dir / "outputs.json", outputs)
     out_tokens = sum(i["output_tokens"] for i in infos)
@@ -381,8 +383,19 @@ def _merge(folder: RunFolder, cfg: dict, keys: RunKeys, spec: dict, model_dir: P
     return out
 
 
+def _part_info(part: Path) -> dict:
+    """A finished part's ``_SUCCESS`` record (JSON), its fields type-checked, naming the file."""
+    hint = f"delete the part folder {part} and rerun to collect it again"
+    info = read_json(part / SUCCESS, hint=hint)
+    field(info, "prompts", list, part / SUCCESS, required=True, hint=hint)
+    field(info, "output_tokens", int, part / SUCCESS, required=True, hint=hint)
+    info["wall_s"] = field(info, "wall_s", float, part / SUCCESS, required=True, hint=hint)
+    field(info, "outputs", dict, part / SUCCESS, default={}, hint=hint)
+    return info
+
+
 def _summary(bank_dir: Path, manifest: dict) -> None:
-    stats = json.loads((bank_dir / "stats.json").read_text())
+    stats = read_json(bank_dir / "stats.json", hint="the bank was just written: rerun to rewrite it")
     lines = [(f"bank {bank_dir}: {stats['n_rounds']} rounds, mean accepted {stats['mean_accept']:.3f} "
               f"(drafted {stats['mean_drafted']:.2f}), {manifest['output_tokens']} tokens at "
               f"{manifest['output_tokens'] / max(manifest['generate_wall_s'], 1e-9):.1f} tok/s")]

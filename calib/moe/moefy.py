@@ -20,7 +20,6 @@ and energy captured on held-out calibration tokens).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -30,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from calib.atomic import atomic_path, write_json_atomic
+from calib.sidefiles import field, read_json
 
 log = logging.getLogger("calib.moe")
 
@@ -85,10 +85,17 @@ class ShadowRouter:
             raise FileNotFoundError(f"{out / ROUTER_FILE}: no MoEfied router here (run `python -m calib.moe "
                                     "stage=moefy`)")
         t = load_file(out / ROUTER_FILE)
-        meta = json.loads((out / ROUTER_META).read_text())
-        n = meta["layers"]
+        hint = "remake the router (python -m calib.moe stage=moefy)"
+        meta = read_json(out / ROUTER_META, hint=hint)
+        n = field(meta, "layers", int, out / ROUTER_META, required=True, hint=hint)
+        top_k = field(meta, "top_k", int, out / ROUTER_META, required=True, hint=hint)
+        missing = [name for l in range(n) for name in (f"layers.{l}.weight", f"layers.{l}.bias",
+                                                         f"layers.{l}.expert_of_neuron") if name not in t]
+        if missing:
+            raise ValueError(f"{out / ROUTER_FILE}: lacks {missing[0]} ({len(missing)} tensors missing) "
+                             f"for the {n} layers {out / ROUTER_META} names; {hint}")
         return cls([t[f"layers.{l}.weight"] for l in range(n)], [t[f"layers.{l}.bias"] for l in range(n)],
-                   [t[f"layers.{l}.expert_of_neuron"] for l in range(n)], int(meta["top_k"]), meta)
+                   [t[f"layers.{l}.expert_of_neuron"] for l in range(n)], top_k, meta)
 
 
 # -- 1. calibration activations ----------------------------------------------------------------

@@ -81,3 +81,13 @@ def test_rounds_reuses_the_full_join_and_sees_rewritten_files(tmp_path):
     write_bank(b4, *synthetic_tables(width=4, speculator="a", seed=5), overwrite=True)  # files change
     again = bank.rounds()
     assert again is not full and again.equals(load([b4, b8]).rounds())
+
+
+def test_fingerprint_is_the_tables_identity(tmp_path):
+    """calib.bank.io.fingerprint (deduplication) and tables.json's acceptance_sha256 are one digest."""
+    from calib.bank.io import fingerprint
+    from calib.tables.io import bank_fingerprint
+
+    b = write_bank(tmp_path / "b", *synthetic_tables())
+    other = write_bank(tmp_path / "o", *synthetic_tables(seed=3))
+    assert fingerprint(b) == bank_fingerprint(b) != fingerprint(other)

@@ -106,7 +106,7 @@ DAMAGE = st.sampled_from(["conf_nan", "conf_inf", "conf_range", "accept_neg", "a
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(kind=DAMAGE, row_seed=st.integers(0, 10_000), seed=st.integers(0, 50))
 def test_generated_damage_is_located(tmp_path_factory, kind, row_seed, seed):
-    acc, spec, ng = synthetic_tables(seed=seed)
+    acc, spec, _ = synthetic_tables(seed=seed)
     n, width = acc.num_rows, 4
     row = row_seed % n
     accept = acc.column("accept")[row].as_py()

@@ -29,6 +29,7 @@ from calib.drafters.eagle.distill import (
 from calib.drafters.eagle.export import export_head, load_exported
 from calib.drafters.eagle.model import EagleHead, head_cost_ratio
 from calib.drafters.eagle.training import EagleTrainingModule
+from calib.sidefiles import read_json
 from calib.target import prepare_target
 
 
@@ -66,7 +67,12 @@ def run(cfg: dict) -> Path:
     work = root / cfg["work_dir"]
     work.mkdir(parents=True, exist_ok=True)
     timings_path = work / "timings.json"
-    timings = json.loads(timings_path.read_text()) if timings_path.exists() else {}
+    timings = read_json(timings_path, missing_ok=True,
+                        hint="it only records stage times: delete it to start the record afresh") or {}
+    bad = next((k for k, v in timings.items() if isinstance(v, bool) or not isinstance(v, (int, float))), None)
+    if bad is not None:
+        raise ValueError(f"{timings_path}: key {bad!r} is {timings[bad]!r}, expected seconds (a number); "
+                         "it only records stage times: delete it to start the record afresh")
     model_dir = str(prepare_target(cfg["model"].get("gguf"), cfg["model"].get("cache_dir"), cfg["model"]["name"]))
 
     corpus_path = work / "corpus.jsonl"
