@@ -14,7 +14,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from calib.atomic import publish_dir, staging_dir, write_json_atomic
+from calib.atomic import check_replaceable, publish_dir, resolve_target, staging_dir, write_json_atomic
 from calib.bank import schema
 from calib.bank.stats import compute_stats
 from calib.bank.validate import BankError, Problem, validate
@@ -31,18 +31,25 @@ def _canonical(table: pa.Table, file: str) -> pa.Table:
     return table.select(keys + [c for c in table.column_names if c not in keys])
 
 
+BANK_JOB = "calib.bank.write_bank"  # the job named in a bank folder's ownership record
+
+
 def write_bank(bank_dir: str | os.PathLike, acceptance: pa.Table, speculator: pa.Table,
                ngram: pa.Table | None = None, manifest: dict | None = None,
                overwrite: bool = False, routing: tuple[np.ndarray, pa.Table] | None = None) -> Path:
     """Write a bank atomically: a temp folder beside ``bank_dir``, validated, then renamed.
 
+    An existing ``bank_dir`` is replaced only with ``overwrite`` and only if it is a bank this function
+    wrote, unchanged since (:func:`calib.atomic.check_replaceable`); anything else is refused, naming
+    what else the folder holds.
+
     ``stats.json`` is computed from the data. A bank that fails validation is not written.
     ``routing`` = (uint8 [N, layers, top_k] expert ids, routing_meta table) adds a routing capture
     (describe it in ``manifest["routing"]``, see :data:`schema.ROUTING_INFO`).
     """
-    bank_dir = Path(bank_dir)
-    if bank_dir.exists() and not overwrite:
-        raise FileExistsError(f"{bank_dir} exists; pass overwrite=True to replace it")
+    bank_dir = resolve_target(bank_dir)
+    # Only a bank calib wrote (its ownership record lists exactly what the folder holds) is replaced.
+    check_replaceable(bank_dir, job=BANK_JOB, overwrite=overwrite, what="bank folder")
     tmp = staging_dir(bank_dir)
     try:
         acceptance = _canonical(acceptance, schema.ACCEPTANCE)
@@ -64,7 +71,7 @@ def write_bank(bank_dir: str | os.PathLike, acceptance: pa.Table, speculator: pa
             raise BankError([Problem(p.file.replace(str(tmp), str(bank_dir)), p.column, p.row, p.message)
                              for p in problems])
         write_json_atomic(tmp / schema.STATS, compute_stats(acceptance))
-        publish_dir(tmp, bank_dir)
+        publish_dir(tmp, bank_dir, job=BANK_JOB, overwrite=overwrite, what="bank folder")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return bank_dir

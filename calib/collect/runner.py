@@ -64,8 +64,18 @@ class RunFolder:
         self.cfg = cfg
         self.hash = config_hash(cfg)
 
+    # What a collect run writes in its out_dir (``capture/`` is emptied at each start).
+    OWN = ("collect_config.json", "parts", "capture", "bank", "outputs.json", "timing.json")
+
     def open(self) -> None:
         state = self.dir / "collect_config.json"
+        if not state.exists() and self.dir.is_dir() and any(self.dir.iterdir()):
+            held = sorted(p.name for p in self.dir.iterdir())
+            shown = ", ".join(held[:8]) + (f" and {len(held) - 8} more" if len(held) > 8 else "")
+            raise FileExistsError(
+                f"out_dir {self.dir} is not empty ({shown}) and holds no collect_config.json, so it is not a "
+                f"collect.py run folder; collect writes {', '.join(self.OWN)} there (and empties capture/): "
+                "choose a new or empty out_dir")
         if state.exists():
             old = read_json(state, hint=f"it records the config of the parts in {self.parts}: restore it, "
                                         f"or use a new out_dir, or delete {self.dir} to start over")

@@ -200,10 +200,39 @@ def test_carry_foreign_refuses_a_block_that_overwrites_a_carried_file(tmp_path):
     head.mkdir()
     (head / "config.json").write_text('{"mine": true}')
     before = snapshot(tmp_path)
-    with pytest.raises(FileExistsError, match=r"holds files calib did not write: config.json"):
-        with atomic_dir(head, carry_foreign=True) as stage:
-            (stage / "config.json").write_text('{"exported": true}')
+    with pytest.raises(FileExistsError, match=r"holds files calib did not write: config.json"), \
+            atomic_dir(head, carry_foreign=True) as stage:
+        (stage / "config.json").write_text('{"exported": true}')
     assert snapshot(tmp_path) == before
+
+
+def test_write_bank_replaces_only_a_bank_it_wrote(tmp_path):
+    from calib.bank import write_bank
+    from tests.synthetic import synthetic_tables  # SYNTHETIC rounds: a unit test of the folder rules only
+
+    tables = synthetic_tables(n_prompts=2, rounds_per_prompt=3)
+    bank = write_bank(tmp_path / "bank", *tables)
+    with pytest.raises(FileExistsError, match=r"bank folder .*bank already holds an earlier"):
+        write_bank(bank, *tables)
+    write_bank(bank, *tables, overwrite=True)  # its own bank: replaced
+    (bank / "notes.md").write_text("mine")
+    before = snapshot(tmp_path)
+    with pytest.raises(FileExistsError, match=r"bank folder .*bank holds files calib did not write: notes.md"):
+        write_bank(bank, *tables, overwrite=True)
+    assert snapshot(tmp_path) == before
+
+
+def test_collect_refuses_a_non_empty_folder_that_is_not_a_collect_run(tmp_path):
+    from calib.collect.runner import RunFolder
+
+    (tmp_path / "capture").mkdir()  # a user's folder of that name: collect empties its own capture/
+    (tmp_path / "capture" / "keep.txt").write_text("mine")
+    before = snapshot(tmp_path)
+    with pytest.raises(FileExistsError, match=r"out_dir .* is not empty \(capture\) and holds no collect_config.json"):
+        RunFolder(tmp_path, {"seed": 0}).open()
+    assert snapshot(tmp_path) == before
+    RunFolder(tmp_path / "new", {"seed": 0}).open()  # a new folder, then its own run resumes
+    RunFolder(tmp_path / "new", {"seed": 0}).open()
 
 
 # -- faults, signals, concurrent runs -----------------------------------------------------------------
@@ -234,10 +263,10 @@ def test_an_unwritable_parent_is_named_with_what_to_do(tmp_path, monkeypatch):
 
 def test_a_second_run_that_published_meanwhile_is_not_overwritten_without_overwrite(tmp_path):
     target = tmp_path / "out"
-    with pytest.raises(FileExistsError, match="already holds an earlier train.py output"):
-        with staged_output(target, job="train.py") as first:  # started while out_dir was empty
-            (first / "tables.json").write_text("first")
-            publish(target, overwrite=False, files={"tables.json": "second"})  # finished first
+    with pytest.raises(FileExistsError, match="already holds an earlier train.py output"), \
+            staged_output(target, job="train.py") as first:  # started while out_dir was empty
+        (first / "tables.json").write_text("first")
+        publish(target, overwrite=False, files={"tables.json": "second"})  # finished first
     assert (target / "tables.json").read_text() == "second"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 

@@ -136,12 +136,10 @@ def run(cfg: dict) -> Path:
         head_dir = refined
 
     export = root / cfg["export_dir"]
-    with atomic_dir(export) as stage:  # a complete copy first, then swap: never half a checkpoint
+    # A complete copy first, then swap: never half a checkpoint. What the export does not write (the
+    # head's README) is carried over, and the folder is replaced only where calib wrote it.
+    with atomic_dir(export, carry_foreign=True) as stage:
         shutil.copytree(head_dir, stage, dirs_exist_ok=True)
-        if export.exists():
-            for extra in export.iterdir():  # files the head does not write (a README) stay
-                if extra.is_file() and not (stage / extra.name).exists():
-                    shutil.copy2(extra, stage / extra.name)
     from transformers import AutoConfig
 
     cost = head_cost_ratio(AutoConfig.from_pretrained(model_dir))
