@@ -9,11 +9,17 @@ Both return an :class:`Allocation` whose tensors stay on the input device. ``imp
 runs the torch reference (any device); ``impl="triton"`` runs the fused kernel (on CPU under the
 Triton interpreter, for testing only). Both take bit-identical decisions.
 
-Inputs are checked here, at the boundary, the same way for both implementations: shapes always
-(they are host metadata); values (a cost curve's entries, confidences in ``[0, 1]``) wherever that
-needs no device sync, i.e. always for the reference and for tensors on the CPU. The Triton path
-never reads a CUDA tensor back (it stays capturable in a CUDA graph), so there a cost curve is
-checked once at start-up with :func:`check_cost`, and out-of-range confidences are clamped.
+Inputs are checked here, at the boundary, the same way for both implementations: the arguments
+declaratively (:data:`ENTRY_CONSTRAINTS`, :func:`calib.params.validate_params`: ``impl`` one of
+:data:`IMPLEMENTATIONS`, ``budget`` an integer ``>= 0`` or a one-element integer tensor, ``cost`` a 1-D
+float tensor); shapes always (they are host metadata); values (a cost curve's entries, confidences in
+``[0, 1]``, a tensor budget ``>= 0``, the requests' sampling temperatures finite and ``>= 0`` on every
+table axis named ``temperature``) wherever that needs no device sync, i.e. always for the reference
+and for tensors on the CPU. The Triton path never reads a CUDA tensor back (it stays capturable in a
+CUDA graph), so there a cost curve is checked once at start-up with :func:`check_cost`, out-of-range
+confidences are clamped, and temperatures are the caller's to check (the serving decider does,
+:mod:`calib.serve.decide`). Calibrated probabilities given to :func:`allocate_probs` are clamped to
+``[0, 1]`` (NaN = no token), never refused.
 """
 
 from __future__ import annotations
@@ -28,10 +34,39 @@ import torch
 from calib.allocate.reference import allocate_reference
 from calib.allocate.tables import AcceptanceTables
 from calib.chains import ChainKind, chain, chain_names
+from calib.params import Interval, NoneValue, Options, validate_params
 from calib.tables.layout import check_chain_inputs, check_confidences
 
 IMPLEMENTATIONS = ("reference", "triton")
 MAX_CHAINS = 2  # chains one step chooses between (see calib.allocate.reference)
+TEMPERATURE = "temperature"  # the context axis holding each request's sampling temperature (calib.chains.CONTEXT)
+
+
+class TensorOf:
+    """A constraint (as in :mod:`calib.params`) on a tensor argument: ``test(tensor)`` on its host
+    metadata (dtype, shape), never its values."""
+
+    def __init__(self, label: str, test):
+        self.label, self.test = label, test
+
+    def accepts(self, value) -> bool:
+        return isinstance(value, torch.Tensor) and bool(self.test(value))
+
+    def __str__(self) -> str:
+        return self.label
+
+
+BUDGET_TENSOR = TensorOf("a one-element integer tensor",
+                         lambda t: t.numel() == 1 and not t.dtype.is_floating_point and not t.dtype.is_complex
+                         and t.dtype != torch.bool)
+COST_CURVE = TensorOf("a non-empty 1-D float tensor indexed by total positions",
+                      lambda t: t.ndim == 1 and t.numel() >= 1 and t.is_floating_point())
+# The arguments of allocate / allocate_probs (and plan_draft's cost), checked with validate_params.
+ENTRY_CONSTRAINTS = {
+    "impl": [Options(IMPLEMENTATIONS)],
+    "budget": [NoneValue(), Interval(numbers.Integral, 0, None), BUDGET_TENSOR],
+    "cost": [NoneValue(), COST_CURVE],
+}
 
 
 @dataclass(frozen=True)
@@ -64,8 +99,9 @@ def allocate_probs(
         probs: ``{chain name: float [B, K_c]}``, one or two registered chains;
             ``P(accept depth k | depth k reached)``, NaN where there is no token (a chain ends at its
             first NaN).
-        budget: total draft tokens for the batch (int or 0-d integer tensor; a device tensor keeps
-            the call free of host synchronisation and capturable in a CUDA graph).
+        budget: total draft tokens for the batch, ``>= 0`` (int or 0-d integer tensor; a device
+            tensor keeps the call free of host synchronisation and capturable in a CUDA graph, and its
+            value is then not checked on the Triton path).
         cost: 1-D float tensor, ``cost[T]`` = cost of a verify pass with ``T = B + sum(depth)``
             positions; see :func:`check_cost` for what a curve must hold (at least ``B + 1``
             entries, positive, +inf = a total the engine cannot run; entries below ``B`` unused).
@@ -75,7 +111,7 @@ def allocate_probs(
     Exactly one of ``budget`` and ``cost`` must be given. See :mod:`calib.allocate.reference`
     for the decision rules.
     """
-    _check_mode(budget, cost, impl)
+    _check_mode(budget, cost, impl, "allocate_probs")
     kinds = _kinds(probs, "probs")
     for kind in kinds:
         _check_probs(probs[kind.name], kind.name)
@@ -116,9 +152,10 @@ def allocate(
             depths (``tables.reuse_last_row``).
         budget, cost, impl: as in :func:`allocate_probs`.
 
-    Input that does not match the tables is a ``ValueError`` naming both sides.
+    Input that does not match the tables is a ``ValueError`` naming both sides; so is a request whose
+    sampling temperature (on a table axis named ``temperature``) is NaN, infinite or negative.
     """
-    _check_mode(budget, cost, impl)
+    _check_mode(budget, cost, impl, "allocate")
     kinds = _kinds(signals, "signals")
     checked = _checked_signals(tables, signals, kinds, impl)
     n_requests = _batch(checked, kinds)
@@ -164,8 +201,10 @@ def _checked_signals(tables, signals, kinds, impl: str) -> dict[str, torch.Tenso
                              f"{getattr(x, 'dtype', '')}".rstrip())
         x = check_chain_inputs(x, table, f"signals[{name!r}]")
         _check_depths(f"signals[{name!r}]", x.shape[1], f"{name}.grid", table.depths, reuse)
-        if table.interpolated and _host_readable(x, impl):
-            check_confidences(x[..., 0], f"signals[{name!r}]")
+        if _host_readable(x, impl):
+            if table.interpolated:
+                check_confidences(x[..., 0], f"signals[{name!r}]")
+            _check_temperatures(x, table, f"signals[{name!r}]")
         checked[name] = x
     return checked
 
@@ -231,21 +270,33 @@ def _host_readable(x: torch.Tensor, impl: str) -> bool:
     return impl == "reference" or x.device.type == "cpu"
 
 
-def _check_mode(budget, cost, impl: str) -> None:
-    if impl not in IMPLEMENTATIONS:
-        raise ValueError(f"impl must be one of {IMPLEMENTATIONS}, got {impl!r}")
+def _check_mode(budget, cost, impl: str, owner: str = "allocate") -> None:
+    """The entry arguments (:data:`ENTRY_CONSTRAINTS`), exactly one of ``budget`` and ``cost``, and a
+    tensor budget's value where reading it costs no device sync (the reference reads it anyway)."""
+    validate_params(owner, {"impl": impl, "budget": budget, "cost": cost}, ENTRY_CONSTRAINTS)
     if (budget is None) == (cost is None):
         raise ValueError("give exactly one of `budget` (token budget) and `cost` (verify-cost curve)")
-    if budget is not None:
-        if isinstance(budget, torch.Tensor):
-            if budget.numel() != 1 or budget.dtype.is_floating_point or budget.dtype == torch.bool:
-                raise ValueError(f"`budget` tensor must hold one integer, got dtype {budget.dtype} "
-                                 f"shape {tuple(budget.shape)}")
-        elif isinstance(budget, bool) or not isinstance(budget, numbers.Integral):
-            raise ValueError(f"`budget` must be an int or a one-element integer tensor, got {budget!r}")
-    if cost is not None and (not isinstance(cost, torch.Tensor) or cost.ndim != 1 or cost.numel() < 1
-                             or not cost.is_floating_point()):
-        raise ValueError("`cost` must be a non-empty 1-D float tensor indexed by total positions")
+    if isinstance(budget, torch.Tensor) and _host_readable(budget, impl) and int(budget) < 0:
+        raise ValueError(f"{owner}: parameter budget=tensor({int(budget)}) is invalid; it must be >= 0 (draft "
+                         "tokens for the batch)")
+
+
+def _check_temperatures(x: torch.Tensor, table, name: str) -> None:
+    """Refuse a request whose sampling temperature (the table's ``temperature`` axis of ``x [B, L, A]``)
+    is NaN, infinite or negative where it has a token: the lookup would silently read an end bin.
+    One fused check per axis; the first bad request is named with its value."""
+    for j, axis in enumerate(table.axes):
+        if axis.name != TEMPERATURE:
+            continue
+        t = x[..., j]
+        bad = ~((t >= 0) & (t < math.inf))
+        if j:
+            bad &= ~torch.isnan(x[..., 0])  # no token at that depth: nothing is looked up
+        if bool(bad.any()):
+            i, k = (int(v) for v in bad.nonzero()[0])
+            raise ValueError(f"{name}[{i}, {k}, {j}] = {float(t[i, k])!r}: request {i}'s sampling temperature "
+                             f"(the tables' {TEMPERATURE!r} axis) must be a finite number >= 0 (0 = greedy); a NaN or "
+                             "negative one would silently be read from an end bin of the tables")
 
 
 def _check_probs(x: torch.Tensor, name: str) -> None:

@@ -39,14 +39,32 @@ are computed here from those decisions on exact integer gains, so the plan is id
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from calib.allocate.api import _batch, _check_mode, _check_probs, _kinds, allocate_probs
+from calib.allocate.api import (
+    IMPLEMENTATIONS,
+    TEMPERATURE,
+    _batch,
+    _check_mode,
+    _check_probs,
+    _kinds,
+    allocate_probs,
+)
 from calib.allocate.reference import SCALE, survival
+from calib.params import Interval, NoneValue, Options, validate_params
+
+# plan_draft's scalar arguments (``chain``: a registered chain name, checked against the registry per call).
+PLAN_CONSTRAINTS = {
+    "pass_cost": [Interval(numbers.Real, 0, None)],
+    "sunk": [Interval(numbers.Real, 0, None)],
+    "impl": [Options(IMPLEMENTATIONS)],
+}
+FORECAST_CONSTRAINTS = {"depths": [NoneValue(), Interval(numbers.Integral, 1, None)]}
 
 
 @dataclass(frozen=True)
@@ -95,7 +113,7 @@ def plan_draft(
     its answer is identical to allocating each plan in turn (:func:`_plan_draft_loop`, the Triton path
     and the fallback for anything unusual).
     """
-    done_p, B, done, K = _check_plan(known, forecast, chain, pass_cost, sunk)
+    done_p, B, done, K = _check_plan(known, forecast, chain, pass_cost, sunk, impl)
     kwargs = {"cost": cost, "pass_cost": pass_cost, "sunk": sunk, "chain": chain, "impl": impl}
     tensors = [*known.values(), forecast, cost]
     if impl != "reference" or B == 0 or not all(isinstance(t, torch.Tensor) and t.device.type == "cpu"
@@ -283,8 +301,18 @@ def _take_top(q: np.ndarray, threshold: int, n: int) -> np.ndarray:
     return above + np.minimum(np.maximum(left - ties_before, 0), ties_per_row)
 
 
-def _check_plan(known, forecast, chain: str, pass_cost: float, sunk: float):
-    """``(drafted [B, passes_done], B, passes_done, K)`` of a plan's inputs, refused with what is wrong."""
+def _check_plan(known, forecast, chain: str, pass_cost: float, sunk: float, impl: str = "reference"):
+    """``(drafted [B, passes_done], B, passes_done, K)`` of a plan's inputs, refused with what is wrong
+    (the scalars declaratively: :data:`PLAN_CONSTRAINTS`)."""
+    from calib.chains import chain_names
+
+    validate_params("plan_draft", {"pass_cost": pass_cost, "sunk": sunk, "impl": impl,
+                                   "chain": chain}, {**PLAN_CONSTRAINTS, "chain": [Options(chain_names())]})
+    if not isinstance(known, Mapping) or not all(isinstance(v, torch.Tensor) and v.ndim == 2 for v in known.values()):
+        raise ValueError("`known` must be a mapping {chain name: float tensor [B, W]}")
+    if not isinstance(forecast, torch.Tensor) or forecast.ndim != 2:
+        raise ValueError(f"forecast must be a float tensor [B, K], got {type(forecast).__name__}"
+                         f"{tuple(getattr(forecast, 'shape', ()))}")
     if chain not in known:
         raise ValueError(f"`known` must hold the {chain} chain's drafted depths ([B, 0] before the first pass)")
     done_p = known[chain]
@@ -294,8 +322,6 @@ def _check_plan(known, forecast, chain: str, pass_cost: float, sunk: float):
         raise ValueError(f"forecast must be [B={B}, K], got {tuple(forecast.shape)}")
     if done > K:
         raise ValueError(f"{done} passes done but the forecast covers K={K} depths")
-    if not (np.isfinite(pass_cost) and pass_cost >= 0 and np.isfinite(sunk) and sunk >= 0):
-        raise ValueError(f"pass_cost={pass_cost!r} and sunk={sunk!r} must be finite and >= 0")
     return done_p, B, done, K
 
 
@@ -311,7 +337,7 @@ def _plan_draft_loop(
 ) -> DraftPlan:
     """:func:`plan_draft` one plan at a time: one :func:`calib.allocate.allocate_probs` call per ``g``
     (the Triton path, the fallback of the fast path, and its reference in the tests)."""
-    done_p, B, done, K = _check_plan(known, forecast, chain, pass_cost, sunk)
+    done_p, B, done, K = _check_plan(known, forecast, chain, pass_cost, sunk, impl)
     others = {n: p for n, p in known.items() if n != chain}
     done_p = done_p.to(torch.float32)
     ended = torch.isnan(done_p).any(dim=1, keepdim=True) if done else torch.zeros(B, 1, dtype=torch.bool)
@@ -360,11 +386,19 @@ def forecast_probs(tables, chain: str, context, depths: int | None = None) -> to
 
     ``context``: float [B, A_ctx], the request's values of the forecast's context axes in their
     order (``forecast["axes"]``: the chain's context axes, e.g. temperature); [B, 0] or None when
-    there are none. Depths beyond the forecast's rows repeat its last row (``depths``: K, default D).
+    there are none. Depths beyond the forecast's rows repeat its last row (``depths``: K >= 1, default D).
+
+    A temperature column holding a negative or infinite value is a ``ValueError`` naming the request;
+    NaN is "not recorded" (an offline bank's round without a temperature) and reads bucket 0, as the
+    tables' lookups do. The serving path refuses NaN before it gets here (:mod:`calib.serve.decide`).
     """
     from calib.calibrators.context import context_cells
 
-    meta = tables.meta["chains"][chain].get("forecast")
+    validate_params("forecast_probs", {"depths": depths}, FORECAST_CONSTRAINTS)
+    chains_meta = getattr(tables, "meta", {}).get("chains") or {}
+    if chain not in chains_meta:
+        raise ValueError(f"forecast_probs: the tables calibrate {sorted(chains_meta)}, not the {chain!r} chain")
+    meta = chains_meta[chain].get("forecast")
     if meta is None:
         raise ValueError(f"the tables hold no forecast for the {chain} chain (tables from before the "
                          "draft-aware allocator: re-run train.py)")
@@ -375,6 +409,14 @@ def forecast_probs(tables, chain: str, context, depths: int | None = None) -> to
     if edges and (ctx.ndim != 2 or ctx.shape[1] != len(edges)):
         names = [a["name"] for a in meta["axes"]]
         raise ValueError(f"context must be [B, {len(edges)}] holding {names}, got shape {tuple(ctx.shape)}")
+    for j, axis in enumerate(meta["axes"]):
+        if axis["name"] == TEMPERATURE and edges:
+            t = ctx[:, j]
+            bad = ~np.isnan(t) & ~((t >= 0) & np.isfinite(t))
+            if bad.any():
+                i = int(np.flatnonzero(bad)[0])
+                raise ValueError(f"context[{i}, {j}] = {float(t[i])!r}: request {i}'s sampling temperature must be a "
+                                 "finite number >= 0 (0 = greedy; NaN = not recorded)")
     cells = torch.from_numpy(context_cells(ctx, edges)) if edges else torch.zeros(n, dtype=torch.int64)
     D = values.shape[0]
     rows = torch.arange(depths if depths is not None else D).clamp(max=D - 1)

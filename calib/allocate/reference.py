@@ -57,12 +57,47 @@ chains. The best goodput among that and the two single-drafter allocations is re
 from __future__ import annotations
 
 import functools
+import numbers
 
 import torch
 
 from calib.chains import NO_CHAIN
+from calib.params import Interval, NoneValue, validate_params
 
 SCALE = 1 << 24  # fixed-point units per expected accepted token
+
+
+class _Is:
+    """A constraint (as in :mod:`calib.params`) checked on host metadata only (types, dtypes, shapes)."""
+
+    def __init__(self, label: str, test):
+        self.label, self.test = label, test
+
+    def accepts(self, value) -> bool:
+        try:
+            return bool(self.test(value))
+        except (TypeError, ValueError):
+            return False
+
+    def __str__(self) -> str:
+        return self.label
+
+
+_PROBS = _Is("a 2-D float tensor [B, K]", lambda t: isinstance(t, torch.Tensor) and t.ndim == 2 and t.is_floating_point())
+_CHAIN_ID = Interval(numbers.Integral, NO_CHAIN + 1, 127)
+# allocate_reference's arguments (calib.allocate.api checks budget and cost the same way, with more context).
+REFERENCE_CONSTRAINTS = {
+    "first_p": [_PROBS],
+    "second_p": [NoneValue(), _PROBS],
+    "ids": [_Is(f"a pair of chain ids, each {_CHAIN_ID}",
+                lambda v: len(v) == 2 and all(_CHAIN_ID.accepts(i) for i in v))],
+    "budget": [NoneValue(), Interval(numbers.Integral, 0, None),
+               _Is("a one-element integer tensor", lambda t: isinstance(t, torch.Tensor) and t.numel() == 1
+                   and not t.dtype.is_floating_point and t.dtype != torch.bool)],
+    "cost": [NoneValue(), _Is("a non-empty 1-D float tensor",
+                              lambda t: isinstance(t, torch.Tensor) and t.ndim == 1 and t.numel() >= 1
+                              and t.is_floating_point())],
+}
 
 
 def survival(p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -369,12 +404,22 @@ def allocate_reference(
     ``drafter`` reports (:data:`NO_CHAIN` = nothing verified). Exactly one of ``budget`` (total draft
     tokens) and ``cost`` (1-D verify-cost curve) is given. See the module docstring for the rules.
     The reference reads a few scalars back to the host (the budget, the Lagrangian price, which of
-    the two-chain candidates wins); the Triton kernel does not.
+    the two-chain candidates wins); the Triton kernel does not. Arguments are checked with
+    :data:`REFERENCE_CONSTRAINTS` (host metadata only) and the budget's value (it is read anyway).
     """
+    validate_params("allocate_reference", {"first_p": first_p, "second_p": second_p, "ids": ids, "budget": budget,
+                                           "cost": cost}, REFERENCE_CONSTRAINTS)
+    if (budget is None) == (cost is None):
+        raise ValueError("allocate_reference: give exactly one of `budget` and `cost`")
+    if second_p is not None and second_p.shape[0] != first_p.shape[0]:
+        raise ValueError(f"allocate_reference: the chains have different batch sizes B: {first_p.shape[0]} and "
+                         f"{second_p.shape[0]}")
     device = first_p.device
     n_requests = first_p.shape[0]
     width = max(first_p.shape[1], 0 if second_p is None else second_p.shape[1], 1)
-    n = None if budget is None else max(int(budget), 0)
+    n = None if budget is None else int(budget)
+    if n is not None and n < 0:
+        raise ValueError(f"allocate_reference: parameter budget={n} is invalid; it must be >= 0")
 
     if second_p is None:
         surv, q = survival(_pad(first_p, width))

@@ -9,26 +9,103 @@ tables loaded and checked once at construction, and never an exception into the 
 The draft lists handed back hold, per request, a prefix of the model draft, a prefix of the n-gram
 chain, or ``[]``; never more than ``k_max`` tokens (vLLM's ``num_speculative_tokens``: a longer list
 crashes its spec-decode metrics, docs/serving_design.md claim 3), and ints ``>= 0`` only.
+
+Temperatures. Every request's sampling temperature must be a finite number ``>= 0``: a NaN, infinite
+or negative one is a ``ValueError`` naming the request (index, id) and the value (inside
+:class:`SafeDecider`: that step passes through, counted as a failure), never silently binned into an
+end bin of the tables' temperature axis. A request temperature outside the range the tables were
+fitted at (tables.json ``chains.<name>.temperatures``, :meth:`calib.tables.Tables.unfitted_temperatures`)
+is *decided anyway*, on the tables' nearest (end) temperature bin, and logged once per distinct
+temperature per loaded tables (a warning on the ``calib.serve`` logger naming the tables' range): the
+output is the target's either way (verification is lossless), only the choice of drafts may be worse,
+and serve.py refuses an engine temperature outside the range before it starts
+(:meth:`calib.tables.Tables.check_temperature`).
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import numbers
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 import torch
 
 from calib.allocate import allocate, allocate_probs, calibrated_probs, check_cost
-from calib.chains import CONTEXT, NO_CHAIN, chain
+from calib.allocate.api import IMPLEMENTATIONS
+from calib.chains import CONTEXT, NO_CHAIN, chain, chain_names
+from calib.params import Interval, NoneValue, Options, validate_params
 from calib.serve.history import RequestHistory
 
 logger = logging.getLogger("calib.serve")
 
 MODEL, NGRAM = "model", "ngram"
+
+
+class _Is:
+    """A constraint (as in :mod:`calib.params`) given by a test and its description."""
+
+    def __init__(self, label: str, test):
+        self.label, self.test = label, test
+
+    def accepts(self, value) -> bool:
+        try:
+            return bool(self.test(value))
+        except (TypeError, ValueError):
+            return False
+
+    def __str__(self) -> str:
+        return self.label
+
+
+TEXT = _Is("a non-empty string", lambda v: isinstance(v, str) and bool(v))
+CHAIN_NAMES = _Is("a list of registered chain names (calib.chains)",
+                  lambda v: not isinstance(v, (str, bytes)) and all(isinstance(c, str) and c in chain_names()
+                                                                     for c in v))
+K_MAX = Interval(numbers.Integral, 1, None)  # vLLM's num_speculative_tokens
+# decide_step's per-call arguments (and SafeDecider's, below).
+DECIDE_CONSTRAINTS = {"k_max": [K_MAX], "budget": [NoneValue(), Interval(numbers.Integral, 0, None)],
+                      "impl": [Options(IMPLEMENTATIONS)]}
+
+
+def request_temperatures(inputs: StepInputs) -> np.ndarray:
+    """float64 ``[B]``: each request's sampling temperature, refused unless every one is a finite number
+    ``>= 0`` (a ``ValueError`` naming the first bad request's index, id and value). One vector check."""
+    B = len(inputs.req_ids)
+    t = inputs.temperature
+    try:
+        t = t.detach().cpu().numpy() if isinstance(t, torch.Tensor) else np.asarray(t, dtype=np.float64)
+        t = t.astype(np.float64).reshape(-1)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"temperature must be B={B} numbers (one per request), got {inputs.temperature!r:.80} "
+                         f"({exc})") from None
+    if t.shape != (B,):
+        raise ValueError(f"temperature has {t.shape[0]} entries for B={B} requests")
+    bad = ~(np.isfinite(t) & (t >= 0))
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise ValueError(f"temperature[{i}] = {float(t[i]):g} (request {inputs.req_ids[i]!r}): a sampling temperature "
+                         "must be a finite number >= 0 (0 = greedy); a NaN or negative one would silently be "
+                         f"read from an end bin of the tables' temperature axis ({int(bad.sum())} of {B} requests)")
+    return t
+
+
+def _note_unfitted(tables, temps: np.ndarray, chains: Sequence[str]) -> None:
+    """Log (once per temperature and loaded tables) request temperatures outside the tables' fitted range."""
+    unfitted = getattr(tables, "unfitted_temperatures", None)
+    if unfitted is None:  # in-memory tables record no temperatures
+        return
+    new = unfitted(temps, chains)
+    if new:
+        where = getattr(tables, "path", None) or "(in memory)"
+        logger.warning("calib serve: request temperature %s outside the temperatures the tables %s were fitted at "
+                       "(%s); deciding with the tables' nearest temperature bin anyway (train tables on banks at "
+                       "this temperature to calibrate it; logged once per temperature)",
+                       ", ".join(f"{t:g}" for t in new), where, tables.temperature_range_text(chains))
 
 
 @dataclass
@@ -107,19 +184,16 @@ def ngram_feature_tensor(features: Sequence[Mapping | None], lengths: Sequence[i
     return torch.from_numpy(out.astype(np.float32))
 
 
-def _context_columns(ctx: Sequence[str], inputs: StepInputs, history: RequestHistory) -> np.ndarray:
-    """float64 ``[B, len(ctx)]``: each context axis' value per request."""
+def _context_columns(ctx: Sequence[str], inputs: StepInputs, history: RequestHistory,
+                     temperatures: np.ndarray | None = None) -> np.ndarray:
+    """float64 ``[B, len(ctx)]``: each context axis' value per request (``temperatures``: the checked
+    :func:`request_temperatures`, computed here when not given)."""
     B = len(inputs.req_ids)
     hist = history.values(inputs.req_ids, [n for n in ctx if n != "temperature"])
     cols = []
     for n in ctx:
         if n == "temperature":
-            t = inputs.temperature
-            t = t.detach().cpu().numpy() if isinstance(t, torch.Tensor) else np.asarray(t)
-            t = t.astype(np.float64).reshape(-1)
-            if t.shape != (B,):
-                raise ValueError(f"temperature has {t.shape[0]} entries for B={B} requests")
-            cols.append(t)
+            cols.append(request_temperatures(inputs) if temperatures is None else temperatures)
         else:
             cols.append(hist[n])
     return np.stack(cols, axis=1) if cols else np.zeros((B, 0))
@@ -158,11 +232,14 @@ def _own(x: torch.Tensor | None, B: int, lengths: list[int], n_own: int, what: s
 
 
 def chain_inputs(tables, inputs: StepInputs, history: RequestHistory, *, k_max: int,
-                 skip: Sequence[str] = ()):
+                 skip: Sequence[str] = (), temperatures: np.ndarray | None = None):
     """``({chain name: float32 [B, L, A]}, {chain name: token lists [B][<= k_max]})`` for the chains
     both the engine (non-None tokens) and the tables have: the chain's own features, then the context
-    axes the tables hold (``tables.feature_names(chain)`` order), NaN where a request has no token."""
+    axes the tables hold (``tables.feature_names(chain)`` order), NaN where a request has no token.
+    Temperatures are checked (:func:`request_temperatures`) unless given already checked."""
     B = len(inputs.req_ids)
+    if temperatures is None:
+        temperatures = request_temperatures(inputs)
     signals, tokens = {}, {}
     offered = {MODEL: (inputs.model_tokens, inputs.model_conf, "model_conf"),
                NGRAM: (inputs.ngram_tokens, inputs.ngram_features, "ngram_features")}
@@ -178,7 +255,7 @@ def chain_inputs(tables, inputs: StepInputs, history: RequestHistory, *, k_max: 
                              "passes the raw confidence only (['conf'])")
         toks = _tokens(toks, B, k_max, f"{name}_tokens")
         x = _own(feats, B, [len(t) for t in toks], len(own), what)
-        c = torch.from_numpy(_context_columns(ctx, inputs, history))  # [B, A_ctx]
+        c = torch.from_numpy(_context_columns(ctx, inputs, history, temperatures))  # [B, A_ctx]
         x = torch.cat([x, c[:, None, :].expand(B, x.shape[1], len(ctx))], dim=2)
         signals[name], tokens[name] = x.to(torch.float32), toks
     if not signals and not tokens:
@@ -194,17 +271,23 @@ def decide_step(tables, inputs: StepInputs, history: RequestHistory, *, k_max: i
     """Allocate this step's verification and return the new draft lists (see the module docstring).
 
     Uses every chain the engine offers (non-None tokens in ``inputs``) that the tables calibrate, one or
-    two. ``cost`` (price mode) or ``budget`` as in :func:`calib.allocate.allocate`. Raises on anything
-    off (wrap it in :class:`SafeDecider` inside an engine)."""
+    two. ``cost`` (price mode) or ``budget`` (an int ``>= 0``) as in :func:`calib.allocate.allocate`;
+    ``k_max`` an int ``>= 1`` (:data:`DECIDE_CONSTRAINTS`). Raises on anything off, a NaN, infinite or
+    negative request temperature included (wrap it in :class:`SafeDecider` inside an engine); a
+    temperature outside the tables' fitted range is decided and logged once (see the module docstring)."""
     start = time.perf_counter()
-    if isinstance(k_max, bool) or not isinstance(k_max, int) or k_max < 1:
-        raise ValueError(f"k_max must be an int >= 1 (vLLM's num_speculative_tokens), got {k_max!r}")
+    validate_params("decide_step", {"k_max": k_max, "budget": budget, "impl": impl}, DECIDE_CONSTRAINTS)
     B = len(inputs.req_ids)
     if B == 0:
         return StepDecision([], [], torch.zeros(0, dtype=torch.int8), torch.zeros(0, dtype=torch.int32),
                             torch.zeros(0), (time.perf_counter() - start) * 1e3)
+    temps = request_temperatures(inputs)
+    offered = [n for n, t in ((MODEL, inputs.model_tokens), (NGRAM, inputs.ngram_tokens))
+               if t is not None and n in tables.chains]
+    _note_unfitted(tables, temps, offered)
     given = inputs.ngram_probs if impl == "reference" and inputs.ngram_tokens is not None else None
-    signals, tokens = chain_inputs(tables, inputs, history, k_max=k_max, skip=(NGRAM,) if given is not None else ())
+    signals, tokens = chain_inputs(tables, inputs, history, k_max=k_max, skip=(NGRAM,) if given is not None else (),
+                                   temperatures=temps)
     if given is not None and NGRAM in tokens:
         lengths = torch.tensor([len(t) for t in tokens[NGRAM]])
         width = max(1, int(lengths.max()))
@@ -234,7 +317,9 @@ def decide_step(tables, inputs: StepInputs, history: RequestHistory, *, k_max: i
 class SafeDecider:
     """:func:`decide_step` for an engine: refuses wrong tables at construction, never raises after.
 
-    Construction (engine start; refusing is right there): loads the tables (a folder, through
+    Construction (engine start; refusing is right there): checks its arguments declaratively
+    (:attr:`_parameter_constraints`: ids non-empty strings, ``k_max`` and ``max_failures`` ints >= 1,
+    ``budget`` None or an int >= 0, ``impl`` one of the allocator's, ``chains`` registered names), loads the tables (a folder, through
     :func:`calib.tables.load`, or a loaded :class:`calib.tables.io.Tables`) and checks them against what
     the engine reports with :meth:`Tables.check_bank` on an engine manifest (target ``model_id``,
     ``speculator`` e.g. ``"eagle:<head dir name>"`` or ``"ngram"``, ``k_max`` = num_speculative_tokens,
@@ -247,6 +332,13 @@ class SafeDecider:
     passes every later step through. :meth:`observe` / :meth:`finish` feed the history, same rule.
     """
 
+    _parameter_constraints: ClassVar[dict] = {
+        "model_id": [TEXT], "speculator": [TEXT], "method": [NoneValue(), TEXT], "chains": [CHAIN_NAMES],
+        "max_failures": [Interval(numbers.Integral, 1, None)],
+        "history": [NoneValue(), _Is("a RequestHistory", lambda v: isinstance(v, RequestHistory))],
+        **DECIDE_CONSTRAINTS,
+    }
+
     def __init__(self, tables, *, model_id: str, speculator: str, k_max: int, method: str | None = None,
                  chains: Sequence[str] = (MODEL, NGRAM), cost: torch.Tensor | None = None,
                  budget: int | None = None, impl: str = "reference", max_failures: int = 3,
@@ -254,10 +346,9 @@ class SafeDecider:
         from calib.tables import load
         from calib.tables.io import _verified_chain
 
-        if isinstance(k_max, bool) or not isinstance(k_max, int) or k_max < 1:
-            raise ValueError(f"k_max must be an int >= 1 (vLLM's num_speculative_tokens), got {k_max!r}")
-        if isinstance(max_failures, bool) or not isinstance(max_failures, int) or max_failures < 1:
-            raise ValueError(f"max_failures must be an int >= 1, got {max_failures!r}")
+        validate_params("SafeDecider", {"model_id": model_id, "speculator": speculator, "method": method,
+                                        "chains": chains, "max_failures": max_failures, "history": history,
+                                        "k_max": k_max, "budget": budget, "impl": impl}, self._parameter_constraints)
         if (cost is None) == (budget is None):
             raise ValueError("give exactly one of `cost` (verify-cost curve) and `budget`")
         if cost is not None:

@@ -297,8 +297,8 @@ class Tables(GridTables):
             if outside:
                 problems.append(f"temperature: tables {tdir} were fitted at {fitted} ({' and '.join(cs)} "
                                 f"chain{'s' if len(cs) > 1 else ''}), {who} samples at temperature "
-                                f"{_temps_text(outside)}, outside that range: the tables would read their end "
-                                "temperature bin, fitted at another temperature; " + action)
+                                f"{_temps_text(outside)}, outside that range: the tables would silently reuse the "
+                                "calibration of their nearest fitted temperature; " + action)
             elif n_values == len(values):  # every fitted value listed: tell one in between too
                 between = [t for t in temps if not any(abs(t - v) <= TEMPERATURE_TOL for v in values)]
                 if between:

@@ -142,3 +142,86 @@ def test_importing_the_kernel_changes_no_environment_and_says_what_to_set():
     assert first == "False"
     assert "TRITON_INTERPRET is not set" in message and "Set TRITON_INTERPRET=1" in message
     assert "before the first `import triton`" in message
+
+
+# --- declarative argument checks and request temperatures (issue 25) --------------------------------
+
+def _temperature_tables() -> GridTables:
+    """SYNTHETIC model chain cut by a temperature axis (edge 0.4): conf x temperature."""
+    from calib.chains import Axis
+    from calib.tables.layout import ChainTable
+
+    grid = torch.tensor([[0.1, 0.2, 0.3, 0.7, 0.8, 0.9]])  # D = 1, G = 3 per temperature cell
+    table = ChainTable.build((Axis("conf", points=3), Axis("temperature", edges=(0.4,))), grid,
+                             torch.tensor([[0.4]]), torch.tensor([3]))
+    return GridTables({"model": table}, reuse_last_row=True)
+
+
+@pytest.mark.parametrize("bad", [NAN, -0.5, INF])
+def test_a_bad_request_temperature_is_refused_not_binned(bad):
+    """Before: NaN counted no edge (bucket 0) and a negative one too: an end bin, silently."""
+    x = torch.tensor([[[0.9, 0.0], [0.8, 0.0]], [[0.9, bad], [0.8, bad]]])  # request 1's temperature
+    with pytest.raises(ValueError, match=rf"signals\['model'\]\[1, 0, 1\] = {bad!r}: request 1's sampling temperature"):
+        allocate(_temperature_tables(), {"model": x}, budget=2)
+    from calib.allocate import calibrated_probs
+
+    with pytest.raises(ValueError, match="request 1's sampling temperature"):
+        calibrated_probs(_temperature_tables(), {"model": x})
+
+
+def test_temperature_is_not_checked_where_there_is_no_token():
+    x = torch.tensor([[[0.9, 0.0], [NAN, NAN]]])  # depth 1: no token, its context padding is NaN
+    assert allocate(_temperature_tables(), {"model": x}, budget=2).depth.tolist() == [1]
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"budget": -1}, r"allocate_probs: parameter budget=-1 is invalid; it must be None or an integer in \[0, inf\)"),
+    ({"budget": torch.tensor(-3)}, r"budget=tensor\(-3\) is invalid; it must be >= 0"),
+    ({"budget": "8"}, r"parameter budget='8' is invalid"),
+    ({"budget": 2, "impl": "cuda"}, r"parameter impl='cuda' is invalid; it must be one of 'reference', 'triton'"),
+    ({"cost": torch.ones(2, 2)}, r"(?s)parameter cost=.* it must be None or a non-empty 1-D float tensor"),
+])
+def test_entry_arguments_are_checked_declaratively(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        allocate_probs(pair(torch.full((2, 2), 0.9)), **kwargs)
+
+
+def test_reference_entry_checks_its_arguments():
+    from calib.allocate.reference import allocate_reference
+
+    p = torch.full((2, 2), 0.9)
+    for kwargs, match in [({"budget": 2, "ids": (0, 2)}, r"parameter ids=\(0, 2\) is invalid"),
+                          ({"budget": -2}, r"budget=-2 is invalid"),
+                          ({}, "exactly one of"),
+                          ({"budget": 1, "second_p": torch.full((3, 2), 0.9)}, "different batch sizes")]:
+        with pytest.raises(ValueError, match=match):
+            allocate_reference(p, **kwargs)
+    with pytest.raises(ValueError, match=r"parameter first_p=.* a 2-D float tensor"):
+        allocate_reference(torch.ones(2, dtype=torch.int64), budget=1)
+
+
+def test_plan_and_forecast_arguments():
+    from calib.allocate import forecast_probs, plan_draft
+
+    cost = torch.linspace(1.0, 2.0, 12)
+    known, fc = {"model": torch.zeros(2, 0)}, torch.full((2, 3), 0.8)
+    for kwargs, match in [({"pass_cost": NAN}, r"plan_draft: parameter pass_cost=nan is invalid; it must be a finite"),
+                          ({"pass_cost": 0.1, "sunk": -1.0}, r"parameter sunk=-1.0 is invalid"),
+                          ({"pass_cost": 0.1, "impl": "fast"}, r"parameter impl='fast' is invalid"),
+                          ({"pass_cost": 0.1, "chain": "suffix"}, r"parameter chain='suffix' is invalid; it must be one of 'model'")]:
+        with pytest.raises(ValueError, match=match):
+            plan_draft(known, fc, cost=cost, **kwargs)
+
+    from types import SimpleNamespace
+
+    _T = SimpleNamespace  # a stand-in for tables holding a forecast
+    meta = {"chains": {"model": {"forecast": {"axes": [{"name": "temperature", "kind": "bins", "edges": [0.4]}],
+                                              "values": [[0.6, 0.4]]}}}}
+
+    assert forecast_probs(_T(meta=meta), "model", np.array([[0.0], [NAN]])).tolist() == [[pytest.approx(0.6)]] * 2
+    with pytest.raises(ValueError, match=r"context\[1, 0\] = -1.0: request 1's sampling temperature"):
+        forecast_probs(_T(meta=meta), "model", np.array([[0.0], [-1.0]]))
+    with pytest.raises(ValueError, match=r"forecast_probs: parameter depths=0 is invalid"):
+        forecast_probs(_T(meta=meta), "model", None, depths=0)
+    with pytest.raises(ValueError, match=r"calibrate \['model'\], not the 'ngram' chain"):
+        forecast_probs(_T(meta=meta), "ngram", None)

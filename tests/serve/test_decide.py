@@ -302,3 +302,79 @@ def test_passthrough_of_an_ngram_engine(saved, monkeypatch):
     out = dec.decide(inputs)
     assert out.passthrough and out.drafts == inputs.ngram_tokens
     assert out.chain.tolist() == [chain("ngram").id if x else 0 for x in inputs.ngram_tokens]
+
+
+# --- request temperatures and declarative arguments (issue 25) ------------------------------------
+
+@pytest.mark.parametrize("bad", [NAN, -0.3, math.inf])
+def test_a_bad_request_temperature_is_refused_naming_the_request(bad):
+    """Before: NaN and negative temperatures were binned into an end bin of the temperature axis."""
+    inputs = _inputs(B=4, seed=1)
+    inputs.temperature = torch.tensor([0.0, 0.8, bad, 0.0])
+    with pytest.raises(ValueError, match=rf"temperature\[2\] = {bad!r} \(request 'req-2'\): a sampling temperature "
+                                         r"must be a finite number >= 0"):
+        decide_step(_tables(), inputs, RequestHistory(), k_max=4, cost=_cheap(4))
+    with pytest.raises(ValueError, match=r"temperature\[2\]"):  # the serving plan's path builds inputs the same way
+        chain_inputs(_tables(), inputs, RequestHistory(), k_max=4)
+    inputs.temperature = [0.0, "hot", 0.0, 0.0]
+    with pytest.raises(ValueError, match="temperature must be B=4 numbers"):
+        decide_step(_tables(), inputs, RequestHistory(), k_max=4, cost=_cheap(4))
+
+
+def test_safe_decider_passes_a_step_with_a_bad_temperature_through(saved, caplog):
+    dec = _decider(saved)
+    inputs = _inputs(B=3, seed=2)
+    inputs.temperature = [0.0, NAN, 0.8]
+    with caplog.at_level(logging.WARNING, logger="calib.serve"):
+        out = dec.decide(inputs)
+    assert out.passthrough and dec.failures == 1 and "temperature[1] = nan (request 'req-1')" in caplog.text
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"k_max": 0}, r"SafeDecider: parameter k_max=0 is invalid; it must be an integer in \[1, inf\)"),
+    ({"k_max": 2.0}, r"parameter k_max=2.0 is invalid"),
+    ({"max_failures": 0}, r"parameter max_failures=0 is invalid"),
+    ({"model_id": ""}, r"parameter model_id='' is invalid; it must be a non-empty string"),
+    ({"impl": "gpu"}, r"parameter impl='gpu' is invalid; it must be one of 'reference', 'triton'"),
+    ({"chains": ["model", "suffix"]}, r"parameter chains=\['model', 'suffix'\] is invalid; it must be a list of registered"),
+    ({"cost": None, "budget": -1}, r"parameter budget=-1 is invalid; it must be None or an integer in \[0, inf\)"),
+    ({"history": {}}, r"parameter history=\{\} is invalid; it must be None or a RequestHistory"),
+])
+def test_safe_decider_checks_its_arguments(saved, kw, match):
+    with pytest.raises(ValueError, match=match):
+        _decider(saved, **kw)
+
+
+def test_decide_step_checks_its_arguments():
+    inputs = _inputs(B=2, seed=0)
+    for kw, match in [({"k_max": 0, "budget": 2}, r"decide_step: parameter k_max=0"),
+                      ({"k_max": 4, "budget": -2}, r"decide_step: parameter budget=-2"),
+                      ({"k_max": 4, "budget": 2, "impl": "x"}, r"decide_step: parameter impl='x'")]:
+        with pytest.raises(ValueError, match=match):
+            decide_step(_tables(), inputs, RequestHistory(), **kw)
+
+
+def test_a_temperature_outside_the_fitted_range_is_decided_and_logged_once(tmp_path, caplog):
+    """Tables fitted at T = 0 and 0.8 serving a T = 1.3 request: decided on the nearest temperature bin
+    (the same decision as at 0.8 here, the axis' top bin), logged once per temperature."""
+    temps = {"values": [0.0, 0.8], "n_values": 2, "min": 0.0, "max": 0.8, "unrecorded_samples": 0}
+    meta = {"target_models": ["synthetic-model"],
+            "chains": {"model": {"ids": ["eagle:head"], "k": D, "temperatures": temps},
+                       "ngram": {"ids": ["ngram"], "k": D, "temperatures": temps}}}
+    t = load(save(tmp_path / "tables", _tables(6), meta))
+    inputs = _inputs(B=4, seed=3)
+    h = _history(inputs.req_ids, 3)
+    inputs.temperature = torch.tensor([0.0, 1.3, 0.8, 1.3])
+    with caplog.at_level(logging.WARNING, logger="calib.serve"):
+        out = decide_step(t, inputs, h, k_max=4, cost=_cheap(4))
+        again = decide_step(t, inputs, h, k_max=4, cost=_cheap(4))
+    assert not out.passthrough and out.drafts == again.drafts
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 1 and "request temperature 1.3 outside the temperatures the tables" in warned[0]
+    assert "model: temperatures [0, 0.8]" in warned[0] and str(tmp_path / "tables") in warned[0]
+    inputs.temperature = torch.tensor([0.0, 0.8, 0.8, 0.8])  # what 1.3 reads: the top temperature bin
+    assert decide_step(t, inputs, h, k_max=4, cost=_cheap(4)).drafts == out.drafts
+    inputs.temperature = torch.tensor([2.0, 0.0, 0.0, 0.0])
+    with caplog.at_level(logging.WARNING, logger="calib.serve"):
+        decide_step(t, inputs, h, k_max=4, cost=_cheap(4))
+    assert len(caplog.records) == 2 and "request temperature 2 outside" in caplog.records[1].getMessage()
