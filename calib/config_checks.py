@@ -1,0 +1,297 @@
+"""Declarative checks of the entry points' composed Hydra configs: ``train.py``, ``eval.py``, ``serve.py``.
+
+Each job has a table of dotted config keys and the constraints (:mod:`calib.params`, the estimators'
+``_parameter_constraints`` style) their values may satisfy, plus the few rules that tie two keys
+together; :func:`check_train`, :func:`check_eval` and :func:`check_serve` run them on the resolved config
+before anything loads, and raise one ``ValueError`` naming the job, the dotted key, its value, what it
+may be and how to set it::
+
+    eval.py config: parameter metrics.n_boot=0 is invalid; it must be an integer in [1, inf)
+    (set it with `python eval.py metrics.n_boot=...`)
+
+A key absent from the config is not checked (Hydra refuses unknown top-level keys and composes every
+key the shipped groups define). Where a component already declares a key's constraints, the table
+reuses that declaration rather than restating it: the replay's (``ReplayConfig._constraints``) and the
+Lightning-trained estimators' (``max_epochs``, ``patience``, ``progress``). Checks with good messages
+that run at the start of a job anyway are not repeated: unknown replay policies and draft-cost chains
+(:class:`calib.evaluate.replay.ReplayConfig` is built here, so they too are refused before the
+banks load), ``policy.name`` and ``speculative=none`` with a speculating policy
+(:func:`calib.serve.runner.check_config`), estimator parameters (each estimator's constructor).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import numbers
+from collections.abc import Mapping
+
+from calib.params import Boolean, Each, Fractions, Interval, NoneValue, Options, Subset, validate_params
+
+_ABSENT = object()
+
+
+class Is:
+    """A constraint (as in :mod:`calib.params`) given by a test and its description."""
+
+    def __init__(self, label: str, test):
+        self.label, self.test = label, test
+
+    def accepts(self, value) -> bool:
+        try:
+            return bool(self.test(value))
+        except (TypeError, ValueError):
+            return False
+
+    def __str__(self) -> str:
+        return self.label
+
+
+def _finite(v) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _list(v) -> bool:
+    return isinstance(v, (list, tuple))
+
+
+INT_0 = Interval(numbers.Integral, 0, None)
+INT_1 = Interval(numbers.Integral, 1, None)
+REAL_0 = Interval(numbers.Real, 0, None)
+TEXT = Is("a non-empty string", lambda v: isinstance(v, str) and bool(v))
+PATHS = Is("a non-empty list of paths", lambda v: _list(v) and bool(v) and all(isinstance(p, str) and p for p in v))
+EDGES = Is("a list of finite numbers in ascending order",
+           lambda v: _list(v) and all(_finite(x) for x in v) and all(a <= b for a, b in itertools.pairwise(v)))
+AUTO_OR_EDGES = [Options(("auto",)), EDGES]
+SPLITS = ("train", "val", "test")
+LOGGERS = ("wandb", "csv", "none")
+COST_KINDS = ("parametric", "measured", "moe")
+CALIBRATOR_EXTRA = ("entropy", "margin", "temperature")  # conf/calibrator/_common.yaml: extra
+
+
+def _names(values) -> Is:
+    return Is("a list of distinct names from " + ", ".join(repr(v) for v in values),
+              lambda v: _list(v) and len(set(v)) == len(v) and all(x in values for x in v))
+
+
+def _lightning(prefix: str) -> dict:
+    """The Lightning-trained estimators' own constraints of their shared settings (conf/trainer)."""
+    from calib.calibrators.scaling.temperature import TemperatureScaling
+
+    own = TemperatureScaling._parameter_constraints
+    return {f"{prefix}.{k}": own[k] for k in ("max_epochs", "patience", "progress")}
+
+
+def _train_constraints() -> dict:
+    from calib.bank.schema import NGRAM_FEATURES
+
+    return {
+        "data.train": [TEXT, PATHS],
+        "split.fractions": [Fractions(3)],
+        "split.seed": [INT_0],
+        **_lightning("trainer"),
+        "calibrator.grid_points": [Interval(numbers.Integral, 2, None)],
+        "calibrator.extra": [NoneValue(), _names(CALIBRATOR_EXTRA)],
+        "ngram_model.table.features": [Subset(tuple(NGRAM_FEATURES))],
+        "ngram_model.table.edges": [Each(EDGES)],
+        "context.max_bins": [INT_1],
+        "context.min_cell_samples": [INT_1],
+        "context.trial_samples": [INT_1],
+        "logger.kind": [Options(LOGGERS)],
+        "overwrite": [Boolean()],
+    }
+
+
+def _eval_constraints() -> dict:
+    from calib.evaluate.replay import ReplayConfig
+
+    return {
+        "data.test": [TEXT, PATHS],
+        "tables": [TEXT],
+        "split.fractions": [Fractions(3)],
+        "split.seed": [INT_0],
+        "split.name": [Options(SPLITS)],
+        "metrics.n_bins": [INT_1],
+        "metrics.n_boot": [INT_1],
+        "metrics.length_n_boot": [INT_1],
+        "metrics.seed": [INT_0],
+        "plots.reliability_bins": [INT_1],
+        **{f"replay.{k}": v for k, v in ReplayConfig._constraints.items()},  # the replay's own declaration
+        "replay.batch_sizes": [Each(INT_1)],
+        "replay.progress": [Boolean()],
+        "logger.kind": [Options(LOGGERS)],
+        "overwrite": [Boolean()],
+    }
+
+
+def _serve_constraints() -> dict:
+    return {
+        "tables": [TEXT],
+        "concurrency": [INT_1],
+        "limit": [NoneValue(), INT_1],
+        "seed": [INT_0],
+        "sampling.temperature": [REAL_0],
+        "sampling.top_p": [Interval(numbers.Real, 0, 1, closed="right")],
+        "sampling.max_tokens": [INT_1],
+        "policy.speculate": [Boolean()],
+        "policy.calib": [Boolean()],
+        "serve.draft_cost": [REAL_0],
+        "serve.cost": [TEXT, Is("a list [weight_read, per_position] of two finite numbers >= 0",
+                                lambda v: _list(v) and len(v) == 2 and all(_finite(x) and x >= 0 for x in v))],
+        "serve.model_id": [NoneValue(), TEXT],
+        "engine.max_model_len": [INT_1],
+        "engine.kv_cache_gb": [Interval(numbers.Real, 0, None, closed="neither")],
+        "engine.enforce_eager": [Boolean()],
+        "engine.in_process": [Boolean()],
+        "overwrite": [Boolean()],
+        "progress": [Boolean()],
+    }
+
+
+def get(cfg, key: str, default=_ABSENT):
+    """``cfg``'s value at the dotted ``key`` (a plain dict, or an OmegaConf config: only that value is
+    resolved); ``default`` where a part is missing."""
+    try:
+        from omegaconf import DictConfig, OmegaConf
+
+        if isinstance(cfg, DictConfig):
+            value = OmegaConf.select(cfg, key, default=default)
+            return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
+    except ImportError:  # pragma: no cover - omegaconf comes with hydra
+        pass
+    node = cfg
+    for part in key.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            return default
+        node = node[part]
+    return node
+
+
+def _refuse(job: str, key: str, value, want: str) -> None:
+    raise ValueError(f"{job} config: parameter {key}={value!r} is invalid; {want} (set it with "
+                     f"`python {job} {key}=...`)")
+
+
+def validate_config(job: str, cfg, constraints: dict) -> None:
+    """Check every dotted key of ``constraints`` present in ``cfg``; the first value none of its
+    constraints accepts is a ``ValueError`` naming ``job`` (e.g. ``"eval.py"``), the key, the value,
+    what it may be and the override that sets it."""
+    for key, allowed in constraints.items():
+        value = get(cfg, key)
+        if value is _ABSENT:
+            continue
+        try:
+            validate_params(f"{job} config", {key: value}, {key: allowed})
+        except ValueError as exc:
+            raise ValueError(f"{exc} (set it with `python {job} {key}=...`)") from None
+
+
+def _check_context(job: str, cfg) -> None:
+    """``context.axes`` / ``context.candidates``: registered context names, each with ``edges`` "auto"
+    or ascending finite numbers."""
+    from calib.chains import CONTEXT
+
+    for block in ("axes", "candidates"):
+        spec = get(cfg, f"context.{block}")
+        if spec is _ABSENT or spec is None:
+            continue
+        if not isinstance(spec, Mapping):
+            _refuse(job, f"context.{block}", spec, "it must be a mapping {context axis: {edges: ...}}")
+        for name, axis in spec.items():
+            if name not in CONTEXT:
+                _refuse(job, f"context.{block}.{name}", axis, f"context axes are {sorted(CONTEXT)} (calib.chains.CONTEXT)")
+            validate_config(job, {"context": {block: {name: axis or {}}}},
+                            {f"context.{block}.{name}.edges": AUTO_OR_EDGES})
+
+
+def _check_costs(job: str, cfg) -> None:
+    """eval.yaml's ``cost`` curves: a known kind; a parametric curve's weight_read > 0 and per_position >= 0."""
+    costs = get(cfg, "cost")
+    if costs is _ABSENT or costs is None:
+        return
+    if not isinstance(costs, Mapping) or not costs:
+        _refuse(job, "cost", costs, "it must name at least one cost curve (cost=parametric|measured|...)")
+    for name, c in costs.items():
+        if not isinstance(c, Mapping):
+            _refuse(job, f"cost.{name}", c, "it must be a cost curve's settings (conf/cost/)")
+        sub = {"cost": {name: c}}
+        validate_config(job, {"cost": {name: {"kind": c.get("kind", name)}}}, {f"cost.{name}.kind": [Options(COST_KINDS)]})
+        if c.get("kind", name) == "parametric":
+            validate_config(job, sub, {f"cost.{name}.weight_read": [Interval(numbers.Real, 0, None, closed="neither")],
+                                       f"cost.{name}.per_position": [REAL_0]})
+        elif c.get("kind", name) == "measured":
+            validate_config(job, sub, {f"cost.{name}.path": [TEXT], f"cost.{name}.column": [NoneValue(), TEXT],
+                                       f"cost.{name}.pad_to_cheaper": [Boolean()]})
+
+
+def check_train(cfg) -> None:
+    """Refuse a ``train.py`` config (resolved, as a plain dict or an OmegaConf config) that cannot give
+    meaningful tables: split fractions not 3 numbers in [0, 1] summing to 1, a negative split seed,
+    trainer settings the estimators refuse, a grid of fewer than 2 points, unknown extra inputs, n-gram
+    table features unknown or edges unsorted (or not one list per feature), context axes unknown or with
+    unsorted edges, context counts < 1, an unknown logger kind. Raises ``ValueError`` naming the key."""
+    job = "train.py"
+    validate_config(job, cfg, _train_constraints())
+    feats, edges = get(cfg, "ngram_model.table.features"), get(cfg, "ngram_model.table.edges")
+    if feats is not _ABSENT and edges is not _ABSENT and len(feats) != len(edges):
+        _refuse(job, "ngram_model.table.edges", edges, f"it must hold one list of edges per feature of "
+                                                       f"ngram_model.table.features={feats!r} ({len(feats)})")
+    _check_context(job, cfg)
+
+
+def check_eval(cfg) -> None:
+    """Refuse an ``eval.py`` config (resolved, a plain dict or an OmegaConf config) whose settings make a
+    metric meaningless or the replay impossible: split fractions/seed/name, metric bins and bootstrap
+    replicates < 1, reliability bins < 1, the replay's settings (batch sizes ints >= 1, budget_per_request
+    >= 0, 1 <= min_steps <= max_steps, passes > 0, mode, impl, policies, draft costs finite >= 0 per
+    registered chain) and the cost curves'. Raises ``ValueError`` naming the key."""
+    job = "eval.py"
+    validate_config(job, cfg, _eval_constraints())
+    lo, hi = get(cfg, "replay.min_steps"), get(cfg, "replay.max_steps")
+    if lo is not _ABSENT and hi is not _ABSENT and lo > hi:
+        _refuse(job, "replay.min_steps", lo, f"it must be at most replay.max_steps={hi!r}")
+    draft = get(cfg, "draft_cost")
+    if draft is not _ABSENT:
+        from calib.chains import chain_names
+
+        if not isinstance(draft, Mapping):
+            _refuse(job, "draft_cost", draft, "it must map drafters to the cost of one draft pass")
+        for name, value in draft.items():
+            if name not in chain_names():
+                _refuse(job, f"draft_cost.{name}", value, f"draft costs are given for the chains {list(chain_names())}")
+            validate_config(job, {"draft_cost": {name: value}}, {f"draft_cost.{name}": [REAL_0]})
+    replay = get(cfg, "replay")
+    if isinstance(replay, Mapping):  # what is left of ReplayConfig's checks (its policies), before any bank loads
+        from calib.evaluate.replay import ReplayConfig
+
+        fields = {k: v for k, v in replay.items() if k != "progress"}
+        try:
+            ReplayConfig(**fields, **({"draft_cost": draft} if isinstance(draft, Mapping) else {}))
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{job} config: replay: {exc} (set it with `python {job} replay.KEY=...`)") from None
+    _check_costs(job, cfg)
+
+
+def check_serve(cfg) -> None:
+    """Refuse a ``serve.py`` config (resolved, a plain dict or an OmegaConf config) the run cannot honour:
+    concurrency, limit, seed; the sampling temperature (finite >= 0), top_p in (0, 1], max_tokens >= 1;
+    where the policy speculates, ``speculative.num_speculative_tokens >= 1`` and the n-gram settings
+    (>= 1, min <= max); for the calib policies their chains (registered names) and ``serve.draft_cost``
+    finite >= 0, ``serve.cost`` a CSV path or [weight_read, per_position]; the engine's sizes. Raises
+    ``ValueError`` naming the key."""
+    job = "serve.py"
+    validate_config(job, cfg, _serve_constraints())
+    method = get(cfg, "speculative.method")
+    if get(cfg, "policy.speculate") is True and method not in (_ABSENT, None, "none"):
+        validate_config(job, cfg, {"speculative.num_speculative_tokens": [INT_1]})
+        pairs = (("speculative.prompt_lookup_min", "speculative.prompt_lookup_max"),
+                 ("speculative.ngram.min_n", "speculative.ngram.max_n"))
+        validate_config(job, cfg, {k: [INT_1] for pair in pairs for k in pair} | {"speculative.ngram.k": [INT_1]})
+        for lo_key, hi_key in pairs:
+            lo, hi = get(cfg, lo_key), get(cfg, hi_key)
+            if lo is not _ABSENT and hi is not _ABSENT and lo > hi:
+                _refuse(job, lo_key, lo, f"it must be at most {hi_key}={hi!r}")
+    if get(cfg, "policy.calib") is True:
+        from calib.chains import chain_names
+
+        validate_config(job, cfg, {"policy.chains": [Subset(chain_names())], "policy.plan": [Boolean()]})
