@@ -7,6 +7,9 @@ more confident; the projection's largest change is recorded). N-gram drafter: th
 cut into cells by per-feature edges; a cell's value at depth k is the mean of the fitted model's
 predictions over the training samples that fall in it (the model's expectation given the coarse
 features), and the model's prediction at the cell's representative point where no sample does.
+Every chain's record in tables.json also says which sampling temperatures its training samples were
+drawn at (:func:`fitted_temperatures`): temperature is part of the tables' identity, checked against
+banks and engines (:meth:`calib.tables.Tables.check_bank`, :meth:`calib.tables.Tables.check_temperature`).
 """
 
 from __future__ import annotations
@@ -100,8 +103,8 @@ def fitted_temperatures(samples: pd.DataFrame, chain_name: str = "?") -> dict:
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
         row = samples.iloc[i]
-        where = ", ".join(f"{k}={row[k]!r}" for k in ("model", "speculator", "config", "category", "prompt_idx")
-                          if k in samples.columns)
+        where = ", ".join(f"{k}={row[k].item() if hasattr(row[k], 'item') else row[k]!r}"
+                          for k in ("model", "speculator", "config", "category", "prompt_idx") if k in samples.columns)
         raise ValueError(f"chain {chain_name!r}: {int(bad.sum())} training samples have a sampling temperature "
                          f"that is not a finite number >= 0 (first: {float(t[i])!r} at {where}); fix or drop "
                          "that bank (python -m calib.bank validate PATH) before training")

@@ -297,3 +297,37 @@ def test_reuse_last_row_survives_save_and_load(tmp_path, tables):
     assert t.check_bank(_bank(tmp_path)) == []  # K=4 bank on 2 rows: allowed, the tables say so
     with pytest.raises(TablesError, match=r"K=2\), bank .* drafts K=4"):
         load(save(tmp_path / "v", first_rows(False), meta)).check_bank(_bank(tmp_path, "b2"))
+
+
+def test_fitted_temperatures_are_recorded_even_for_one_temperature():
+    """'One temperature gives an empty axis' (issue 25): the axis has no edges, the record still says 0."""
+    from calib.tables.export import fitted_temperatures
+
+    one = pd.DataFrame({"temperature": [0.0] * 5})
+    assert fitted_temperatures(one) == {"values": [0.0], "n_values": 1, "min": 0.0, "max": 0.0, "unrecorded_samples": 0}
+    two = pd.DataFrame({"temperature": [0.8, 0.0, np.nan, 0.8]})
+    assert fitted_temperatures(two) == {"values": [0.0, 0.8], "n_values": 2, "min": 0.0, "max": 0.8,
+                                        "unrecorded_samples": 1}
+    none = fitted_temperatures(pd.DataFrame({"conf": [0.5]}))
+    assert none["values"] == [] and none["min"] is None and none["unrecorded_samples"] == 1
+    bad = pd.DataFrame({"temperature": [0.0, -0.5], "speculator": ["s", "s"], "prompt_idx": [0, 3]})
+    with pytest.raises(ValueError, match=r"chain 'model': 1 training samples .* \(first: -0.5 at speculator='s', "
+                                         r"prompt_idx=3\)"):
+        fitted_temperatures(bad, "model")
+
+
+def test_encode_chain_records_the_temperatures(tmp_path):
+    from calib.chains import chain
+    from calib.tables.export import encode_chain
+
+    rng = np.random.default_rng(1)
+    n = 2000
+    df = pd.DataFrame({"conf": rng.uniform(size=n), "depth": rng.integers(0, 2, n),
+                       "temperature": rng.choice([0.0, 0.8], n)})
+    df["label"] = (rng.uniform(size=n) < df.conf).astype(int)
+    est = IsotonicPerDepth().fit(df.conf.to_numpy(), df.depth.to_numpy(), df.label.to_numpy())
+    for ctx in ({"axes": {"temperature": {"edges": [0.4]}}}, {}):
+        table, info = encode_chain(chain("model"), est, df, {"grid_points": 9, "context": ctx}, 2)
+        assert info["temperatures"]["values"] == [0.0, 0.8]
+        t = load(save(tmp_path / str(len(ctx)), GridTables({"model": table}), {"chains": {"model": info}}))
+        assert t.fitted_temperatures("model")["max"] == 0.8
