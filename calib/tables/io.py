@@ -319,7 +319,8 @@ class Tables(GridTables):
             TablesError: naming the tables folder and their fitted temperatures, ``where`` and its value,
                 and what to do.
         """
-        values = [temperature] if isinstance(temperature, numbers.Number) or temperature is None else list(temperature)
+        scalar = temperature is None or isinstance(temperature, (numbers.Number, str, bytes))
+        values = [temperature] if scalar else list(temperature)
         for t in values:
             if isinstance(t, bool) or not _finite(t) or t < 0:
                 raise ValueError(f"{where}: temperature={t!r} is invalid; a sampling temperature is a finite "

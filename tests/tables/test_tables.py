@@ -272,7 +272,8 @@ def test_check_temperature_for_serving(tmp_path, tables):
                                           r"sampling.temperature samples at temperature \[1.2\]"):
         t.check_temperature(1.2, where="sampling.temperature")
     for bad in (float("nan"), -0.1, float("inf"), "hot"):
-        with pytest.raises(ValueError, match=r"sampling.temperature: temperature=.* finite number >= 0"):
+        with pytest.raises(ValueError, match=rf"sampling.temperature: temperature={bad!r} is invalid; a sampling "
+                                             r"temperature is a finite number >= 0"):
             t.check_temperature(bad, where="sampling.temperature")
     with pytest.warns(TablesWarning, match="records no fitted temperatures"):
         _fitted(tmp_path / "old", tables, temperatures=()).check_temperature(0.8)
