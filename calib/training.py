@@ -28,6 +28,7 @@ from calib.atomic import staged_output, write_text_atomic
 from calib.bank import load, schema
 from calib.calibrators.context import PerContextCell
 from calib.chains import ChainKind, chain, chains, context_axes, context_spec, resolve_edges, round_inputs
+from calib.config_checks import check_train
 from calib.labels import prompt_split
 from calib.metrics import auroc, brier, ece, nll
 from calib.tables import GridTables, save
@@ -266,6 +267,7 @@ def run(cfg: dict) -> Path:
     ``out_dir`` and published as one unit on success; on failure the staging folder is removed and
     ``out_dir`` keeps what it held.
     """
+    check_train(cfg)  # before anything loads: a setting that makes a metric meaningless is refused by key
     out_dir = Path(cfg["out_dir"])
     with staged_output(out_dir, overwrite=bool(cfg.get("overwrite", False)), job="train.py",
                        log_file="train.log") as stage:

@@ -17,6 +17,7 @@ import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
 from calib.atomic import staged_output, write_text_atomic
+from calib.config_checks import check_eval
 from calib.evaluate import plots
 from calib.evaluate.calibration import POOLED_ECE_MAX, calibration_rows, length_noise, pooled_calibration_rows
 from calib.evaluate.cost import CostCurve, make_curve
@@ -60,6 +61,7 @@ def run(cfg: DictConfig) -> dict:
     folder holding anything else is refused. Outputs are staged and published as one unit on
     success; a failed run leaves ``out_dir`` as it was and no staging folder behind.
     """
+    check_eval(cfg)  # before anything loads: a setting that makes a metric meaningless is refused by key
     root = cfg.get("root") or "."
     target = _path(root, cfg.out_dir)
     with staged_output(target, overwrite=bool(cfg.get("overwrite", False)), job="eval.py",

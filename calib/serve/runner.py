@@ -39,10 +39,15 @@ POLICIES = ("none", "vllm", "vllm_dynamic", "calib_ragged", "calib_two_drafter")
 
 
 def check_config(cfg: dict) -> None:
-    """Refuse what the run cannot honour before anything loads; errors name the key and its values."""
+    """Refuse what the run cannot honour before the engine starts; errors name the key and its values.
+    For a calib policy the tables are loaded (verified) and must have been fitted at the run's sampling
+    temperature (:meth:`calib.tables.Tables.check_temperature`)."""
+    from calib.config_checks import check_serve
+
     pol = cfg["policy"]
     if pol.get("name") not in POLICIES:
         raise ValueError(f"policy={pol.get('name')!r}: choose one of {', '.join(POLICIES)} (conf/policy/)")
+    check_serve(cfg)
     if int(cfg["concurrency"]) < 1:
         raise ValueError(f"concurrency={cfg['concurrency']!r}: must be >= 1 (requests in flight)")
     spec = cfg["speculative"]
@@ -53,6 +58,11 @@ def check_config(cfg: dict) -> None:
         if not (tables / "tables.json").is_file():
             raise FileNotFoundError(f"tables={cfg['tables']!r}: no tables.json in {tables}; make tables with "
                                     f"`python train.py out_dir={cfg['tables']}` or pass tables=DIR")
+        if "sampling" in cfg:
+            import calib.tables
+
+            calib.tables.load(tables).check_temperature(float(cfg["sampling"]["temperature"]),
+                                                        where="sampling.temperature", chains=pol.get("chains"))
     if pol.get("dynamic") and spec["method"] == "ngram":
         log.warning("policy=%s with speculative=ngram: vLLM's Dynamic SD schedule applies to the n-gram K too",
                     pol["name"])
