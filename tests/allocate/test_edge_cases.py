@@ -100,7 +100,10 @@ def test_out_of_range_probabilities_are_clamped(impl):
 def test_budget_tensor_and_negative_budget():
     p = torch.full((2, 2), 0.9)
     assert allocate_probs(pair(p), budget=torch.tensor(3)).depth.sum().item() == 3
-    assert allocate_probs(pair(p), budget=-4).depth.sum().item() == 0
+    assert allocate_probs(pair(p), budget=0).depth.sum().item() == 0
+    # A negative budget is a caller's error (it used to allocate nothing, silently).
+    with pytest.raises(ValueError, match=r"budget=-4 is invalid; it must be None or an integer in \[0, inf\)"):
+        allocate_probs(pair(p), budget=-4)
 
 
 def test_argument_errors():
