@@ -172,11 +172,12 @@ def _entries(folder: Path) -> dict[str, dict]:
             elif p.is_dir():
                 out[rel] = {"dir": True}
             else:
-                out[rel] = {"size": p.stat().st_size, "sha256": _sha256(p)}
+                out[rel] = {"size": p.stat().st_size, "sha256": sha256_file(p)}
     return out
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: str | os.PathLike) -> str:
+    """The hex sha256 of the file at ``path`` (read in 1 MiB blocks)."""
     h = hashlib.sha256()
     with open(path, "rb") as fh:
         for block in iter(lambda: fh.read(1 << 20), b""):

@@ -22,33 +22,27 @@ banks load), ``policy.name`` and ``speculative=none`` with a speculating policy
 from __future__ import annotations
 
 import itertools
-import math
 import numbers
 from collections.abc import Mapping
 
-from calib.params import Boolean, Each, Fractions, Interval, NoneValue, Options, Subset, validate_params
+from calib.params import (
+    TEXT,
+    Boolean,
+    Each,
+    Fractions,
+    Interval,
+    NoneValue,
+    Options,
+    Satisfies,
+    Subset,
+    finite_number,
+    validate_params,
+)
 
 _ABSENT = object()
 
 
-class Is:
-    """A constraint (as in :mod:`calib.params`) given by a test and its description."""
 
-    def __init__(self, label: str, test):
-        self.label, self.test = label, test
-
-    def accepts(self, value) -> bool:
-        try:
-            return bool(self.test(value))
-        except (TypeError, ValueError):
-            return False
-
-    def __str__(self) -> str:
-        return self.label
-
-
-def _finite(v) -> bool:
-    return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def _list(v) -> bool:
@@ -58,10 +52,9 @@ def _list(v) -> bool:
 INT_0 = Interval(numbers.Integral, 0, None)
 INT_1 = Interval(numbers.Integral, 1, None)
 REAL_0 = Interval(numbers.Real, 0, None)
-TEXT = Is("a non-empty string", lambda v: isinstance(v, str) and bool(v))
-PATHS = Is("a non-empty list of paths", lambda v: _list(v) and bool(v) and all(isinstance(p, str) and p for p in v))
-EDGES = Is("a list of finite numbers in ascending order",
-           lambda v: _list(v) and all(_finite(x) for x in v) and all(a <= b for a, b in itertools.pairwise(v)))
+PATHS = Satisfies("a non-empty list of paths", lambda v: _list(v) and bool(v) and all(isinstance(p, str) and p for p in v))
+EDGES = Satisfies("a list of finite numbers in ascending order",
+                  lambda v: _list(v) and all(finite_number(x) for x in v) and all(a <= b for a, b in itertools.pairwise(v)))
 AUTO_OR_EDGES = [Options(("auto",)), EDGES]
 SPLITS = ("train", "val", "test")
 LOGGERS = ("wandb", "csv", "none")
@@ -69,9 +62,9 @@ COST_KINDS = ("parametric", "measured", "moe")
 CALIBRATOR_EXTRA = ("entropy", "margin", "temperature")  # conf/calibrator/_common.yaml: extra
 
 
-def _names(values) -> Is:
-    return Is("a list of distinct names from " + ", ".join(repr(v) for v in values),
-              lambda v: _list(v) and len(set(v)) == len(v) and all(x in values for x in v))
+def _names(values) -> Satisfies:
+    return Satisfies("a list of distinct names from " + ", ".join(repr(v) for v in values),
+                     lambda v: _list(v) and len(set(v)) == len(v) and all(x in values for x in v))
 
 
 def _lightning(prefix: str) -> dict:
@@ -136,8 +129,8 @@ def _serve_constraints() -> dict:
         "policy.speculate": [Boolean()],
         "policy.calib": [Boolean()],
         "serve.draft_cost": [REAL_0],
-        "serve.cost": [TEXT, Is("a list [weight_read, per_position] of two finite numbers >= 0",
-                                lambda v: _list(v) and len(v) == 2 and all(_finite(x) and x >= 0 for x in v))],
+        "serve.cost": [TEXT, Satisfies("a list [weight_read, per_position] of two finite numbers >= 0",
+                                       lambda v: _list(v) and len(v) == 2 and all(finite_number(x) and x >= 0 for x in v))],
         "serve.model_id": [NoneValue(), TEXT],
         "engine.max_model_len": [INT_1],
         "engine.kv_cache_gb": [Interval(numbers.Real, 0, None, closed="neither")],

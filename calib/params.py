@@ -19,6 +19,42 @@ from dataclasses import dataclass
 import numpy as np
 
 
+def finite_number(value) -> bool:
+    """A real number (not a bool) that is finite."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _items(value) -> list | None:
+    """``value`` as a list if it is a sequence other than a string, else None."""
+    if isinstance(value, (str, bytes)):
+        return None
+    try:
+        return list(value)
+    except TypeError:
+        return None
+
+
+class Satisfies:
+    """A constraint given by a ``test`` (a predicate; raising TypeError/ValueError counts as False) and
+    the ``label`` that describes it in messages: for what the declarative types do not cover (a tensor's
+    dtype and rank, a registered name, a pair of numbers)."""
+
+    def __init__(self, label: str, test):
+        self.label, self.test = label, test
+
+    def accepts(self, value) -> bool:
+        try:
+            return bool(self.test(value))
+        except (TypeError, ValueError):
+            return False
+
+    def __str__(self) -> str:
+        return self.label
+
+
+TEXT = Satisfies("a non-empty string", lambda v: isinstance(v, str) and bool(v))
+
+
 @dataclass(frozen=True)
 class Options:
     """A parameter that must be one of ``values`` (an enum-like option)."""
@@ -68,12 +104,7 @@ class Subset:
     values: tuple
 
     def accepts(self, value) -> bool:
-        if isinstance(value, str):
-            return False
-        try:
-            items = list(value)
-        except TypeError:
-            return False
+        items = _items(value)
         return bool(items) and len(set(items)) == len(items) and all(v in self.values for v in items)
 
     def __str__(self) -> str:
@@ -99,16 +130,10 @@ class Fractions:
     tol: float = 1e-6
 
     def accepts(self, value) -> bool:
-        if isinstance(value, (str, bytes)):
-            return False
-        try:
-            items = list(value)
-        except TypeError:
-            return False
+        items = _items(value)
         if not items or (self.n is not None and len(items) != self.n):
             return False
-        if not all(isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v) and 0 <= v <= 1
-                   for v in items):
+        if not all(finite_number(v) and 0 <= v <= 1 for v in items):
             return False
         return abs(sum(items) - 1.0) <= self.tol
 
@@ -124,12 +149,7 @@ class Each:
     item: object
 
     def accepts(self, value) -> bool:
-        if isinstance(value, (str, bytes)):
-            return False
-        try:
-            items = list(value)
-        except TypeError:
-            return False
+        items = _items(value)
         return bool(items) and all(self.item.accepts(v) for v in items)
 
     def __str__(self) -> str:

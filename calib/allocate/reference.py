@@ -62,41 +62,27 @@ import numbers
 import torch
 
 from calib.chains import NO_CHAIN
-from calib.params import Interval, NoneValue, validate_params
+from calib.params import Interval, NoneValue, Satisfies, validate_params
 
 SCALE = 1 << 24  # fixed-point units per expected accepted token
 
 
-class _Is:
-    """A constraint (as in :mod:`calib.params`) checked on host metadata only (types, dtypes, shapes)."""
-
-    def __init__(self, label: str, test):
-        self.label, self.test = label, test
-
-    def accepts(self, value) -> bool:
-        try:
-            return bool(self.test(value))
-        except (TypeError, ValueError):
-            return False
-
-    def __str__(self) -> str:
-        return self.label
 
 
-_PROBS = _Is("a 2-D float tensor [B, K]", lambda t: isinstance(t, torch.Tensor) and t.ndim == 2 and t.is_floating_point())
+_PROBS = Satisfies("a 2-D float tensor [B, K]", lambda t: isinstance(t, torch.Tensor) and t.ndim == 2 and t.is_floating_point())
 _CHAIN_ID = Interval(numbers.Integral, NO_CHAIN + 1, 127)
 # allocate_reference's arguments (calib.allocate.api checks budget and cost the same way, with more context).
 REFERENCE_CONSTRAINTS = {
     "first_p": [_PROBS],
     "second_p": [NoneValue(), _PROBS],
-    "ids": [_Is(f"a pair of chain ids, each {_CHAIN_ID}",
-                lambda v: len(v) == 2 and all(_CHAIN_ID.accepts(i) for i in v))],
+    "ids": [Satisfies(f"a pair of chain ids, each {_CHAIN_ID}",
+                      lambda v: len(v) == 2 and all(_CHAIN_ID.accepts(i) for i in v))],
     "budget": [NoneValue(), Interval(numbers.Integral, 0, None),
-               _Is("a one-element integer tensor", lambda t: isinstance(t, torch.Tensor) and t.numel() == 1
-                   and not t.dtype.is_floating_point and t.dtype != torch.bool)],
-    "cost": [NoneValue(), _Is("a non-empty 1-D float tensor",
-                              lambda t: isinstance(t, torch.Tensor) and t.ndim == 1 and t.numel() >= 1
-                              and t.is_floating_point())],
+               Satisfies("a one-element integer tensor", lambda t: isinstance(t, torch.Tensor) and t.numel() == 1
+                         and not t.dtype.is_floating_point and t.dtype != torch.bool)],
+    "cost": [NoneValue(), Satisfies("a non-empty 1-D float tensor",
+                                    lambda t: isinstance(t, torch.Tensor) and t.ndim == 1 and t.numel() >= 1
+                                    and t.is_floating_point())],
 }
 
 

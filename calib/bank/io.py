@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import shutil
@@ -14,7 +13,14 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from calib.atomic import check_replaceable, publish_dir, resolve_target, staging_dir, write_json_atomic
+from calib.atomic import (
+    check_replaceable,
+    publish_dir,
+    resolve_target,
+    sha256_file,
+    staging_dir,
+    write_json_atomic,
+)
 from calib.bank import schema
 from calib.bank.stats import compute_stats
 from calib.bank.validate import BankError, Problem, validate
@@ -124,13 +130,9 @@ class DuplicateBankWarning(UserWarning):
 
 
 def fingerprint(bank_dir: str | os.PathLike) -> str:
-    """A bank's content identity: the sha256 of its acceptance.parquet (the same digest as
-    ``calib.tables.io.bank_fingerprint``). A copy or a move of a bank keeps it."""
-    h = hashlib.sha256()
-    with open(Path(bank_dir) / schema.ACCEPTANCE, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+    """A bank's content identity: the sha256 of its acceptance.parquet (what tables.json records as
+    ``banks[].acceptance_sha256``). A copy or a move of a bank keeps it."""
+    return sha256_file(Path(bank_dir) / schema.ACCEPTANCE)
 
 
 def _drop(dup: Path, kept: Path, why: str) -> None:

@@ -38,7 +38,7 @@ import torch
 from calib.allocate import allocate, allocate_probs, calibrated_probs, check_cost
 from calib.allocate.api import IMPLEMENTATIONS
 from calib.chains import CONTEXT, NO_CHAIN, chain, chain_names
-from calib.params import Interval, NoneValue, Options, validate_params
+from calib.params import TEXT, Interval, NoneValue, Options, Satisfies, validate_params
 from calib.serve.history import RequestHistory
 
 logger = logging.getLogger("calib.serve")
@@ -46,26 +46,11 @@ logger = logging.getLogger("calib.serve")
 MODEL, NGRAM = "model", "ngram"
 
 
-class _Is:
-    """A constraint (as in :mod:`calib.params`) given by a test and its description."""
-
-    def __init__(self, label: str, test):
-        self.label, self.test = label, test
-
-    def accepts(self, value) -> bool:
-        try:
-            return bool(self.test(value))
-        except (TypeError, ValueError):
-            return False
-
-    def __str__(self) -> str:
-        return self.label
 
 
-TEXT = _Is("a non-empty string", lambda v: isinstance(v, str) and bool(v))
-CHAIN_NAMES = _Is("a list of registered chain names (calib.chains)",
-                  lambda v: not isinstance(v, (str, bytes)) and all(isinstance(c, str) and c in chain_names()
-                                                                     for c in v))
+CHAIN_NAMES = Satisfies("a list of registered chain names (calib.chains)",
+                        lambda v: not isinstance(v, (str, bytes)) and all(isinstance(c, str) and c in chain_names()
+                                                                           for c in v))
 K_MAX = Interval(numbers.Integral, 1, None)  # vLLM's num_speculative_tokens
 # decide_step's per-call arguments (and SafeDecider's, below).
 DECIDE_CONSTRAINTS = {"k_max": [K_MAX], "budget": [NoneValue(), Interval(numbers.Integral, 0, None)],
@@ -335,7 +320,7 @@ class SafeDecider:
     _parameter_constraints: ClassVar[dict] = {
         "model_id": [TEXT], "speculator": [TEXT], "method": [NoneValue(), TEXT], "chains": [CHAIN_NAMES],
         "max_failures": [Interval(numbers.Integral, 1, None)],
-        "history": [NoneValue(), _Is("a RequestHistory", lambda v: isinstance(v, RequestHistory))],
+        "history": [NoneValue(), Satisfies("a RequestHistory", lambda v: isinstance(v, RequestHistory))],
         **DECIDE_CONSTRAINTS,
     }
 

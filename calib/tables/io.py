@@ -52,9 +52,9 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from calib.atomic import atomic_path, write_text_atomic
+from calib.atomic import atomic_path, sha256_file, write_text_atomic
 from calib.chains import CONTEXT, Axis
-from calib.params import Boolean, Interval, NoneValue, Options
+from calib.params import TEXT, Boolean, Fractions, Interval, NoneValue, Options, Satisfies, finite_number
 from calib.sidefiles import SideFileError, read_json
 from calib.tables.layout import ChainTable, GridTables
 
@@ -88,44 +88,26 @@ def _short(value) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-class _Json:
-    """A JSON value ``test`` accepts, described as ``label`` (a constraint as in :mod:`calib.params`)."""
-
-    def __init__(self, label: str, test):
-        self.label, self.test = label, test
-
-    def accepts(self, value) -> bool:
-        try:
-            return bool(self.test(value))
-        except (TypeError, ValueError):
-            return False
-
-    def __str__(self) -> str:
-        return self.label
 
 
-def _finite(v) -> bool:
-    return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
 
-
-TEXT = _Json("a non-empty string", lambda v: isinstance(v, str) and bool(v))
-OBJECT = _Json("an object ({...})", lambda v: isinstance(v, dict))
-TEXTS = _Json("a list of strings", lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v))
-ARRAY = _Json("a list", lambda v: isinstance(v, list))
-EDGES = _Json("a list of finite numbers in ascending order",
-              lambda v: isinstance(v, list) and all(_finite(x) for x in v)
-              and all(a <= b for a, b in itertools.pairwise(v)))
-TEMPERATURES = _Json("a list of finite numbers >= 0 in ascending order",
-                     lambda v: isinstance(v, list) and all(_finite(x) and x >= 0 for x in v)
-                     and all(a <= b for a, b in itertools.pairwise(v)))
-SHAPE = _Json("a list of integers >= 0", lambda v: isinstance(v, list)
-              and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v))
-ROWS = _Json("a non-empty list of equally long non-empty lists of probabilities in [0, 1]",
-             lambda v: isinstance(v, list) and bool(v) and all(isinstance(r, list) and r and len(r) == len(v[0])
-                                                               and all(_finite(x) and 0 <= x <= 1 for x in r)
-                                                               for r in v))
-AXES = _Json("a non-empty list of axis objects", lambda v: isinstance(v, list) and bool(v)
-             and all(isinstance(a, dict) for a in v))
+OBJECT = Satisfies("an object ({...})", lambda v: isinstance(v, dict))
+TEXTS = Satisfies("a list of strings", lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v))
+ARRAY = Satisfies("a list", lambda v: isinstance(v, list))
+EDGES = Satisfies("a list of finite numbers in ascending order",
+                  lambda v: isinstance(v, list) and all(finite_number(x) for x in v)
+                  and all(a <= b for a, b in itertools.pairwise(v)))
+TEMPERATURES = Satisfies("a list of finite numbers >= 0 in ascending order",
+                         lambda v: isinstance(v, list) and all(finite_number(x) and x >= 0 for x in v)
+                         and all(a <= b for a, b in itertools.pairwise(v)))
+SHAPE = Satisfies("a list of integers >= 0", lambda v: isinstance(v, list)
+                  and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v))
+ROWS = Satisfies("a non-empty list of equally long non-empty lists of probabilities in [0, 1]",
+                 lambda v: isinstance(v, list) and bool(v) and all(isinstance(r, list) and r and len(r) == len(v[0])
+                                                                   and all(finite_number(x) and 0 <= x <= 1 for x in r)
+                                                                   for r in v))
+AXES = Satisfies("a non-empty list of axis objects", lambda v: isinstance(v, list) and bool(v)
+                 and all(isinstance(a, dict) for a in v))
 _INT1 = Interval(numbers.Integral, 1, None)
 
 # tables.json's keys: top level, per chain (``chains.<name>.*``), per axis, and the nested records.
@@ -143,11 +125,10 @@ AXIS_CONSTRAINTS = {"name": [TEXT], "kind": [Options(("interpolate", "bins"))]}
 AXIS_KIND_CONSTRAINTS = {"interpolate": {"points": [_INT1]}, "bins": {"edges": [EDGES]}}
 TEMPERATURE_CONSTRAINTS = {"values": [TEMPERATURES], "min": [NoneValue(), Interval(numbers.Real, 0, None)],
                            "max": [NoneValue(), Interval(numbers.Real, 0, None)]}
-FORECAST_CONSTRAINTS = {"axes": [_Json("a list of axis objects", lambda v: isinstance(v, list)
-                                       and all(isinstance(a, dict) for a in v))], "values": [ROWS]}
+FORECAST_CONSTRAINTS = {"axes": [Satisfies("a list of axis objects", lambda v: isinstance(v, list)
+                                           and all(isinstance(a, dict) for a in v))], "values": [ROWS]}
 BANK_CONSTRAINTS = {"path": [NoneValue(), TEXT], "acceptance_sha256": [NoneValue(), TEXT]}
-SPLIT_CONSTRAINTS = {"fractions": [NoneValue(), _Json("a list of 3 fractions in [0, 1] summing to 1", lambda v: (
-    isinstance(v, list) and len(v) == 3 and all(_finite(x) and 0 <= x <= 1 for x in v) and abs(sum(v) - 1) <= 1e-6))],
+SPLIT_CONSTRAINTS = {"fractions": [NoneValue(), Fractions(3)],
                      "seed": [NoneValue(), Interval(numbers.Integral, 0, None)]}
 
 
@@ -322,7 +303,7 @@ class Tables(GridTables):
         scalar = temperature is None or isinstance(temperature, (numbers.Number, str, bytes))
         values = [temperature] if scalar else list(temperature)
         for t in values:
-            if isinstance(t, bool) or not _finite(t) or t < 0:
+            if isinstance(t, bool) or not finite_number(t) or t < 0:
                 raise ValueError(f"{where}: temperature={t!r} is invalid; a sampling temperature is a finite "
                                  "number >= 0 (0 = greedy)")
         names = list(self.chains) if chains is None else [c for c in chains if c in self.chains]
@@ -548,20 +529,13 @@ def _fitted_text(values, lo: float, hi: float, n_values: int) -> str:
     return f"{n_values} temperatures in {lo:g}..{hi:g}"
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def bank_fingerprint(bank_dir: str | os.PathLike) -> str:
-    """A bank's content fingerprint: the sha256 of its acceptance.parquet (``banks[].acceptance_sha256``
-    in tables.json). The same bank copied or moved elsewhere keeps it."""
-    from calib.bank import schema
+    """A bank's content fingerprint (``banks[].acceptance_sha256`` in tables.json):
+    :func:`calib.bank.io.fingerprint`, the sha256 of its acceptance.parquet. The same bank copied or
+    moved elsewhere keeps it."""
+    from calib.bank.io import fingerprint
 
-    return _sha256(Path(bank_dir) / schema.ACCEPTANCE)
+    return fingerprint(bank_dir)
 
 
 def json_digest(meta: dict) -> str:
@@ -689,7 +663,7 @@ def save(out_dir: str | os.PathLike, tables: GridTables, meta: dict) -> Path:
         save_file(tensors, tmp, metadata={"schema_version": str(SCHEMA_VERSION)})
         full = {"schema_version": SCHEMA_VERSION, "calib_version": __version__, "git_commit": git_commit(),
                 **meta, "reuse_last_row": bool(getattr(tables, "reuse_last_row", False)),
-                "tensors_sha256": _sha256(tmp),
+                "tensors_sha256": sha256_file(tmp),
                 "shapes": {n: list(t.shape) for n, t in tensors.items()}}
     full.pop("json_sha256", None)
     full = json.loads(json.dumps(full, default=float))  # the digest is over what a reader parses back
@@ -732,7 +706,7 @@ def load(path: str | os.PathLike) -> Tables:
                           "re-export the tables (python train.py out_dir=DIR overwrite=true) instead of "
                           "editing them")
     check_meta(meta, meta_path)
-    digest = _sha256(tensor_path)
+    digest = sha256_file(tensor_path)
     if digest != meta["tensors_sha256"]:
         raise TablesError(f"{tensor_path}: sha256 {digest[:12]}… does not match tables.json "
                           f"({str(meta.get('tensors_sha256'))[:12]}…); the files are from different "

@@ -272,9 +272,11 @@ def test_a_second_run_that_published_meanwhile_is_not_overwritten_without_overwr
 
 
 SLOW_JOB = r"""
-import sys, time
+import signal, sys, time
 from pathlib import Path
 from calib.atomic import staged_output
+# A shell starts background jobs with SIGINT ignored (CI, make &): restore Ctrl-C as a terminal has it.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 with staged_output(Path(sys.argv[1]), overwrite=True, job="train.py") as stage:
     (stage / "tables.json").write_text("half")
     print("staged", flush=True)
