@@ -42,9 +42,6 @@ from calib.params import (
 _ABSENT = object()
 
 
-
-
-
 def _list(v) -> bool:
     return isinstance(v, (list, tuple))
 

@@ -25,16 +25,15 @@ confidences are clamped, and temperatures are the caller's to check (the serving
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
-from calib.allocate.reference import allocate_reference
+from calib.allocate.reference import BUDGET, COST, allocate_reference
 from calib.allocate.tables import AcceptanceTables
 from calib.chains import ChainKind, chain, chain_names
-from calib.params import Interval, NoneValue, Options, validate_params
+from calib.params import Options, validate_params
 from calib.tables.layout import check_chain_inputs, check_confidences
 
 IMPLEMENTATIONS = ("reference", "triton")
@@ -42,31 +41,8 @@ MAX_CHAINS = 2  # chains one step chooses between (see calib.allocate.reference)
 TEMPERATURE = "temperature"  # the context axis holding each request's sampling temperature (calib.chains.CONTEXT)
 
 
-class TensorOf:
-    """A constraint (as in :mod:`calib.params`) on a tensor argument: ``test(tensor)`` on its host
-    metadata (dtype, shape), never its values."""
-
-    def __init__(self, label: str, test):
-        self.label, self.test = label, test
-
-    def accepts(self, value) -> bool:
-        return isinstance(value, torch.Tensor) and bool(self.test(value))
-
-    def __str__(self) -> str:
-        return self.label
-
-
-BUDGET_TENSOR = TensorOf("a one-element integer tensor",
-                         lambda t: t.numel() == 1 and not t.dtype.is_floating_point and not t.dtype.is_complex
-                         and t.dtype != torch.bool)
-COST_CURVE = TensorOf("a non-empty 1-D float tensor indexed by total positions",
-                      lambda t: t.ndim == 1 and t.numel() >= 1 and t.is_floating_point())
 # The arguments of allocate / allocate_probs (and plan_draft's cost), checked with validate_params.
-ENTRY_CONSTRAINTS = {
-    "impl": [Options(IMPLEMENTATIONS)],
-    "budget": [NoneValue(), Interval(numbers.Integral, 0, None), BUDGET_TENSOR],
-    "cost": [NoneValue(), COST_CURVE],
-}
+ENTRY_CONSTRAINTS = {"impl": [Options(IMPLEMENTATIONS)], "budget": BUDGET, "cost": COST}
 
 
 @dataclass(frozen=True)

@@ -67,22 +67,24 @@ from calib.params import Interval, NoneValue, Satisfies, validate_params
 SCALE = 1 << 24  # fixed-point units per expected accepted token
 
 
-
-
-_PROBS = Satisfies("a 2-D float tensor [B, K]", lambda t: isinstance(t, torch.Tensor) and t.ndim == 2 and t.is_floating_point())
+_PROBS = Satisfies("a 2-D float tensor [B, K]",
+                   lambda t: isinstance(t, torch.Tensor) and t.ndim == 2 and t.is_floating_point())
 _CHAIN_ID = Interval(numbers.Integral, NO_CHAIN + 1, 127)
-# allocate_reference's arguments (calib.allocate.api checks budget and cost the same way, with more context).
+# A budget and a verify-cost curve, as every allocator entry point takes them (calib.allocate.api too).
+BUDGET = [NoneValue(), Interval(numbers.Integral, 0, None),
+          Satisfies("a one-element integer tensor", lambda t: isinstance(t, torch.Tensor) and t.numel() == 1
+                    and not t.dtype.is_floating_point and not t.dtype.is_complex and t.dtype != torch.bool)]
+COST = [NoneValue(), Satisfies("a non-empty 1-D float tensor indexed by total positions",
+                               lambda t: isinstance(t, torch.Tensor) and t.ndim == 1 and t.numel() >= 1
+                               and t.is_floating_point())]
+# allocate_reference's arguments.
 REFERENCE_CONSTRAINTS = {
     "first_p": [_PROBS],
     "second_p": [NoneValue(), _PROBS],
     "ids": [Satisfies(f"a pair of chain ids, each {_CHAIN_ID}",
                       lambda v: len(v) == 2 and all(_CHAIN_ID.accepts(i) for i in v))],
-    "budget": [NoneValue(), Interval(numbers.Integral, 0, None),
-               Satisfies("a one-element integer tensor", lambda t: isinstance(t, torch.Tensor) and t.numel() == 1
-                         and not t.dtype.is_floating_point and t.dtype != torch.bool)],
-    "cost": [NoneValue(), Satisfies("a non-empty 1-D float tensor",
-                                    lambda t: isinstance(t, torch.Tensor) and t.ndim == 1 and t.numel() >= 1
-                                    and t.is_floating_point())],
+    "budget": BUDGET,
+    "cost": COST,
 }
 
 

@@ -46,8 +46,6 @@ logger = logging.getLogger("calib.serve")
 MODEL, NGRAM = "model", "ngram"
 
 
-
-
 CHAIN_NAMES = Satisfies("a list of registered chain names (calib.chains)",
                         lambda v: not isinstance(v, (str, bytes)) and all(isinstance(c, str) and c in chain_names()
                                                                            for c in v))

@@ -88,9 +88,6 @@ def _short(value) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-
-
-
 OBJECT = Satisfies("an object ({...})", lambda v: isinstance(v, dict))
 TEXTS = Satisfies("a list of strings", lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v))
 ARRAY = Satisfies("a list", lambda v: isinstance(v, list))
