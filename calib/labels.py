@@ -57,43 +57,6 @@ def per_depth_samples(table: pa.Table, acc: np.ndarray, per_depth: dict[str, np.
     return df
 
 
-def model_samples(bank: Bank) -> pd.DataFrame:
-    """One row per (round, depth reached): keys, depth, conf (+ entropy/margin if present), the context
-    columns (:func:`round_context`), label. Rounds without confidences (an n-gram drafter) yield nothing."""
-    t = bank.rounds()
-    width = schema.width(t.column_names)
-    conf = schema.depth_matrix(t, schema.CONF, width)
-    has_conf = ~np.isnan(conf).all(axis=1)
-    context = {n: v[has_conf] for n, v in round_context(t).items()}  # before the filter: every round counts
-    t = t.filter(pa.array(has_conf))
-    acc = schema.depth_matrix(t, schema.ACC, width)
-    per_depth = {"conf": conf[has_conf]}
-    for extra in ("entropy", "margin"):
-        if f"{extra}0" in t.column_names:
-            per_depth[extra] = schema.depth_matrix(t, extra, width)
-    return per_depth_samples(t, acc, per_depth, context)
-
-
-NGRAM_SAMPLE_FEATURES = tuple(schema.NGRAM_FEATURES)
-
-
-def ngram_samples(bank: Bank) -> pd.DataFrame:
-    """One row per (labelled n-gram chain, depth reached): keys, depth, match features, the context
-    columns (:func:`round_context` of the verified rounds), label.
-    A bank without ngram.parquet yields nothing."""
-    if not bank.has(schema.NGRAM):
-        return pd.DataFrame()
-    t = _with_context(bank.table(schema.NGRAM), bank)
-    src = np.asarray(t.column("label_source").to_pylist(), dtype=object)
-    t = t.filter(pa.array(src != "none"))
-    width = schema.width(t.column_names, schema.NGRAM_TOK)
-    acc = schema.depth_matrix(t, schema.ACC, width)
-    rounds = {f: t.column(f).to_numpy(zero_copy_only=False).astype(np.float64) for f in NGRAM_SAMPLE_FEATURES}
-    rounds["counterfactual"] = np.asarray(t.column("label_source").to_pylist(), dtype=object) == "counterfactual"
-    rounds.update({n: t.column(f"ctx_{n}").to_numpy(zero_copy_only=False).astype(np.float64) for n in CONTEXT_COLUMNS})
-    return per_depth_samples(t, acc, {}, rounds)
-
-
 CONTEXT_COLUMNS = ("temperature", "prev_accept", "mean_accept", "position")  # calib.chains.CONTEXT, computed here
 HISTORY_COLUMNS = ("prev_accept", "mean_accept", "position")  # read from the request's earlier rounds
 
@@ -101,13 +64,13 @@ HISTORY_COLUMNS = ("prev_accept", "mean_accept", "position")  # read from the re
 def round_context(rounds: pa.Table, names=CONTEXT_COLUMNS) -> dict[str, np.ndarray]:
     """Context per round of a bank's ``rounds`` (acceptance ⋈ speculator, sorted by the bank keys, as
     :meth:`Bank.rounds` returns them): ``temperature`` (NaN where not recorded) and what the request's
-    earlier rounds say (:func:`_request_history`: ``prev_accept``, ``mean_accept``, ``position``), i.e.
+    earlier rounds say (:func:`request_history`: ``prev_accept``, ``mean_accept``, ``position``), i.e.
     what an engine knows when it drafts. float64 [R] each."""
     out = {}
     n = rounds.num_rows
     history = [h for h in HISTORY_COLUMNS if h in names]
     if history:  # one sort of the request's rounds for every column read from its earlier rounds
-        out.update(_request_history(rounds, history))
+        out.update(request_history(rounds, history))
     for name in names:
         if name in out:
             continue
@@ -119,7 +82,7 @@ def round_context(rounds: pa.Table, names=CONTEXT_COLUMNS) -> dict[str, np.ndarr
     return out
 
 
-def _request_history(rounds: pa.Table, names) -> dict[str, np.ndarray]:
+def request_history(rounds: pa.Table, names) -> dict[str, np.ndarray]:
     """Per round, from the same request's earlier rounds (rounds of one (model, speculator, config,
     category, prompt_idx, turn) ordered by round_idx): ``prev_accept`` (the previous round's accepted
     length), ``mean_accept`` (their mean), NaN in a request's first round; ``position`` (the tokens
@@ -148,7 +111,7 @@ def _request_history(rounds: pa.Table, names) -> dict[str, np.ndarray]:
     return outs
 
 
-def _with_context(t: pa.Table, bank: Bank) -> pa.Table:
+def with_round_context(t: pa.Table, bank: Bank) -> pa.Table:
     """``t`` (rows keyed by the bank keys) with ``ctx_<name>`` columns of :func:`round_context`, read from
     the bank's verified rounds (NaN where a key has no such round)."""
     r = bank.rounds(columns=["accept", *(["temperature"] if _has_temperature(bank) else [])])
@@ -162,39 +125,6 @@ def _has_temperature(bank: Bank) -> bool:
     import pyarrow.parquet as pq
 
     return all("temperature" in pq.read_schema(Path(p) / schema.SPECULATOR).names for p in bank.paths)
-
-
-def model_drafted_depth(bank_dir) -> int:
-    """Drafted depth K of the model chain in one bank folder: the widest conf columns holding data."""
-    import pyarrow.parquet as pq
-
-    spec = Path(bank_dir) / schema.SPECULATOR
-    w = schema.width(pq.read_schema(spec).names, schema.CONF)
-    if not w:
-        return 0
-    conf0 = pq.read_table(spec, columns=[schema.col(schema.CONF, 0)]).column(0)
-    return w if conf0.null_count < len(conf0) else 0
-
-
-def ngram_drafted_depth(bank_dir) -> int:
-    """Drafted depth K of the n-gram chain in one bank folder: the widest chain (ngram_tok columns)."""
-    import pyarrow.parquet as pq
-
-    ng = Path(bank_dir) / schema.NGRAM
-    return schema.width(pq.read_schema(ng).names, schema.NGRAM_TOK) if ng.exists() else 0
-
-
-def model_round_data(rounds: pa.Table, axis_names=None):
-    """The model chain over a bank's rounds (:class:`calib.chains.RoundData`; None for a bank without
-    confidences): the verified accept mask, raw confidences, and as table input the confidence."""
-    from calib.chains import RoundData
-
-    width = schema.width(rounds.column_names)
-    conf = schema.depth_matrix(rounds, schema.CONF, width)
-    if not (~np.isnan(conf)).any():
-        return None
-    inputs = None if axis_names is None else conf.astype(np.float32)[..., None]
-    return RoundData(schema.depth_matrix(rounds, schema.ACC, width), inputs, conf)
 
 
 def prompt_split(category, prompt_idx, fractions=(0.7, 0.15, 0.15), seed: int = 0) -> np.ndarray:

@@ -381,7 +381,7 @@ def _plan_value(probs: dict, chain: str, cost: torch.Tensor, extra: float, impl:
 
 
 def forecast_probs(tables, chain: str, context, depths: int | None = None) -> torch.Tensor:
-    """The tables' forecast of ``chain`` (tables.json ``chains.<chain>.forecast``): float32 [B, K] of
+    """The tables' forecast of ``chain`` (:meth:`calib.tables.Tables.forecast`): float32 [B, K] of
     the calibrated acceptance expected at each depth in each request's context cell.
 
     ``context``: float [B, A_ctx], the request's values of the forecast's context axes in their
@@ -398,7 +398,7 @@ def forecast_probs(tables, chain: str, context, depths: int | None = None) -> to
     chains_meta = getattr(tables, "meta", {}).get("chains") or {}
     if chain not in chains_meta:
         raise ValueError(f"forecast_probs: the tables calibrate {sorted(chains_meta)}, not the {chain!r} chain")
-    meta = chains_meta[chain].get("forecast")
+    meta = tables.forecast(chain)
     if meta is None:
         raise ValueError(f"the tables hold no forecast for the {chain} chain (tables from before the "
                          "draft-aware allocator: re-run train.py)")

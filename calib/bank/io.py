@@ -289,20 +289,27 @@ class Bank:
                     raise KeyError(f"column {c!r} is in none of {[str(p / file) for p in self.paths]}")
         return table
 
-    def rounds(self, columns: Sequence[str] | None = None, with_ngram: bool = False) -> pa.Table:
-        """acceptance ⋈ speculator (⋈ ngram, columns prefixed ``ng_``) on the bank keys.
+    def rounds(self, columns: Sequence[str] | None = None, chains: Iterable = ()) -> pa.Table:
+        """acceptance ⋈ speculator (⋈ each of ``chains``' own bank file) on the bank keys.
 
-        The join and sort of every column (``columns=None``, no n-gram) is kept while the bank's
+        ``chains`` are objects describing a chain's join (duck-typed: :class:`calib.chains.ChainKind`):
+        ``bank_file`` (None: no file of its own) is left-joined where every folder of the bank has it,
+        its columns renamed ``column_prefix + name`` (``ng_`` for ngram.parquet); a chain the bank does
+        not record adds nothing.
+
+        The join and sort of every column (``columns=None``, no chain file) is kept while the bank's
         acceptance and speculator files are unchanged (size and mtime): a later call, for every
         column or a subset, selects from it (same rows, order and column order as its own join would
         give; keys are unique in a valid bank) instead of joining and sorting again (~6 s per call at
         a million rounds; train.py asks three times)."""
         keys = list(schema.KEYS)
+        joins = [(c.bank_file, c.column_prefix) for c in chains
+                 if getattr(c, "bank_file", None) is not None and self.has(c.bank_file)]
         acc_cols = spec_cols = None
         if columns is not None:
             acc_cols = keys + [c for c in columns if c == "accept" or c.startswith(schema.ACC)]
             spec_cols = keys + [c for c in columns if c not in acc_cols]
-        if not with_ngram:
+        if not joins:
             cached = self._cached_rounds()
             if cached is not None:
                 if columns is None:
@@ -313,12 +320,12 @@ class Bank:
         acc = self.table(schema.ACCEPTANCE, acc_cols)
         spec = self.table(schema.SPECULATOR, spec_cols)
         out = acc.join(spec, keys=keys, join_type="inner")
-        if with_ngram:
-            ng = self.table(schema.NGRAM)
-            ng = ng.rename_columns([c if c in keys else f"ng_{c}" for c in ng.column_names])
-            out = out.join(ng, keys=keys, join_type="left outer")
+        for file, prefix in joins:
+            own = self.table(file)
+            own = own.rename_columns([c if c in keys else f"{prefix}{c}" for c in own.column_names])
+            out = out.join(own, keys=keys, join_type="left outer")
         out = out.sort_by([(k, "ascending") for k in keys])
-        if columns is None and not with_ngram:
+        if columns is None and not joins:
             self._rounds_cache = (self._rounds_stamp(), out)
         return out
 
@@ -343,11 +350,11 @@ class Bank:
         """A pandas frame; string keys become categoricals to keep memory low."""
         return self.table(file, columns).to_pandas(strings_to_categorical=True)
 
-    def to_dataset(self, columns: Sequence[str] | None = None, with_ngram: bool = False):
-        """The joined rounds as a ``datasets.Dataset`` (Arrow-backed, zero-copy)."""
+    def to_dataset(self, columns: Sequence[str] | None = None, chains: Iterable = ()):
+        """The joined rounds (:meth:`rounds`) as a ``datasets.Dataset`` (Arrow-backed, zero-copy)."""
         import datasets
 
-        return datasets.Dataset(self.rounds(columns, with_ngram))
+        return datasets.Dataset(self.rounds(columns, chains))
 
 
 def load(paths, validate_on_open: bool = True) -> Bank:

@@ -144,8 +144,7 @@ def load_eval_bank(path, tables, fractions=(0.7, 0.15, 0.15), seed: int = 0, nam
             notes.append(str(w.message))
     seen, scope, fractions, seed, split_notes = eval_scope(bank.paths, tables, fractions, seed)
     notes += split_notes
-    with_ng = bank.has(schema.NGRAM)
-    t = bank.rounds(with_ngram=with_ng)
+    t = bank.rounds(chains=chains())  # every registered chain's own columns the bank records
     width = schema.width(t.column_names)
     cats = np.asarray(t.column("category").to_pylist(), dtype=object)
     pidx = t.column("prompt_idx").to_numpy()
@@ -190,7 +189,7 @@ def _forecast(tables, name: str, inputs: np.ndarray) -> np.ndarray | None:
     (the context axes are the inputs' columns of the forecast's axis names; equal over depths)."""
     from calib.allocate.draft import forecast_probs
 
-    meta = tables.meta["chains"][name].get("forecast")
+    meta = tables.forecast(name)
     if meta is None:
         return None
     names = tables.feature_names(name)

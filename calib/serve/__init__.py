@@ -1,8 +1,10 @@
 """Serving mode, engine-independent core: per-request history context and the per-step decision.
 
+>>> from calib.chains import Offer
 >>> from calib.serve import RequestHistory, SafeDecider, StepInputs
 >>> decider = SafeDecider("runs/train/default", model_id=..., speculator="eagle:head", k_max=4, cost=curve)
->>> out = decider.decide(StepInputs(req_ids, temperature, model_tokens, model_conf, ngram_tokens, ngram_x))
+>>> offers = {"model": Offer(model_tokens, model_conf), "ngram": Offer(ngram_tokens, ngram_x)}
+>>> out = decider.decide(StepInputs(req_ids, temperature, offers))
 >>> out.drafts     # the new draft list per request, each <= k_max tokens
 >>> decider.observe(req_id, accepted, drafted)   # after each verify step; decider.finish(req_id) at the end
 
@@ -16,7 +18,6 @@ from calib.serve.decide import (
     StepInputs,
     chain_inputs,
     decide_step,
-    ngram_feature_tensor,
 )
 from calib.serve.history import RequestHistory
 
@@ -27,5 +28,4 @@ __all__ = [
     "StepInputs",
     "chain_inputs",
     "decide_step",
-    "ngram_feature_tensor",
 ]

@@ -6,8 +6,8 @@ per-chain ``[B, L, A]`` inputs the tables expect, calls :func:`calib.allocate.al
 the new draft list per request (:class:`StepDecision`). :class:`SafeDecider` wraps it for an engine:
 tables loaded and checked once at construction, and never an exception into the engine afterwards.
 
-The draft lists handed back hold, per request, a prefix of the model draft, a prefix of the n-gram
-chain, or ``[]``; never more than ``k_max`` tokens (vLLM's ``num_speculative_tokens``: a longer list
+The draft lists handed back hold, per request, a prefix of one offered chain (the model draft, the
+n-gram chain, ...), or ``[]``; never more than ``k_max`` tokens (vLLM's ``num_speculative_tokens``: a longer list
 crashes its spec-decode metrics, docs/serving_design.md claim 3), and ints ``>= 0`` only.
 
 Temperatures. Every request's sampling temperature must be a finite number ``>= 0``: a NaN, infinite
@@ -29,7 +29,7 @@ import math
 import numbers
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import numpy as np
@@ -37,14 +37,11 @@ import torch
 
 from calib.allocate import allocate, allocate_probs, calibrated_probs, check_cost
 from calib.allocate.api import IMPLEMENTATIONS
-from calib.chains import CONTEXT, NO_CHAIN, chain, chain_names
+from calib.chains import CONTEXT, NO_CHAIN, Offer, chain, chain_names, chains, offer_inputs, verified_chain
 from calib.params import TEXT, Interval, NoneValue, Options, Satisfies, validate_params
 from calib.serve.history import RequestHistory
 
 logger = logging.getLogger("calib.serve")
-
-MODEL, NGRAM = "model", "ngram"
-
 
 CHAIN_NAMES = Satisfies("a list of registered chain names (calib.chains)",
                         lambda v: not isinstance(v, (str, bytes)) and all(isinstance(c, str) and c in chain_names()
@@ -93,32 +90,20 @@ def _note_unfitted(tables, temps: np.ndarray, chains: Sequence[str]) -> None:
 
 @dataclass
 class StepInputs:
-    """What the engine holds for its ``B`` running requests (batch order) when it decides.
-
-    A chain the engine does not run is None (an EAGLE-only engine without the n-gram recompute: both
-    n-gram fields None; an n-gram engine: both model fields None).
-    """
+    """What the engine holds for its ``B`` running requests (batch order) when it decides: what each
+    chain it runs offers (:class:`calib.chains.Offer`; a chain it does not run is absent, e.g. an
+    EAGLE-only engine without the n-gram recompute offers the model chain only)."""
 
     req_ids: list[str]  # [B]: engine request ids, batch order
     temperature: torch.Tensor | Sequence[float]  # float [B]: each request's sampling temperature (0 = greedy)
-    # model chain (EAGLE, draft model)
-    model_tokens: list[list[int]] | None = None  # [B][<= K]: the drafter's proposal per request ([] = none)
-    model_conf: torch.Tensor | None = None  # float [B, K]: raw confidence (softmax prob of the proposed
-    #                                         token) per depth; entries beyond a request's proposal are ignored
-    # n-gram chain (prompt lookup, recomputed by calib.ngram.find_match)
-    ngram_tokens: list[list[int]] | None = None  # [B][<= L]: the chain per request ([] = no match)
-    ngram_features: torch.Tensor | None = None  # float [B, L, F]: the n-gram table's own (non-context)
-    #                                             features, in tables.feature_names("ngram") order
-    #                                             (ngram_feature_tensor builds it); beyond a chain ignored
-    ngram_probs: torch.Tensor | None = None  # float [B, >= L]: the n-gram chain's calibrated P(accept |
-    #                                          reached) when the engine already looked it up this step
-    #                                          (calib.allocate.calibrated_probs on the same inputs: the
-    #                                          serving plan); replaces ngram_features' lookup (reference)
+    # chain name -> its offer: tokens [B][<= L], and its signal (model chain: raw confidence [B, K]; n-gram
+    # chain: features [B, L, F] in its table's own-axis order, or already looked-up probs [B, >= L])
+    offers: Mapping[str, Offer] = field(default_factory=dict)
 
     def engine_drafts(self, chain_name: str) -> list[list[int]]:
         """The lists the engine would verify on its own (its drafter's chain), [] per request if absent."""
-        tokens = self.model_tokens if chain_name == MODEL else self.ngram_tokens
-        return [list(t) for t in tokens] if tokens is not None else [[] for _ in self.req_ids]
+        offer = self.offers.get(chain_name)
+        return [list(t) for t in offer.tokens] if offer is not None else [[] for _ in self.req_ids]
 
 
 @dataclass(frozen=True)
@@ -152,22 +137,7 @@ def split_context(names: Sequence[str], chain_name: str) -> tuple[list[str], lis
     return own, ctx
 
 
-def ngram_feature_tensor(features: Sequence[Mapping | None], lengths: Sequence[int], names: Sequence[str],
-                         width: int) -> torch.Tensor:
-    """float32 ``[B, width, F]`` n-gram features (``names`` order, e.g. the own features of
-    ``tables.feature_names("ngram")``) from per-request feature dicts (``calib.ngram.NgramMatch.features()``;
-    None = no match): the chain's values repeated over depths ``< lengths[i]``, NaN beyond, booleans 0/1,
-    as :func:`calib.tables.features.ngram_feature_tensor` lays a bank's rounds out."""
-    out = np.full((len(features), width, len(names)), np.nan, dtype=np.float64)
-    for i, (f, n) in enumerate(zip(features, lengths)):
-        n = min(int(n), width)
-        if f is None or n <= 0:
-            continue
-        out[i, :n, :] = [float(f[name]) for name in names]
-    return torch.from_numpy(out.astype(np.float32))
-
-
-def _context_columns(ctx: Sequence[str], inputs: StepInputs, history: RequestHistory,
+def context_columns(ctx: Sequence[str], inputs: StepInputs, history: RequestHistory,
                      temperatures: np.ndarray | None = None) -> np.ndarray:
     """float64 ``[B, len(ctx)]``: each context axis' value per request (``temperatures``: the checked
     :func:`request_temperatures`, computed here when not given)."""
@@ -194,58 +164,56 @@ def _tokens(tokens, B: int, k_max: int, what: str) -> list[list[int]]:
     return out
 
 
-def _own(x: torch.Tensor | None, B: int, lengths: list[int], n_own: int, what: str) -> torch.Tensor:
-    """``x`` as float64 ``[B, W, n_own]`` (W = the longest chain), NaN beyond each request's chain."""
-    width = max(lengths, default=0)
-    if width == 0:
-        return torch.full((B, 1, n_own), math.nan, dtype=torch.float64)
-    if x is None:
-        raise ValueError(f"{what} is None but the chain has tokens")
-    x = torch.as_tensor(x).detach().to("cpu", torch.float64)
-    if x.ndim == 2:
-        x = x[..., None]
-    if x.ndim != 3 or x.shape[0] != B or x.shape[2] != n_own:
-        raise ValueError(f"{what} must be [B={B}, L, F={n_own}], got {tuple(x.shape)}")
-    if x.shape[1] < width:
-        raise ValueError(f"{what} has {x.shape[1]} depths, a chain has {width} tokens")
-    x = x[:, :width].clone()
-    beyond = torch.arange(width)[None, :] >= torch.tensor(lengths)[:, None]
-    x[beyond] = math.nan
-    return x
-
-
 def chain_inputs(tables, inputs: StepInputs, history: RequestHistory, *, k_max: int,
                  skip: Sequence[str] = (), temperatures: np.ndarray | None = None):
     """``({chain name: float32 [B, L, A]}, {chain name: token lists [B][<= k_max]})`` for the chains
-    both the engine (non-None tokens) and the tables have: the chain's own features, then the context
-    axes the tables hold (``tables.feature_names(chain)`` order), NaN where a request has no token.
-    Temperatures are checked (:func:`request_temperatures`) unless given already checked."""
+    both the engine (``inputs.offers``) and the tables have, in registry order: the chain's own inputs
+    (:attr:`calib.chains.ChainKind.step_inputs` of its offer), then the context axes the tables hold
+    (``tables.feature_names(chain)`` order), NaN where a request has no token. Temperatures are checked
+    (:func:`request_temperatures`) unless given already checked."""
     B = len(inputs.req_ids)
     if temperatures is None:
         temperatures = request_temperatures(inputs)
     signals, tokens = {}, {}
-    offered = {MODEL: (inputs.model_tokens, inputs.model_conf, "model_conf"),
-               NGRAM: (inputs.ngram_tokens, inputs.ngram_features, "ngram_features")}
-    for name, (toks, feats, what) in offered.items():
-        if toks is None or name not in tables.chains:
+    for kind in chains():
+        name, offer = kind.name, inputs.offers.get(kind.name)
+        if offer is None or name not in tables.chains:
             continue
+        toks = _tokens(offer.tokens, B, k_max, f"{name}_tokens")
         if name in skip:  # the caller has this chain's probabilities already
-            tokens[name] = _tokens(toks, B, k_max, f"{name}_tokens")
+            tokens[name] = toks
             continue
         own, ctx = split_context(feature_names(tables, name), name)
-        if name == MODEL and own != ["conf"]:
-            raise ValueError(f"the model chain's table reads {own} before its context axes; decide_step "
-                             "passes the raw confidence only (['conf'])")
-        toks = _tokens(toks, B, k_max, f"{name}_tokens")
-        x = _own(feats, B, [len(t) for t in toks], len(own), what)
-        c = torch.from_numpy(_context_columns(ctx, inputs, history, temperatures))  # [B, A_ctx]
+        lengths, what = [len(t) for t in toks], f"the {name} chain's signal"
+        x = (kind.step_inputs or _offered)(offer, own, B, lengths, what)
+        c = torch.from_numpy(context_columns(ctx, inputs, history, temperatures))  # [B, A_ctx]
         x = torch.cat([x, c[:, None, :].expand(B, x.shape[1], len(ctx))], dim=2)
         signals[name], tokens[name] = x.to(torch.float32), toks
     if not signals and not tokens:
-        raise ValueError(f"no chain to decide on: the engine offers "
-                         f"{[n for n, v in offered.items() if v[0] is not None]}, the tables calibrate "
+        raise ValueError(f"no chain to decide on: the engine offers {list(inputs.offers)}, the tables calibrate "
                          f"{sorted(tables.chains)}")
     return signals, tokens
+
+
+def _offered(offer: Offer, own: list[str], B: int, lengths: list[int], what: str) -> torch.Tensor:
+    """A chain's own table inputs as offered (its signal holds them in the table's axis order)."""
+    return offer_inputs(offer.signal, B, lengths, len(own), what)
+
+
+def _given_probs(offers: Mapping[str, Offer], tokens: dict, B: int) -> dict[str, torch.Tensor]:
+    """float32 ``[B, W]`` per chain whose offer holds already looked-up probabilities, NaN beyond its tokens."""
+    out = {}
+    for name in tokens:
+        given = offers[name].probs
+        if given is None:
+            continue
+        lengths = torch.tensor([len(t) for t in tokens[name]])
+        width = max(1, int(lengths.max()))
+        p = torch.full((B, width), math.nan, dtype=torch.float32)
+        p[:, : min(width, given.shape[1])] = given[:, :width].to(torch.float32)
+        p[torch.arange(width)[None, :] >= lengths[:, None]] = math.nan  # a chain ends with its tokens
+        out[name] = p
+    return out
 
 
 def decide_step(tables, inputs: StepInputs, history: RequestHistory, *, k_max: int,
@@ -253,8 +221,7 @@ def decide_step(tables, inputs: StepInputs, history: RequestHistory, *, k_max: i
                 impl: str = "reference") -> StepDecision:
     """Allocate this step's verification and return the new draft lists (see the module docstring).
 
-    Uses every chain the engine offers (non-None tokens in ``inputs``) that the tables calibrate, one or
-    two. ``cost`` (price mode) or ``budget`` (an int ``>= 0``) as in :func:`calib.allocate.allocate`;
+    Uses every chain the engine offers (``inputs.offers``) that the tables calibrate, one or two. ``cost`` (price mode) or ``budget`` (an int ``>= 0``) as in :func:`calib.allocate.allocate`;
     ``k_max`` an int ``>= 1`` (:data:`DECIDE_CONSTRAINTS`). Raises on anything off, a NaN, infinite or
     negative request temperature included (wrap it in :class:`SafeDecider` inside an engine); a
     temperature outside the tables' fitted range is decided and logged once (see the module docstring)."""
@@ -265,19 +232,14 @@ def decide_step(tables, inputs: StepInputs, history: RequestHistory, *, k_max: i
         return StepDecision([], [], torch.zeros(0, dtype=torch.int8), torch.zeros(0, dtype=torch.int32),
                             torch.zeros(0), (time.perf_counter() - start) * 1e3)
     temps = request_temperatures(inputs)
-    offered = [n for n, t in ((MODEL, inputs.model_tokens), (NGRAM, inputs.ngram_tokens))
-               if t is not None and n in tables.chains]
+    offered = [k.name for k in chains() if k.name in inputs.offers and k.name in tables.chains]
     _note_unfitted(tables, temps, offered)
-    given = inputs.ngram_probs if impl == "reference" and inputs.ngram_tokens is not None else None
-    signals, tokens = chain_inputs(tables, inputs, history, k_max=k_max, skip=(NGRAM,) if given is not None else (),
-                                   temperatures=temps)
-    if given is not None and NGRAM in tokens:
-        lengths = torch.tensor([len(t) for t in tokens[NGRAM]])
-        width = max(1, int(lengths.max()))
-        p = torch.full((B, width), math.nan, dtype=torch.float32)
-        p[:, : min(width, given.shape[1])] = given[:, :width].to(torch.float32)
-        p[torch.arange(width)[None, :] >= lengths[:, None]] = math.nan  # a chain ends with its tokens
-        probs = {**calibrated_probs(tables, signals), NGRAM: p} if signals else {NGRAM: p}
+    # offers whose probabilities the engine already looked up (the serving plan): the reference path uses them
+    skip = [n for n in offered if inputs.offers[n].probs is not None] if impl == "reference" else []
+    signals, tokens = chain_inputs(tables, inputs, history, k_max=k_max, skip=skip, temperatures=temps)
+    given = _given_probs(inputs.offers, {n: tokens[n] for n in skip}, B)
+    if given:
+        probs = {**calibrated_probs(tables, signals), **given} if signals else given
         out = allocate_probs(probs, cost=cost, budget=budget, impl=impl)
     else:
         out = allocate(tables, signals, cost=cost, budget=budget, impl=impl)
@@ -306,7 +268,7 @@ class SafeDecider:
     :func:`calib.tables.load`, or a loaded :class:`calib.tables.io.Tables`) and checks them against what
     the engine reports with :meth:`Tables.check_bank` on an engine manifest (target ``model_id``,
     ``speculator`` e.g. ``"eagle:<head dir name>"`` or ``"ngram"``, ``k_max`` = num_speculative_tokens,
-    and the n-gram chain's depth when it is offered): a mismatch is a :class:`calib.tables.io.TablesError`
+    and the depth of every other chain it offers that a manifest records, e.g. the n-gram chain's): a mismatch is a :class:`calib.tables.io.TablesError`
     naming both sides. Also checks ``k_max`` and the cost curve (for one request).
 
     :meth:`decide` never raises: on an exception it logs one warning (with the exception) the first
@@ -323,12 +285,12 @@ class SafeDecider:
     }
 
     def __init__(self, tables, *, model_id: str, speculator: str, k_max: int, method: str | None = None,
-                 chains: Sequence[str] = (MODEL, NGRAM), cost: torch.Tensor | None = None,
+                 chains: Sequence[str] | None = None, cost: torch.Tensor | None = None,
                  budget: int | None = None, impl: str = "reference", max_failures: int = 3,
                  history: RequestHistory | None = None) -> None:
         from calib.tables import load
-        from calib.tables.io import _verified_chain
 
+        chains = chain_names() if chains is None else chains  # default: every registered chain kind
         validate_params("SafeDecider", {"model_id": model_id, "speculator": speculator, "method": method,
                                         "chains": chains, "max_failures": max_failures, "history": history,
                                         "k_max": k_max, "budget": budget, "impl": impl}, self._parameter_constraints)
@@ -337,15 +299,16 @@ class SafeDecider:
         if cost is not None:
             check_cost(cost, 1)
         self.tables = tables if hasattr(tables, "check_bank") else load(tables)
-        self.engine_chain = _verified_chain(speculator, method)
+        self.engine_chain = verified_chain(speculator, method)
         offered = [c for c in dict.fromkeys([self.engine_chain, *chains])]
         for c in offered:
             chain(c)  # a KeyError lists the registered chains
         self.chains = [c for c in offered if c in self.tables.chains]
         manifest = {"model": model_id, "speculator": speculator, "method": method,
                     "num_speculative_tokens": k_max}
-        if NGRAM in self.chains and self.engine_chain != NGRAM:
-            manifest["ngram_chain"] = {"width": k_max}  # the n-gram chain is cut to k_max too
+        for c in self.chains:  # the other chains are cut to k_max too
+            if c != self.engine_chain and chain(c).manifest_key is not None:
+                manifest[chain(c).manifest_key] = {"width": k_max}
         where = f"engine (model {model_id!r}, speculator {speculator!r}, num_speculative_tokens={k_max})"
         self.tables.check_bank(manifest, path=where)  # TablesError naming both sides
         self.k_max, self.cost, self.budget, self.impl = k_max, cost, budget, impl
@@ -365,11 +328,8 @@ class SafeDecider:
         start = time.perf_counter()
         if not self.disabled:
             try:
-                picked = StepInputs(
-                    inputs.req_ids, inputs.temperature,
-                    *((inputs.model_tokens, inputs.model_conf) if MODEL in self.chains else (None, None)),
-                    *((inputs.ngram_tokens, inputs.ngram_features, inputs.ngram_probs) if NGRAM in self.chains
-                      else (None, None, None)))
+                picked = StepInputs(inputs.req_ids, inputs.temperature,
+                                    {n: o for n, o in inputs.offers.items() if n in self.chains})
                 out = decide_step(self.tables, picked, self.history, k_max=self.k_max, cost=self.cost,
                                   budget=self.budget, impl=self.impl)
                 self.consecutive_failures = 0

@@ -53,7 +53,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from calib.atomic import atomic_path, sha256_file, write_text_atomic
-from calib.chains import CONTEXT, Axis
+from calib.chains import CONTEXT, Axis, chain_names, chains, verified_chain
+from calib.chains import chain as chain_kind
 from calib.params import TEXT, Boolean, Fractions, Interval, NoneValue, Options, Satisfies, finite_number
 from calib.sidefiles import SideFileError, read_json
 from calib.tables.layout import ChainTable, GridTables
@@ -358,6 +359,12 @@ class Tables(GridTables):
             return None
         return self.table(chain).depths
 
+    def forecast(self, chain: str) -> dict | None:
+        """``chain``'s forecast as tables.json records it (``{"axes": [...], "values": [D][cells]}``, the
+        calibrated acceptance expected per depth in each context cell: :func:`calib.allocate.forecast_probs`
+        reads it), None where it records none (another chain, or tables exported before forecasts)."""
+        return (self.meta.get("chains") or {}).get(chain, {}).get("forecast")
+
     def check_bank(self, bank, path: str | os.PathLike | None = None) -> list[str]:
         """Refuse a bank these tables were not fitted for; return (and warn) what could not be checked.
 
@@ -373,8 +380,9 @@ class Tables(GridTables):
           depths from the last row, fitted on another depth. A shallower bank is fine (its depths
           are all calibrated, and acceptance at depth d does not depend on how deep drafting goes);
         - every other chain the tables calibrate that the bank records (the n-gram chain of a model
-          bank; any registered kind, by its ``drafted_depth`` hook): its depth; for the n-gram chain
-          also the tables' feature columns (its axes, in ngram.parquet).
+          bank; any registered kind, by its ``drafted_depth`` hook): its depth; for a chain kind with a
+          bank file of its own (``bank_file``: the n-gram chain's ngram.parquet) also the tables' own
+          feature columns (its axes, in that file).
 
         - the bank's sampling temperatures (the distinct values of speculator.parquet's ``temperature``
           column; a manifest's ``sampling.temperature`` where it has none) lie inside the range each
@@ -393,79 +401,13 @@ class Tables(GridTables):
         if hasattr(bank, "paths") and hasattr(bank, "manifests"):  # a calib.bank.Bank: check each folder
             return [w for p in bank.paths for w in self.check_bank(p)]
         facts = _bank_facts(bank, path)
-        tdir = str(self.path) if self.path is not None else "(tables not loaded from a folder)"
-        bdir = facts["path"]
-        drafters = self.meta.get("chains", {})
+        facts["tables"] = self._where()
         problems, notes = [], []
-
-        model, targets = facts["model"], self.target_models
-        if model is None:
-            notes.append(f"bank {bdir}: run_manifest.json records no `model`; cannot check that it was "
-                         f"collected with the target the tables {tdir} were fitted for "
-                         f"({targets if targets is not None else 'not recorded either'})")
-        elif targets is None:
-            notes.append(f"tables {tdir}: tables.json records no target_models; cannot check the bank "
-                         f"{bdir}'s target {model!r}")
-        elif model not in targets:
-            problems.append(f"target model: tables {tdir} were fitted for {targets}, bank {bdir} was "
-                            f"collected with {model!r}")
-
-        spec, chain = facts["speculator"], facts["chain"]
-        if chain is None:
-            notes.append(f"bank {bdir}: run_manifest.json records no `speculator`; cannot check its "
-                         f"drafter against the tables {tdir} ({self._ids_text()})")
-        elif chain not in drafters:
-            problems.append(f"drafter: tables {tdir} calibrate {sorted(drafters) or 'no drafter'}, bank {bdir}'s "
-                            f"verified chain is the {chain} drafter ({spec!r})")
-        else:
-            ids = drafters[chain].get("ids")
-            if _has_confidence(chain):  # a model drafter: its speculator name must be one fitted on
-                if ids is None:
-                    notes.append(f"tables {tdir}: tables.json records no model drafter ids; cannot check the "
-                                 f"bank {bdir}'s speculator {spec!r}")
-                elif spec not in ids:
-                    problems.append(f"drafter: tables {tdir} were fitted for the model drafter(s) {list(ids)}, "
-                                    f"bank {bdir} was drafted by {spec!r}")
-            k_bank, k_tab = facts["k"], self.chain_depth(chain)
-            if k_bank is not None and k_tab is not None and k_bank > k_tab:
-                problems.append(f"depth: tables {tdir} cover {chain}-drafter depths 0..{k_tab - 1} (K={k_tab}), "
-                                f"bank {bdir} drafts K={k_bank}; depths {k_tab}..{k_bank - 1} would silently "
-                                f"reuse depth {k_tab - 1}'s calibration")
-
-        for other in drafters:  # the other chains a bank records (the n-gram chain of a model bank, ...)
-            k_bank, k_tab = facts["chain_k"].get(other), self.chain_depth(other) if other in self.chains else None
-            if other != chain and k_bank and k_tab is not None and k_bank > k_tab:
-                problems.append(f"depth: tables {tdir} cover {other}-chain depths 0..{k_tab - 1} (K={k_tab}), bank "
-                                f"{bdir}'s {other} chain is {k_bank} deep")
-        if "ngram" in drafters and (facts["has_ngram"] or chain == "ngram"):
-            # context axes (temperature, ...) are read from the verified rounds, not ngram.parquet
-            cols = facts["ngram_columns"]
-            feats = [f for f in self.feature_names("ngram") if f not in CONTEXT]
-            if cols is not None:
-                missing = [f for f in feats if f not in cols]
-                if missing:
-                    problems.append(f"n-gram features: tables {tdir} read {feats}, bank {bdir}'s ngram.parquet "
-                                    f"lacks {missing}")
-
-        # sampling temperature: every chain checked above that the tables calibrate and the bank records
-        checked = [c for c in drafters if c == chain or (c in self.chains and facts["chain_k"].get(c))]
-        temps = facts["temperatures"]
-        if temps is None:
-            if facts["folder"]:  # an engine's manifest dict is checked with check_temperature instead
-                notes.append(f"bank {bdir}: speculator.parquet has no temperature column and run_manifest.json no "
-                             f"sampling.temperature; cannot check it against the temperatures the tables {tdir} "
-                             f"were fitted at ({self.temperature_range_text(checked)})")
-        elif checked:
-            found, unchecked = self._temperature_findings(
-                temps, checked, f"bank {bdir}",
-                f"evaluate banks at the tables' temperatures, or train tables on banks at that temperature "
-                f"too (python train.py data.train=[...,{bdir}] out_dir=DIR)")
+        for check in (self._check_target, self._check_verified_chain, self._check_other_chains,
+                      self._check_bank_temperatures):
+            found, unchecked = check(facts)
             problems += found
             notes += unchecked
-        if facts["unrecorded_temperatures"]:
-            notes.append(f"bank {bdir}: {facts['unrecorded_temperatures']} rounds of speculator.parquet have no "
-                         "temperature (null or NaN); they were not checked against the tables' temperatures")
-
         if problems:
             raise TablesError("tables and bank do not match:\n  - " + "\n  - ".join(problems)
                               + "\nuse tables fitted on banks of this target and drafter (python train.py "
@@ -473,6 +415,88 @@ class Tables(GridTables):
         for n in notes:
             warnings.warn(n, TablesWarning, stacklevel=2)
         return notes
+
+    def _check_target(self, facts: dict) -> tuple[list[str], list[str]]:
+        """:meth:`check_bank`'s target model check: ``(problems, notes)``."""
+        tdir, bdir, model, targets = facts["tables"], facts["path"], facts["model"], self.target_models
+        if model is None:
+            return [], [f"bank {bdir}: run_manifest.json records no `model`; cannot check that it was "
+                        f"collected with the target the tables {tdir} were fitted for "
+                        f"({targets if targets is not None else 'not recorded either'})"]
+        if targets is None:
+            return [], [f"tables {tdir}: tables.json records no target_models; cannot check the bank "
+                        f"{bdir}'s target {model!r}"]
+        if model not in targets:
+            return [f"target model: tables {tdir} were fitted for {targets}, bank {bdir} was "
+                    f"collected with {model!r}"], []
+        return [], []
+
+    def _check_verified_chain(self, facts: dict) -> tuple[list[str], list[str]]:
+        """:meth:`check_bank`'s check of the bank's verified chain: calibrated, its drafter, its depth."""
+        tdir, bdir, spec, chain = facts["tables"], facts["path"], facts["speculator"], facts["chain"]
+        drafters = self.meta.get("chains", {})
+        problems, notes = [], []
+        if chain is None:
+            return [], [f"bank {bdir}: run_manifest.json records no `speculator`; cannot check its "
+                        f"drafter against the tables {tdir} ({self._ids_text()})"]
+        if chain not in drafters:
+            return [f"drafter: tables {tdir} calibrate {sorted(drafters) or 'no drafter'}, bank {bdir}'s "
+                    f"verified chain is the {chain} drafter ({spec!r})"], []
+        ids = drafters[chain].get("ids")
+        if _has_confidence(chain):  # a model drafter: its speculator name must be one fitted on
+            if ids is None:
+                notes.append(f"tables {tdir}: tables.json records no model drafter ids; cannot check the "
+                             f"bank {bdir}'s speculator {spec!r}")
+            elif spec not in ids:
+                problems.append(f"drafter: tables {tdir} were fitted for the model drafter(s) {list(ids)}, "
+                                f"bank {bdir} was drafted by {spec!r}")
+        k_bank, k_tab = facts["k"], self.chain_depth(chain)
+        if k_bank is not None and k_tab is not None and k_bank > k_tab:
+            problems.append(f"depth: tables {tdir} cover {chain}-drafter depths 0..{k_tab - 1} (K={k_tab}), "
+                            f"bank {bdir} drafts K={k_bank}; depths {k_tab}..{k_bank - 1} would silently "
+                            f"reuse depth {k_tab - 1}'s calibration")
+        return problems, notes
+
+    def _check_other_chains(self, facts: dict) -> tuple[list[str], list[str]]:
+        """:meth:`check_bank`'s check of the other chains a bank records (the n-gram chain of a model bank,
+        ...): their depth, and the table's own features among the columns of the chain's bank file."""
+        tdir, bdir, problems = facts["tables"], facts["path"], []
+        drafters = self.meta.get("chains", {})
+        for other in drafters:
+            k_bank, k_tab = facts["chain_k"].get(other), self.chain_depth(other) if other in self.chains else None
+            if other != facts["chain"] and k_bank and k_tab is not None and k_bank > k_tab:
+                problems.append(f"depth: tables {tdir} cover {other}-chain depths 0..{k_tab - 1} (K={k_tab}), bank "
+                                f"{bdir}'s {other} chain is {k_bank} deep")
+        for name, (file, cols) in facts["bank_columns"].items():
+            if name not in drafters or cols is None:
+                continue
+            # context axes (temperature, ...) are read from the verified rounds, not the chain's file
+            feats = [f for f in self.feature_names(name) if f not in CONTEXT]
+            missing = [f for f in feats if f not in cols]
+            if missing:
+                problems.append(f"{name} features: tables {tdir} read {feats}, bank {bdir}'s {file} lacks {missing}")
+        return problems, []
+
+    def _check_bank_temperatures(self, facts: dict) -> tuple[list[str], list[str]]:
+        """:meth:`check_bank`'s sampling temperature check: every chain checked before that the tables
+        calibrate and the bank records."""
+        tdir, bdir, drafters = facts["tables"], facts["path"], self.meta.get("chains", {})
+        checked = [c for c in drafters if c == facts["chain"] or (c in self.chains and facts["chain_k"].get(c))]
+        temps, problems, notes = facts["temperatures"], [], []
+        if temps is None:
+            if facts["folder"]:  # an engine's manifest dict is checked with check_temperature instead
+                notes.append(f"bank {bdir}: speculator.parquet has no temperature column and run_manifest.json no "
+                             f"sampling.temperature; cannot check it against the temperatures the tables {tdir} "
+                             f"were fitted at ({self.temperature_range_text(checked)})")
+        elif checked:
+            problems, notes = self._temperature_findings(
+                temps, checked, f"bank {bdir}",
+                f"evaluate banks at the tables' temperatures, or train tables on banks at that temperature "
+                f"too (python train.py data.train=[...,{bdir}] out_dir=DIR)")
+        if facts["unrecorded_temperatures"]:
+            notes.append(f"bank {bdir}: {facts['unrecorded_temperatures']} rounds of speculator.parquet have no "
+                         "temperature (null or NaN); they were not checked against the tables' temperatures")
+        return problems, notes
 
     def _ids_text(self) -> str:
         d = self.meta.get("chains", {})
@@ -549,10 +573,7 @@ def json_digest(meta: dict) -> str:
 def _has_confidence(chain: str) -> bool:
     """Whether ``chain`` is a registered kind with a raw confidence (a model drafter, named by its
     speculator)."""
-    from calib.chains import chain as kind
-    from calib.chains import chain_names
-
-    return chain in chain_names() and kind(chain).confidence is not None
+    return chain in chain_names() and chain_kind(chain).confidence is not None
 
 
 def _bank_facts(bank, path=None) -> dict:
@@ -573,25 +594,20 @@ def _bank_facts(bank, path=None) -> dict:
     spec = man.get("speculator")
     spec = spec if isinstance(spec, str) else None if spec is None else str(spec)
     method = man.get("method") if isinstance(man.get("method"), str) else None
-    chain = None if spec is None else _verified_chain(spec, method)
-    ng_man = man.get("ngram_chain") if isinstance(man.get("ngram_chain"), dict) else {}
     k = man.get("num_speculative_tokens")
-    width = ng_man.get("width")
     facts = {"path": where, "folder": folder is not None, "model": man.get("model"), "speculator": spec,
-             "chain": chain, "k": k if _count(k) else None, "has_ngram": bool(ng_man), "ngram_columns": None,
-             "chain_k": {"ngram": width if _count(width) else None},  # drafted depth per chain the bank records
+             "chain": None if spec is None else verified_chain(spec, method), "k": k if _count(k) else None,
+             "chain_k": _manifest_depths(man),  # drafted depth per chain the bank records
+             "bank_columns": {},  # chain -> (its own bank file, that file's columns or None: not read)
              "temperatures": _manifest_temperature(man), "unrecorded_temperatures": 0}
     if facts["temperatures"] is not None:
         facts["temperatures"] = [facts["temperatures"]]
     if folder is not None:  # the data's own widths beat the manifest's
-        from calib.chains import chains
-
         facts["k"] = schema.width(pq.read_schema(folder / schema.ACCEPTANCE).names) or facts["k"]
         facts["chain_k"] = {kind.name: kind.drafted_depth(folder) for kind in chains()}
-        if (folder / schema.NGRAM).exists():
-            facts.update(has_ngram=True, ngram_columns=set(pq.read_schema(folder / schema.NGRAM).names))
-        else:
-            facts["has_ngram"] = False
+        facts["bank_columns"] = {kind.name: (kind.bank_file, set(pq.read_schema(folder / kind.bank_file).names)
+                                             if (folder / kind.bank_file).exists() else None)
+                                 for kind in chains() if kind.bank_file is not None}
         spec_file = folder / schema.SPECULATOR
         if "temperature" in pq.read_schema(spec_file).names:  # the rounds' own temperatures beat the manifest's
             col = pq.read_table(spec_file, columns=["temperature"]).column(0)
@@ -600,6 +616,18 @@ def _bank_facts(bank, path=None) -> dict:
             facts["unrecorded_temperatures"] = int(missing.sum())
             facts["temperatures"] = [float(v) for v in np.unique(np.round(t[~missing], 6))] or None
     return facts
+
+
+def _manifest_depths(man: dict) -> dict:
+    """The drafted depth a manifest records per chain kind that has a manifest object of its own
+    (``manifest_key``, e.g. ``ngram_chain.width``); None where it records none."""
+    out = {}
+    for kind in chains():
+        if kind.manifest_key is not None:
+            entry = man.get(kind.manifest_key) if isinstance(man.get(kind.manifest_key), dict) else {}
+            width = entry.get("width")
+            out[kind.name] = width if _count(width) else None
+    return out
 
 
 def _count(v) -> bool:
@@ -612,17 +640,6 @@ def _manifest_temperature(man: dict):
     sampling = man.get("sampling") if isinstance(man.get("sampling"), dict) else {}
     t = sampling.get("temperature", man.get("temperature"))
     return float(t) if isinstance(t, numbers.Real) and not isinstance(t, bool) else None
-
-
-def _verified_chain(speculator: str, method: str | None) -> str:
-    """The chain a bank's engine verified: a model-free chain kind named by the speculator (or vLLM's
-    method), else the (first registered) chain with a raw confidence, the model drafter."""
-    from calib.chains import chains
-
-    for kind in chains():
-        if kind.confidence is None and kind.name in (speculator, method):
-            return kind.name
-    return next(k.name for k in chains() if k.confidence is not None)
 
 
 def git_commit() -> str | None:
@@ -812,9 +829,7 @@ def check_chain_tensors(name: str, axes: tuple, parts: dict, entry: dict, where)
 
 def _chain_id(name: str) -> int | None:
     """The registry id of chain ``name`` (None for a chain kind this process has not registered)."""
-    from calib.chains import chain
-
     try:
-        return chain(name).id
+        return chain_kind(name).id
     except KeyError:
         return None

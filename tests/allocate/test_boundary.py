@@ -214,7 +214,8 @@ def test_plan_and_forecast_arguments():
 
     from types import SimpleNamespace
 
-    _T = SimpleNamespace  # a stand-in for tables holding a forecast
+    def _T(meta):  # a stand-in for tables holding a forecast (calib.tables.Tables.forecast)
+        return SimpleNamespace(meta=meta, forecast=lambda c: meta["chains"].get(c, {}).get("forecast"))
     meta = {"chains": {"model": {"forecast": {"axes": [{"name": "temperature", "kind": "bins", "edges": [0.4]}],
                                               "values": [[0.6, 0.4]]}}}}
 

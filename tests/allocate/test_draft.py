@@ -95,6 +95,9 @@ class _Tables:
     def __init__(self, forecast):
         self.meta = {"chains": {"model": {"forecast": forecast}}}
 
+    def forecast(self, chain):  # calib.tables.Tables.forecast
+        return self.meta["chains"].get(chain, {}).get("forecast")
+
 
 def test_forecast_lookup_by_context_cell():
     fc = {"axes": [{"name": "temperature", "kind": "bins", "edges": [0.4]}],

@@ -7,6 +7,7 @@ import pytest
 
 from calib.bank import Bank, load, write_bank
 from calib.bank.__main__ import main as cli
+from calib.chains import chain
 from tests.synthetic import synthetic_tables
 
 
@@ -39,7 +40,7 @@ def test_union_of_widths_is_null_padded(tmp_path):
     assert acc.column("acc7").slice(0, n4).null_count == n4
     # A folder holding bank folders works too.
     assert len(load(tmp_path).paths) == 2
-    rounds = bank.rounds(with_ngram=True)
+    rounds = bank.rounds(chains=[chain("ngram")])
     assert rounds.num_rows == acc.num_rows and "ng_ngram_len" in rounds.column_names
 
 
@@ -77,7 +78,7 @@ def test_rounds_reuses_the_full_join_and_sees_rewritten_files(tmp_path):
         assert got.column_names == ref.column_names and got.equals(ref)
     with pytest.raises(KeyError):
         bank.rounds(columns=["no_such_column"])
-    assert bank.rounds(with_ngram=True).equals(load([b4, b8]).rounds(with_ngram=True))
+    assert bank.rounds(chains=[chain("ngram")]).equals(load([b4, b8]).rounds(chains=[chain("ngram")]))
     write_bank(b4, *synthetic_tables(width=4, speculator="a", seed=5), overwrite=True)  # files change
     again = bank.rounds()
     assert again is not full and again.equals(load([b4, b8]).rounds())

@@ -3,7 +3,9 @@
 import numpy as np
 
 from calib.bank import load, write_bank
-from calib.labels import censored, model_samples, ngram_samples, prompt_split
+from calib.chains.model import model_samples
+from calib.chains.ngram import ngram_samples
+from calib.labels import censored, prompt_split
 from tests.synthetic import synthetic_tables
 
 

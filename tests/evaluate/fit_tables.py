@@ -26,8 +26,9 @@ def fit_tables(banks, out_dir, grid_points: int = 21, split: str = "train"):
     from sklearn.isotonic import IsotonicRegression
 
     from calib.bank import load
+    from calib.chains import chain
+    from calib.chains.ngram import round_feature_tensor
     from calib.evaluate.data import load_eval_bank
-    from calib.tables.features import ngram_feature_tensor
 
     model_conf, model_acc, ng_feat, ng_acc = [], [], [], []
     targets, model_ids = set(), set()
@@ -42,8 +43,8 @@ def fit_tables(banks, out_dir, grid_points: int = 21, split: str = "train"):
             model_conf.append(eb.chains["model"].p_raw[keep])
             model_acc.append(eb.chains["model"].acc[keep])
         if "ngram" in eb.chains:
-            t = load(path).rounds(with_ngram=True)
-            feats = ngram_feature_tensor(t, NGRAM_FEATURES, eb.chains["ngram"].acc.shape[1], prefix="ng_").numpy()
+            t = load(path).rounds(chains=[chain("ngram")])
+            feats = round_feature_tensor(t, NGRAM_FEATURES, eb.chains["ngram"].acc.shape[1], prefix="ng_").numpy()
             ng_feat.append(feats[keep])
             ng_acc.append(eb.chains["ngram"].acc[keep])
     K = 4

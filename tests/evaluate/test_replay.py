@@ -17,7 +17,7 @@ from calib.evaluate.replay import (
     train_mean_curve,
 )
 from calib.tables import save
-from calib.tables.features import ngram_feature_tensor
+from calib.chains.ngram import round_feature_tensor
 from tests.synthetic import two_chain_tables
 
 # (accept mask, model confidences, n-gram chain mask) per round; K = 3
@@ -137,7 +137,7 @@ def test_full_replay_orders_oracle_on_top(bank):
 
 def test_ngram_feature_tensor_layout():
     t = pa.table({"ngram_len": [2, 0], "match_n": [3, None], "in_prompt": [True, None], "agreement": [0.5, None]})
-    x = ngram_feature_tensor(t, ["match_n", "in_prompt", "agreement"], width=3)
+    x = round_feature_tensor(t, ["match_n", "in_prompt", "agreement"], width=3)
     assert x.shape == (2, 3, 3)
     np.testing.assert_allclose(x[0, :2].numpy(), [[3, 1, 0.5], [3, 1, 0.5]])
     assert torch.isnan(x[0, 2]).all() and torch.isnan(x[1]).all()

@@ -349,10 +349,11 @@ def load_tables_in_memory() -> GridTables:
 
 
 def _step(temps) -> object:
+    from calib.chains import Offer
     from calib.serve import StepInputs
 
     B = len(temps)
-    return StepInputs([f"r{i}" for i in range(B)], temps, model_tokens=[[1, 2]] * B, model_conf=torch.full((B, 2), 0.7))
+    return StepInputs([f"r{i}" for i in range(B)], temps, {"model": Offer([[1, 2]] * B, torch.full((B, 2), 0.7))})
 
 
 DECIDER_CASES = [  # (SafeDecider / decide_step keyword overrides, what the ValueError names)
@@ -386,12 +387,13 @@ def test_decider_construction(folder, kw, expected):
     ([None, 0.0], "temperature[0] = nan"),
 ])
 def test_decider_request_temperatures(folder, temps, expected):
+    from calib.chains import Offer
     from calib.serve import RequestHistory, decide_step
 
     step = _step(temps)
     if len(temps) == 1:
         step.req_ids = ["r0", "r1"]
-        step.model_tokens, step.model_conf = [[1]] * 2, torch.full((2, 1), 0.7)
+        step.offers = {"model": Offer([[1]] * 2, torch.full((2, 1), 0.7))}
         expected = "temperature has 1 entries for B=2 requests"
     with pytest.raises(ValueError) as err:
         decide_step(load(folder), step, RequestHistory(), k_max=D, cost=torch.linspace(1.0, 2.0, 16))

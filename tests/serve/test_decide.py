@@ -12,14 +12,14 @@ import pytest
 import torch
 
 from calib.allocate import allocate
-from calib.chains import Axis, chain
+from calib.chains import Axis, Offer, chain
+from calib.chains.ngram import step_feature_tensor
 from calib.serve import (
     RequestHistory,
     SafeDecider,
     StepInputs,
     chain_inputs,
     decide_step,
-    ngram_feature_tensor,
 )
 from calib.serve import decide as decide_mod
 from calib.tables.io import TablesError, load, save
@@ -56,6 +56,28 @@ def _history(req_ids, seed=0) -> RequestHistory:
     return h
 
 
+def _step(req_ids, temp, model_tokens=None, model_conf=None, ngram_tokens=None, ngram_features=None,
+          ngram_probs=None) -> StepInputs:
+    """StepInputs offering the model chain and/or the n-gram chain (None: not offered)."""
+    offers = {}
+    if model_tokens is not None:
+        offers["model"] = Offer(model_tokens, model_conf)
+    if ngram_tokens is not None:
+        offers["ngram"] = Offer(ngram_tokens, ngram_features, ngram_probs)
+    return StepInputs(req_ids, temp, offers)
+
+
+def _toks(inputs, name):
+    return inputs.offers[name].tokens if name in inputs.offers else None
+
+
+def _with_probs(inputs, name, probs):
+    from dataclasses import replace
+
+    return StepInputs(inputs.req_ids, inputs.temperature,
+                      {**inputs.offers, name: replace(inputs.offers[name], probs=probs)})
+
+
 def _inputs(B=6, K=5, L=5, seed=0, model=True, ngram=True) -> StepInputs:
     g = torch.Generator().manual_seed(seed)
     req_ids = [f"req-{i}" for i in range(B)]
@@ -67,9 +89,9 @@ def _inputs(B=6, K=5, L=5, seed=0, model=True, ngram=True) -> StepInputs:
     feats = [{"match_n": int(torch.randint(1, 5, (1,), generator=g)), "agreement": float(torch.rand(1, generator=g))}
              if t else None for t in nt]
     temp = torch.where(torch.rand(B, generator=g) < 0.5, 0.0, 0.8)
-    return StepInputs(req_ids, temp, mt if model else None, conf if model else None,
-                      nt if ngram else None,
-                      ngram_feature_tensor(feats, [len(t) for t in nt], NG_OWN, L) if ngram else None)
+    return _step(req_ids, temp, mt if model else None, conf if model else None,
+                 nt if ngram else None,
+                 step_feature_tensor(feats, [len(t) for t in nt], NG_OWN, L) if ngram else None)
 
 
 def _cheap(B, K=5):
@@ -84,7 +106,7 @@ def _check_drafts(out, inputs, k_max):
         if c == 0:
             assert d == []
         else:
-            src = inputs.model_tokens if c == chain("model").id else inputs.ngram_tokens
+            src = _toks(inputs, "model") if c == chain("model").id else _toks(inputs, "ngram")
             assert d == src[i][: len(d)] and len(d) <= len(src[i])
 
 
@@ -106,11 +128,11 @@ def test_substitution_returns_the_ngram_tokens():
     t.chains["ngram"].grid.fill_(0.95)  # n-gram chains accept more often than model drafts
     t.chains["model"].grid.fill_(0.6)
     B = 3
-    inputs = StepInputs(["a", "b", "c"], [0.0, 0.8, 0.0],
-                        model_tokens=[[1, 2, 3], [4, 5], []], model_conf=torch.full((B, 3), 0.9),
-                        ngram_tokens=[[7, 8, 9, 10, 11], [], [12, 13]],
-                        ngram_features=ngram_feature_tensor([{"match_n": 3, "agreement": 1.0}, None,
-                                                             {"match_n": 3, "agreement": 1.0}], [5, 0, 2], NG_OWN, 5))
+    inputs = _step(["a", "b", "c"], [0.0, 0.8, 0.0],
+                   model_tokens=[[1, 2, 3], [4, 5], []], model_conf=torch.full((B, 3), 0.9),
+                   ngram_tokens=[[7, 8, 9, 10, 11], [], [12, 13]],
+                   ngram_features=step_feature_tensor([{"match_n": 3, "agreement": 1.0}, None,
+                                                       {"match_n": 3, "agreement": 1.0}], [5, 0, 2], NG_OWN, 5))
     out = decide_step(t, inputs, RequestHistory(), k_max=4, cost=_cheap(B))
     assert out.drafts == [[7, 8, 9, 10], [4, 5], [12, 13]]  # n-gram cut to k_max; b has no n-gram chain
     assert out.chain.tolist() == [chain("ngram").id, chain("model").id, chain("ngram").id]
@@ -133,21 +155,23 @@ def _by_hand(t, inputs, h, k_max):
     temp = torch.as_tensor(inputs.temperature, dtype=torch.float64)
     hist = {r: h.context(r) for r in inputs.req_ids}
     sig = {}
-    if inputs.model_tokens is not None and "model" in t.chains:
-        W = max(1, max(min(len(x), k_max) for x in inputs.model_tokens))
+    if "model" in inputs.offers and "model" in t.chains:
+        tokens, conf = inputs.offers["model"].tokens, inputs.offers["model"].signal
+        W = max(1, max(min(len(x), k_max) for x in tokens))
         x = torch.full((B, W, 3), NAN)
         for i, r in enumerate(inputs.req_ids):
             for k in range(W):
-                conf = float(inputs.model_conf[i, k]) if k < min(len(inputs.model_tokens[i]), k_max) else NAN
-                x[i, k] = torch.tensor([conf, float(temp[i]), hist[r]["prev_accept"]])
+                c = float(conf[i, k]) if k < min(len(tokens[i]), k_max) else NAN
+                x[i, k] = torch.tensor([c, float(temp[i]), hist[r]["prev_accept"]])
         sig["model"] = x
-    if inputs.ngram_tokens is not None and "ngram" in t.chains:
-        W = max(1, max(min(len(x), k_max) for x in inputs.ngram_tokens))
+    if "ngram" in inputs.offers and "ngram" in t.chains:
+        tokens, feats = inputs.offers["ngram"].tokens, inputs.offers["ngram"].signal
+        W = max(1, max(min(len(x), k_max) for x in tokens))
         x = torch.full((B, W, 5), NAN)
         for i, r in enumerate(inputs.req_ids):
             for k in range(W):
-                on = k < min(len(inputs.ngram_tokens[i]), k_max)
-                f = inputs.ngram_features[i, k] if on else torch.tensor([NAN, NAN])
+                on = k < min(len(tokens[i]), k_max)
+                f = feats[i, k] if on else torch.tensor([NAN, NAN])
                 x[i, k] = torch.tensor([float(f[0]), float(f[1]), float(temp[i]), hist[r]["mean_accept"],
                                         hist[r]["position"]])
         sig["ngram"] = x
@@ -177,21 +201,19 @@ def test_identical_to_allocate_on_hand_built_inputs(seed, offered):
 def test_given_ngram_probs_decide_as_the_lookup(seed):
     """An engine that looked the n-gram chain up already (the serving plan) passes its probabilities:
     the same decision as decide_step's own lookup."""
-    from dataclasses import replace
-
     from calib.allocate import calibrated_probs
 
     t = _tables(seed + 20)
     inputs = _inputs(B=6, seed=seed)
     h = _history(inputs.req_ids, seed)
     sig, _ = chain_inputs(t, inputs, h, k_max=4)
-    given = replace(inputs, ngram_probs=calibrated_probs(t, {"ngram": sig["ngram"]})["ngram"])
+    given = _with_probs(inputs, "ngram", calibrated_probs(t, {"ngram": sig["ngram"]})["ngram"])
     for mode in ({"cost": _cheap(6)}, {"cost": torch.linspace(1.0, 4.0, 60)}, {"budget": 5}):
         ref = decide_step(t, inputs, h, k_max=4, **mode)
         out = decide_step(t, given, h, k_max=4, **mode)
         assert out.drafts == ref.drafts and torch.equal(out.chain, ref.chain)
         assert torch.equal(out.expected_accepted, ref.expected_accepted)
-    wrong = replace(inputs, ngram_probs=torch.zeros(6, 5))  # probabilities are used, not recomputed
+    wrong = _with_probs(inputs, "ngram", torch.zeros(6, 5))  # probabilities are used, not recomputed
     assert all(c != chain("ngram").id for c in decide_step(t, wrong, h, k_max=4, budget=5).chain.tolist())
 
 
@@ -275,17 +297,16 @@ def test_safe_decider_passes_through_warns_once_and_disables(saved, monkeypatch,
     with caplog.at_level(logging.WARNING, logger="calib.serve"):
         for _ in range(2):
             out = dec.decide(inputs)
-            assert out.passthrough and out.drafts == inputs.model_tokens
-            assert out.depth.tolist() == [len(x) for x in inputs.model_tokens]
+            assert out.passthrough and out.drafts == _toks(inputs, "model")
+            assert out.depth.tolist() == [len(x) for x in _toks(inputs, "model")]
         assert len(caplog.records) == 1 and "injected" in caplog.text and caplog.records[0].exc_info
         monkeypatch.setattr(decide_mod, "decide_step", real)  # a good step resets the run of failures
         assert not dec.decide(inputs).passthrough and dec.consecutive_failures == 0
-        bad = StepInputs(inputs.req_ids, inputs.temperature, inputs.model_tokens, inputs.model_conf * 10,
-                         inputs.ngram_tokens, inputs.ngram_features)  # confidences > 1: allocate refuses
-        bad.model_tokens = [[5, 6, 7, 8]] * 4
+        bad = _step(inputs.req_ids, inputs.temperature, [[5, 6, 7, 8]] * 4, inputs.offers["model"].signal * 10,
+                    _toks(inputs, "ngram"), inputs.offers["ngram"].signal)  # confidences > 1: allocate refuses
         for _ in range(3):
             out = dec.decide(bad)
-            assert out.passthrough and out.drafts == bad.model_tokens
+            assert out.passthrough and out.drafts == _toks(bad, "model")
         assert dec.disabled and dec.failures == 5 and len(caplog.records) == 2
         assert "disabled" in caplog.records[1].getMessage()
         monkeypatch.setattr(decide_mod, "decide_step", boom)
@@ -300,8 +321,8 @@ def test_passthrough_of_an_ngram_engine(saved, monkeypatch):
     monkeypatch.setattr(decide_mod, "decide_step", lambda *a, **k: 1 / 0)
     inputs = _inputs(B=3, seed=1, model=False)
     out = dec.decide(inputs)
-    assert out.passthrough and out.drafts == inputs.ngram_tokens
-    assert out.chain.tolist() == [chain("ngram").id if x else 0 for x in inputs.ngram_tokens]
+    assert out.passthrough and out.drafts == _toks(inputs, "ngram")
+    assert out.chain.tolist() == [chain("ngram").id if x else 0 for x in _toks(inputs, "ngram")]
 
 
 # --- request temperatures and declarative arguments (issue 25) ------------------------------------

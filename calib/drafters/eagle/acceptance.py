@@ -16,7 +16,7 @@ import numpy as np
 
 from calib.atomic import write_json_atomic
 from calib.bank import load, schema
-from calib.labels import model_samples
+from calib.chains.model import model_samples
 from calib.metrics import ece, expected_accepted_length
 
 

@@ -1,44 +1,6 @@
-"""Draft chain kinds: the one registry every layer reads (labels, training, tables, allocate, replay).
-
-A *chain* is what one drafter proposes for a request at one round: tokens at depths 0..K-1, each
-accepted only if every shallower one was. calib calibrates every chain kind the same way; what
-differs between kinds is registered here, once, as a :class:`ChainKind`:
-
-* ``id``: the value :class:`calib.allocate.Allocation` ``.drafter`` takes for this chain (0 is
-  :data:`NO_CHAIN`, "verify nothing"); the Triton kernel receives it as a constexpr;
-* ``name``: its key in config (``train.yaml``'s ``config_key`` group), ``tables.json`` and reports;
-* ``samples(bank)``: censored per-depth samples (one row per round and depth reached: bank keys,
-  ``depth``, ``label`` and the feature columns);
-* ``feature_names(chain_cfg)``: the columns of the feature matrix ``X [n, F]`` every estimator of this
-  chain takes (netcal's convention: the drafter's raw confidence in column 0 for a chain that has one,
-  then context features);
-* ``table_axes(chain_cfg)``: how its exported table is cut (:class:`Axis`; the layout is in
-  :mod:`calib.tables.layout`);
-* ``drafted_depth(bank_dir)``: the drafted depth K a bank folder records for this chain (0: none);
-* ``round_data(rounds, axis_names)``: the chain per round of a bank, for evaluation and replay
-  (:class:`RoundData`: accept mask, table inputs in ``axis_names`` order, raw confidence), None where
-  the bank does not record it;
-* ``config_key``: the ``train.yaml`` group holding its ``candidates`` (estimators of the one protocol,
-  :mod:`calib.calibrators.base`) and table settings (``calibrator`` for the model chain,
-  ``ngram_model`` for the n-gram chain: the README's overrides keep working);
-* ``confidence``: the name of X's column 0 when it is the drafter's raw confidence (the model chain):
-  training then reports raw vs calibrated per depth and the accepted length per round.
-
-Context axes. Besides its own axes, every chain's table may be cut by what the engine knows about the
-request at that round (:data:`CONTEXT`: the sampling temperature, the previous round's accepted
-length). They are binned axes after the chain's own ones, one per name of the chain config's
-``context`` block (``conf/context/``: ``axes`` always cut the table, ``candidates`` only where
-validation NLL says they pay; edges listed, or ``auto`` = midpoints between the distinct training
-values). Samples and a bank's rounds carry them as round columns of the same name
-(:func:`calib.labels.round_context`), so training, eval and replay read what an engine would pass.
-
-The allocator chooses between at most two chains per request (:mod:`calib.allocate.reference`); any
-two registered kinds may be those two.
-
-A new chain kind (vLLM's ``suffix`` decoding, say) is one :func:`register_chain` call plus the
-collector hook that writes its columns into the bank; nothing else names chains
-(``tests/test_chains.py`` registers a SYNTHETIC one and takes it through training, export, load,
-lookup and allocation).
+"""Draft chain kinds: their types and the one registry every layer reads (training, tables, allocate,
+replay, serving). What a kind is and how a new one is added: docs/chains.md; the built-in kinds are
+one file each (:mod:`calib.chains.model`, :mod:`calib.chains.ngram`), registered by :mod:`calib.chains`.
 """
 
 from __future__ import annotations
@@ -91,10 +53,20 @@ class ChainKind:
     table_axes: Callable[[dict], tuple[Axis, ...]]  # (chain config) -> the exported table's axes
     drafted_depth: Callable[[Path], int]  # (bank folder) -> drafted K of this chain (0: none)
     config_key: str = ""  # train.yaml group holding ``candidates`` (+ table settings); default: name
-    # (rounds table of Bank.rounds(with_ngram=...), table axis names or None) -> RoundData | None
+    # (rounds table of Bank.rounds(chains=...), table axis names or None) -> RoundData | None
     round_data: Callable | None = None
     confidence: str | None = None  # X's column 0 when it is the drafter's raw confidence
     description: str = ""
+    # The bank file holding this chain's own round columns besides acceptance ⋈ speculator (None: it
+    # has none), joined by Bank.rounds(chains=...) with its columns renamed column_prefix + name.
+    bank_file: str | None = None
+    column_prefix: str = ""
+    # The run_manifest.json object describing this chain (its "width" = the drafted depth), None: none.
+    manifest_key: str | None = None
+    engine_methods: tuple[str, ...] = ()  # the engine's (vLLM's) speculative methods that draft this chain
+    # (Offer, own feature names, B, lengths, what) -> float64 [B, W, len(own)]: the table's own inputs
+    # from what the chain offers at a serving step; None: offer_inputs (the offer's signal as given)
+    step_inputs: Callable | None = None
 
     @property
     def config(self) -> str:
@@ -201,7 +173,6 @@ def unregister_chain(name: str) -> None:
 
 def chains() -> tuple[ChainKind, ...]:
     """Every registered chain kind, by id (the allocator's tie order: lower id first)."""
-    _builtin()
     return tuple(sorted(_REGISTRY.values(), key=lambda c: c.id))
 
 
@@ -217,62 +188,58 @@ def chain_names() -> tuple[str, ...]:
     return tuple(c.name for c in chains())
 
 
-_BUILTIN_DONE = False
+def verified_chain(speculator: str, method: str | None) -> str:
+    """The chain an engine (or a bank's engine) verified: a model-free chain kind named by the speculator
+    (or vLLM's method), else the (first registered) chain with a raw confidence, the model drafter."""
+    for kind in chains():
+        if kind.confidence is None and kind.name in (speculator, method):
+            return kind.name
+    return next(k.name for k in chains() if k.confidence is not None)
 
 
-def _builtin() -> None:
-    """Register the built-in kinds on first use (their hooks import pandas/pyarrow lazily)."""
-    global _BUILTIN_DONE
-    if _BUILTIN_DONE:
-        return
-    _BUILTIN_DONE = True
-    from calib import labels
-
-    register_chain(ChainKind(
-        id=1, name="model", samples=labels.model_samples, confidence="conf", config_key="calibrator",
-        feature_names=lambda cfg: ("conf", *tuple(cfg.get("extra") or ())),
-        table_axes=lambda cfg: (Axis("conf", points=int(cfg.get("grid_points", 1025))), *context_axes(cfg)),
-        drafted_depth=labels.model_drafted_depth, round_data=labels.model_round_data,
-        description="the model-based drafter (draft model, EAGLE): raw confidence per depth"))
-    register_chain(ChainKind(
-        id=2, name="ngram", samples=labels.ngram_samples, config_key="ngram_model",
-        feature_names=lambda cfg: labels.NGRAM_SAMPLE_FEATURES,
-        table_axes=lambda cfg: (*(Axis(f, edges=tuple(float(x) for x in e))
-                                  for f, e in zip(cfg["table"]["features"], cfg["table"]["edges"])),
-                                *context_axes(cfg)),
-        drafted_depth=labels.ngram_drafted_depth, round_data=_ngram_round_data,
-        description="prompt lookup (vLLM ngram): match features of the chain the context offered"))
+def chain_of_method(method: str) -> ChainKind:
+    """The chain kind an engine's speculative ``method`` drafts (:attr:`ChainKind.engine_methods`); a
+    ``KeyError`` lists the methods the registered kinds support."""
+    for kind in chains():
+        if method in kind.engine_methods:
+            return kind
+    known = [m for k in chains() for m in k.engine_methods]
+    raise KeyError(f"speculative method {method!r} is not supported ({', '.join(known)})")
 
 
-def round_inputs(kind: ChainKind, rounds, axis_names):
-    """:attr:`ChainKind.round_data` with the table's context axes appended: the chain's own inputs for
-    the names that are not :data:`CONTEXT` axes, then each context axis' per-round value
-    (:func:`calib.labels.round_context` of ``rounds``, a bank's rounds sorted by its keys) repeated over
-    depths. ``axis_names`` None: no inputs."""
-    if kind.round_data is None:
-        return None
-    if axis_names is None:
-        return kind.round_data(rounds, None)
-    names = list(axis_names)
-    ctx = [n for n in names if n in CONTEXT]
-    own = names[: len(names) - len(ctx)]
-    if names[len(own):] != ctx:
-        raise ValueError(f"chain {kind.name!r}: context axes {ctx} must come after the chain's own axes, got {names}")
-    data = kind.round_data(rounds, own)
-    if data is None or not ctx:
-        return data
-    import numpy as np
+@dataclass(frozen=True)
+class Offer:
+    """What one chain offers for the engine's ``B`` running requests at a serving step."""
 
-    from calib.labels import round_context
-
-    values = round_context(rounds, ctx)
-    extra = np.stack([values[n] for n in ctx], axis=1).astype(np.float32)  # [R, A_ctx]
-    width = data.inputs.shape[1]
-    inputs = np.concatenate([data.inputs, np.repeat(extra[:, None, :], width, axis=1)], axis=2)  # [R, K, A]
-    return RoundData(data.acc, inputs, data.raw)
+    tokens: list[list[int]]  # [B][<= L]: the chain per request ([] = none)
+    # the chain's signal: float [B, K] raw confidence (the model chain; entries beyond a request's tokens
+    # ignored), or float [B, L, F] the table's own (non-context) features in its axis order
+    signal: object = None
+    # float [B, >= L]: the chain's calibrated P(accept | reached) when the engine already looked it up
+    # this step (calib.allocate.calibrated_probs on the same inputs); replaces the signal's lookup
+    probs: object = None
 
 
-def _ngram_round_data(rounds, axis_names):
-    from calib.tables.features import ngram_round_data
+def offer_inputs(x, B: int, lengths: list[int], n_own: int, what: str):
+    """An offer's signal ``x`` as float64 ``[B, W, n_own]`` (W = the longest chain), NaN beyond each
+    request's chain (``[B, L]`` is read as one feature)."""
+    import math
 
-    return ngram_round_data(rounds, axis_names)
+    import torch
+
+    width = max(lengths, default=0)
+    if width == 0:
+        return torch.full((B, 1, n_own), math.nan, dtype=torch.float64)
+    if x is None:
+        raise ValueError(f"{what} is None but the chain has tokens")
+    x = torch.as_tensor(x).detach().to("cpu", torch.float64)
+    if x.ndim == 2:
+        x = x[..., None]
+    if x.ndim != 3 or x.shape[0] != B or x.shape[2] != n_own:
+        raise ValueError(f"{what} must be [B={B}, L, F={n_own}], got {tuple(x.shape)}")
+    if x.shape[1] < width:
+        raise ValueError(f"{what} has {x.shape[1]} depths, a chain has {width} tokens")
+    x = x[:, :width].clone()
+    beyond = torch.arange(width)[None, :] >= torch.tensor(lengths)[:, None]
+    x[beyond] = math.nan
+    return x

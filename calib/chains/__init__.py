@@ -1,0 +1,32 @@
+"""Draft chain kinds (docs/chains.md): the registry (:mod:`calib.chains.base`) with the built-in kinds
+registered, one file each (:mod:`calib.chains.model`, :mod:`calib.chains.ngram`)."""
+
+from calib.chains.base import (
+    CONTEXT,
+    NO_CHAIN,
+    Axis,
+    ChainKind,
+    Offer,
+    RoundData,
+    chain,
+    chain_names,
+    chain_of_method,
+    chains,
+    context_axes,
+    context_spec,
+    offer_inputs,
+    register_chain,
+    resolve_edges,
+    unregister_chain,
+    verified_chain,
+)
+from calib.chains.model import MODEL
+from calib.chains.ngram import NGRAM
+from calib.chains.rounds import round_inputs
+
+register_chain(MODEL)
+register_chain(NGRAM)
+
+__all__ = ["CONTEXT", "NO_CHAIN", "Axis", "ChainKind", "Offer", "RoundData", "chain", "chain_names",
+           "chain_of_method", "chains", "context_axes", "context_spec", "offer_inputs", "register_chain",
+           "resolve_edges", "round_inputs", "unregister_chain", "verified_chain"]

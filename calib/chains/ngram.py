@@ -1,0 +1,118 @@
+"""The n-gram chain (prompt lookup, vLLM's ``ngram``): the chain the request's context offers, with its
+match features.
+
+Its columns are the bank's ngram.parquet (joined as ``ng_*`` by ``Bank.rounds(chains=...)``); its table
+reads match features (:data:`calib.bank.schema.NGRAM_FEATURES`) as ``[R, L, F]`` float32, the chain's
+values repeated over its depths, NaN beyond it (feature 0 NaN = no token), then the context axes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from calib.bank import schema
+from calib.chains.base import Axis, ChainKind, RoundData, context_axes
+
+NGRAM_SAMPLE_FEATURES = tuple(schema.NGRAM_FEATURES)
+PREFIX = "ng_"  # of ngram.parquet's columns in Bank.rounds(chains=...)
+
+
+def ngram_samples(bank):
+    """One row per (labelled n-gram chain, depth reached): keys, depth, match features, the context
+    columns (:func:`calib.labels.round_context` of the verified rounds), label.
+    A bank without ngram.parquet yields nothing."""
+    import pandas as pd
+    import pyarrow as pa
+
+    from calib.labels import CONTEXT_COLUMNS, per_depth_samples, with_round_context
+
+    if not bank.has(schema.NGRAM):
+        return pd.DataFrame()
+    t = with_round_context(bank.table(schema.NGRAM), bank)
+    src = np.asarray(t.column("label_source").to_pylist(), dtype=object)
+    t = t.filter(pa.array(src != "none"))
+    width = schema.width(t.column_names, schema.NGRAM_TOK)
+    acc = schema.depth_matrix(t, schema.ACC, width)
+    rounds = {f: t.column(f).to_numpy(zero_copy_only=False).astype(np.float64) for f in NGRAM_SAMPLE_FEATURES}
+    rounds["counterfactual"] = np.asarray(t.column("label_source").to_pylist(), dtype=object) == "counterfactual"
+    rounds.update({n: t.column(f"ctx_{n}").to_numpy(zero_copy_only=False).astype(np.float64) for n in CONTEXT_COLUMNS})
+    return per_depth_samples(t, acc, {}, rounds)
+
+
+def ngram_drafted_depth(bank_dir) -> int:
+    """Drafted depth K of the n-gram chain in one bank folder: the widest chain (ngram_tok columns)."""
+    import pyarrow.parquet as pq
+
+    ng = Path(bank_dir) / schema.NGRAM
+    return schema.width(pq.read_schema(ng).names, schema.NGRAM_TOK) if ng.exists() else 0
+
+
+def round_feature_tensor(table, names, width: int, prefix: str = ""):
+    """n-gram features ``[R, L, F]`` (float32 torch) in the order ``names`` from ngram.parquet round columns.
+
+    The chain's features are per round, so they are repeated across depths ``j < ngram_len``;
+    every feature is NaN at depths beyond the chain (feature 0 NaN = "no token", as the tables read
+    it). ``in_prompt`` becomes 0/1. ``prefix`` is :data:`PREFIX` for ``Bank.rounds(chains=...)``.
+    """
+    import pyarrow as pa
+    import torch
+
+    n = table.num_rows
+    length = np.nan_to_num(table.column(f"{prefix}ngram_len").to_numpy(zero_copy_only=False).astype(np.float64))
+    feats = np.empty((n, len(names)), dtype=np.float64)
+    for f, name in enumerate(names):
+        if name not in NGRAM_SAMPLE_FEATURES:
+            raise KeyError(f"unknown n-gram feature {name!r}; known: {NGRAM_SAMPLE_FEATURES}")
+        col = table.column(f"{prefix}{name}")
+        if pa.types.is_boolean(col.type):
+            col = col.cast(pa.int8())
+        feats[:, f] = col.to_numpy(zero_copy_only=False).astype(np.float64)
+    out = np.repeat(feats[:, None, :], width, axis=1)
+    beyond = np.arange(width)[None, :] >= length[:, None]
+    out[beyond] = np.nan
+    return torch.from_numpy(out.astype(np.float32))
+
+
+def ngram_round_data(rounds, axis_names=None):
+    """The n-gram chain over a bank's rounds joined with ngram.parquet (``Bank.rounds(chains=...)``,
+    columns ``ng_*``); None without it. Unlabelled chains (label_source none) are NaN in the mask."""
+    if f"{PREFIX}ngram_len" not in rounds.column_names:
+        return None
+    n = len(PREFIX)
+    width = schema.width([c[n:] for c in rounds.column_names if c.startswith(PREFIX)], schema.NGRAM_TOK)
+    acc = schema.depth_matrix(rounds, f"{PREFIX}acc", width)
+    src = np.asarray(rounds.column(f"{PREFIX}label_source").to_pylist(), dtype=object)
+    acc[src == "none"] = np.nan  # an unlabelled chain cannot be scored or verified in replay
+    inputs = None if axis_names is None else round_feature_tensor(rounds, axis_names, width, prefix=PREFIX).numpy()
+    return RoundData(acc, inputs)
+
+
+def step_feature_tensor(features: Sequence[Mapping | None], lengths: Sequence[int], names: Sequence[str],
+                        width: int):
+    """float32 ``[B, width, F]`` n-gram features (``names`` order, e.g. the own features of the n-gram
+    table) from per-request feature dicts (``calib.ngram.NgramMatch.features()``; None = no match): the
+    chain's values repeated over depths ``< lengths[i]``, NaN beyond, booleans 0/1, as
+    :func:`round_feature_tensor` lays a bank's rounds out. An engine's :class:`calib.chains.Offer` signal."""
+    import torch
+
+    out = np.full((len(features), width, len(names)), np.nan, dtype=np.float64)
+    for i, (f, n) in enumerate(zip(features, lengths)):
+        n = min(int(n), width)
+        if f is None or n <= 0:
+            continue
+        out[i, :n, :] = [float(f[name]) for name in names]
+    return torch.from_numpy(out.astype(np.float32))
+
+
+NGRAM = ChainKind(
+    id=2, name="ngram", samples=ngram_samples, config_key="ngram_model",
+    feature_names=lambda cfg: NGRAM_SAMPLE_FEATURES,
+    table_axes=lambda cfg: (*(Axis(f, edges=tuple(float(x) for x in e))
+                              for f, e in zip(cfg["table"]["features"], cfg["table"]["edges"])),
+                            *context_axes(cfg)),
+    drafted_depth=ngram_drafted_depth, round_data=ngram_round_data,
+    bank_file=schema.NGRAM, column_prefix=PREFIX, manifest_key="ngram_chain", engine_methods=("ngram",),
+    description="prompt lookup (vLLM ngram): match features of the chain the context offered")
