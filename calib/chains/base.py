@@ -67,6 +67,9 @@ class ChainKind:
     # (Offer, own feature names, B, lengths, what) -> float64 [B, W, len(own)]: the table's own inputs
     # from what the chain offers at a serving step; None: offer_inputs (the offer's signal as given)
     step_inputs: Callable | None = None
+    # (request's token ids, settings, prompt length, max_model_len) -> (tokens, features dict or None): the
+    # chain recomputed from a request's tokens at a serving step (a model-free chain: prompt lookup)
+    propose: Callable | None = None
 
     @property
     def config(self) -> str:

@@ -107,6 +107,18 @@ def step_feature_tensor(features: Sequence[Mapping | None], lengths: Sequence[in
     return torch.from_numpy(out.astype(np.float32))
 
 
+def propose(context, settings: tuple[int, int, int], prompt_len: int = 0, max_model_len: int | None = None):
+    """``(tokens, features)``: the chain vLLM's n-gram proposer drafts from a request's token ids
+    ``context`` with ``settings`` = (prompt_lookup_min, prompt_lookup_max, k) (:func:`calib.ngram.find_match`),
+    and its match features (None without a match)."""
+    from calib.ngram import find_match
+
+    lo, hi, k = settings
+    m = find_match(context, lo, hi, k, prompt_len, max_model_len)
+    tokens = [int(t) for t in m.tokens]
+    return tokens, (m.features() if tokens else None)
+
+
 NGRAM = ChainKind(
     id=2, name="ngram", samples=ngram_samples, config_key="ngram_model",
     feature_names=lambda cfg: NGRAM_SAMPLE_FEATURES,
@@ -115,4 +127,5 @@ NGRAM = ChainKind(
                             *context_axes(cfg)),
     drafted_depth=ngram_drafted_depth, round_data=ngram_round_data,
     bank_file=schema.NGRAM, column_prefix=PREFIX, manifest_key="ngram_chain", engine_methods=("ngram",),
+    propose=propose,
     description="prompt lookup (vLLM ngram): match features of the chain the context offered")

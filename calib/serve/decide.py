@@ -203,11 +203,11 @@ def _offered(offer: Offer, own: list[str], B: int, lengths: list[int], what: str
 def _given_probs(offers: Mapping[str, Offer], tokens: dict, B: int) -> dict[str, torch.Tensor]:
     """float32 ``[B, W]`` per chain whose offer holds already looked-up probabilities, NaN beyond its tokens."""
     out = {}
-    for name in tokens:
+    for name, toks in tokens.items():
         given = offers[name].probs
         if given is None:
             continue
-        lengths = torch.tensor([len(t) for t in tokens[name]])
+        lengths = torch.tensor([len(t) for t in toks])
         width = max(1, int(lengths.max()))
         p = torch.full((B, width), math.nan, dtype=torch.float32)
         p[:, : min(width, given.shape[1])] = given[:, :width].to(torch.float32)

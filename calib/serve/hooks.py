@@ -64,11 +64,9 @@ import numpy as np
 import torch
 
 from calib.collect.hooks import takes_plain_argmax
-from calib.ngram import find_match
 
 log = logging.getLogger("calib.serve")
 
-MODEL, NGRAM = "model", "ngram"
 
 
 @dataclass
@@ -168,6 +166,7 @@ class Server:
             raise ValueError(f"CALIB_SERVE_DRAFT_COST={draft_cost!r}: must be a number >= 0")
         self.draft_cost = float(draft_cost)
         self.planning = False  # set at construction: a model drafter whose passes calib chooses
+        self.lookup: str | None = None  # set at construction: the chain recomputed from the request's tokens
         self.decider = None
         self.failed = False  # construction failed: pass-through for the run
         self.stats = ServeStats()
@@ -204,16 +203,23 @@ class Server:
             raise RuntimeError("the engine runs no speculative decoding")
         if getattr(runner, "use_async_scheduling", False):
             raise RuntimeError("async scheduling: take_draft_token_ids is never called (needs sync scheduling)")
+        from calib.chains import chain, chain_of_method, chains
+
         method = sc.method
-        if method not in ("ngram", "eagle", "eagle3", "draft_model"):
-            raise RuntimeError(f"speculative method {method!r} is not supported (ngram, eagle, eagle3, draft_model)")
+        try:
+            drafted = chain_of_method(method)  # the chain kind vLLM's drafter proposes
+        except KeyError as exc:
+            raise RuntimeError(exc.args[0]) from None
         rsm = getattr(sc, "rejection_sample_method", "standard")
         if rsm != "standard":
             raise RuntimeError(f"rejection_sample_method={rsm!r}: only 'standard' is lossless under substitution")
         self.k = int(sc.num_speculative_tokens)
-        speculator = "ngram" if method == "ngram" else f"{method}:{Path(str(sc.model)).name}"
+        # a model-free chain is named by its kind, a model drafter by its method and folder
+        speculator = drafted.name if drafted.confidence is None else f"{method}:{Path(str(sc.model)).name}"
         model_id = self.model_id or Path(str(runner.model_config.model)).name
-        if method == "ngram":
+        # the chain calib recomputes from each request's tokens (prompt lookup), None: none registered
+        self.lookup = next((k.name for k in chains() if k.propose is not None), None)
+        if drafted.name == self.lookup:
             self.ngram = (int(sc.prompt_lookup_min), int(sc.prompt_lookup_max), self.k)
         else:
             lo, hi, k = self.default_ngram
@@ -223,13 +229,13 @@ class Server:
         dec = SafeDecider(self.tables_dir, model_id=model_id, speculator=speculator, k_max=self.k,
                           method=method, chains=self.chains, cost=cost)
         self.ngram_own = []
-        if NGRAM in dec.chains:
+        if self.lookup in dec.chains:
             from calib.serve.decide import feature_names, split_context
 
-            self.ngram_own = split_context(feature_names(dec.tables, NGRAM), NGRAM)[0]
-        self.planning = (self.plan and dec.engine_chain == MODEL
-                         and dec.tables.meta["chains"].get(MODEL, {}).get("forecast") is not None)
-        if self.plan and dec.engine_chain == MODEL and not self.planning:
+            self.ngram_own = split_context(feature_names(dec.tables, self.lookup), self.lookup)[0]
+        model_drafter = chain(dec.engine_chain).confidence is not None  # its passes are calib's to plan
+        self.planning = self.plan and model_drafter and dec.tables.forecast(dec.engine_chain) is not None
+        if self.plan and model_drafter and not self.planning:
             log.warning("calib serve: the tables hold no forecast of the model chain (re-run train.py): vLLM "
                         "keeps drafting K=%d passes per step; calib only truncates or substitutes", self.k)
         return dec
@@ -278,9 +284,10 @@ class Server:
         """Per batch row in ``rows``: the n-gram chain (``[B][<= K]``) vLLM's proposer would draft from the
         request's tokens (``token_ids_cpu[:num_tokens_no_spec]``, then ``extra[b]`` when bookkeeping has
         not appended this step's tokens yet), and its features float32 ``[B, L, F]`` for the tables."""
-        from calib.serve.decide import ngram_feature_tensor
+        from calib.chains import chain
+        from calib.chains.ngram import step_feature_tensor
 
-        lo, hi, k = self.ngram
+        propose = chain(self.lookup).propose
         tokens, feats = [], []
         for b, i in enumerate(rows):
             n = int(batch.num_tokens_no_spec[i])
@@ -293,14 +300,14 @@ class Server:
             if hit is not None and hit[0] == key:
                 toks, feat = hit[1], hit[2]
             else:
-                m = find_match(ctx, lo, hi, k, int(batch.num_prompt_tokens[i]), self.max_model_len)
-                toks = [int(t) for t in m.tokens][: self.k]
-                feat = m.features() if toks else None
+                toks, feat = propose(ctx, self.ngram, int(batch.num_prompt_tokens[i]), self.max_model_len)
+                toks = toks[: self.k]
+                feat = feat if toks else None
                 self.matches[key[0]] = (key, toks, feat)
             tokens.append(toks)
             feats.append(feat)
         width = max(1, max((len(t) for t in tokens), default=0))
-        return tokens, ngram_feature_tensor(feats, [len(t) for t in tokens], self.ngram_own, width)
+        return tokens, step_feature_tensor(feats, [len(t) for t in tokens], self.ngram_own, width)
 
     def planned_probs(self, req_ids: list[str]) -> torch.Tensor | None:
         """float32 ``[B, W]``: the n-gram probabilities the plan looked up this step, when it did so for
@@ -333,7 +340,8 @@ class Server:
             return
         start = time.perf_counter()
         from calib.allocate import calibrated_probs, forecast_probs, plan_draft
-        from calib.serve.decide import _context_columns, chain_inputs
+        from calib.chains import Offer
+        from calib.serve.decide import chain_inputs, context_columns
 
         batch = runner.input_batch
         req_ids = list(batch.req_ids)
@@ -346,26 +354,26 @@ class Server:
         if isinstance(sampled_token_ids, torch.Tensor):  # padded EAGLE: drafting runs before bookkeeping
             sampled = sampled_token_ids.detach().cpu().tolist()
             extra = [[t for t in r if t >= 0] for r in sampled[:B]]
-        tables = dec.tables
-        known = {MODEL: torch.zeros(B, 0)}
+        tables, drafted, lookup = dec.tables, dec.engine_chain, self.lookup
+        known = {drafted: torch.zeros(B, 0)}
         from calib.serve import StepInputs
 
-        if NGRAM in dec.chains:
+        if lookup in dec.chains:
             toks, feats = self.ngram_chains(batch, rows, extra)
-            inputs = StepInputs(req_ids, temps, ngram_tokens=toks, ngram_features=feats)
+            inputs = StepInputs(req_ids, temps, {lookup: Offer(toks, feats)})
             signals, _ = chain_inputs(tables, inputs, dec.history, k_max=self.k)
-            known[NGRAM] = calibrated_probs(tables, {NGRAM: signals[NGRAM]})[NGRAM].to(torch.float32)
+            known[lookup] = calibrated_probs(tables, {lookup: signals[lookup]})[lookup].to(torch.float32)
             # the decision after drafting sees the same chains and history: it reuses these
-            self.planned = {r: (self.matches[r][0], known[NGRAM][b]) for b, r in enumerate(req_ids)
+            self.planned = {r: (self.matches[r][0], known[lookup][b]) for b, r in enumerate(req_ids)
                             if r in self.matches}
         else:
             inputs = StepInputs(req_ids, temps)
-        axes = [a["name"] for a in tables.meta["chains"][MODEL]["forecast"]["axes"]]
-        ctx = torch.from_numpy(_context_columns(axes, inputs, dec.history))
-        forecast = forecast_probs(tables, MODEL, ctx, depths=k_sched)  # [B, k_sched]
+        axes = [a["name"] for a in tables.forecast(drafted)["axes"]]
+        ctx = torch.from_numpy(context_columns(axes, inputs, dec.history))
+        forecast = forecast_probs(tables, drafted, ctx, depths=k_sched)  # [B, k_sched]
         cost = dec.cost
         pass_cost = self.draft_cost * float(cost[min(B, cost.numel() - 1)])
-        plan = plan_draft(known, forecast, cost=cost, pass_cost=pass_cost, chain=MODEL)
+        plan = plan_draft(known, forecast, cost=cost, pass_cost=pass_cost, chain=drafted)
         passes = max(0, min(int(plan.passes), k_sched))
         scheduler_output.num_spec_tokens_to_schedule = passes
         s = self.stats
@@ -397,32 +405,30 @@ class Server:
         batch = runner.input_batch
         rows = [batch.req_id_to_index[r] for r in req_ids]
         temps = [float(batch.temperature_cpu[i]) for i in rows]
-        model_tokens = model_conf = ngram_tokens = ngram_feats = None
-        if dec.engine_chain != NGRAM:
+        from calib.chains import NO_CHAIN, Offer, chain
+
+        offers = {}
+        if chain(dec.engine_chain).confidence is not None:  # a model drafter: its draft with confidences
             model_tokens, conf = [], torch.full((len(req_ids), K), math.nan)
             for b, (r, toks) in enumerate(zip(req_ids, engine)):
                 c = self.conf.get(r, [])[: len(toks)]
                 model_tokens.append(toks[: len(c)])  # a depth without its confidence is not offered
                 if c:
                     conf[b, : len(c)] = torch.tensor(c[:K])
-            model_conf = conf
-        ngram_probs = None
-        if NGRAM in dec.chains:
+            offers[dec.engine_chain] = Offer(model_tokens, conf)
+        if self.lookup in dec.chains:
             ngram_tokens, ngram_feats = self.ngram_chains(batch, rows)
-            if dec.engine_chain == NGRAM:
+            if dec.engine_chain == self.lookup:
                 self.stats.ngram_mismatch += sum(a != b for a, b in zip(ngram_tokens, engine))
-            ngram_probs = self.planned_probs(req_ids)
+            offers[self.lookup] = Offer(ngram_tokens, ngram_feats, self.planned_probs(req_ids))
         self.planned = {}
-        d = dec.decide(StepInputs(req_ids, temps, model_tokens, model_conf, ngram_tokens, ngram_feats,
-                                  ngram_probs))
+        d = dec.decide(StepInputs(req_ids, temps, offers))
         if d.passthrough:
             self.stats.passthrough += 1
             return out
         drafts = d.drafts
         if len(drafts) != len(req_ids) or any(len(x) > K or any(t < 0 for t in x) for x in drafts):
             raise RuntimeError("decision out of bounds (more than K tokens, or a negative id)")
-        from calib.chains import NO_CHAIN, chain
-
         for r, cid, x in zip(req_ids, d.chain.tolist(), drafts):
             self.chosen[r] = chain(int(cid)).name if (cid != NO_CHAIN and x) else None
         s = self.stats

@@ -420,15 +420,15 @@ class Tables(GridTables):
         """:meth:`check_bank`'s target model check: ``(problems, notes)``."""
         tdir, bdir, model, targets = facts["tables"], facts["path"], facts["model"], self.target_models
         if model is None:
-            return [], [f"bank {bdir}: run_manifest.json records no `model`; cannot check that it was "
+            return [], [(f"bank {bdir}: run_manifest.json records no `model`; cannot check that it was "
                         f"collected with the target the tables {tdir} were fitted for "
-                        f"({targets if targets is not None else 'not recorded either'})"]
+                        f"({targets if targets is not None else 'not recorded either'})")]
         if targets is None:
-            return [], [f"tables {tdir}: tables.json records no target_models; cannot check the bank "
-                        f"{bdir}'s target {model!r}"]
+            return [], [(f"tables {tdir}: tables.json records no target_models; cannot check the bank "
+                        f"{bdir}'s target {model!r}")]
         if model not in targets:
-            return [f"target model: tables {tdir} were fitted for {targets}, bank {bdir} was "
-                    f"collected with {model!r}"], []
+            return [(f"target model: tables {tdir} were fitted for {targets}, bank {bdir} was "
+                    f"collected with {model!r}")], []
         return [], []
 
     def _check_verified_chain(self, facts: dict) -> tuple[list[str], list[str]]:
@@ -437,11 +437,11 @@ class Tables(GridTables):
         drafters = self.meta.get("chains", {})
         problems, notes = [], []
         if chain is None:
-            return [], [f"bank {bdir}: run_manifest.json records no `speculator`; cannot check its "
-                        f"drafter against the tables {tdir} ({self._ids_text()})"]
+            return [], [(f"bank {bdir}: run_manifest.json records no `speculator`; cannot check its "
+                        f"drafter against the tables {tdir} ({self._ids_text()})")]
         if chain not in drafters:
-            return [f"drafter: tables {tdir} calibrate {sorted(drafters) or 'no drafter'}, bank {bdir}'s "
-                    f"verified chain is the {chain} drafter ({spec!r})"], []
+            return [(f"drafter: tables {tdir} calibrate {sorted(drafters) or 'no drafter'}, bank {bdir}'s "
+                    f"verified chain is the {chain} drafter ({spec!r})")], []
         ids = drafters[chain].get("ids")
         if _has_confidence(chain):  # a model drafter: its speculator name must be one fitted on
             if ids is None:

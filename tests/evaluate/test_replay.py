@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from calib.bank import schema, write_bank
+from calib.chains.ngram import round_feature_tensor
 from calib.evaluate.cost import CostCurve, make_curve
 from calib.evaluate.data import load_eval_bank
 from calib.evaluate.replay import (
@@ -17,7 +18,6 @@ from calib.evaluate.replay import (
     train_mean_curve,
 )
 from calib.tables import save
-from calib.chains.ngram import round_feature_tensor
 from tests.synthetic import two_chain_tables
 
 # (accept mask, model confidences, n-gram chain mask) per round; K = 3
