@@ -1,10 +1,12 @@
-"""A third chain kind needs one registration and nothing else (issue 13 item 1).
+"""A third chain kind needs one registration and one file (issue 13 item 1, issue 26 Must 2).
 
-A SYNTHETIC ``suffix`` chain (vLLM 0.32 ships suffix decoding; here its per-depth score is a random
-column of a synthetic bank, with the verified chain's accept mask as its labels) is registered in this
-file only, then trained by train.py's job, exported, loaded, looked up, allocated (reference and Triton
-kernel, bit-identical) and replayed. The collector hook that would write its column is what a real
-chain adds besides; a test chain does not need one.
+The SYNTHETIC ``suffix`` chain of ``tests/synthetic_suffix.py`` (vLLM ships suffix decoding; here its
+score is written beside a synthetic bank, with the verified chain's accept mask as its labels) is
+registered here only, then read from the bank (its own bank file, joined by ``Bank.rounds``), checked
+against tables (``check_bank``), trained by train.py's job, exported, loaded, looked up, allocated
+(reference and Triton kernel, bit-identical), replayed and decided on at a serving step
+(``decide_step`` and ``SafeDecider`` with an offers mapping). The collector hook that would write its
+file is what a real chain adds besides; a test chain does not need one.
 """
 
 from __future__ import annotations
@@ -13,65 +15,23 @@ import os
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from calib.bank import schema, write_bank
-from calib.chains import (
-    Axis,
-    ChainKind,
-    RoundData,
-    chain,
-    chain_names,
-    chains,
-    register_chain,
-    unregister_chain,
-)
-from calib.labels import per_depth_samples
+from calib.bank import load as load_bank
+from calib.bank import write_bank
+from calib.chains import ChainKind, Offer, chain, chain_names, chains, register_chain, unregister_chain
 from tests.synthetic import synthetic_tables
+from tests.synthetic_suffix import BANK_FILE, EDGES, PREFIX, SCORE, SUFFIX, add_to_bank
 
 CONF = str(Path(__file__).resolve().parents[1] / "conf")
-SCORE = "suffix_score"  # per-depth column {SCORE}{k} of speculator.parquet (SYNTHETIC)
-EDGES = (0.25, 0.5, 0.75)
-
-
-def suffix_samples(bank):
-    t = bank.rounds()
-    if f"{SCORE}0" not in t.column_names:
-        import pandas as pd
-
-        return pd.DataFrame()
-    width = schema.width(t.column_names)
-    return per_depth_samples(t, schema.depth_matrix(t, schema.ACC, width),
-                             {SCORE: schema.depth_matrix(t, SCORE, width)}, {})
-
-
-def suffix_depth(bank_dir) -> int:
-    import pyarrow.parquet as pq
-
-    return schema.width(pq.read_schema(Path(bank_dir) / schema.SPECULATOR).names, SCORE)
-
-
-def suffix_round_data(rounds, axis_names):
-    if f"{SCORE}0" not in rounds.column_names:
-        return None
-    width = schema.width(rounds.column_names)
-    score = schema.depth_matrix(rounds, SCORE, width)
-    inputs = None if axis_names is None else score.astype(np.float32)[..., None]
-    return RoundData(schema.depth_matrix(rounds, schema.ACC, width), inputs)
-
-
-SUFFIX = ChainKind(id=3, name="suffix", samples=suffix_samples, feature_names=lambda cfg: (SCORE,),
-                   table_axes=lambda cfg: (Axis(SCORE, edges=EDGES),), drafted_depth=suffix_depth,
-                   round_data=suffix_round_data, description="SYNTHETIC test chain: suffix decoding's per-depth score")
 
 
 @pytest.fixture
 def suffix_chain():
-    register_chain(SUFFIX)
+    register_chain(SUFFIX)  # the one registration
     try:
         yield SUFFIX
     finally:
@@ -79,16 +39,9 @@ def suffix_chain():
 
 
 def _bank(tmp_path):
-    """A synthetic bank whose speculator.parquet also carries the suffix chain's score; acceptance
-    rises with it, so a calibrated table is increasing in the score."""
+    """A SYNTHETIC bank with the suffix chain's file beside it; acceptance rises with its score."""
     acceptance, speculator, ngram = synthetic_tables(n_prompts=40, rounds_per_prompt=30)
-    rng = np.random.default_rng(3)
-    width = schema.width(acceptance.column_names)
-    for k in range(width):
-        acc = np.array(acceptance.column(f"acc{k}").to_pylist(), dtype=object)
-        score = [None if a is None else float(np.clip(0.6 * a + 0.4 * rng.uniform(), 0, 1)) for a in acc]
-        speculator = speculator.append_column(pa.field(f"{SCORE}{k}", pa.float64()), pa.array(score, pa.float64()))
-    return write_bank(tmp_path / "bank", acceptance, speculator, ngram)
+    return add_to_bank(write_bank(tmp_path / "bank", acceptance, speculator, ngram))
 
 
 def test_registry_ids_and_names():
@@ -113,6 +66,10 @@ def test_a_third_chain_is_one_registration(tmp_path, suffix_chain):
 
     assert chain_names() == ("model", "ngram", "suffix")
     bank = _bank(tmp_path)
+    # bank: the chain's own file is joined (prefixed) when the chain is asked for, and only then
+    assert f"{PREFIX}{SCORE}" in load_bank(bank).rounds(chains=[SUFFIX]).column_names
+    assert f"{PREFIX}{SCORE}" in load_bank(bank).rounds(chains=chains()).column_names
+    assert f"{PREFIX}{SCORE}" not in load_bank(bank).rounds().column_names
     with initialize_config_dir(CONF, version_base="1.3"):
         cfg = compose("train", overrides=[f"data.train=[{bank}]", f"out_dir={tmp_path / 'out'}", "logger=none",
                                           "calibrator=isotonic", "ngram_model=logistic", "trainer.progress=false"])
@@ -128,8 +85,21 @@ def test_a_third_chain_is_one_registration(tmp_path, suffix_chain):
     assert entry["axes"] == [{"name": SCORE, "kind": "bins", "edges": list(EDGES)}]
     assert tables.feature_names("suffix") == [SCORE]
     assert "suffix drafter: selected histogram" in (tmp_path / "out" / "summary.txt").read_text()
+    # check_bank reads the chain's own bank file: a bank whose suffix.parquet lacks the score is refused
+    import shutil
+
+    import pyarrow.parquet as pq
+
+    from calib.tables import TablesError
+
+    with pytest.warns(UserWarning):  # the synthetic bank's manifest records no model/speculator
+        tables.check_bank(bank)
+    broken = Path(shutil.copytree(bank, tmp_path / "broken"))
+    pq.write_table(pq.read_table(broken / BANK_FILE).drop([SCORE]), broken / BANK_FILE)
+    with pytest.raises(TablesError, match=rf"suffix features: .* read \['{SCORE}'\], bank .*{BANK_FILE} lacks"):
+        tables.check_bank(broken)
     grid = tables.chains["suffix"].grid
-    assert grid.shape == (4, len(EDGES) + 1) and (grid[0].diff() > 0).all()  # acceptance rises with the score
+    assert grid.shape == (4, len(EDGES) + 1) and (grid[0].diff() >= 0).all() and grid[0, -1] > grid[0, 0]  # rises
 
     # look up: a score in bucket b at depth d reads grid[d, b]; NaN = no token
     x = torch.tensor([[[0.1], [0.6], [float("nan")]], [[0.9], [0.3], [0.8]]])
@@ -176,3 +146,32 @@ def test_a_third_chain_is_one_registration(tmp_path, suffix_chain):
     rows = replay([eb], {"parametric": curve}, rcfg, progress=False)
     shares = [r["ngram_share"] for r in rows if r["policy"] == "two_drafter" and r["category"] != "all"]
     assert shares and max(shares) > 0  # requests verifying the second chain, here the suffix chain
+
+    # the serving decision: the engine offers the model draft and the suffix chain, one mapping
+    _serving_decision(tables)
+
+
+def _serving_decision(tables):
+    from calib.allocate import allocate
+    from calib.serve import RequestHistory, SafeDecider, StepInputs, chain_inputs, decide_step
+
+    B, cost = 6, 1.0 + 0.01 * torch.arange(64.0)
+    model = Offer([[1, 2, 3, 4]] * B, torch.full((B, 4), 0.02))  # a weak model draft
+    suffix = Offer([[10 + i, 11, 12, 13] if i % 3 else [] for i in range(B)], torch.full((B,), 0.95))
+    step = StepInputs([f"req-{i}" for i in range(B)], torch.zeros(B), {"model": model, "suffix": suffix})
+    history = RequestHistory()
+    out = decide_step(tables, step, history, k_max=4, cost=cost)
+    assert chain("suffix").id in out.chain.tolist()
+    for i, (cid, d) in enumerate(zip(out.chain.tolist(), out.drafts)):
+        offered = {chain("model").id: model.tokens[i], chain("suffix").id: suffix.tokens[i]}.get(cid, [])
+        assert d == offered[: len(d)] and (cid != chain("suffix").id or suffix.tokens[i])
+    signals, _ = chain_inputs(tables, step, history, k_max=4)
+    assert signals["suffix"].shape == (B, 4, 1) and torch.isnan(signals["suffix"][0]).all()  # request 0: none
+    ref = allocate(tables, signals, cost=cost)
+    assert torch.equal(out.chain, ref.drafter) and torch.equal(out.depth, ref.depth)
+    # SafeDecider: every registered chain the tables calibrate, the suffix chain included
+    dec = SafeDecider(tables, model_id=tables.target_models[0], speculator=tables.meta["chains"]["model"]["ids"][0],
+                      method="eagle", k_max=4, cost=cost)
+    assert dec.chains == ["model", "ngram", "suffix"]
+    got = dec.decide(step)
+    assert not got.passthrough and got.drafts == out.drafts and torch.equal(got.chain, out.chain)
