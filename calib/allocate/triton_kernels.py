@@ -35,7 +35,7 @@ _SEARCH_STEPS = 25  # bisection over (-1, SCALE] closes to width 1 in ceil(log2(
 
 
 @triton.jit
-def _chain_column(
+def chain_column(
     ptr, stride_b, stride_l, stride_a, k, rows, row_ok, L,
     grid_ptr, D, C, G, edges_ptr, strides_ptr, A_BINS, E,
     FROM_TABLE: tl.constexpr, INTERP: tl.constexpr, BLOCK_B: tl.constexpr,
@@ -75,6 +75,9 @@ def _chain_column(
             p = tl.load(grid_ptr + grid_row * C + cell, mask=row_ok, other=0.0)
             x0 = tl.where(present, p, float("nan"))
     return x0
+
+
+_chain_column = chain_column  # the name _allocate_kernel's body calls it by (the kernel is left as it is)
 
 
 @triton.jit
@@ -277,7 +280,7 @@ def _allocate_kernel(
     tl.store(expected_ptr + rows, expected, mask=row_ok)
 
 
-def _interpreting() -> bool:
+def interpreting() -> bool:
     """Whether Triton runs interpreted: decided when ``triton`` was first imported (its own library of
     ``@jit`` functions, such as ``tl.sum``, is built then) and when this module was (our kernels)."""
     from triton.runtime.interpreter import InterpretedFunction
@@ -285,8 +288,9 @@ def _interpreting() -> bool:
     return isinstance(tl.sum, InterpretedFunction) and isinstance(_allocate_kernel, InterpretedFunction)
 
 
-def _check_runnable(device: torch.device) -> None:
-    if device.type == "cuda" or _interpreting():
+def check_runnable(device: torch.device) -> None:
+    """Refuse (RuntimeError, saying what to set) tensors on a device no Triton kernel of this process runs on."""
+    if device.type == "cuda" or interpreting():
         return
     state = ("is set now, but was not when triton (or this module) was first imported"
              if envs.TRITON_INTERPRET else "is not set")
@@ -311,7 +315,7 @@ def allocate_triton(
     ``SECOND_ID`` constexprs). Returns device tensors ``(drafter int8, depth int32, expected_accepted
     float32)``."""
     device = first.device
-    _check_runnable(device)
+    check_runnable(device)
     n_requests, k = first.shape[:2]  # first: [B, K] or [B, K, A]
     n_second = 0 if second is None else second.shape[1]  # second: [B, L] or [B, L, A]
     width = max(k, n_second, 1)
@@ -325,24 +329,11 @@ def allocate_triton(
                         device)
 
     price_mode = cost is not None
-    if price_mode:
-        cost_t = cost.to(device=device, dtype=torch.float64).contiguous()
-        budget_t = torch.zeros(1, dtype=torch.int32, device=device)
-    else:
-        cost_t = torch.ones(1, dtype=torch.float64, device=device)
-        # The kernel counts in int32: a budget of B * width slots or more already takes every slot, so
-        # clamp to that (on the host for an int, on the device for a tensor: no sync) instead of
-        # letting 2**31 wrap to a negative budget.
-        slots = n_requests * width
-        if isinstance(budget, torch.Tensor):
-            budget_t = budget.to(device=device, dtype=torch.int64).reshape(1).clamp(0, slots).to(torch.int32)
-        else:
-            budget_t = torch.full((1,), min(max(int(budget), 0), slots), dtype=torch.int32, device=device)
-
+    budget_t, cost_t = _budget_and_cost(budget, cost, n_requests * width, device)
     drafter = torch.empty(n_requests, dtype=torch.int8, device=device)
     depth = torch.empty(n_requests, dtype=torch.int32, device=device)
     expected = torch.empty(n_requests, dtype=torch.float32, device=device)
-    launch = {} if _interpreting() else {"enable_fp_fusion": False, "num_warps": _num_warps(block_b * block_k)}
+    launch = {} if interpreting() else {"enable_fp_fusion": False, "num_warps": _num_warps(block_b * block_k)}
     _allocate_kernel[(1,)](
         *slot_first["args"],
         *(slot_second["args"][:4] + [n_second] + slot_second["args"][5:]),
@@ -357,6 +348,22 @@ def allocate_triton(
         **launch,
     )
     return drafter, depth, expected
+
+
+def _budget_and_cost(budget, cost, slots: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's budget (int32 [1]) and verify-cost curve (float64 [C]) tensors: the curve in price
+    mode (``cost`` given), else a budget of at most ``slots`` (= B * width) draft tokens."""
+    if cost is not None:
+        return torch.zeros(1, dtype=torch.int32, device=device), cost.to(device=device, dtype=torch.float64).contiguous()
+    cost_t = torch.ones(1, dtype=torch.float64, device=device)
+    # The kernel counts in int32: a budget of B * width slots or more already takes every slot, so
+    # clamp to that (on the host for an int, on the device for a tensor: no sync) instead of
+    # letting 2**31 wrap to a negative budget.
+    if isinstance(budget, torch.Tensor):
+        budget_t = budget.to(device=device, dtype=torch.int64).reshape(1).clamp(0, slots).to(torch.int32)
+    else:
+        budget_t = torch.full((1,), min(max(int(budget), 0), slots), dtype=torch.int32, device=device)
+    return budget_t, cost_t
 
 
 def _slot(x: torch.Tensor, table, device) -> dict:

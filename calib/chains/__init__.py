@@ -12,6 +12,7 @@ from calib.chains.base import (
     chain_names,
     chain_of_method,
     chains,
+    confidence_chain,
     context_axes,
     context_spec,
     offer_inputs,
@@ -28,5 +29,5 @@ register_chain(MODEL)
 register_chain(NGRAM)
 
 __all__ = ["CONTEXT", "NO_CHAIN", "Axis", "ChainKind", "Offer", "RoundData", "chain", "chain_names",
-           "chain_of_method", "chains", "context_axes", "context_spec", "offer_inputs", "register_chain",
+           "chain_of_method", "chains", "confidence_chain", "context_axes", "context_spec", "offer_inputs", "register_chain",
            "resolve_edges", "round_inputs", "unregister_chain", "verified_chain"]

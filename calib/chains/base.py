@@ -191,13 +191,18 @@ def chain_names() -> tuple[str, ...]:
     return tuple(c.name for c in chains())
 
 
+def confidence_chain() -> str:
+    """The (first registered) chain kind with a raw confidence: the model drafter's chain."""
+    return next(k.name for k in chains() if k.confidence is not None)
+
+
 def verified_chain(speculator: str, method: str | None) -> str:
     """The chain an engine (or a bank's engine) verified: a model-free chain kind named by the speculator
-    (or vLLM's method), else the (first registered) chain with a raw confidence, the model drafter."""
+    (or vLLM's method), else the model drafter's (:func:`confidence_chain`)."""
     for kind in chains():
         if kind.confidence is None and kind.name in (speculator, method):
             return kind.name
-    return next(k.name for k in chains() if k.confidence is not None)
+    return confidence_chain()
 
 
 def chain_of_method(method: str) -> ChainKind:

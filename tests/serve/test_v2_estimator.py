@@ -41,10 +41,10 @@ V = 50  # vocabulary of the SYNTHETIC logits
 
 def _interpreter_on() -> bool:
     try:
-        from calib.allocate.triton_kernels import _interpreting
+        from calib.allocate.triton_kernels import interpreting
     except ImportError:
         return False
-    return _interpreting()
+    return interpreting()
 
 
 IMPLS = ["reference", pytest.param("triton", marks=pytest.mark.skipif(
