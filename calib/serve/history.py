@@ -3,7 +3,7 @@
 :class:`RequestHistory` holds, per request id, the running values of the context axes that come
 from the request's earlier rounds (:data:`calib.labels.HISTORY_COLUMNS`): ``prev_accept``,
 ``mean_accept`` and ``position``. Their definitions are those of
-:func:`calib.labels._request_history` (one definition; ``tests/serve/test_history.py`` feeds the
+:func:`calib.labels.request_history` (one definition; ``tests/serve/test_history.py`` feeds the
 same rounds through both and gets identical values):
 
 * ``prev_accept``: the accepted length of the request's previous round; NaN in its first round;

@@ -405,9 +405,28 @@ class Server:
         batch = runner.input_batch
         rows = [batch.req_id_to_index[r] for r in req_ids]
         temps = [float(batch.temperature_cpu[i]) for i in rows]
-        from calib.chains import NO_CHAIN, Offer, chain
+        from calib.chains import NO_CHAIN, chain
 
-        offers = {}
+        d = dec.decide(StepInputs(req_ids, temps, self.offers(dec, req_ids, engine, batch, rows)))
+        if d.passthrough:
+            self.stats.passthrough += 1
+            return out
+        drafts = d.drafts
+        if len(drafts) != len(req_ids) or any(len(x) > K or any(t < 0 for t in x) for x in drafts):
+            raise RuntimeError("decision out of bounds (more than K tokens, or a negative id)")
+        for r, cid, x in zip(req_ids, d.chain.tolist(), drafts):
+            self.chosen[r] = chain(int(cid)).name if (cid != NO_CHAIN and x) else None
+        self.count(drafts, engine)
+        self.stats.allocator_ms.append(float(d.allocator_ms))
+        self.stats.hook_ms.append((time.perf_counter() - start) * 1e3)
+        return type(out)(req_ids, drafts)
+
+    def offers(self, dec, req_ids: list[str], engine: list[list[int]], batch, rows: list[int]) -> dict:
+        """``{chain: Offer}`` at this step: the engine's draft with its confidences (a model drafter), and
+        the chain calib recomputes from each request's tokens (with the plan's probabilities, if any)."""
+        from calib.chains import Offer, chain
+
+        K, offers = self.k, {}
         if chain(dec.engine_chain).confidence is not None:  # a model drafter: its draft with confidences
             model_tokens, conf = [], torch.full((len(req_ids), K), math.nan)
             for b, (r, toks) in enumerate(zip(req_ids, engine)):
@@ -422,18 +441,13 @@ class Server:
                 self.stats.ngram_mismatch += sum(a != b for a, b in zip(ngram_tokens, engine))
             offers[self.lookup] = Offer(ngram_tokens, ngram_feats, self.planned_probs(req_ids))
         self.planned = {}
-        d = dec.decide(StepInputs(req_ids, temps, offers))
-        if d.passthrough:
-            self.stats.passthrough += 1
-            return out
-        drafts = d.drafts
-        if len(drafts) != len(req_ids) or any(len(x) > K or any(t < 0 for t in x) for x in drafts):
-            raise RuntimeError("decision out of bounds (more than K tokens, or a negative id)")
-        for r, cid, x in zip(req_ids, d.chain.tolist(), drafts):
-            self.chosen[r] = chain(int(cid)).name if (cid != NO_CHAIN and x) else None
+        return offers
+
+    def count(self, drafts: list[list[int]], engine: list[list[int]]) -> None:
+        """Statistics of one decided step: calib's lists against vLLM's."""
         s = self.stats
         s.decided += 1
-        s.requests += len(req_ids)
+        s.requests += len(drafts)
         for mine, theirs in zip(drafts, engine):
             s.tokens_engine += len(theirs)
             s.tokens_out += len(mine)
@@ -446,9 +460,6 @@ class Server:
                 s.truncated += 1
             else:
                 s.substituted += 1
-        s.allocator_ms.append(float(d.allocator_ms))
-        s.hook_ms.append((time.perf_counter() - start) * 1e3)
-        return type(out)(req_ids, drafts)
 
 
 _SERVER: Server | None = None

@@ -798,33 +798,37 @@ def check_chain_tensors(name: str, axes: tuple, parts: dict, entry: dict, where)
                           f"{list(strides.shape)} must be [A_b, E] and [A_b] with A_b = {len(binned)} binned axes "
                           f"({[a.name for a in binned]}); {REEXPORT}")
     for a, axis in enumerate(binned):
-        row = edges[a]
-        finite = torch.isfinite(row)
-        padding = (~finite).nonzero()
-        n = int(padding[0, 0]) if padding.numel() else int(row.numel())  # the finite edges before the padding
-        problem = None
-        if bool(torch.isnan(row).any()):
-            problem, at = "NaN", int(torch.isnan(row).nonzero()[0, 0])
-        elif bool((row == -torch.inf).any()):
-            problem, at = "-inf", int((row == -torch.inf).nonzero()[0, 0])
-        elif bool(finite[n:].any()):
-            problem, at = "a finite edge after the +inf padding", n + int(finite[n:].nonzero()[0, 0])
-        elif n > 1 and not bool((row[1:n] >= row[: n - 1]).all()):
-            at = int((row[1:n] < row[: n - 1]).nonzero()[0, 0]) + 1
-            problem = "smaller than the edge before it (edges must ascend)"
-        if problem is not None:
-            raise TablesError(f"{where}: chain {name!r}: tensor {name}.edges[{a}, {at}] = {float(row[at])!r} "
-                              f"(axis {axis.name!r}): {problem}; edges are ascending finite values padded with +inf; "
-                              f"{REEXPORT}")
-        listed = torch.tensor(axis.edges, dtype=torch.float32)
-        if n != len(axis.edges) or not torch.equal(row[:n], listed):
-            raise TablesError(f"{where}: chain {name!r}: tensor {name}.edges[{a}] holds {row[:n].tolist()}, "
-                              f"tables.json's axis {axis.name!r} says {list(axis.edges)}; {REEXPORT}")
-        s = int(strides[a])
-        if s < 0 or (s == 0 and n):
-            raise TablesError(f"{where}: chain {name!r}: tensor {name}.strides[{a}] = {s} (axis {axis.name!r}) "
-                              f"{'is negative' if s < 0 else 'is 0 on an axis with edges: every bucket would read one cell'}"
-                              f"; {REEXPORT}")
+        _check_edges_row(name, a, axis, edges[a], int(strides[a]), where)
+
+
+def _check_edges_row(name: str, a: int, axis, row: torch.Tensor, s: int, where) -> None:
+    """:func:`check_chain_tensors` on binned axis ``a``: its edges row (ascending finite, then +inf
+    padding, equal to tables.json's) and its stride ``s``."""
+    finite = torch.isfinite(row)
+    padding = (~finite).nonzero()
+    n = int(padding[0, 0]) if padding.numel() else int(row.numel())  # the finite edges before the padding
+    problem = None
+    if bool(torch.isnan(row).any()):
+        problem, at = "NaN", int(torch.isnan(row).nonzero()[0, 0])
+    elif bool((row == -torch.inf).any()):
+        problem, at = "-inf", int((row == -torch.inf).nonzero()[0, 0])
+    elif bool(finite[n:].any()):
+        problem, at = "a finite edge after the +inf padding", n + int(finite[n:].nonzero()[0, 0])
+    elif n > 1 and not bool((row[1:n] >= row[: n - 1]).all()):
+        at = int((row[1:n] < row[: n - 1]).nonzero()[0, 0]) + 1
+        problem = "smaller than the edge before it (edges must ascend)"
+    if problem is not None:
+        raise TablesError(f"{where}: chain {name!r}: tensor {name}.edges[{a}, {at}] = {float(row[at])!r} "
+                          f"(axis {axis.name!r}): {problem}; edges are ascending finite values padded with +inf; "
+                          f"{REEXPORT}")
+    listed = torch.tensor(axis.edges, dtype=torch.float32)
+    if n != len(axis.edges) or not torch.equal(row[:n], listed):
+        raise TablesError(f"{where}: chain {name!r}: tensor {name}.edges[{a}] holds {row[:n].tolist()}, "
+                          f"tables.json's axis {axis.name!r} says {list(axis.edges)}; {REEXPORT}")
+    if s < 0 or (s == 0 and n):
+        raise TablesError(f"{where}: chain {name!r}: tensor {name}.strides[{a}] = {s} (axis {axis.name!r}) "
+                          f"{'is negative' if s < 0 else 'is 0 on an axis with edges: every bucket would read one cell'}"
+                          f"; {REEXPORT}")
 
 
 def _chain_id(name: str) -> int | None:
