@@ -6,6 +6,7 @@ one file each (:mod:`calib.chains.model`, :mod:`calib.chains.ngram`), registered
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -231,8 +232,6 @@ class Offer:
 def offer_inputs(x, B: int, lengths: list[int], n_own: int, what: str):
     """An offer's signal ``x`` as float64 ``[B, W, n_own]`` (W = the longest chain), NaN beyond each
     request's chain (``[B, L]`` is read as one feature)."""
-    import math
-
     import torch
 
     width = max(lengths, default=0)
