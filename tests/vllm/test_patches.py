@@ -92,7 +92,7 @@ def patched():
 
 
 def test_subscribers_hear_events_in_declared_order(patched):
-    runner_cls, proposer_cls, _, log = patched
+    runner_cls, _, _, log = patched
     runner = runner_cls()
     runner.calls = []
     assert runner.propose_draft_token_ids("sched", [[1]]) == "drafts"
