@@ -156,23 +156,24 @@ def build_engine(cfg: dict, root: Path, max_num_seqs: int):
 
 def serve_knobs(cfg: dict, root: Path):
     """The serving knobs of a calib policy's ``cfg`` (:class:`calib.serve.knobs.ServeKnobs`), paths absolute
-    for the engine's processes."""
+    for the engine's processes. Keys of ``cfg.serve`` other than ``cost`` and ``model_id`` are knobs as
+    they are (a new knob needs no line here)."""
     from calib.serve.hooks import measured_cost
     from calib.serve.knobs import ServeKnobs
 
     pol, spec_cfg = cfg["policy"], cfg["speculative"]
-    cost = cfg["serve"]["cost"]  # a CSV path[:column], or [weight_read, per_position]
+    serve = dict(cfg["serve"])
+    cost = serve.pop("cost")  # a CSV path[:column], or [weight_read, per_position]
     cost = ",".join(str(float(x)) for x in cost) if isinstance(cost, (list, tuple)) else str(cost)
     measured = measured_cost(cost)
     if measured is not None:  # a project-relative CSV: absolute for the engine's processes
         cost = f"{_path(root, measured[0])}:{measured[1]}"
     ng = spec_cfg.get("ngram") or {}
-    return ServeKnobs(tables=str(_path(root, cfg["tables"])), cost=cost,
-                      model_id=cfg["serve"].get("model_id") or cfg["model"]["name"],
-                      ngram=(int(ng.get("min_n", 1)), int(ng.get("max_n", 4)),
-                             int(ng.get("k", spec_cfg["num_speculative_tokens"]))),
-                      chains=tuple(pol["chains"]), plan=bool(pol.get("plan", True)),
-                      draft_cost=float(cfg["serve"]["draft_cost"]))
+    return ServeKnobs(**{**serve, "tables": str(_path(root, cfg["tables"])), "cost": cost,
+                         "model_id": serve.get("model_id") or cfg["model"]["name"],
+                         "ngram": (int(ng.get("min_n", 1)), int(ng.get("max_n", 4)),
+                                   int(ng.get("k", spec_cfg["num_speculative_tokens"]))),
+                         "chains": tuple(pol["chains"]), "plan": bool(pol.get("plan", True))})
 
 
 _REQUESTS = iter(range(1 << 62))  # request ids unique across the cells one engine serves
