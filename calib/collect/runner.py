@@ -9,7 +9,7 @@ finished parts; Ctrl-C says how many parts are kept and the command that resumes
 Every setting comes from the resolved config, routing capture included (``routing.capture``,
 ``routing.shadow_router``), so all of it enters the run's hash. vLLM's processes receive the settings
 they need through environment variables that :func:`_engine` writes from that config
-(``calib.envs.export``: an inherited value is overwritten and named in a warning, never kept).
+(:func:`calib.vllm.engine.build_engine`: an inherited value is overwritten and named in a warning).
 Progress moves once per finished prompt (vLLM's per-request completion), while parts stay the unit of
 durability.
 """
@@ -32,12 +32,12 @@ import pyarrow as pa
 from tqdm.auto import tqdm
 from tqdm.std import tqdm as plain_tqdm
 
-from calib import envs
 from calib.atomic import write_json_atomic
 from calib.bank import load, write_bank
 from calib.collect.assemble import RunKeys, build_tables, engine_request_prefix, read_capture, reconcile
 from calib.prompts import encode_chat, load_prompts
 from calib.sidefiles import field, read_json
+from calib.vllm.engine import build_engine, speculative_config
 
 log = logging.getLogger("calib.collect")
 
@@ -107,34 +107,6 @@ class RunFolder:
 
     def finished_parts(self) -> list[Path]:
         return sorted(p for p in self.parts.glob("part-*") if (p / SUCCESS).exists())
-
-
-def _speculative_config(spec: dict, model_dir: Path, cache_dir: Path | None) -> tuple[dict, str]:
-    """vLLM's speculative_config and the bank's speculator id."""
-    from calib.target import prepare_truncated_drafter
-
-    method = spec["method"]
-    if method == "none":  # plain decoding: the reference for output-identity checks
-        return None, "none"
-    out = {"method": method, "num_speculative_tokens": int(spec["num_speculative_tokens"])}
-    if method == "ngram":
-        out.update(prompt_lookup_min=int(spec["prompt_lookup_min"]),
-                   prompt_lookup_max=int(spec["prompt_lookup_max"]))
-        return out, "ngram"
-    if method == "draft_model":
-        if spec.get("drafter_layers"):
-            drafter = prepare_truncated_drafter(model_dir, int(spec["drafter_layers"]), cache_dir)
-        else:
-            drafter = Path(spec["model"])
-        out["model"] = str(drafter)
-        return out, f"draft_model:{drafter.name}"
-    if method in ("eagle", "eagle3"):
-        out["model"] = str(Path(spec["model"]).resolve())
-        if spec.get("draft_load_format"):  # "dummy": random head weights (plumbing checks only)
-            out["draft_load_config"] = {"load_format": spec["draft_load_format"]}
-        return out, f"{method}:{Path(spec['model']).name}"
-    raise ValueError(f"speculative.method={method!r} is not supported; use ngram, draft_model, "
-                     "eagle or eagle3")
 
 
 def check_config(cfg: dict) -> None:
@@ -247,7 +219,7 @@ def _collect(cfg: dict, prompts: list, folder: RunFolder) -> Path | None:
     cache_dir = Path(cfg["model"]["cache_dir"]) if cfg["model"].get("cache_dir") else None
     model_dir = prepare_target(cfg["model"].get("gguf"), cache_dir, cfg["model"]["name"],
                                cfg["model"].get("dtype", "bfloat16"))
-    spec, speculator = _speculative_config(spec_cfg, model_dir, cache_dir)
+    spec, speculator = speculative_config(spec_cfg, model_dir, cache_dir)
     if spec is None:
         cfg = {**cfg, "capture": False}
     k = int(spec_cfg["num_speculative_tokens"])
@@ -300,27 +272,19 @@ def _collect(cfg: dict, prompts: list, folder: RunFolder) -> Path | None:
 def _engine(cfg, model_dir, spec, capture_dir, ngram_params):
     capture = bool(cfg.get("capture", True))
     routing = capture and bool((cfg.get("routing") or {}).get("capture", False))
-    replaced = envs.export({  # the config wins over inherited variables (vLLM's processes read these)
-        "VLLM_ENABLE_V1_MULTIPROCESSING": not cfg["engine"]["in_process"],
-        "VLLM_CPU_KVCACHE_SPACE": cfg["engine"]["kv_cache_gb"],
-        "CALIB_COLLECT_DIR": capture_dir.resolve() if capture else None,
-        "CALIB_NGRAM": ngram_params if capture else None,
-        "CALIB_ROUTING": routing,
-        "CALIB_SHADOW_ROUTER": _shadow_router_dir(cfg) if routing else None,
-        "CALIB_CPU_SAMPLING_FIX": True,  # the plugin applies it on CPU builds only
-    })
-    for name, old in replaced.items():
-        if name in _CONFIG_OF_ENV:
-            log.warning("ignoring inherited %s=%s: the config's %s wins (set that instead)",
-                        name, old, _CONFIG_OF_ENV[name])
-    from vllm import LLM
-
-    llm = LLM(model=str(model_dir), speculative_config=spec,
-              dtype=str(cfg["engine"].get("dtype", "auto")),  # float32 for output-identity checks
-              enforce_eager=bool(cfg["engine"]["enforce_eager"]),
-              max_model_len=int(cfg["engine"]["max_model_len"]),
-              max_num_seqs=int(cfg["concurrency"]), seed=int(cfg["seed"]),
-              **({"per_request_spec_decode_metrics": "detailed"} if spec else {}))
+    llm = build_engine(
+        model_dir, {"dtype": "auto", **cfg["engine"]}, max_num_seqs=int(cfg["concurrency"]), seed=int(cfg["seed"]),
+        env={  # the config wins over inherited variables (vLLM's processes read these)
+            "VLLM_ENABLE_V1_MULTIPROCESSING": not cfg["engine"]["in_process"],
+            "VLLM_CPU_KVCACHE_SPACE": cfg["engine"]["kv_cache_gb"],
+            "CALIB_COLLECT_DIR": capture_dir.resolve() if capture else None,
+            "CALIB_NGRAM": ngram_params if capture else None,
+            "CALIB_ROUTING": routing,
+            "CALIB_SHADOW_ROUTER": _shadow_router_dir(cfg) if routing else None,
+            "CALIB_CPU_SAMPLING_FIX": True,  # the plugin applies it on CPU builds only
+        },
+        config_of_env=_CONFIG_OF_ENV, speculative_config=spec,
+        **({"per_request_spec_decode_metrics": "detailed"} if spec else {}))
     return llm, llm.get_tokenizer()
 
 

@@ -5,7 +5,7 @@ vLLM 0.32 returns, per finished request, the experts each token routed to in eve
 ``[seq_len, layers, top_k]``, prompt included unless ``SamplingParams.routed_experts_prompt_start``
 skips it). That is the routing of the *committed* sequence, so it covers every round's accepted
 positions (block indices 0..accept) and not its rejected drafts. :func:`routing_rows` turns it and
-the collector's captured rounds (:mod:`calib.collect.hooks` records: ``context_len``, ``accepted``)
+the collector's captured rounds (:mod:`calib.vllm.capture` records: ``context_len``, ``accepted``)
 into the public routing layout with the bank's keys (the same ``round_idx`` as
 :func:`calib.collect.assemble.build_tables`), ready for ``write_bank(..., routing=...)``.
 
@@ -126,7 +126,7 @@ def attach(run_dir, out_dir=None, n_experts: int | None = None, proxy: bool = Fa
     arr, meta = routing_rows_from_capture(rounds, cats, m.get("model") or acc.column("model")[0].as_py(),
                                           acc.column("speculator")[0].as_py(), acc.column("config")[0].as_py())
     info = {"n_experts": n_experts, "top_k": int(arr.shape[2]), "layers": int(arr.shape[1]), "proxy": proxy,
-            "source": source or "vLLM FusedMoERouter.select_experts (calib.collect.hooks, routing.capture=true)"}
+            "source": source or "vLLM FusedMoERouter.select_experts (calib.vllm.capture, routing.capture=true)"}
     manifest = {k: v for k, v in m.items() if k not in ("n_rounds", "part")}
     manifest["routing"] = {k: v for k, v in info.items() if v is not None}
     ng = bank.table(schema.NGRAM) if bank.has(schema.NGRAM) else None

@@ -8,8 +8,8 @@
 >>> out.drafts     # the new draft list per request, each <= k_max tokens
 >>> decider.observe(req_id, accepted, drafted)   # after each verify step; decider.finish(req_id) at the end
 
-The vLLM hooks (:mod:`calib.serve.hooks`, installed by the plugin when ``CALIB_SERVE_TABLES`` is set;
-docs/serving_design.md) call these; see README.md.
+The vLLM wing's serving subscriber (:mod:`calib.vllm.serving`, installed by the plugin when ``CALIB_SERVE``
+holds the knobs, :class:`calib.serve.knobs.ServeKnobs`; docs/serving_hooks.md) calls these; see README.md.
 """
 
 from calib.serve.decide import (

@@ -1,61 +1,12 @@
-"""Serving mode inside vLLM: every step, calib decides each request's draft (docs/serving_design.md).
+"""Serving's per-process state inside vLLM: the decider, drafter confidences, statistics (docs/serving_hooks.md).
 
-Installed by the plugin (:func:`calib.collect.plugin.register`) when ``CALIB_SERVE_TABLES`` names a
-tables folder; nothing is installed otherwise. Four wrappers on the V1 model runner (``CPUModelRunner``
-subclasses ``GPUModelRunner``, so one patch covers both), all in the worker process:
-
-* ``GPUModelRunner.take_draft_token_ids`` — **the decision point** (once per step, after bookkeeping,
-  before the scheduler stores the lists): per request, the engine's draft (model chain) with its
-  per-depth confidences, and the n-gram chain recomputed from the request's tokens with
-  :func:`calib.ngram.find_match` (as the collector does), go through :class:`calib.serve.SafeDecider`;
-  the returned :class:`DraftTokenIds` holds per request a prefix of the model draft, a prefix of the
-  n-gram chain, or ``[]``, never more than ``num_speculative_tokens`` tokens (a longer list crashes
-  vLLM's spec-decode metrics, design note claim 3).
-* ``GPUModelRunner._sample`` — the rejection sampler's output: per request accepted / drafted, fed to
-  the decider's :class:`~calib.serve.RequestHistory` (``prev_accept``, ``mean_accept``, ``position``).
-* ``GPUModelRunner.propose_draft_token_ids`` + ``SpecDecodeBaseProposer._sample_draft_tokens`` — the
-  drafter's probability of each token it proposed, per depth (EAGLE / draft model; the greedy path
-  recomputes vLLM's own argmax on the same logits, as :mod:`calib.collect.hooks` does).
-* ``GPUModelRunner._update_states`` — finished requests leave the history.
-* Before the drafter runs (same ``propose_draft_token_ids`` wrapper, model drafter, ``CALIB_SERVE_PLAN``):
-  this step's draft passes, ``scheduler_output.num_spec_tokens_to_schedule`` in 0..K, from
-  :func:`calib.allocate.plan_draft` on the n-gram chains (known in full) and the tables' forecast of the
-  model chain (:meth:`Server.plan_passes`; design note claim 4).
-
-``CALIB_SERVE_CHAINS`` names the chains calib may verify (``model,ngram``: two drafters; ``model``: only
-truncate the drafter's own chain).
-
-The decider is built lazily at the first step (the API-server and engine-core processes load the
-plugin too and never reach a runner), with the engine's model id (``CALIB_SERVE_MODEL_ID``, default
-the model folder's name), speculator (``ngram`` or ``<method>:<drafter folder name>``) and K
-(``num_speculative_tokens``), and the parametric verify cost ``CALIB_SERVE_COST`` =
-``weight_read,per_position`` (``C(T) = weight_read + per_position * T``, conf/cost/parametric.yaml).
-
-Never raises into the engine: a failed construction or check (wrong tables, async scheduling, a
-non-standard rejection sampler) logs one error and leaves vLLM's own drafts untouched for the run; a
-failing step passes vLLM's lists through (SafeDecider counts, warns once, disables after 3 in a row).
-Probabilistic drafting (``draft_sample_method="probabilistic"`` at T > 0: ``runner._draft_probs`` set)
-is passed through too: a substituted chain would be verified against the wrong q (claim 2).
-
-With capture on as well (``CALIB_COLLECT_DIR``), both work: capture's ``_sample`` wrapper records the
-tokens actually verified (``drafted``, i.e. calib's choice) next to the recomputed n-gram chain, and the
-chain calib chose (``verified_chain``, from :attr:`Server.chosen`); the bank's speculator.parquet then
-has a ``verified_chain`` column, a round whose n-gram chain was verified instead of the drafter's has
-empty drafter columns and a "verified" n-gram row, so each chain's labels stay its own
-(calib/collect/assemble.py). The greedy ``_sample_draft_tokens`` path here feeds capture's
-:meth:`Recorder.record_depth` too. Truncation by calib censors the drafter's rounds on what it knew
-(confidences, context), as vLLM's own K does.
-
-Per-process statistics: :func:`stats` (:class:`ServeStats`: steps, decisions, replaced / truncated /
-substituted / emptied lists, ``allocator_ms``), one log line at exit.
+:mod:`calib.vllm.serving` subscribes it to the patch set over vLLM's runner.
 """
 
 from __future__ import annotations
 
-import atexit
 import logging
 import math
-import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -63,7 +14,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from calib.collect.hooks import takes_plain_argmax
 
 log = logging.getLogger("calib.serve")
 
@@ -460,148 +410,3 @@ class Server:
                 s.truncated += 1
             else:
                 s.substituted += 1
-
-
-_SERVER: Server | None = None
-
-
-def server() -> Server | None:
-    return _SERVER
-
-
-def stats() -> ServeStats | None:
-    """This process's serving statistics (None: serving hooks not installed here)."""
-    return _SERVER.stats if _SERVER is not None else None
-
-
-def install(tables: str, cost: str = "1.0,0.01", model_id: str | None = None,
-            ngram: tuple[int, int, int] = (1, 4, 4), *, chains: str = "model,ngram", plan: bool = True,
-            draft_cost: float = 0.24) -> Server:
-    """Patch the V1 model runner and the proposer base class for serving (idempotent).
-
-    Install after :func:`calib.collect.hooks.install` when both are on (the plugin does): these
-    wrappers then sit outside capture's and hand the greedy drafter's distribution to it.
-    """
-    global _SERVER
-    if _SERVER is not None:
-        return _SERVER
-    from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-    srv = _SERVER = Server(tables, cost, model_id, ngram, chains, plan, draft_cost)
-    _ensure_log_handler()
-
-    orig_take = GPUModelRunner.take_draft_token_ids
-
-    def take_draft_token_ids(self):
-        now = time.perf_counter()
-        if srv.last_take is not None:
-            srv.stats.step_ms.append((now - srv.last_take) * 1e3)
-        srv.last_take = now
-        out = orig_take(self)
-        if out is None:
-            return out
-        try:
-            return srv.step(self, out)
-        except Exception as exc:  # noqa: BLE001 - serving never raises into the engine
-            srv.error("take_draft_token_ids", exc)
-            return out
-
-    orig_sample = GPUModelRunner._sample
-
-    def _sample(self, logits, spec_decode_metadata):
-        out = orig_sample(self, logits, spec_decode_metadata)
-        if spec_decode_metadata is not None:
-            try:
-                srv.observe(self, spec_decode_metadata, out.sampled_token_ids)
-            except Exception as exc:  # noqa: BLE001
-                srv.error("_sample", exc)
-        return out
-
-    orig_propose = GPUModelRunner.propose_draft_token_ids
-
-    def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, *args, **kwargs):
-        try:
-            if srv.planning:
-                srv.plan_passes(self, scheduler_output, sampled_token_ids)
-        except Exception as exc:  # noqa: BLE001 - vLLM keeps its own K for this step
-            srv.error("plan_passes", exc)
-        srv.rows = []
-        start = time.perf_counter()
-        try:
-            return orig_propose(self, scheduler_output, sampled_token_ids, *args, **kwargs)
-        finally:
-            srv.stats.draft_ms.append((time.perf_counter() - start) * 1e3)
-            try:
-                srv.finish_drafting(list(self.input_batch.req_ids))
-            except Exception as exc:  # noqa: BLE001
-                srv.rows = None
-                srv.error("propose_draft_token_ids", exc)
-
-    orig_update = GPUModelRunner._update_states
-
-    def _update_states(self, scheduler_output):
-        try:
-            srv.finished(scheduler_output.finished_req_ids)
-        except Exception as exc:  # noqa: BLE001
-            srv.error("_update_states", exc)
-        return orig_update(self, scheduler_output)
-
-    orig_draft = SpecDecodeBaseProposer._sample_draft_tokens
-
-    def _sample_draft_tokens(self, hidden_states, sampling_metadata):
-        if srv.rows is None:
-            return orig_draft(self, hidden_states, sampling_metadata)
-        if takes_plain_argmax(self, sampling_metadata, SpecDecodeBaseProposer):
-            # Exactly SpecDecodeBaseProposer._greedy_sample, keeping the logits it discards.
-            logits = self.model.compute_logits(hidden_states)
-            token_ids = logits.argmax(dim=-1)
-            try:
-                probs = torch.softmax(logits.float(), dim=-1)
-                srv.record_depth(token_ids, probs.gather(-1, token_ids.view(-1, 1).long()).squeeze(-1))
-                from calib.collect.hooks import recorder
-
-                rec = recorder()
-                if rec is not None and rec.depth_rows() is not None:  # capture on too: it sees this depth
-                    rec.record_depth(token_ids, probs)
-            except Exception as exc:  # noqa: BLE001
-                srv.error("_sample_draft_tokens", exc)
-            return token_ids, None
-        token_ids, probs = orig_draft(self, hidden_states, sampling_metadata)
-        if probs is not None:
-            try:
-                srv.record_depth(token_ids, probs.float().gather(-1, token_ids.view(-1, 1).long()).squeeze(-1))
-            except Exception as exc:  # noqa: BLE001
-                srv.error("_sample_draft_tokens", exc)
-        return token_ids, probs
-
-    GPUModelRunner.take_draft_token_ids = take_draft_token_ids
-    GPUModelRunner._sample = _sample
-    GPUModelRunner.propose_draft_token_ids = propose_draft_token_ids
-    GPUModelRunner._update_states = _update_states
-    SpecDecodeBaseProposer._sample_draft_tokens = _sample_draft_tokens
-    atexit.register(_log_summary)
-    log.info("calib serving hooks installed (pid %d), tables %s", os.getpid(), tables)
-    return srv
-
-
-def _ensure_log_handler() -> None:
-    """Under ``vllm serve`` nothing configures the root logger (vLLM configures its own ``vllm`` logger),
-    so calib's INFO lines (hooks installed, tables in use, the exit summary) would be dropped: give
-    ``calib.serve`` a stderr handler at INFO there. Where a handler exists (Hydra, pytest), change nothing."""
-    if log.hasHandlers():
-        return
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [calib.serve] %(message)s", "%m-%d %H:%M:%S"))
-    log.addHandler(handler)
-    if log.level == logging.NOTSET:
-        log.setLevel(logging.INFO)
-
-
-def _log_summary() -> None:
-    srv = _SERVER
-    if srv is None or srv.stats.steps == 0:
-        return
-    s = srv.stats
-    (log.warning if (s.errors or srv.failed or (srv.decider is not None and srv.decider.failures)) else log.info)(
-        s.summary())

@@ -30,7 +30,6 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from calib import envs
 from calib.atomic import staged_output
 
 log = logging.getLogger("calib.serve")
@@ -128,10 +127,10 @@ def _serve(cfg: dict, root: Path) -> tuple[dict, dict]:
 
 def build_engine(cfg: dict, root: Path, max_num_seqs: int):
     """vLLM's ``LLM`` for ``cfg``'s policy and speculative config, with calib's serving mode switched on
-    (through calib.envs, before the engine starts) for the calib policies. One per process."""
-    from calib.collect.runner import _speculative_config
-    from calib.serve.hooks import measured_cost
+    (``CALIB_SERVE``, before the engine starts) for the calib policies. One per process."""
     from calib.target import prepare_target
+    from calib.vllm.engine import build_engine as start_engine
+    from calib.vllm.engine import speculative_config
 
     pol, spec_cfg = cfg["policy"], cfg["speculative"]
     cache_dir = Path(cfg["model"]["cache_dir"]) if cfg["model"].get("cache_dir") else None
@@ -139,37 +138,42 @@ def build_engine(cfg: dict, root: Path, max_num_seqs: int):
                                cfg["model"].get("dtype", "bfloat16"))
     spec = None
     if pol["speculate"]:
-        spec, _ = _speculative_config({**spec_cfg, "model": str(_path(root, spec_cfg.get("model")))
-                                       if spec_cfg.get("model") else None}, model_dir, cache_dir)
+        spec, _ = speculative_config({**spec_cfg, "model": str(_path(root, spec_cfg.get("model")))
+                                      if spec_cfg.get("model") else None}, model_dir, cache_dir)
         if pol.get("dynamic"):
             k = int(spec["num_speculative_tokens"])
             spec["num_speculative_tokens_per_batch_size"] = [[int(a), int(b), min(int(g), k)]
                                                              for a, b, g in pol["dynamic"]]
-    serve_env = {"CALIB_SERVE_TABLES": None, "CALIB_SERVE_COST": None, "CALIB_SERVE_CHAINS": None,
-                 "CALIB_SERVE_PLAN": None, "CALIB_SERVE_DRAFT_COST": None, "CALIB_SERVE_MODEL_ID": None}
-    if pol.get("calib"):
-        cost = cfg["serve"]["cost"]  # a CSV path[:column], or [weight_read, per_position]
-        cost = ",".join(str(float(x)) for x in cost) if isinstance(cost, (list, tuple)) else str(cost)
-        measured = measured_cost(cost)
-        if measured is not None:  # a project-relative CSV: absolute for the engine's processes
-            cost = f"{_path(root, measured[0])}:{measured[1]}"
-        ng = spec_cfg.get("ngram") or {}
-        serve_env.update(CALIB_SERVE_TABLES=str(_path(root, cfg["tables"])), CALIB_SERVE_COST=cost,
-                         CALIB_SERVE_CHAINS=",".join(pol["chains"]), CALIB_SERVE_PLAN=bool(pol.get("plan", True)),
-                         CALIB_SERVE_DRAFT_COST=float(cfg["serve"]["draft_cost"]),
-                         CALIB_SERVE_MODEL_ID=cfg["serve"].get("model_id") or cfg["model"]["name"],
-                         CALIB_NGRAM=(int(ng.get("min_n", 1)), int(ng.get("max_n", 4)),
-                                      int(ng.get("k", spec_cfg["num_speculative_tokens"]))))
-    envs.export({"VLLM_ENABLE_V1_MULTIPROCESSING": not cfg["engine"]["in_process"],
-                 "VLLM_CPU_KVCACHE_SPACE": cfg["engine"]["kv_cache_gb"],
-                 "CALIB_COLLECT_DIR": None, "CALIB_CPU_SAMPLING_FIX": True, **serve_env})
-    from vllm import LLM
-
-    llm = LLM(model=str(model_dir), speculative_config=spec, dtype=str(cfg["engine"].get("dtype", "auto")),
-              enforce_eager=bool(cfg["engine"]["enforce_eager"]), max_model_len=int(cfg["engine"]["max_model_len"]),
-              max_num_seqs=int(max_num_seqs), seed=int(cfg["seed"]), disable_log_stats=False)
+    knobs = serve_knobs(cfg, root) if pol.get("calib") else None
+    llm = start_engine(model_dir, {"dtype": "auto", **cfg["engine"]}, max_num_seqs=max_num_seqs, seed=int(cfg["seed"]),
+                       env={"VLLM_ENABLE_V1_MULTIPROCESSING": not cfg["engine"]["in_process"],
+                            "VLLM_CPU_KVCACHE_SPACE": cfg["engine"]["kv_cache_gb"], "CALIB_COLLECT_DIR": None,
+                            "CALIB_CPU_SAMPLING_FIX": True, "CALIB_SERVE": knobs.to_json() if knobs else None},
+                       speculative_config=spec, disable_log_stats=False)
     llm._calib_spec = spec  # what serve_cell reports
     return llm
+
+
+def serve_knobs(cfg: dict, root: Path):
+    """The serving knobs of a calib policy's ``cfg`` (:class:`calib.serve.knobs.ServeKnobs`), paths absolute
+    for the engine's processes. Keys of ``cfg.serve`` other than ``cost`` and ``model_id`` are knobs as
+    they are (a new knob needs no line here)."""
+    from calib.serve.hooks import measured_cost
+    from calib.serve.knobs import ServeKnobs
+
+    pol, spec_cfg = cfg["policy"], cfg["speculative"]
+    serve = dict(cfg["serve"])
+    cost = serve.pop("cost")  # a CSV path[:column], or [weight_read, per_position]
+    cost = ",".join(str(float(x)) for x in cost) if isinstance(cost, (list, tuple)) else str(cost)
+    measured = measured_cost(cost)
+    if measured is not None:  # a project-relative CSV: absolute for the engine's processes
+        cost = f"{_path(root, measured[0])}:{measured[1]}"
+    ng = spec_cfg.get("ngram") or {}
+    return ServeKnobs(**{**serve, "tables": str(_path(root, cfg["tables"])), "cost": cost,
+                         "model_id": serve.get("model_id") or cfg["model"]["name"],
+                         "ngram": (int(ng.get("min_n", 1)), int(ng.get("max_n", 4)),
+                                   int(ng.get("k", spec_cfg["num_speculative_tokens"]))),
+                         "chains": tuple(pol["chains"]), "plan": bool(pol.get("plan", True))})
 
 
 _REQUESTS = iter(range(1 << 62))  # request ids unique across the cells one engine serves
@@ -204,7 +208,7 @@ def serve_cell(llm, cfg: dict, prompts: list, sampling: dict, concurrency: int, 
     from vllm import SamplingParams
 
     from calib.prompts import encode_chat
-    from calib.serve import hooks
+    from calib.vllm import serving
 
     pol, spec = cfg["policy"], getattr(llm, "_calib_spec", None)
     tokenizer = llm.get_tokenizer()
@@ -215,7 +219,7 @@ def serve_cell(llm, cfg: dict, prompts: list, sampling: dict, concurrency: int, 
     params = [SamplingParams(temperature=temperature, top_p=float(sampling.get("top_p", 1.0)),
                              max_tokens=int(sampling["max_tokens"])) for _ in prompts]
     inputs = [{"prompt_token_ids": encode_chat(tokenizer, p.messages)} for p in prompts]
-    before, st0 = _spec_counters(llm), _stats_snapshot(hooks.stats())
+    before, st0 = _spec_counters(llm), _stats_snapshot(serving.stats())
     with tqdm(total=len(prompts), desc=f"serve {pol['name']} {prompts_name} c{concurrency}", unit="prompt",
               disable=not progress, leave=False) as bar:
         t0 = time.perf_counter()
@@ -235,7 +239,7 @@ def serve_cell(llm, cfg: dict, prompts: list, sampling: dict, concurrency: int, 
         **_step_figures(counters),
         "vllm_spec_decode": counters,
     }
-    record.update(_calib_figures(_stats_delta(st0, _stats_snapshot(hooks.stats())), wall))
+    record.update(_calib_figures(_stats_delta(st0, _stats_snapshot(serving.stats())), wall))
     return record, texts
 
 

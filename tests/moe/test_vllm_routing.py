@@ -97,8 +97,8 @@ def test_shadow_router_hook_matches_the_router(tmp_path):
     """The collector's shadow-router hook picks what ShadowRouter.route picks (SYNTHETIC router)."""
     import torch
 
-    from calib.collect.hooks import _hook_shadow_router
     from calib.moe.moefy import ShadowRouter
+    from calib.vllm.capture import hook_shadow_router
 
     rng = np.random.default_rng(0)
     H, E, L = 8, 6, 3
@@ -130,7 +130,7 @@ def test_shadow_router_hook_matches_the_router(tmp_path):
             raise exc
 
     net, rec = Net(), Rec()
-    _hook_shadow_router(rec, net, {"dir": str(tmp_path / "router")})
+    hook_shadow_router(rec, net, {"dir": str(tmp_path / "router")})
     x = torch.randn(5, H)
     with torch.no_grad():
         net(x)

@@ -133,7 +133,7 @@ def test_collecting_while_serving_records_the_verified_chain(tmp_path):
 
     tables = _synthetic_eagle_tables(tmp_path / "tables")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "offline",
-           "VLLM_LOGGING_LEVEL": "WARNING", "CALIB_SERVE_TABLES": str(tables), "CALIB_SERVE_COST": "1.0,0.05"}
+           "VLLM_LOGGING_LEVEL": "WARNING", "CALIB_SERVE": json.dumps({"tables": str(tables), "cost": "1.0,0.05"})}
     out = tmp_path / "bank"
     proc = subprocess.run([sys.executable, "collect.py", f"out_dir={out}", "prompts=smoke", "speculative=eagle",
                            "sampling.max_tokens=24", "engine.dtype=float32", "progress=false"], cwd=ROOT, env=env,

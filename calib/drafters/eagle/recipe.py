@@ -67,41 +67,9 @@ def run(cfg: dict) -> Path:
     work = root / cfg["work_dir"]
     work.mkdir(parents=True, exist_ok=True)
     timings_path = work / "timings.json"
-    timings = read_json(timings_path, missing_ok=True,
-                        hint="it only records stage times: delete it to start the record afresh") or {}
-    bad = next((k for k, v in timings.items() if isinstance(v, bool) or not isinstance(v, (int, float))), None)
-    if bad is not None:
-        raise ValueError(f"{timings_path}: key {bad!r} is {timings[bad]!r}, expected seconds (a number); "
-                         "it only records stage times: delete it to start the record afresh")
+    timings = _read_timings(timings_path)
     model_dir = str(prepare_target(cfg["model"].get("gguf"), cfg["model"].get("cache_dir"), cfg["model"]["name"]))
-
-    corpus_path = work / "corpus.jsonl"
-
-    # The corpus is rebuilt on every run (seconds, deterministic): a changed corpus config then means
-    # only the new prompts are distilled and only the new answers' hidden states extracted.
-    c = cfg["corpus"]
-    records = build_corpus(c["n_chat"], c["n_rewrite"], c["n_code_edit"], [root / d for d in c["exclude_dirs"]],
-                           seed=cfg["seed"], n_howto=c.get("n_howto", 0))
-    n_magpie, n_code = c.get("n_magpie", 0), c.get("n_magpie_code", 0)
-    if n_magpie or n_code:  # self-generated requests: sampled once (resumable), then filtered
-        m = c.get("magpie") or {}
-        raw = work / "magpie_raw.jsonl"
-        have = len(read_chunked_jsonl(raw))
-        _, ex_texts, ex_files = excluded_prompts([root / d for d in c["exclude_dirs"]])
-        _stage("magpie", raw, have >= n_magpie + n_code, timings, timings_path,
-               lambda: magpie.generate(raw, model_dir, n_magpie, n_code, cfg["seed"], m.get("temperature", 1.0),
-                                       m.get("top_p", 1.0), m.get("max_tokens", 160), m.get("max_num_seqs", 128),
-                                       cfg["distill"]["kv_cache_gb"], frozenset(ex_files)),
-               resumed=have > 0)
-        kept, dropped = magpie.select(raw, ex_texts, n_magpie, n_code)
-        print(f"[eagle] magpie: kept {len(kept)} of {n_magpie + n_code} requests; dropped {dropped}")
-        records += kept
-    text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
-    if not corpus_path.exists() or corpus_path.read_text(encoding="utf-8") != text:
-        if corpus_path.exists():
-            print(f"[eagle] corpus: the config changed; {len(records)} prompts now (answers kept by id)")
-        write_text_atomic(corpus_path, text)
-        (work / ".responses.done").unlink(missing_ok=True)
+    records = _corpus(cfg, root, work, model_dir, timings, timings_path)
 
     responses_path = work / "responses.jsonl"
     d = cfg["distill"]
@@ -134,10 +102,54 @@ def run(cfg: dict) -> Path:
         _stage("refine", refined, (refined / "model.safetensors").exists(), timings, timings_path,
                lambda: train(cfg, {**t, **r}, model_dir, hidden_path, refined, work, head_dir))
         head_dir = refined
+    return _export(root / cfg["export_dir"], head_dir, model_dir)
 
-    export = root / cfg["export_dir"]
-    # A complete copy first, then swap: never half a checkpoint. What the export does not write (the
-    # head's README) is carried over, and the folder is replaced only where calib wrote it.
+
+def _read_timings(timings_path: Path) -> dict:
+    timings = read_json(timings_path, missing_ok=True,
+                        hint="it only records stage times: delete it to start the record afresh") or {}
+    bad = next((k for k, v in timings.items() if isinstance(v, bool) or not isinstance(v, (int, float))), None)
+    if bad is not None:
+        raise ValueError(f"{timings_path}: key {bad!r} is {timings[bad]!r}, expected seconds (a number); "
+                         "it only records stage times: delete it to start the record afresh")
+    return timings
+
+
+def _corpus(cfg: dict, root: Path, work: Path, model_dir: str, timings: dict, timings_path: Path) -> list[dict]:
+    """The corpus records, written to ``work/corpus.jsonl`` when they changed.
+
+    The corpus is rebuilt on every run (seconds, deterministic): a changed corpus config then means
+    only the new prompts are distilled and only the new answers' hidden states extracted."""
+    corpus_path = work / "corpus.jsonl"
+    c = cfg["corpus"]
+    records = build_corpus(c["n_chat"], c["n_rewrite"], c["n_code_edit"], [root / d for d in c["exclude_dirs"]],
+                           seed=cfg["seed"], n_howto=c.get("n_howto", 0))
+    n_magpie, n_code = c.get("n_magpie", 0), c.get("n_magpie_code", 0)
+    if n_magpie or n_code:  # self-generated requests: sampled once (resumable), then filtered
+        m = c.get("magpie") or {}
+        raw = work / "magpie_raw.jsonl"
+        have = len(read_chunked_jsonl(raw))
+        _, ex_texts, ex_files = excluded_prompts([root / d for d in c["exclude_dirs"]])
+        _stage("magpie", raw, have >= n_magpie + n_code, timings, timings_path,
+               lambda: magpie.generate(raw, model_dir, n_magpie, n_code, cfg["seed"], m.get("temperature", 1.0),
+                                       m.get("top_p", 1.0), m.get("max_tokens", 160), m.get("max_num_seqs", 128),
+                                       cfg["distill"]["kv_cache_gb"], frozenset(ex_files)),
+               resumed=have > 0)
+        kept, dropped = magpie.select(raw, ex_texts, n_magpie, n_code)
+        print(f"[eagle] magpie: kept {len(kept)} of {n_magpie + n_code} requests; dropped {dropped}")
+        records += kept
+    text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+    if not corpus_path.exists() or corpus_path.read_text(encoding="utf-8") != text:
+        if corpus_path.exists():
+            print(f"[eagle] corpus: the config changed; {len(records)} prompts now (answers kept by id)")
+        write_text_atomic(corpus_path, text)
+        (work / ".responses.done").unlink(missing_ok=True)
+    return records
+
+
+def _export(export: Path, head_dir: Path, model_dir: str) -> Path:
+    """A complete copy first, then swap: never half a checkpoint. What the export does not write (the
+    head's README) is carried over, and the folder is replaced only where calib wrote it."""
     with atomic_dir(export, carry_foreign=True) as stage:
         shutil.copytree(head_dir, stage, dirs_exist_ok=True)
     from transformers import AutoConfig

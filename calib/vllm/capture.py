@@ -1,30 +1,8 @@
-"""Engine hooks that record every speculative round; installed by the plugin in each vLLM process.
+"""Capture: every speculative round as one JSON line, a subscriber of :mod:`calib.vllm.patches`.
 
-Two moments of the V1 model runner matter (``CPUModelRunner`` subclasses ``GPUModelRunner``, so one
-patch covers both):
-
-* drafting — ``SpecDecodeBaseProposer._sample_draft_tokens`` is called once per depth with one row
-  per request (input-batch order); the wrapper keeps the drafter's probability of the token it
-  proposed, the entropy and the top-1/top-2 margin. ``GPUModelRunner.propose_draft_token_ids``
-  brackets a drafting pass and files those per-depth rows under each request id.
-* verification — ``GPUModelRunner._sample`` returns the rejection sampler's ``[B, K+1]`` output;
-  the wrapper counts accepted tokens per row, recomputes the n-gram chain of the context the draft
-  was made from, and appends one JSON line per round to ``<capture dir>/capture-<pid>.jsonl``.
-
-* routing (MoE targets, ``python collect.py routing.capture=true``) — ``FusedMoERouter.select_experts``
-  is wrapped to keep each MoE layer's ``topk_ids`` of the pass; the verify record then carries, per
-  request, the experts of every position of its verify block (``routing`` [positions][layers][top_k])
-  and the block's first position (``routing_start``). vLLM 0.32's own ``enable_return_routed_experts``
-  needs Model Runner V2 (Triton), which CPU builds lack; this hook works on V1 runners. For a dense
-  target, ``routing.shadow_router=<dir>`` (a ``router.safetensors`` from ``python -m calib.moe
-  stage=moefy``) records instead what per-layer linear routers on the MLP inputs would pick (shadow
-  routing, a PROXY: the dense model runs unchanged).
-
-The settings arrive as :func:`install`'s arguments: the plugin reads them from the variables the
-collector exported from its config (``calib.envs``); this module reads no environment itself.
-
-Capture never raises into the engine (failures are counted and logged once) and never changes what
-the engine computes: the greedy wrapper performs the same argmax vLLM does, on the same logits.
+Drafting (per-depth confidence, entropy, margin), verification (accepted tokens, the recomputed
+n-gram chain) and, for MoE targets, the routing of verified positions (docs/vllm_wing.md). Capture
+never raises into the engine and never changes what it computes.
 """
 
 from __future__ import annotations
@@ -40,6 +18,7 @@ import torch
 
 from calib.ngram import find_match
 from calib.sidefiles import field, read_json
+from calib.vllm.patches import RunnerSubscriber
 
 log = logging.getLogger("calib.collect")
 
@@ -47,11 +26,12 @@ log = logging.getLogger("calib.collect")
 class Recorder:
     """Per-process capture state."""
 
-    def __init__(self, out_dir: str, ngram: tuple[int, int, int]):
+    def __init__(self, out_dir: str, ngram: tuple[int, int, int], serving=None):
+        self.serving = serving  # calib's serving state in this process (its decisions), or None
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.out_dir / f"capture-{os.getpid()}.jsonl"
-        self.fh = open(self.path, "a", buffering=1 << 16)
+        self.fh = open(self.path, "a", buffering=1 << 16)  # noqa: SIM115 - open for the process's life
         self.ngram = ngram
         self.step = 0
         self.errors = 0
@@ -112,7 +92,7 @@ class Recorder:
             positions = runner.positions[: int(token_starts[-1])].cpu().numpy()
         min_n, max_n, k = self.ngram
         max_model_len = getattr(runner, "max_model_len", None)
-        serving = _serving()
+        serving = self.serving if self.serving is not None and self.serving.decider is not None else None
         for i, req_id in enumerate(batch.req_ids[:n_active]):
             d = int(num_draft[i])
             signals = self.pending.pop(req_id, None)
@@ -142,119 +122,74 @@ class Recorder:
         self.fh.flush()
 
 
-def _serving():
-    """calib's serving state when the serving hooks run in this process too (its decisions), else None."""
-    import sys
+class CaptureSubscriber(RunnerSubscriber):
+    """The recorder's side of the patch set; with ``shadow_router`` (a folder holding
+    ``router.safetensors``) the shadow routers are hooked on the target at the first verify."""
 
-    mod = sys.modules.get("calib.serve.hooks")
-    srv = mod.server() if mod is not None else None
-    return srv if srv is not None and srv.decider is not None else None
+    def __init__(self, recorder: Recorder, shadow_router: str | None = None):
+        self.rec = recorder
+        self.shadow = {"dir": str(shadow_router), "hooked": False} if shadow_router else None
 
-
-_RECORDER: Recorder | None = None
-
-
-def recorder() -> Recorder | None:
-    return _RECORDER
-
-
-def install(out_dir: str, ngram: tuple[int, int, int], routing: bool = False,
-            shadow_router: str | None = None) -> None:
-    """Patch the model runner and the proposer base class (idempotent).
-
-    ``ngram``: (min_n, max_n, k) of the n-gram chain recorded beside each round. ``routing``: also
-    record the MoE routing of every verified position; with ``shadow_router`` (a folder holding
-    ``router.safetensors``) the routing of a dense target's shadow routers instead.
-    """
-    global _RECORDER
-    if _RECORDER is not None:
-        return
-    from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-    rec = _RECORDER = Recorder(out_dir, ngram)
-    shadow = None
-    if routing and shadow_router:
-        shadow = {"dir": str(shadow_router), "hooked": False}
-
-    orig_sample = GPUModelRunner._sample
-
-    def _sample(self, logits, spec_decode_metadata):
+    def before_verify(self, runner) -> None:
+        rec = self.rec
         rec.v1_runner = True  # this process runs the V1 model runner (V2 never calls this)
-        if shadow is not None and not shadow["hooked"]:
+        if self.shadow is not None and not self.shadow["hooked"]:
             # The first step is a pure prefill (no round), so hooking here loses no round's routing;
             # load_model is overridden per platform, this method is not.
-            shadow["hooked"] = True
+            self.shadow["hooked"] = True
             try:
-                _hook_shadow_router(rec, self.get_model(), shadow)
+                hook_shadow_router(rec, runner.get_model(), self.shadow)
             except Exception as exc:  # noqa: BLE001
                 rec.error("shadow-router", exc)
-        out = orig_sample(self, logits, spec_decode_metadata)
+
+    def after_verify(self, runner, spec_decode_metadata, output) -> None:
         if spec_decode_metadata is not None:
             try:
-                rec.record_verify(self, spec_decode_metadata, out.sampled_token_ids)
+                self.rec.record_verify(runner, spec_decode_metadata, output.sampled_token_ids)
             except Exception as exc:  # noqa: BLE001 - capture must never break the engine
-                rec.error("verify", exc)
-        rec.moe_rows = []  # this pass's routing is consumed (or a prefill's, not a round's)
-        return out
+                self.rec.error("verify", exc)
+        self.rec.moe_rows = []  # this pass's routing is consumed (or a prefill's, not a round's)
 
-    orig_propose = GPUModelRunner.propose_draft_token_ids
+    def before_propose(self, runner, scheduler_output, sampled_token_ids) -> None:
+        self.rec.start_drafting()
 
-    def propose_draft_token_ids(self, *args, **kwargs):
-        rec.start_drafting()
+    def after_propose(self, runner) -> None:
+        self.rec.moe_rows = []  # a drafter's own MoE layers are not the target's routing
         try:
-            return orig_propose(self, *args, **kwargs)
-        finally:
-            rec.moe_rows = []  # a drafter's own MoE layers are not the target's routing
-            try:
-                rec.finish_drafting(list(self.input_batch.req_ids))
-            except Exception as exc:  # noqa: BLE001
-                rec.error("propose", exc)
+            self.rec.finish_drafting(list(runner.input_batch.req_ids))
+        except Exception as exc:  # noqa: BLE001
+            self.rec.error("propose", exc)
 
-    orig_draft = SpecDecodeBaseProposer._sample_draft_tokens
+    def wants_depths(self) -> bool:
+        return self.rec.depth_rows() is not None
 
-    def _sample_draft_tokens(self, hidden_states, sampling_metadata):
-        plain_greedy = takes_plain_argmax(self, sampling_metadata, SpecDecodeBaseProposer)
-        if rec.depth_rows() is None:
-            return orig_draft(self, hidden_states, sampling_metadata)
-        if plain_greedy:
-            # Exactly SpecDecodeBaseProposer._greedy_sample, keeping the logits it discards.
-            logits = self.model.compute_logits(hidden_states)
-            token_ids = logits.argmax(dim=-1)
-            try:
-                rec.record_depth(token_ids, torch.softmax(logits.float(), dim=-1))
-            except Exception as exc:  # noqa: BLE001
-                rec.error("draft", exc)
-            return token_ids, None
-        token_ids, probs = orig_draft(self, hidden_states, sampling_metadata)
-        if probs is not None:
-            try:
-                rec.record_depth(token_ids, probs)
-            except Exception as exc:  # noqa: BLE001
-                rec.error("draft", exc)
-        return token_ids, probs
+    def draft_depth(self, token_ids, probs) -> None:
+        try:
+            self.rec.record_depth(token_ids, probs)
+        except Exception as exc:  # noqa: BLE001
+            self.rec.error("draft", exc)
 
-    GPUModelRunner._sample = _sample
-    GPUModelRunner.propose_draft_token_ids = propose_draft_token_ids
-    SpecDecodeBaseProposer._sample_draft_tokens = _sample_draft_tokens
-    if routing and shadow is None:
-        _install_routing(rec)
+
+def start_capture(out_dir: str, ngram: tuple[int, int, int], routing: bool = False,
+                  shadow_router: str | None = None, serving=None) -> CaptureSubscriber:
+    """This process's recorder, as a subscriber of the patch set.
+
+    ``ngram``: (min_n, max_n, k) of the n-gram chain recorded beside each round. ``routing``: also
+    record the MoE routing of every verified position; with ``shadow_router`` the routing of a dense
+    target's shadow routers instead. ``serving``: the serving state whose choices are recorded.
+    """
+    rec = Recorder(out_dir, ngram, serving=serving)
+    subscriber = CaptureSubscriber(rec, shadow_router if routing else None)
+    if routing and subscriber.shadow is None:
+        install_routing(rec)
     log.info("calib capture installed (pid %d) -> %s", os.getpid(), rec.path)
+    return subscriber
 
 
-def takes_plain_argmax(proposer, sampling_metadata, base) -> bool:
-    """Whether the proposer's ``_sample_draft_tokens`` takes vLLM's plain argmax path
-    (``base._greedy_sample``, no draft probabilities): the one path whose logits the hooks may
-    recompute to keep the drafter's distribution (capture here, serving in :mod:`calib.serve.hooks`)."""
-    return ((not proposer._enable_probabilistic_draft_probs or sampling_metadata.all_greedy)
-            and not proposer.use_local_argmax_reduction and not proposer.use_heterogeneous_vocab
-            and type(proposer)._greedy_sample is base._greedy_sample)
-
-
-def _install_routing(rec: Recorder) -> None:
+def install_routing(rec: Recorder) -> None:
     """Keep every MoE layer's expert choice (``topk_ids``) of the current forward pass.
 
-    V1 only: the V1 wrappers of :func:`install` are what empty ``rec.moe_rows`` after each pass. Model
+    V1 only: the V1 events of :class:`CaptureSubscriber` are what empty ``rec.moe_rows`` after each pass. Model
     Runner V2 (vLLM 0.32's GPU default) shares the model layers, so ``select_experts`` fires there
     too, but never calls those wrappers, and the rows would grow without bound
     (docs/serving_design.md, claim 5). The plugin cannot tell V1 from V2 when it installs (the
@@ -279,7 +214,7 @@ def _install_routing(rec: Recorder) -> None:
     FusedMoERouter.select_experts = select_experts
 
 
-def _hook_shadow_router(rec: Recorder, model, shadow: dict) -> None:
+def hook_shadow_router(rec: Recorder, model, shadow: dict) -> None:
     """Forward pre-hooks on the target's ``layers.{i}.mlp``: the linear router's top-k of each token."""
     import re
 

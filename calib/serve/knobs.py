@@ -1,0 +1,74 @@
+"""Serving's knobs as one validated value, carried to vLLM's workers as JSON in ``CALIB_SERVE``.
+
+serve.py builds it from its config (:func:`calib.serve.runner.build_engine`); under ``vllm serve`` a
+user sets ``CALIB_SERVE='{"tables": "runs/train/default"}'``. A new knob is one field here and its use.
+"""
+
+from __future__ import annotations
+
+import json
+import numbers
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import ClassVar
+
+from calib.params import TEXT, Boolean, Each, Interval, NoneValue, Satisfies, validate_params
+
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+# The verify-cost curve serve.py prices with by default (conf/serve.yaml serve.cost), for `vllm serve` too.
+DEFAULT_COST_CSV = "data/cost/smollm2-135m-cpu.csv"
+DEFAULT_COST = f"{PROJECT_ROOT / DEFAULT_COST_CSV}:seconds_min"
+
+
+def _cost_text(text) -> bool:
+    from calib.serve.hooks import measured_cost, parse_cost
+
+    return isinstance(text, str) and (measured_cost(text) is not None or bool(parse_cost(text)))
+
+
+@dataclass(frozen=True)
+class ServeKnobs:
+    """What serving needs beyond the engine's own config; validated at construction."""
+
+    tables: str  # the tables folder (python train.py out_dir=...)
+    cost: str = DEFAULT_COST  # verify cost C(T): a measured 'PATH.csv[:column]' or 'weight_read,per_position'
+    model_id: str | None = None  # the target's id in the tables (None: the engine's model folder name)
+    ngram: tuple[int, int, int] = (1, 4, 4)  # min_n, max_n, k of the n-gram chain beside a model drafter
+    chains: tuple[str, ...] | None = None  # the chains calib may verify (None: every registered chain)
+    plan: bool = True  # with a model drafter: choose each step's number of draft passes (plan_draft)
+    draft_cost: float = 0.24  # one model-drafter pass as a fraction of the verify pass C(B) (conf/eval.yaml)
+
+    _parameter_constraints: ClassVar[dict] = {
+        "tables": [TEXT],
+        "cost": [Satisfies("a measured 'PATH.csv[:column]' or 'weight_read,per_position' (e.g. '1.0,0.01')",
+                           _cost_text)],
+        "model_id": [TEXT, NoneValue()],
+        "ngram": [Satisfies("three integers min_n <= max_n, k >= 1", lambda v: len(v) == 3 and all(
+            isinstance(x, numbers.Integral) and not isinstance(x, bool) and x >= 1 for x in v) and v[0] <= v[1])],
+        "chains": [Each(TEXT), NoneValue()],
+        "plan": [Boolean()],
+        "draft_cost": [Interval(numbers.Real, 0, None)],
+    }
+
+    def __post_init__(self):
+        object.__setattr__(self, "ngram", tuple(self.ngram) if isinstance(self.ngram, (list, tuple)) else self.ngram)
+        if isinstance(self.chains, list):
+            object.__setattr__(self, "chains", tuple(self.chains))
+        validate_params("ServeKnobs", {f.name: getattr(self, f.name) for f in fields(self)},
+                        self._parameter_constraints)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> ServeKnobs:
+        """The knobs ``CALIB_SERVE`` holds; an unknown key or a bad value is refused by name."""
+        try:
+            values = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"CALIB_SERVE={text!r}: not JSON ({exc}); expected e.g. "
+                             '\'{"tables": "runs/train/default"}\'') from None
+        names = [f.name for f in fields(cls)]
+        if not isinstance(values, dict) or set(values) - set(names):
+            raise ValueError(f"CALIB_SERVE={text!r}: expected a JSON object with keys from {', '.join(names)}")
+        return cls(**values)

@@ -1,0 +1,71 @@
+"""One engine builder: a composed config -> ``vllm.LLM(...)``, for collect, serve, distill and magpie.
+
+The environment vLLM's processes read (``calib.envs``) is written from the config first: the config
+wins over inherited values (:func:`calib.envs.export` returns those it replaced).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from calib import envs
+
+log = logging.getLogger("calib.vllm")
+
+
+def speculative_config(spec: dict, model_dir: Path, cache_dir: Path | None) -> tuple[dict | None, str]:
+    """vLLM's speculative_config (None: plain decoding) and the bank's speculator id."""
+    from calib.target import prepare_truncated_drafter
+
+    method = spec["method"]
+    if method == "none":  # plain decoding: the reference for output-identity checks
+        return None, "none"
+    out = {"method": method, "num_speculative_tokens": int(spec["num_speculative_tokens"])}
+    if method == "ngram":
+        out.update(prompt_lookup_min=int(spec["prompt_lookup_min"]),
+                   prompt_lookup_max=int(spec["prompt_lookup_max"]))
+        return out, "ngram"
+    if method == "draft_model":
+        if spec.get("drafter_layers"):
+            drafter = prepare_truncated_drafter(model_dir, int(spec["drafter_layers"]), cache_dir)
+        else:
+            drafter = Path(spec["model"])
+        out["model"] = str(drafter)
+        return out, f"draft_model:{drafter.name}"
+    if method in ("eagle", "eagle3"):
+        out["model"] = str(Path(spec["model"]).resolve())
+        if spec.get("draft_load_format"):  # "dummy": random head weights (plumbing checks only)
+            out["draft_load_config"] = {"load_format": spec["draft_load_format"]}
+        return out, f"{method}:{Path(spec['model']).name}"
+    raise ValueError(f"speculative.method={method!r} is not supported; use ngram, draft_model, "
+                     "eagle or eagle3")
+
+
+def engine_kwargs(model_dir, engine: Mapping, *, max_num_seqs: int, seed: int, **extra) -> dict[str, Any]:
+    """``vllm.LLM``'s keyword arguments from an ``engine`` config section (``enforce_eager``,
+    ``max_model_len``, optional ``dtype``), the batch width and the seed; ``extra`` passed as is
+    (``speculative_config``, ``disable_log_stats``, ...)."""
+    kwargs: dict[str, Any] = {"model": str(model_dir)}
+    if "dtype" in engine:
+        kwargs["dtype"] = str(engine["dtype"])  # float32 for output-identity checks
+    kwargs.update(enforce_eager=bool(engine["enforce_eager"]), max_model_len=int(engine["max_model_len"]),
+                  max_num_seqs=int(max_num_seqs), seed=int(seed), **extra)
+    return kwargs
+
+
+def build_engine(model_dir, engine: Mapping, *, env: Mapping[str, Any], max_num_seqs: int, seed: int,
+                 config_of_env: Mapping[str, str] | None = None, **extra):
+    """Write ``env`` for vLLM's processes (``calib.envs.export``), then start ``vllm.LLM`` with
+    :func:`engine_kwargs`. An inherited variable the config overwrote is named in a warning when
+    ``config_of_env`` maps it to the config key that sets it (the variable used to win silently)."""
+    replaced = envs.export(env)
+    for name, old in replaced.items():
+        if config_of_env and name in config_of_env:
+            log.warning("ignoring inherited %s=%s: the config's %s wins (set that instead)",
+                        name, old, config_of_env[name])
+    from vllm import LLM
+
+    return LLM(**engine_kwargs(model_dir, engine, max_num_seqs=max_num_seqs, seed=seed, **extra))

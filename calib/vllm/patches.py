@@ -1,0 +1,190 @@
+"""One patch set over vLLM's V1 model runner that capture and serving subscribe to (docs/vllm_wing.md).
+
+Each hooked method is wrapped once; subscribers hear its events in the order they were declared, the
+first one outermost: ``before`` events in that order, ``after`` events in the reverse (as nested
+wrappers would run). A subscriber catches its own errors: nothing here may raise into the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+
+log = logging.getLogger("calib.vllm")
+
+# (owner, method): what the patch set wraps. CPUModelRunner subclasses GPUModelRunner: one patch covers both.
+HOOKED = (("runner", "take_draft_token_ids"), ("runner", "_sample"), ("runner", "propose_draft_token_ids"),
+          ("runner", "_update_states"), ("proposer", "_sample_draft_tokens"))
+
+
+class RunnerSubscriber:
+    """The events of the patched runner a subscriber may hear; each is a no-op here."""
+
+    def before_take(self, runner) -> None:
+        """``take_draft_token_ids`` is about to run (once per step, after bookkeeping)."""
+
+    def take_drafts(self, runner, out):
+        """vLLM's ``DraftTokenIds`` (not None) -> the lists handed to the scheduler (``out`` to keep them)."""
+        return out
+
+    def before_verify(self, runner) -> None:
+        """``_sample`` (the rejection sampler) is about to run."""
+
+    def after_verify(self, runner, spec_decode_metadata, output) -> None:
+        """``_sample`` returned ``output`` (``sampled_token_ids`` ``[B, K+1]``, -1 padded);
+        ``spec_decode_metadata`` is None on steps without drafts."""
+
+    def before_propose(self, runner, scheduler_output, sampled_token_ids) -> None:
+        """The drafter is about to run (``propose_draft_token_ids``)."""
+
+    def after_propose(self, runner) -> None:
+        """The drafter returned or raised."""
+
+    def wants_depths(self) -> bool:
+        """Whether :meth:`draft_depth` should hear the depths of the drafting pass in progress."""
+        return False
+
+    def draft_depth(self, token_ids: torch.Tensor, probs: torch.Tensor) -> None:
+        """One depth of a drafting pass: ``token_ids`` [rows], ``probs`` [rows, vocab] drawn from."""
+
+    def before_update_states(self, runner, scheduler_output) -> None:
+        """``_update_states`` is about to run (finished requests are in ``scheduler_output``)."""
+
+
+def takes_plain_argmax(proposer, sampling_metadata, base) -> bool:
+    """Whether the proposer's ``_sample_draft_tokens`` takes vLLM's plain argmax path
+    (``base._greedy_sample``, no draft probabilities): the one path whose logits the patch set may
+    recompute to keep the drafter's distribution."""
+    return ((not proposer._enable_probabilistic_draft_probs or sampling_metadata.all_greedy)
+            and not proposer.use_local_argmax_reduction and not proposer.use_heterogeneous_vocab
+            and type(proposer)._greedy_sample is base._greedy_sample)
+
+
+class PatchSet:
+    """The wrappers of :data:`HOOKED` over ``runner_cls`` and ``proposer_cls``, calling ``subscribers``."""
+
+    def __init__(self, subscribers: Sequence[RunnerSubscriber]):
+        self.subscribers = tuple(subscribers)
+        self.originals: dict[tuple[str, str], object] = {}
+
+    def install(self, runner_cls, proposer_cls) -> None:
+        """Wrap each hooked method once; a class already patched by a patch set is refused."""
+        owners = {"runner": runner_cls, "proposer": proposer_cls}
+        for cls in owners.values():
+            if getattr(cls, "_calib_patch_set", None) is not None:
+                raise RuntimeError(f"{cls.__name__} is already patched by calib: one patch set per process")
+        for owner, name in HOOKED:
+            cls = owners[owner]
+            self.originals[owner, name] = getattr(cls, name)
+            wrap = getattr(self, "_wrap_" + name.lstrip("_"))
+            setattr(cls, name, wrap(self.originals[owner, name], proposer_cls))
+        for cls in owners.values():
+            cls._calib_patch_set = self
+
+    def uninstall(self, runner_cls, proposer_cls) -> None:
+        """Put the original methods back (tests)."""
+        owners = {"runner": runner_cls, "proposer": proposer_cls}
+        for (owner, name), orig in self.originals.items():
+            setattr(owners[owner], name, orig)
+        for cls in owners.values():
+            cls._calib_patch_set = None
+
+    # -- the wrappers -----------------------------------------------------------------------------
+    def _wrap_take_draft_token_ids(self, orig, proposer_cls):
+        subs = self.subscribers
+
+        def take_draft_token_ids(runner):
+            for s in subs:
+                s.before_take(runner)
+            out = orig(runner)
+            if out is None:
+                return out
+            for s in reversed(subs):
+                out = s.take_drafts(runner, out)
+            return out
+
+        return take_draft_token_ids
+
+    def _wrap_sample(self, orig, proposer_cls):
+        subs = self.subscribers
+
+        def _sample(runner, logits, spec_decode_metadata):
+            for s in subs:
+                s.before_verify(runner)
+            out = orig(runner, logits, spec_decode_metadata)
+            for s in reversed(subs):
+                s.after_verify(runner, spec_decode_metadata, out)
+            return out
+
+        return _sample
+
+    def _wrap_propose_draft_token_ids(self, orig, proposer_cls):
+        subs = self.subscribers
+
+        def propose_draft_token_ids(runner, scheduler_output, sampled_token_ids, *args, **kwargs):
+            for s in subs:
+                s.before_propose(runner, scheduler_output, sampled_token_ids)
+            try:
+                return orig(runner, scheduler_output, sampled_token_ids, *args, **kwargs)
+            finally:
+                for s in reversed(subs):
+                    s.after_propose(runner)
+
+        return propose_draft_token_ids
+
+    def _wrap_update_states(self, orig, proposer_cls):
+        subs = self.subscribers
+
+        def _update_states(runner, scheduler_output):
+            for s in subs:
+                s.before_update_states(runner, scheduler_output)
+            return orig(runner, scheduler_output)
+
+        return _update_states
+
+    def _wrap_sample_draft_tokens(self, orig, proposer_cls):
+        subs = self.subscribers
+
+        def _sample_draft_tokens(proposer, hidden_states, sampling_metadata):
+            listening = [s for s in subs if s.wants_depths()]
+            if not listening:
+                return orig(proposer, hidden_states, sampling_metadata)
+            if takes_plain_argmax(proposer, sampling_metadata, proposer_cls):
+                # Exactly SpecDecodeBaseProposer._greedy_sample, keeping the logits it discards.
+                logits = proposer.model.compute_logits(hidden_states)
+                token_ids = logits.argmax(dim=-1)
+                try:
+                    probs = torch.softmax(logits.float(), dim=-1)  # [rows, vocab]
+                except Exception as exc:  # noqa: BLE001 - the draft itself is already computed
+                    log.warning("calib: drafter distribution lost (draft unaffected): %s", exc)
+                    return token_ids, None
+                for s in listening:
+                    s.draft_depth(token_ids, probs)
+                return token_ids, None
+            token_ids, probs = orig(proposer, hidden_states, sampling_metadata)
+            if probs is not None:
+                for s in listening:
+                    s.draft_depth(token_ids, probs)
+            return token_ids, probs
+
+        return _sample_draft_tokens
+
+
+_INSTALLED: PatchSet | None = None
+
+
+def install(subscribers: Sequence[RunnerSubscriber]) -> PatchSet:
+    """Patch vLLM's V1 runner and proposer base class for ``subscribers``, once per process (a second
+    call returns the patch set of the first)."""
+    global _INSTALLED
+    if _INSTALLED is not None:
+        return _INSTALLED
+    from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    patch_set = PatchSet(subscribers)
+    patch_set.install(GPUModelRunner, SpecDecodeBaseProposer)
+    _INSTALLED = patch_set
+    return patch_set

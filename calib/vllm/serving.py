@@ -1,0 +1,128 @@
+"""Serving: calib decides every step's drafts inside vLLM, a subscriber of :mod:`calib.vllm.patches`.
+
+The events feed :class:`calib.serve.hooks.Server` (the decision, the plan of draft passes, the
+drafter's confidences, the request history); docs/serving_hooks.md describes what each one does.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import time
+
+from calib.chains import chain_names
+from calib.serve.hooks import Server, ServeStats
+from calib.serve.knobs import ServeKnobs
+from calib.vllm.patches import RunnerSubscriber
+
+log = logging.getLogger("calib.serve")
+
+
+class ServingSubscriber(RunnerSubscriber):
+    """The serving state's side of the patch set; it never raises into the engine."""
+
+    def __init__(self, server: Server):
+        self.server = server
+
+    def before_take(self, runner) -> None:
+        srv = self.server
+        now = time.perf_counter()
+        if srv.last_take is not None:
+            srv.stats.step_ms.append((now - srv.last_take) * 1e3)
+        srv.last_take = now
+
+    def take_drafts(self, runner, out):
+        try:
+            return self.server.step(runner, out)
+        except Exception as exc:  # noqa: BLE001 - serving never raises into the engine
+            self.server.error("take_draft_token_ids", exc)
+            return out
+
+    def after_verify(self, runner, spec_decode_metadata, output) -> None:
+        if spec_decode_metadata is not None:
+            try:
+                self.server.observe(runner, spec_decode_metadata, output.sampled_token_ids)
+            except Exception as exc:  # noqa: BLE001
+                self.server.error("_sample", exc)
+
+    def before_propose(self, runner, scheduler_output, sampled_token_ids) -> None:
+        srv = self.server
+        try:
+            if srv.planning:
+                srv.plan_passes(runner, scheduler_output, sampled_token_ids)
+        except Exception as exc:  # noqa: BLE001 - vLLM keeps its own K for this step
+            srv.error("plan_passes", exc)
+        srv.rows = []
+        self.draft_start = time.perf_counter()
+
+    def after_propose(self, runner) -> None:
+        srv = self.server
+        srv.stats.draft_ms.append((time.perf_counter() - self.draft_start) * 1e3)
+        try:
+            srv.finish_drafting(list(runner.input_batch.req_ids))
+        except Exception as exc:  # noqa: BLE001
+            srv.rows = None
+            srv.error("propose_draft_token_ids", exc)
+
+    def wants_depths(self) -> bool:
+        return self.server.rows is not None
+
+    def draft_depth(self, token_ids, probs) -> None:
+        try:
+            self.server.record_depth(token_ids, probs.float().gather(-1, token_ids.view(-1, 1).long()).squeeze(-1))
+        except Exception as exc:  # noqa: BLE001
+            self.server.error("_sample_draft_tokens", exc)
+
+    def before_update_states(self, runner, scheduler_output) -> None:
+        try:
+            self.server.finished(scheduler_output.finished_req_ids)
+        except Exception as exc:  # noqa: BLE001
+            self.server.error("_update_states", exc)
+
+
+_SERVER: Server | None = None
+
+
+def server() -> Server | None:
+    """This process's serving state (None: serving is off here)."""
+    return _SERVER
+
+
+def stats() -> ServeStats | None:
+    """This process's serving statistics (None: serving hooks not installed here)."""
+    return _SERVER.stats if _SERVER is not None else None
+
+
+def start_serving(knobs: ServeKnobs) -> ServingSubscriber:
+    """This process's serving state for ``knobs``, as a subscriber of the patch set (once per process)."""
+    global _SERVER
+    if _SERVER is None:
+        _SERVER = Server(knobs.tables, knobs.cost, knobs.model_id, knobs.ngram,
+                         ",".join(knobs.chains or chain_names()), knobs.plan, knobs.draft_cost)
+        _ensure_log_handler()
+        atexit.register(_log_summary)
+        log.info("calib serving hooks installed (pid %d), tables %s", os.getpid(), knobs.tables)
+    return ServingSubscriber(_SERVER)
+
+
+def _ensure_log_handler() -> None:
+    """Under ``vllm serve`` nothing configures the root logger (vLLM configures its own ``vllm`` logger),
+    so calib's INFO lines (hooks installed, tables in use, the exit summary) would be dropped: give
+    ``calib.serve`` a stderr handler at INFO there. Where a handler exists (Hydra, pytest), change nothing."""
+    if log.hasHandlers():
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [calib.serve] %(message)s", "%m-%d %H:%M:%S"))
+    log.addHandler(handler)
+    if log.level == logging.NOTSET:
+        log.setLevel(logging.INFO)
+
+
+def _log_summary() -> None:
+    srv = _SERVER
+    if srv is None or srv.stats.steps == 0:
+        return
+    s = srv.stats
+    (log.warning if (s.errors or srv.failed or (srv.decider is not None and srv.decider.failures)) else log.info)(
+        s.summary())

@@ -1,0 +1,100 @@
+"""The one engine builder (calib.vllm.engine): each caller's ``vllm.LLM`` kwargs are what they were before
+the builder existed, and serve.py hands the workers its knobs in CALIB_SERVE. vLLM is faked."""
+
+import sys
+import types
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from calib import envs
+from calib.serve.knobs import ServeKnobs
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class Stop(Exception):
+    pass
+
+
+@pytest.fixture
+def started(monkeypatch):
+    """A fake ``vllm.LLM`` recording its kwargs and the calib variables it was started with."""
+    for name in envs.REGISTRY:
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    seen = {}
+
+    class LLM:
+        def __init__(self, **kwargs):
+            seen.update(kwargs=kwargs, env={n: envs.os.environ.get(n) for n in envs.REGISTRY})
+            raise Stop
+
+    mod = types.ModuleType("vllm")
+    mod.LLM, mod.SamplingParams = LLM, lambda **kw: kw
+    monkeypatch.setitem(sys.modules, "vllm", mod)
+    return seen
+
+
+def compose(name: str, *overrides: str) -> dict:
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = hydra_compose(name, overrides=[f"root={ROOT}", *overrides])
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+def test_serve_engine_kwargs_and_knobs(started, monkeypatch, tmp_path):
+    import calib.target
+    from calib.serve import runner
+
+    monkeypatch.setattr(calib.target, "prepare_target", lambda *a, **k: tmp_path)
+    cfg = compose("serve", "policy=calib_two_drafter", "speculative=ngram")
+    with pytest.raises(Stop):
+        runner.build_engine(cfg, ROOT, max_num_seqs=4)
+    e = cfg["engine"]
+    spec = cfg["speculative"]
+    assert started["kwargs"] == {
+        "model": str(tmp_path), "dtype": str(e["dtype"]), "enforce_eager": bool(e["enforce_eager"]),
+        "max_model_len": int(e["max_model_len"]), "max_num_seqs": 4, "seed": int(cfg["seed"]),
+        "disable_log_stats": False,
+        "speculative_config": {"method": "ngram", "num_speculative_tokens": int(spec["num_speculative_tokens"]),
+                               "prompt_lookup_min": int(spec["prompt_lookup_min"]),
+                               "prompt_lookup_max": int(spec["prompt_lookup_max"])}}
+    knobs = ServeKnobs.from_json(started["env"]["CALIB_SERVE"])
+    assert knobs.tables == str(ROOT / cfg["tables"]) and knobs.cost == f"{ROOT / cfg['serve']['cost']}:seconds_min"
+    assert knobs.chains == tuple(cfg["policy"]["chains"]) and knobs.draft_cost == float(cfg["serve"]["draft_cost"])
+    assert started["env"]["CALIB_COLLECT_DIR"] is None and started["env"]["CALIB_CPU_SAMPLING_FIX"] == "1"
+
+    with pytest.raises(Stop):
+        runner.build_engine(compose("serve", "policy=none"), ROOT, max_num_seqs=2)
+    assert started["env"]["CALIB_SERVE"] is None and started["kwargs"]["speculative_config"] is None
+
+
+def test_recipe_engines_kwargs(started, tmp_path):
+    from calib.drafters.eagle import magpie
+
+    with pytest.raises(Stop):
+        magpie.generate(tmp_path / "raw.jsonl", str(tmp_path), n_chat=1, n_code=0, seed=3, max_num_seqs=7,
+                        kv_cache_gb=5)
+    assert started["kwargs"] == {"model": str(tmp_path), "enforce_eager": True, "max_model_len": 2048,
+                                 "max_num_seqs": 7, "seed": 3}
+    assert started["env"]["VLLM_CPU_KVCACHE_SPACE"] == "5" and started["env"]["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
+    assert started["env"]["CALIB_COLLECT_DIR"] is None
+
+
+def test_collect_engine_kwargs(started, tmp_path):
+    from calib.collect import runner
+
+    cfg = compose("collect")
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
+    with pytest.raises(Stop):
+        runner._engine(cfg, tmp_path, spec, tmp_path / "capture", (1, 4, 4))
+    e = cfg["engine"]
+    assert started["kwargs"] == {
+        "model": str(tmp_path), "speculative_config": spec, "dtype": str(e.get("dtype", "auto")),
+        "enforce_eager": bool(e["enforce_eager"]), "max_model_len": int(e["max_model_len"]),
+        "max_num_seqs": int(cfg["concurrency"]), "seed": int(cfg["seed"]),
+        "per_request_spec_decode_metrics": "detailed"}
