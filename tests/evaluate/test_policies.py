@@ -1,4 +1,4 @@
-"""The policy registry (calib.evaluate.policies) and vllm_dsd, on the hand-made replay bank (SYNTHETIC: four
+"""The policy registry (calib.policies) and vllm_dsd, on the hand-made replay bank (SYNTHETIC: four
 rounds written by hand in tests/evaluate/test_replay.py, not engine data). No assertion depends on a
 floating-point result a different CPU could round differently: only orderings that hold by construction,
 equalities of values computed from the same sums, names and messages."""
@@ -8,7 +8,8 @@ import pytest
 
 from calib.evaluate import plots, report
 from calib.evaluate.data import load_eval_bank
-from calib.evaluate.policies import (
+from calib.evaluate.replay import ReplayConfig, replay
+from calib.policies import (
     Policy,
     PolicyResult,
     display_order,
@@ -17,7 +18,7 @@ from calib.evaluate.policies import (
     register_policy,
     unregister_policy,
 )
-from calib.evaluate.replay import ReplayConfig, _vllm_dsd, replay
+from calib.policies.hindsight import vllm_dsd
 from tests.evaluate.test_replay import curve, identity_tables, tiny_bank
 
 SYNTH = "synthetic_depth1"  # a SYNTHETIC throwaway policy: verify depth 1 on every request, pay one draft pass
@@ -80,9 +81,11 @@ def test_unregistered_policy_is_refused(synthetic_policy):
 
 def test_unknown_policy_is_refused_with_the_known_ones():
     with pytest.raises(ValueError) as e:
-        ReplayConfig(policies=["no_spec", "vllm_dynamic"])
+        ReplayConfig(policies=["no_spec", "dynamic_sd"])
     msg = str(e.value)
-    assert "unknown policies ['vllm_dynamic']" in msg
+    assert "unknown policies ['dynamic_sd']" in msg
+    # serving's old name is an alias of the replay's: one vocabulary
+    assert ReplayConfig(policies=["none", "vllm_dynamic"]).policies == ("no_spec", "vllm_dsd")
     assert all(repr(n) in msg for n in policy_names())
     with pytest.raises(ValueError, match="mode='prices' is invalid; it must be one of 'price', 'budget'"):
         ReplayConfig(mode="prices")
@@ -128,11 +131,11 @@ def test_vllm_dsd_picks_one_k_from_the_pooled_stream():
                                                                         if "gamma" in chat[k] else {})}
               for k in chat}
     for rows in (chat, code):
-        got = _vllm_dsd(rows, pooled)
+        got = vllm_dsd(rows, pooled)
         assert got["gamma"] == 2 and got["tokens"] == rows["fixed_2"]["tokens"]
-    assert _vllm_dsd(pooled, pooled)["tokens"] == pooled["fixed_2"]["tokens"]
+    assert vllm_dsd(pooled, pooled)["tokens"] == pooled["fixed_2"]["tokens"]
     # table K = 0 serves no_spec
-    code_only = _vllm_dsd(code, code)
+    code_only = vllm_dsd(code, code)
     assert code_only["gamma"] == 0 and code_only["tokens"] == code["no_spec"]["tokens"]
 
 
