@@ -80,7 +80,7 @@ class Setting:
 
     Two chains (``P`` the primary, ``Q`` the second or None): the draft-aware plan and the allocator's
     callers here offer one second chain beside the primary, and their drafting prices are summed in that
-    order (``frac_p + frac_q``); docs/policies.md says why it stays so.
+    order (``frac_p + frac_q``); docs/policies.md says what a per-chain mapping must keep.
     """
 
     def __init__(self, sb: StepBatch, curve, cfg, train_curve: np.ndarray):

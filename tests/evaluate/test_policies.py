@@ -3,6 +3,8 @@ rounds written by hand in tests/evaluate/test_replay.py, not engine data). No as
 floating-point result a different CPU could round differently: only orderings that hold by construction,
 equalities of values computed from the same sums, names and messages."""
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -155,3 +157,37 @@ def test_vllm_dsd_in_the_replay(bank2):
             assert r["goodput"] <= at[(c, b, "best_fixed")]["goodput"]  # best_fixed picks per category
             assert r["goodput"] <= at[(c, b, "oracle")]["goodput"] + 1e-12 * abs(r["goodput"])
         assert at[("all", b, "vllm_dsd")]["goodput"] == at[("all", b, "best_fixed")]["goodput"]
+
+
+def test_one_entry_is_a_replay_policy_and_a_serving_policy(bank2, tmp_path):
+    """A SYNTHETIC policy registered once, with a replay function and a serving spec (and an old name as an
+    alias): the replay computes its rows, serve.py's config group offers it (under both names) and the
+    serve runner's check accepts it; unregistered, serving refuses it again."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from calib.policies import Arm, Serving, aliases, servable
+    from calib.policies.config_store import store_policy_configs
+    from calib.serve.runner import check_config, servable_policy
+
+    name, old = "synthetic_served", "synthetic_old_name"
+    register_policy(Policy(name, 16, "tab:pink", "SYNTHETIC served policy", _synthetic_compute,
+                           serving=Serving(speculate=True, arms=(Arm("synthetic_arm", "ngram"),)), aliases=(old,)))
+    try:
+        rows = replay([bank2], {"parametric": curve()}, ReplayConfig(batch_sizes=(1,), policies=[name, "best_fixed"],
+                                                                     min_steps=2, max_steps=2), progress=False)
+        assert {r["policy"] for r in rows} == {name, "best_fixed"}
+        assert name in [p.name for p in servable()] and aliases()[old] == name
+        assert {name, old} <= set(store_policy_configs())
+        conf = str(Path(__file__).resolve().parents[2] / "conf")
+        for asked in (name, old):
+            with initialize_config_dir(config_dir=conf, version_base="1.3"):
+                cfg = OmegaConf.to_container(compose("serve", overrides=[f"policy={asked}", "speculative=ngram",
+                                                                         f"root={tmp_path}"]), resolve=True)
+            assert cfg["policy"]["name"] == name and cfg["policy"]["alias"] == (None if asked == name else old)
+            check_config(cfg)
+            assert servable_policy(cfg["policy"]).name == name
+    finally:
+        unregister_policy(name)
+    with pytest.raises(ValueError, match=f"policy={name!r}: choose one of"):
+        servable_policy({"name": name})
