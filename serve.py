@@ -3,6 +3,10 @@
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from calib.policies.config_store import store_policy_configs
+
+store_policy_configs()  # the `policy` group (policy=<name>) comes from calib.policies' registry
+
 
 @hydra.main(config_path="conf", config_name="serve", version_base="1.3")
 def main(cfg: DictConfig) -> None:

@@ -3,10 +3,11 @@
     python bench/serve.py --tables DIR                   # the full grid (hours on 2 CPU cores)
     python bench/serve.py --tables DIR --concurrency 1 4 --categories code_edit --sampling greedy --reps 3
 
-Arms (conf/policy/ + conf/speculative/): ``none`` (no speculation), ``vllm_eagle`` and ``vllm_ngram``
-(vLLM, K=4), ``vllm_dynamic`` (vLLM Dynamic SD, EAGLE, K by batch size), ``calib_ragged`` (EAGLE, calib
-truncates and picks the draft passes) and ``calib_two_drafter`` (EAGLE + the n-gram chain, calib picks
-chain, depth and passes); ``--arms ... calib_ngram`` adds calib cutting vLLM's n-gram drafts. Each (arm, repetition) is one process (calib's hooks install once per process)
+Arms (each servable policy's ``Serving.arms`` in calib.policies, + conf/speculative/): ``none`` (no_spec),
+``vllm_eagle`` and ``vllm_ngram`` (fixed: vLLM, K=4), ``vllm_dynamic`` (vllm_dsd: vLLM Dynamic SD, EAGLE,
+K by batch size), ``calib_ragged`` (ragged_calibrated: EAGLE, calib truncates and picks the draft passes)
+and ``calib_two_drafter`` (two_drafter: EAGLE + the n-gram chain, calib picks chain, depth and passes);
+``--arms ... calib_ngram`` adds calib cutting vLLM's n-gram drafts. Each (arm, repetition) is one process (calib's hooks install once per process)
 that builds its engine once (``max_num_seqs`` = the largest concurrency) and serves every cell (category x
 sampling x concurrency) in a shuffled order after a short warm-up; repetitions rotate the arms' order, so
 arms alternate on the clock. A cell at concurrency ``c`` serves ``max(min_prompts, 2c)`` prompts (at
@@ -34,18 +35,26 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-ARMS = {
-    "none": ["policy=none"],
-    "vllm_eagle": ["policy=vllm", "speculative=eagle"],
-    "vllm_ngram": ["policy=vllm", "speculative=ngram"],
-    "vllm_dynamic": ["policy=vllm_dynamic", "speculative=eagle"],
-    "calib_ragged": ["policy=calib_ragged", "speculative=eagle"],
-    "calib_two_drafter": ["policy=calib_two_drafter", "speculative=eagle"],
-    "calib_ngram": ["policy=calib_ragged", "speculative=ngram"],  # calib cuts vLLM's n-gram drafts (no drafter)
-}
-DEFAULT_ARMS = [a for a in ARMS if a != "calib_ngram"]
-VLLM_ARMS = ("none", "vllm_eagle", "vllm_ngram", "vllm_dynamic")  # what vLLM offers: not speculating too
-VLLM_SPEC_ARMS = VLLM_ARMS[1:]
+
+
+def _arms() -> tuple[dict, list, tuple, tuple]:
+    """{arm: serve.py overrides}, the default arms, vLLM's arms (no calib; not speculating included) and
+    vLLM's speculating arms, from the servable policies of calib.policies: vLLM's first, then calib's
+    (registration order within each)."""
+    import calib.policies
+
+    arms, default, vllm, vllm_spec = {}, [], [], []
+    for p in sorted(calib.policies.servable(), key=lambda p: p.serving.calib):
+        for arm in p.serving.arms:
+            arms[arm.name] = [f"policy={p.name}"] + ([f"speculative={arm.speculative}"] if arm.speculative else [])
+            default += [arm.name] if arm.default else []
+            vllm += [arm.name] if not p.serving.calib else []
+            vllm_spec += [arm.name] if not p.serving.calib and p.serving.speculate else []
+    return arms, default, tuple(vllm), tuple(vllm_spec)
+
+
+ARMS, DEFAULT_ARMS, VLLM_ARMS, VLLM_SPEC_ARMS = _arms()  # VLLM_ARMS: what vLLM offers, not speculating too
+CALIB_ARMS = tuple(a for a in ARMS if a not in VLLM_ARMS)
 SAMPLING = {"greedy": "greedy", "sampled": "sampled"}
 
 
@@ -54,6 +63,9 @@ def compose(overrides: list[str]) -> dict:
     from hydra import initialize_config_dir
     from omegaconf import OmegaConf
 
+    from calib.policies.config_store import store_policy_configs
+
+    store_policy_configs()  # the `policy` group
     with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
         cfg = hydra_compose("serve", overrides=[f"root={ROOT}", *overrides])
     return OmegaConf.to_container(cfg, resolve=True)
@@ -245,7 +257,7 @@ def main(argv=None) -> None:
 def report(records: list, arms: list[str], ident: dict | None, reps: int) -> None:
     """The answer first (calib's ratios to vLLM), then the table and the identity check."""
     rows, text = table(records, arms)
-    for arm in ("calib_two_drafter", "calib_ragged"):
+    for arm in reversed(CALIB_ARMS):
         r = [row["ratio_to_best_vllm"].get(arm) for row in rows if arm in row["tok_s"]]
         s = [row["ratio_to_best_vllm_speculative"].get(arm) for row in rows if arm in row["tok_s"]]
         if r:

@@ -74,6 +74,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+# The arms as registered policies (calib.policies): ``off`` is vLLM's own speculation (``fixed``); ``on`` is
+# calib serving with its default chains and draft-pass plan, i.e. ``two_drafter``'s serving spec.
+ARM_POLICIES = {"off": "fixed", "on": "two_drafter"}
 NGRAM_CONFIG = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
 EAGLE_DIR = ROOT / "data" / "drafters" / "eagle-smollm2-135m"
 PROMPT_FILES = ("data/prompts/chat.jsonl", "data/prompts/code_edit.jsonl")
@@ -428,7 +431,7 @@ def write_json(path: str | Path, data: dict) -> None:
         raise
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     class Fmt(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
         pass
 
@@ -454,10 +457,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for /health")
     ap.add_argument("--model-dir", default=None, help="target HF folder (unset: calib.target.prepare_target())")
     ap.add_argument("--out", default=None, help="JSON results (server logs next to it as FILE.<arm>.log)")
-    args = ap.parse_args(argv)
-    # SIGTERM -> SystemExit, so the finally blocks and atexit stop the servers (Ctrl-C does already).
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    return ap
 
+
+def _checked_inputs(ap: argparse.ArgumentParser, args) -> tuple[Path, dict, list[str]]:
+    """(the tables folder, the 'on' arm's extra environment, the arms to run); a bad value is ``ap.error``."""
     tables = Path(args.tables)
     if not (tables / "tables.json").exists():
         ap.error(f"--tables {tables}: no tables.json there; make tables with: python train.py out_dir={tables} "
@@ -469,8 +473,17 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--on-env {item!r}: expected KEY=VALUE")
         on_env[key] = value
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
-    if not arms or any(a not in ("off", "on") for a in arms):
+    if not arms or any(a not in ARM_POLICIES for a in arms):
         ap.error(f"--arms {args.arms!r}: expected off, on or off,on")
+    return tables, on_env, arms
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = _parser()
+    args = ap.parse_args(argv)
+    # SIGTERM -> SystemExit, so the finally blocks and atexit stop the servers (Ctrl-C does already).
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    tables, on_env, arms = _checked_inputs(ap, args)
     if args.model_dir:
         model_dir = Path(args.model_dir)
     else:
@@ -497,7 +510,8 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print_table(results, ratio)
     report = {"config": {**{k: v for k, v in vars(args).items()}, "model_dir": str(model_dir),
-                         "speculative_config": spec, "tables": str(tables.resolve())},
+                         "speculative_config": spec, "tables": str(tables.resolve()),
+                         "arm_policies": {a: ARM_POLICIES[a] for a in arms}},
               "arms": results, "on_over_off": ratio}
     if args.out:
         write_json(args.out, report)

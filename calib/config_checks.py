@@ -1,22 +1,9 @@
-"""Declarative checks of the entry points' composed Hydra configs: ``train.py``, ``eval.py``, ``serve.py``.
+"""Declarative checks of the entry points' composed Hydra configs: ``train.py`` and ``serve.py`` here,
+``eval.py``'s beside the evaluation (:mod:`calib.evaluate.checks`, it reuses the replay's declarations).
 
-Each job has a table of dotted config keys and the constraints (:mod:`calib.params`, the estimators'
-``_parameter_constraints`` style) their values may satisfy, plus the few rules that tie two keys
-together; :func:`check_train`, :func:`check_eval` and :func:`check_serve` run them on the resolved config
-before anything loads, and raise one ``ValueError`` naming the job, the dotted key, its value, what it
-may be and how to set it::
-
-    eval.py config: parameter metrics.n_boot=0 is invalid; it must be an integer in [1, inf)
-    (set it with `python eval.py metrics.n_boot=...`)
-
-A key absent from the config is not checked (Hydra refuses unknown top-level keys and composes every
-key the shipped groups define). Where a component already declares a key's constraints, the table
-reuses that declaration rather than restating it: the replay's (``ReplayConfig._constraints``) and the
-Lightning-trained estimators' (``max_epochs``, ``patience``, ``progress``). Checks with good messages
-that run at the start of a job anyway are not repeated: unknown replay policies and draft-cost chains
-(:class:`calib.evaluate.replay.ReplayConfig` is built here, so they too are refused before the
-banks load), ``policy.name`` and ``speculative=none`` with a speculating policy
-(:func:`calib.serve.runner.check_config`), estimator parameters (each estimator's constructor).
+Each job has a table of dotted config keys and the constraints (:mod:`calib.params`) their values may
+satisfy, plus the few rules tying two keys together; a refusal is one ``ValueError`` naming the job, the
+key, its value, what it may be and how to set it. A key absent from the config is not checked.
 """
 
 from __future__ import annotations
@@ -39,7 +26,7 @@ from calib.params import (
     validate_params,
 )
 
-_ABSENT = object()
+ABSENT = object()
 
 
 def _list(v) -> bool:
@@ -53,9 +40,7 @@ PATHS = Satisfies("a non-empty list of paths", lambda v: _list(v) and bool(v) an
 EDGES = Satisfies("a list of finite numbers in ascending order",
                   lambda v: _list(v) and all(finite_number(x) for x in v) and all(a <= b for a, b in itertools.pairwise(v)))
 AUTO_OR_EDGES = [Options(("auto",)), EDGES]
-SPLITS = ("train", "val", "test")
 LOGGERS = ("wandb", "csv", "none")
-COST_KINDS = ("parametric", "measured", "moe")
 CALIBRATOR_EXTRA = ("entropy", "margin", "temperature")  # conf/calibrator/_common.yaml: extra
 
 
@@ -92,28 +77,6 @@ def _train_constraints() -> dict:
     }
 
 
-def _eval_constraints() -> dict:
-    from calib.evaluate.replay import ReplayConfig
-
-    return {
-        "data.test": [TEXT, PATHS],
-        "tables": [TEXT],
-        "split.fractions": [Fractions(3)],
-        "split.seed": [INT_0],
-        "split.name": [Options(SPLITS)],
-        "metrics.n_bins": [INT_1],
-        "metrics.n_boot": [INT_1],
-        "metrics.length_n_boot": [INT_1],
-        "metrics.seed": [INT_0],
-        "plots.reliability_bins": [INT_1],
-        **{f"replay.{k}": v for k, v in ReplayConfig._constraints.items()},  # the replay's own declaration
-        "replay.batch_sizes": [Each(INT_1)],
-        "replay.progress": [Boolean()],
-        "logger.kind": [Options(LOGGERS)],
-        "overwrite": [Boolean()],
-    }
-
-
 def _serve_constraints() -> dict:
     return {
         "tables": [TEXT],
@@ -138,7 +101,7 @@ def _serve_constraints() -> dict:
     }
 
 
-def get(cfg, key: str, default=_ABSENT):
+def get(cfg, key: str, default=ABSENT):
     """``cfg``'s value at the dotted ``key`` (a plain dict, or an OmegaConf config: only that value is
     resolved); ``default`` where a part is missing."""
     try:
@@ -157,7 +120,7 @@ def get(cfg, key: str, default=_ABSENT):
     return node
 
 
-def _refuse(job: str, key: str, value, want: str) -> None:
+def refuse(job: str, key: str, value, want: str) -> None:
     raise ValueError(f"{job} config: parameter {key}={value!r} is invalid; {want} (set it with "
                      f"`python {job} {key}=...`)")
 
@@ -168,7 +131,7 @@ def validate_config(job: str, cfg, constraints: dict) -> None:
     what it may be and the override that sets it."""
     for key, allowed in constraints.items():
         value = get(cfg, key)
-        if value is _ABSENT:
+        if value is ABSENT:
             continue
         try:
             validate_params(f"{job} config", {key: value}, {key: allowed})
@@ -183,35 +146,15 @@ def _check_context(job: str, cfg) -> None:
 
     for block in ("axes", "candidates"):
         spec = get(cfg, f"context.{block}")
-        if spec is _ABSENT or spec is None:
+        if spec is ABSENT or spec is None:
             continue
         if not isinstance(spec, Mapping):
-            _refuse(job, f"context.{block}", spec, "it must be a mapping {context axis: {edges: ...}}")
+            refuse(job, f"context.{block}", spec, "it must be a mapping {context axis: {edges: ...}}")
         for name, axis in spec.items():
             if name not in CONTEXT:
-                _refuse(job, f"context.{block}.{name}", axis, f"context axes are {sorted(CONTEXT)} (calib.chains.CONTEXT)")
+                refuse(job, f"context.{block}.{name}", axis, f"context axes are {sorted(CONTEXT)} (calib.chains.CONTEXT)")
             validate_config(job, {"context": {block: {name: axis or {}}}},
                             {f"context.{block}.{name}.edges": AUTO_OR_EDGES})
-
-
-def _check_costs(job: str, cfg) -> None:
-    """eval.yaml's ``cost`` curves: a known kind; a parametric curve's weight_read > 0 and per_position >= 0."""
-    costs = get(cfg, "cost")
-    if costs is _ABSENT or costs is None:
-        return
-    if not isinstance(costs, Mapping) or not costs:
-        _refuse(job, "cost", costs, "it must name at least one cost curve (cost=parametric|measured|...)")
-    for name, c in costs.items():
-        if not isinstance(c, Mapping):
-            _refuse(job, f"cost.{name}", c, "it must be a cost curve's settings (conf/cost/)")
-        sub = {"cost": {name: c}}
-        validate_config(job, {"cost": {name: {"kind": c.get("kind", name)}}}, {f"cost.{name}.kind": [Options(COST_KINDS)]})
-        if c.get("kind", name) == "parametric":
-            validate_config(job, sub, {f"cost.{name}.weight_read": [Interval(numbers.Real, 0, None, closed="neither")],
-                                       f"cost.{name}.per_position": [REAL_0]})
-        elif c.get("kind", name) == "measured":
-            validate_config(job, sub, {f"cost.{name}.path": [TEXT], f"cost.{name}.column": [NoneValue(), TEXT],
-                                       f"cost.{name}.pad_to_cheaper": [Boolean()]})
 
 
 def check_train(cfg) -> None:
@@ -223,43 +166,10 @@ def check_train(cfg) -> None:
     job = "train.py"
     validate_config(job, cfg, _train_constraints())
     feats, edges = get(cfg, "ngram_model.table.features"), get(cfg, "ngram_model.table.edges")
-    if feats is not _ABSENT and edges is not _ABSENT and len(feats) != len(edges):
-        _refuse(job, "ngram_model.table.edges", edges, f"it must hold one list of edges per feature of "
+    if feats is not ABSENT and edges is not ABSENT and len(feats) != len(edges):
+        refuse(job, "ngram_model.table.edges", edges, f"it must hold one list of edges per feature of "
                                                        f"ngram_model.table.features={feats!r} ({len(feats)})")
     _check_context(job, cfg)
-
-
-def check_eval(cfg) -> None:
-    """Refuse an ``eval.py`` config (resolved, a plain dict or an OmegaConf config) whose settings make a
-    metric meaningless or the replay impossible: split fractions/seed/name, metric bins and bootstrap
-    replicates < 1, reliability bins < 1, the replay's settings (batch sizes ints >= 1, budget_per_request
-    >= 0, 1 <= min_steps <= max_steps, passes > 0, mode, impl, policies, draft costs finite >= 0 per
-    registered chain) and the cost curves'. Raises ``ValueError`` naming the key."""
-    job = "eval.py"
-    validate_config(job, cfg, _eval_constraints())
-    lo, hi = get(cfg, "replay.min_steps"), get(cfg, "replay.max_steps")
-    if lo is not _ABSENT and hi is not _ABSENT and lo > hi:
-        _refuse(job, "replay.min_steps", lo, f"it must be at most replay.max_steps={hi!r}")
-    draft = get(cfg, "draft_cost")
-    if draft is not _ABSENT:
-        from calib.chains import chain_names
-
-        if not isinstance(draft, Mapping):
-            _refuse(job, "draft_cost", draft, "it must map drafters to the cost of one draft pass")
-        for name, value in draft.items():
-            if name not in chain_names():
-                _refuse(job, f"draft_cost.{name}", value, f"draft costs are given for the chains {list(chain_names())}")
-            validate_config(job, {"draft_cost": {name: value}}, {f"draft_cost.{name}": [REAL_0]})
-    replay = get(cfg, "replay")
-    if isinstance(replay, Mapping):  # what is left of ReplayConfig's checks (its policies), before any bank loads
-        from calib.evaluate.replay import ReplayConfig
-
-        fields = {k: v for k, v in replay.items() if k != "progress"}
-        try:
-            ReplayConfig(**fields, **({"draft_cost": draft} if isinstance(draft, Mapping) else {}))
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"{job} config: replay: {exc} (set it with `python {job} replay.KEY=...`)") from None
-    _check_costs(job, cfg)
 
 
 def check_serve(cfg) -> None:
@@ -272,15 +182,15 @@ def check_serve(cfg) -> None:
     job = "serve.py"
     validate_config(job, cfg, _serve_constraints())
     method = get(cfg, "speculative.method")
-    if get(cfg, "policy.speculate") is True and method not in (_ABSENT, None, "none"):
+    if get(cfg, "policy.speculate") is True and method not in (ABSENT, None, "none"):
         validate_config(job, cfg, {"speculative.num_speculative_tokens": [INT_1]})
         pairs = (("speculative.prompt_lookup_min", "speculative.prompt_lookup_max"),
                  ("speculative.ngram.min_n", "speculative.ngram.max_n"))
         validate_config(job, cfg, {k: [INT_1] for pair in pairs for k in pair} | {"speculative.ngram.k": [INT_1]})
         for lo_key, hi_key in pairs:
             lo, hi = get(cfg, lo_key), get(cfg, hi_key)
-            if lo is not _ABSENT and hi is not _ABSENT and lo > hi:
-                _refuse(job, lo_key, lo, f"it must be at most {hi_key}={hi!r}")
+            if lo is not ABSENT and hi is not ABSENT and lo > hi:
+                refuse(job, lo_key, lo, f"it must be at most {hi_key}={hi!r}")
     if get(cfg, "policy.calib") is True:
         from calib.chains import chain_names
 

@@ -3,6 +3,6 @@ time (a replay of serving policies through the serve-time allocator, on verify-c
 
 Modules: ``metrics`` (ECE family, Brier, NLL, AUROC, accepted-length error), ``data`` (banks as
 per-round arrays + n-gram feature tensors), ``calibration`` (slices), ``cost`` (verify-cost
-curves), ``replay`` (policies and goodput), ``plots``, ``report`` (metrics.json, report.md), ``run``
+curves), ``replay`` (goodput of the policies in :mod:`calib.policies`), ``plots``, ``report`` (metrics.json, report.md), ``run``
 (what ``eval.py`` calls).
 """

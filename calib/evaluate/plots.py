@@ -13,7 +13,7 @@ import numpy as np
 
 from calib import metrics as M
 from calib.evaluate.calibration import samples, temperature_groups, variants
-from calib.evaluate.policies import display_order
+from calib.policies import display_order
 from calib.presentation import reliability_figure
 
 

@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 
 from calib.atomic import write_text_atomic
-from calib.evaluate.policies import camp_of, display_order, policy_of_row, row_order
+from calib.policies import camp_of, display_order, policy_of_row, row_order
 
 
 def _clean(x):
@@ -203,7 +203,7 @@ def _mean(v):
 
 def answer_rows(ladder) -> list[dict]:
     """Per (bank, cost curve), in ladder order: the best ``calib`` policy against the best ``peer`` (camps
-    from the registry, :func:`calib.evaluate.policies.camp_of`).
+    from the registry, :func:`calib.policies.camp_of`).
 
     Best = highest mean over batch sizes of ``vs_best_fixed`` on category ``all`` (ties: the first in
     display order). Per row: ``calib_policy``/``peer_policy``, their ``*_vs_best_fixed_mean``; the calib

@@ -17,9 +17,9 @@ import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
 from calib.atomic import staged_output, write_text_atomic
-from calib.config_checks import check_eval
 from calib.evaluate import plots
 from calib.evaluate.calibration import POOLED_ECE_MAX, calibration_rows, length_noise, pooled_calibration_rows
+from calib.evaluate.checks import check_eval
 from calib.evaluate.cost import CostCurve, make_curve
 from calib.evaluate.data import load_eval_bank
 from calib.evaluate.replay import ReplayConfig, replay
@@ -86,56 +86,19 @@ def _wandb_note(out: Path) -> str:
 def _evaluate(cfg: DictConfig, out: Path) -> dict:
     """Load, check, score, replay and write everything into ``out`` (the staging folder)."""
     import calib.tables
-    from calib.tracking import make_tracker
 
     t0 = time.perf_counter()
     root = cfg.get("root") or "."
     tables = calib.tables.load(_path(root, cfg.tables))
-    fractions = tuple(cfg.split.fractions)
-    split = cfg.split.get("name", "test")
-    tests = [cfg.data.test] if isinstance(cfg.data.test, str) else list(cfg.data.test)
-    banks = [load_eval_bank(_path(root, p), tables, fractions, cfg.split.seed) for p in tests]
-    for b in banks:
-        log.info("bank %s (%s): %s", b.name, b.path, b.scope)
-        for n in b.notes:
-            log.warning("bank %s: %s", b.name, n)
-        if split != "test" and b.seen:  # an unseen bank is evaluated whole whatever split is named
-            b.split = np.where(b.split == split, "test", "other")  # replay and metrics read "test"
-
+    banks = _load_banks(cfg, tables, root)
     cal, length = calibration_rows(banks, cfg.metrics.n_bins, cfg.metrics.n_boot, cfg.metrics.seed)
     t_noise = time.perf_counter()
     noise = length_noise(banks, int(cfg.metrics.get("length_n_boot", 1000)), cfg.metrics.seed)
     pooled = pooled_calibration_rows(banks, cfg.metrics.n_bins)
     log.info("prompt bootstrap of %d accepted-length slices and %d pooled ECE rows in %.2f s", len(noise),
              len(pooled), time.perf_counter() - t_noise)
-
-    rc = OmegaConf.to_container(cfg.replay, resolve=True)
-    # Every field comes from the composed config (conf/eval.yaml + overrides); `progress` is replay()'s.
-    rcfg = ReplayConfig(**{k: v for k, v in rc.items() if k != "progress"},
-                        draft_cost=OmegaConf.to_container(cfg.draft_cost, resolve=True))
-    width = max(c.acc.shape[1] for b in banks for c in b.chains.values())
-    t_max = max(rcfg.batch_sizes) * (width + 1)
-    curves = {name: make_curve(name, dict(c), t_max, root) for name, c in cfg.cost.items()}
-    t_replay = time.perf_counter()
-    ladder = replay(banks, curves, rcfg, progress=rc.get("progress", True))
-    replay_s = time.perf_counter() - t_replay
-
-    # pictures
-    pics = []
-    for b in banks:
-        for d in b.chains:
-            pics.append(plots.reliability(b, d, out / f"reliability_{b.name}_{d}.png", cfg.plots.reliability_bins))
-        pics.append(plots.length_scatter(b, out / f"length_{b.name}.png"))
-    for t in plots.temperatures(banks):  # every chain served at one temperature, side by side
-        pic = plots.reliability_by_temperature(banks, t, out / f"{TEMP_PIC}{'unknown' if t is None else f'{t:g}'}.png",
-                                               cfg.plots.reliability_bins)
-        if pic is not None:
-            pics.append(pic)
-    pics.append(plots.accept_histograms(banks, out / "accept_hist.png"))
-    for b in banks:
-        for c in curves:
-            pics.append(plots.ladder(ladder, b.name, c, out / f"ladder_{b.name}_{c}.png"))
-
+    rcfg, curves, ladder, replay_s = _replay_ladder(cfg, banks, root)
+    pics = _pictures(cfg, banks, curves, ladder, out)
     answer = answer_rows(ladder)
     answer_pic = plots.answer(answer, out / "answer.png")
     notes = ladder_notes(ladder)
@@ -154,48 +117,107 @@ def _evaluate(cfg: DictConfig, out: Path) -> dict:
     write_text_atomic(out / "report.md", render_report(banks, cal, length, ladder, notes, curves, rcfg, pics, out,
                                                   tables, elapsed, slices=slices, pooled=pooled, answer=answer,
                                                   answer_pic=answer_pic))
+    _track(cfg, out, metrics, pics + ([answer_pic] if answer_pic else []))
+    return metrics
+
+
+def _load_banks(cfg: DictConfig, tables, root) -> list:
+    """The test banks, checked against ``tables``; a training bank's ``split.name`` part is what is scored."""
+    fractions = tuple(cfg.split.fractions)
+    split = cfg.split.get("name", "test")
+    tests = [cfg.data.test] if isinstance(cfg.data.test, str) else list(cfg.data.test)
+    banks = [load_eval_bank(_path(root, p), tables, fractions, cfg.split.seed) for p in tests]
+    for b in banks:
+        log.info("bank %s (%s): %s", b.name, b.path, b.scope)
+        for n in b.notes:
+            log.warning("bank %s: %s", b.name, n)
+        if split != "test" and b.seen:  # an unseen bank is evaluated whole whatever split is named
+            b.split = np.where(b.split == split, "test", "other")  # replay and metrics read "test"
+    return banks
+
+
+def _replay_ladder(cfg: DictConfig, banks: list, root) -> tuple[ReplayConfig, dict, list, float]:
+    """(the replay's config, {name: cost curve}, the ladder rows, the replay's seconds)."""
+    rc = OmegaConf.to_container(cfg.replay, resolve=True)
+    # Every field comes from the composed config (conf/eval.yaml + overrides); `progress` is replay()'s.
+    rcfg = ReplayConfig(**{k: v for k, v in rc.items() if k != "progress"},
+                        draft_cost=OmegaConf.to_container(cfg.draft_cost, resolve=True))
+    width = max(c.acc.shape[1] for b in banks for c in b.chains.values())
+    t_max = max(rcfg.batch_sizes) * (width + 1)
+    curves = {name: make_curve(name, dict(c), t_max, root) for name, c in cfg.cost.items()}
+    t_replay = time.perf_counter()
+    ladder = replay(banks, curves, rcfg, progress=rc.get("progress", True))
+    return rcfg, curves, ladder, time.perf_counter() - t_replay
+
+
+def _pictures(cfg: DictConfig, banks: list, curves: dict, ladder: list, out: Path) -> list:
+    """Every figure of the report (reliability, accepted length, histograms, ladders), written into ``out``."""
+    pics = []
+    for b in banks:
+        for d in b.chains:
+            pics.append(plots.reliability(b, d, out / f"reliability_{b.name}_{d}.png", cfg.plots.reliability_bins))
+        pics.append(plots.length_scatter(b, out / f"length_{b.name}.png"))
+    for t in plots.temperatures(banks):  # every chain served at one temperature, side by side
+        pic = plots.reliability_by_temperature(banks, t, out / f"{TEMP_PIC}{'unknown' if t is None else f'{t:g}'}.png",
+                                               cfg.plots.reliability_bins)
+        if pic is not None:
+            pics.append(pic)
+    pics.append(plots.accept_histograms(banks, out / "accept_hist.png"))
+    for b in banks:
+        for c in curves:
+            pics.append(plots.ladder(ladder, b.name, c, out / f"ladder_{b.name}_{c}.png"))
+    return pics
+
+
+def _scalars(metrics: dict) -> dict:
+    """The tracker's scalars: headline ECEs, accepted-length errors, ladder goodputs and the answer's ratios."""
+    scalars = {}
+    for r in metrics["calibration"]:
+        if r["depth"] == "all":
+            scalars[f"calibration/{r['bank']}/{r['drafter']}/{r['variant']}/{r['category']}/ece"] = r["ece"]
+            scalars[f"calibration/{r['bank']}/{r['drafter']}/{r['variant']}/{r['category']}/ece_debiased"] = \
+                r["ece_debiased"]
+    for r in metrics["accept_length"]:
+        scalars[f"accept_length/{r['bank']}/{r['drafter']}/{r['variant']}/{r['category']}/mae"] = r["mae"]
+    for s in metrics["length_slices"]:
+        if s.get("error_calibrated") is not None:
+            scalars[f"length_slices/{plots.temperature_label(s['temperature'])}/{s['chain']}/{s['category']}/"
+                    f"{s['bank']}/error_calibrated"] = s["error_calibrated"]
+    for r in metrics["calibration_pooled"]:
+        for v in ("raw", "calibrated"):
+            if r[f"ece_{v}"] is not None:
+                scalars[f"calibration_pooled/{plots.temperature_label(r['temperature'])}/{r['chain']}/ece_{v}"] = \
+                    r[f"ece_{v}"]
+    for r in metrics["ladder"]:
+        key = f"ladder/{r['bank']}/{r['cost_model']}/{r['category']}/B{r['batch_size']}/{r['policy']}"
+        scalars[f"{key}/goodput"] = r["goodput"]
+        scalars[f"{key}/headroom_captured"] = r["headroom_captured"]
+    for a in metrics["answer"]:
+        for k in ("ratio_mean", "ratio_min", "oracle_vs_peer_mean"):
+            if a[k] is not None:
+                scalars[f"answer/{a['bank']}/{a['cost_model']}/{k}"] = a[k]
+    return scalars
+
+
+def _track(cfg: DictConfig, out: Path, metrics: dict, pics: list) -> None:
+    """Log the scalars, tables and pictures to the configured tracker; its files join ``out``."""
+    from calib.tracking import make_tracker
 
     tracker = make_tracker(OmegaConf.to_container(cfg.logger, resolve=True), out,
                            OmegaConf.to_container(cfg, resolve=True), "eval")
     try:
-        scalars = {}
-        for r in cal:
-            if r["depth"] == "all":
-                scalars[f"calibration/{r['bank']}/{r['drafter']}/{r['variant']}/{r['category']}/ece"] = r["ece"]
-                scalars[f"calibration/{r['bank']}/{r['drafter']}/{r['variant']}/{r['category']}/ece_debiased"] = \
-                    r["ece_debiased"]
-        for r in length:
-            scalars[f"accept_length/{r['bank']}/{r['drafter']}/{r['variant']}/{r['category']}/mae"] = r["mae"]
-        for s in slices:
-            if s.get("error_calibrated") is not None:
-                scalars[f"length_slices/{plots.temperature_label(s['temperature'])}/{s['chain']}/{s['category']}/"
-                        f"{s['bank']}/error_calibrated"] = s["error_calibrated"]
-        for r in pooled:
-            for v in ("raw", "calibrated"):
-                if r[f"ece_{v}"] is not None:
-                    scalars[f"calibration_pooled/{plots.temperature_label(r['temperature'])}/{r['chain']}/ece_{v}"] = \
-                        r[f"ece_{v}"]
-        for r in ladder:
-            key = f"ladder/{r['bank']}/{r['cost_model']}/{r['category']}/B{r['batch_size']}/{r['policy']}"
-            scalars[f"{key}/goodput"] = r["goodput"]
-            scalars[f"{key}/headroom_captured"] = r["headroom_captured"]
-        for a in answer:
-            for k in ("ratio_mean", "ratio_min", "oracle_vs_peer_mean"):
-                if a[k] is not None:
-                    scalars[f"answer/{a['bank']}/{a['cost_model']}/{k}"] = a[k]
-        tracker.log({k: v for k, v in scalars.items() if v is not None and np.isfinite(v)})
-        tracker.log_table("calibration", [{**r, "depth": str(r["depth"])} for r in cal])
-        tracker.log_table("accept_length", length)
-        tracker.log_table("length_slices", slices)
-        tracker.log_table("calibration_pooled", pooled)
+        tracker.log({k: v for k, v in _scalars(metrics).items() if v is not None and np.isfinite(v)})
+        tracker.log_table("calibration", [{**r, "depth": str(r["depth"])} for r in metrics["calibration"]])
+        tracker.log_table("accept_length", metrics["accept_length"])
+        tracker.log_table("length_slices", metrics["length_slices"])
+        tracker.log_table("calibration_pooled", metrics["calibration_pooled"])
         tracker.log_table("answer", [{k: (", ".join(map(str, v)) if isinstance(v, list) else v) for k, v in a.items()}
-                                     for a in answer])
-        tracker.log_table("ladder", [{k: v for k, v in r.items() if not k.startswith("_")} for r in ladder])
-        for p in pics + ([answer_pic] if answer_pic else []):
+                                     for a in metrics["answer"]])
+        tracker.log_table("ladder", [{k: v for k, v in r.items() if not k.startswith("_")} for r in metrics["ladder"]])
+        for p in pics:
             tracker.log_image(f"eval/{Path(p).stem}", p)
     finally:
         tracker.finish()  # before publishing: the tracker's files are part of the unit
-    return metrics
 
 
 def _slice_section(slices, pics, out) -> list[str]:
@@ -263,9 +285,22 @@ def render_report(banks, cal, length, ladder, notes, curves, rcfg, pics, out, ta
                       str(Path(answer_pic).relative_to(out)) if answer_pic else None)
     slices = length_slices(length) if slices is None else slices
     L += [length_headline(slices), ""]
-    L.append(f"Tables: `{tables.meta.get('git_commit') or '?'}` ({', '.join(tables.meta.get('chains', {}))}). "
-             f"Runtime {elapsed:.0f} s. Banks (a training bank is scored on its held-out **test** prompts, "
-             "split by prompt as in training; a bank training never saw is scored whole):")
+    L += _banks_section(banks, tables, elapsed)
+    L += _slice_section(slices, pics, out)
+    L += _pooled_section(pooled)
+    L += _calibration_section(cal, length, pics, out)
+    L += _ladder_section(ladder, notes, curves, rcfg)
+    for b in banks:
+        for cname in curves:
+            L += _ladder_tables(ladder, b.name, cname, curves[cname].unit)
+    return "\n".join(L) + "\n"
+
+
+def _banks_section(banks, tables, elapsed) -> list[str]:
+    """Report lines: the tables, the runtime, every bank and what of it was scored, how to read raw and ECE."""
+    L = [(f"Tables: `{tables.meta.get('git_commit') or '?'}` ({', '.join(tables.meta.get('chains', {}))}). "
+          f"Runtime {elapsed:.0f} s. Banks (a training bank is scored on its held-out **test** prompts, "
+          "split by prompt as in training; a bank training never saw is scored whole):")]
     L.append("")
     for b in banks:
         L.append(f"- `{b.name}` ({b.path}): {b.scope}")
@@ -278,9 +313,12 @@ def render_report(banks, cal, length, ladder, notes, curves, rcfg, pics, out, ta
           "estimate in the same cases, because they correct towards the true (smaller) error. Read `ece_ci` as "
           "the spread of the reported ECE, and `ece_debiased` for where the true error lies on a nearly "
           "calibrated slice."), ""]
-    L += _slice_section(slices, pics, out)
-    L += _pooled_section(pooled)
-    L += ["## Calibration (all depths pooled)", ""]
+    return L
+
+
+def _calibration_section(cal, length, pics, out) -> list[str]:
+    """Report lines: calibration tables (pooled over depths, per depth), accepted length, every picture."""
+    L = ["## Calibration (all depths pooled)", ""]
     L.append(table([r for r in cal if r["depth"] == "all"], CAL_COLS))
     L += ["", "### Per depth (all categories)", ""]
     L.append(table([r for r in cal if r["category"] == "all" and r["depth"] != "all"],
@@ -294,10 +332,16 @@ def render_report(banks, cal, length, ladder, notes, curves, rcfg, pics, out, ta
     for p in pics:
         L.append(f"![{Path(p).stem}]({Path(p).relative_to(out)})")
         L.append("")
-    L += ["## Policy ladder (replayed serving)", ""]
+    return L
+
+
+def _ladder_section(ladder, notes, curves, rcfg) -> list[str]:
+    """Report lines: how the replay scores policies, the policy list, shape-dependent curves, the checks."""
+    L = ["## Policy ladder (replayed serving)", ""]
     t_hi = len(next(iter(curves.values())).values) - 1
     curve_desc = "; ".join(f"`{n}` (unit: {c.unit}, C(1)={c.values[1]:.4g}, C({t_hi})={c.values[t_hi]:.4g})"
                            for n, c in curves.items())
+    # The text says calib.evaluate.policies (the registry's old home): kept, so the report stays byte-identical.
     L.append(f"Each step draws B rounds of one category from the test split; a round verified at depth d "
              f"commits min(d, accepted)+1 tokens; a step costs C(B + Σ d) plus drafting "
              f"({rcfg.draft_cost} × draft passes × C(B)). Cost curves: {curve_desc}. Decisions: "
@@ -316,32 +360,34 @@ def render_report(banks, cal, length, ladder, notes, curves, rcfg, pics, out, ta
                      + (f"; charged / priced cost of the allocator's steps: {min(ratios):.4f} .. {max(ratios):.4f}."
                         if ratios else "."))
     L += ["", "### Checks", ""] + [f"- {n}" for n in notes]
-    for b in banks:
-        for cname in curves:
-            rows = [r for r in ladder if r["bank"] == b.name and r["cost_model"] == cname]
-            if not rows:
-                continue
-            L += ["", f"### {b.name} — cost `{cname}`", ""]
-            cats = sorted({r["category"] for r in rows}, key=lambda c: (c == "all", c))
-            bs = sorted({r["batch_size"] for r in rows})
-            for c in cats:
-                L += [f"**{c}** — goodput / best_fixed (headroom captured)", ""]
-                hdr = ["policy"] + [f"B={x}" for x in bs]
-                out_rows = []
-                pols = ladder_policy_rows(rows)
-                for p in pols:
-                    rr = {"policy": p}
-                    for x in bs:
-                        m = [r for r in rows if r["category"] == c and r["batch_size"] == x and r["policy"] == p]
-                        if m:
-                            h = m[0]["headroom_captured"]
-                            rr[f"B={x}"] = (f"{m[0]['vs_best_fixed']:.3f}" +
-                                            (f" ({h:+.2f})" if h is not None and np.isfinite(h) else ""))
-                    out_rows.append(rr)
-                L.append(table(out_rows, hdr))
-                bf = [r for r in rows if r["category"] == c and r["policy"] == "best_fixed"]
-                L.append("")
-                L.append("best fixed γ: " + ", ".join(f"B={r['batch_size']}: γ={r.get('gamma')} "
-                                                       f"({r['goodput']:.4g} tok/{curves[cname].unit})" for r in bf))
-                L.append("")
-    return "\n".join(L) + "\n"
+    return L
+
+
+def _ladder_tables(ladder, bank: str, cname: str, unit: str) -> list[str]:
+    """Report lines: one bank's ladder under one cost curve, a table per category (goodput / best_fixed)."""
+    rows = [r for r in ladder if r["bank"] == bank and r["cost_model"] == cname]
+    if not rows:
+        return []
+    L = ["", f"### {bank} — cost `{cname}`", ""]
+    cats = sorted({r["category"] for r in rows}, key=lambda c: (c == "all", c))
+    bs = sorted({r["batch_size"] for r in rows})
+    for c in cats:
+        L += [f"**{c}** — goodput / best_fixed (headroom captured)", ""]
+        hdr = ["policy"] + [f"B={x}" for x in bs]
+        out_rows = []
+        for p in ladder_policy_rows(rows):
+            rr = {"policy": p}
+            for x in bs:
+                m = [r for r in rows if r["category"] == c and r["batch_size"] == x and r["policy"] == p]
+                if m:
+                    h = m[0]["headroom_captured"]
+                    rr[f"B={x}"] = (f"{m[0]['vs_best_fixed']:.3f}" +
+                                    (f" ({h:+.2f})" if h is not None and np.isfinite(h) else ""))
+            out_rows.append(rr)
+        L.append(table(out_rows, hdr))
+        bf = [r for r in rows if r["category"] == c and r["policy"] == "best_fixed"]
+        L.append("")
+        L.append("best fixed γ: " + ", ".join(f"B={r['batch_size']}: γ={r.get('gamma')} "
+                                               f"({r['goodput']:.4g} tok/{unit})" for r in bf))
+        L.append("")
+    return L

@@ -3,17 +3,21 @@
 One run = one policy in one process (the plugin installs calib's serving hooks once per process, from
 the environment it finds at engine start):
 
-* ``none`` — no speculation (the reference for greedy output identity);
-* ``vllm`` / ``vllm_dynamic`` — vLLM's own speculation (fixed K, or Dynamic SD's K per batch size);
-* ``calib_ragged`` / ``calib_two_drafter`` — vLLM drafts, calib decides every step inside the engine
+* ``no_spec`` — no speculation (the reference for greedy output identity);
+* ``fixed`` / ``vllm_dsd`` — vLLM's own speculation (fixed K, or Dynamic SD's K per batch size);
+* ``ragged_calibrated`` / ``two_drafter`` — vLLM drafts, calib decides every step inside the engine
   (calib/serve/hooks.py): a calibrated prefix of the drafter's chain, or (two drafters) of the n-gram
   chain, or nothing; with a model drafter, also how many draft passes the step runs.
+
+The names are the replay's (:mod:`calib.policies`, whose servable entries make the ``policy`` config
+group); the old serving names ``none``, ``vllm``, ``vllm_dynamic``, ``calib_ragged``, ``calib_two_drafter``
+are aliases (``policy.alias``; serve.json records both).
 
 Every prompt is submitted at once and vLLM keeps ``concurrency`` requests in flight (``max_num_seqs``).
 The clock covers ``LLM.generate`` only (engine start excluded). Writes, as one unit (staged, then
 renamed; an existing out_dir is replaced only with ``overwrite=true``):
 
-* ``serve.json`` — {policy, speculative, concurrency, n_prompts, output_tokens, wall_s, tok_s, steps,
+* ``serve.json`` — {policy, policy_alias, speculative, concurrency, n_prompts, output_tokens, wall_s, tok_s, steps,
   mean_verified_per_step, mean_accepted_per_step, allocator_ms_per_step, ...}: ``steps`` are engine
   steps with a verify (vLLM's spec-decode counter, ``num_drafts`` = request-steps with drafts), the
   per-step means are draft tokens verified / accepted per engine step; ``calib`` holds the serving
@@ -34,7 +38,27 @@ from calib.atomic import staged_output
 
 log = logging.getLogger("calib.serve")
 
-POLICIES = ("none", "vllm", "vllm_dynamic", "calib_ragged", "calib_two_drafter")
+
+
+def servable_policy(pol: dict):
+    """The registered :class:`calib.policies.Policy` a ``policy`` config node names (a servable one); an
+    alias asked for is logged as one. A ``ValueError`` naming the servable policies and aliases otherwise."""
+    import calib.policies
+
+    name = pol.get("name")
+    try:
+        entry = calib.policies.policy(name) if isinstance(name, str) else None
+    except KeyError:
+        entry = None
+    if entry is None or entry.serving is None:
+        names = [p.name for p in calib.policies.servable()]
+        aliases = ", ".join(f"{a} = {c}" for a, c in calib.policies.aliases().items())
+        raise ValueError(f"policy={name!r}: choose one of {', '.join(names)} (aliases: {aliases}); "
+                         "the servable entries of calib.policies")
+    if pol.get("alias"):
+        log.warning("policy=%s is an alias of %s (the replay's name, recorded in serve.json as policy)",
+                    pol["alias"], entry.name)
+    return entry
 
 
 def check_config(cfg: dict) -> None:
@@ -44,8 +68,7 @@ def check_config(cfg: dict) -> None:
     from calib.config_checks import check_serve
 
     pol = cfg["policy"]
-    if pol.get("name") not in POLICIES:
-        raise ValueError(f"policy={pol.get('name')!r}: choose one of {', '.join(POLICIES)} (conf/policy/)")
+    servable_policy(pol)
     check_serve(cfg)
     if int(cfg["concurrency"]) < 1:
         raise ValueError(f"concurrency={cfg['concurrency']!r}: must be >= 1 (requests in flight)")
@@ -230,7 +253,7 @@ def serve_cell(llm, cfg: dict, prompts: list, sampling: dict, concurrency: int, 
     n_out = sum(len(o.outputs[0].token_ids) for o in outputs)
     counters = {k: after.get(k, 0) - before.get(k, 0) for k in after}
     record = {
-        "policy": pol["name"], "speculative": cfg["speculative"]["name"] if spec else "none",
+        "policy": pol["name"], "policy_alias": pol.get("alias"), "speculative": cfg["speculative"]["name"] if spec else "none",
         "num_speculative_tokens": int(spec["num_speculative_tokens"]) if spec else 0,
         "prompts": prompts_name, "sampling": sampling.get("name"), "temperature": temperature,
         "max_tokens": int(sampling["max_tokens"]),

@@ -10,8 +10,8 @@ import pytest
 from calib.evaluate import plots, report
 from calib.evaluate.cost import make_curve
 from calib.evaluate.data import load_eval_bank
-from calib.evaluate.policies import CAMPS, Policy, camp_of, policy_of_row, register_policy, unregister_policy
 from calib.evaluate.replay import ReplayConfig, replay
+from calib.policies import CAMPS, Policy, camp_of, policy_of_row, register_policy, unregister_policy
 from tests.evaluate.test_replay import curve, identity_tables, tiny_bank
 
 STEEP = make_curve("parametric", {"kind": "parametric", "weight_read": 1.0, "per_position": 0.3}, 64)

@@ -47,7 +47,7 @@ def test_eval_compose_run(tmp_path):
     assert sections[0] == "## Answer" and report.index("## Answer") < report.index("Accepted length")
     assert "![answer](answer.png)" in report and (out / "answer.png").exists()
     # metrics.json's answer: one row per (bank, cost curve), its ratios recomputed from the ladder rows
-    from calib.evaluate.policies import camp_of, policy_of_row
+    from calib.policies import camp_of, policy_of_row
 
     assert [(a["bank"], a["cost_model"]) for a in m["answer"]] == [(lad[0]["bank"], c)
                                                                   for c in ("parametric", "measured")]

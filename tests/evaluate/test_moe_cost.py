@@ -68,9 +68,10 @@ def test_replay_charges_the_actual_shape(tmp_path):
     cost of the depths it chose, not the even-spread price the allocator saw."""
     from calib.evaluate.cost import MoECurve
     from calib.evaluate.data import load_eval_bank
-    from calib.evaluate.replay import ReplayConfig, StepBatch, replay_setting, train_mean_curve
+    from calib.evaluate.replay import ReplayConfig, replay_setting, train_mean_curve
     from calib.moe.models import MaxEntPairwise
     from calib.moe.trajectories import Trajectories, one_hot
+    from calib.policies.setting import StepBatch
     from tests.evaluate.test_replay import identity_tables, tiny_bank
 
     rng = np.random.default_rng(0)

@@ -1,4 +1,4 @@
-"""vllm_adaptive (calib.evaluate.peers): vLLM 0.32 adaptive verification re-implemented for the replay.
+"""vllm_adaptive (calib.policies.vllm_adaptive): vLLM 0.32 adaptive verification re-implemented for the replay.
 
 SYNTHETIC data throughout: planted logistic parameters, hand-made cost tables and the tiny hand-made
 bank of tests/evaluate/test_replay.py. Numerics are compared with tolerances.
@@ -9,19 +9,20 @@ import itertools
 import numpy as np
 import pytest
 
-from calib.evaluate.peers import (
+from calib.evaluate.replay import ReplayConfig, replay, replay_setting, train_mean_curve
+from calib.policies import policy
+from calib.policies.setting import Setting, StepBatch
+from calib.policies.vllm_adaptive import (
     INIT_BIAS,
     INIT_SLOPE,
     OnlineAcceptanceEstimator,
-    _vllm_adaptive,
     adaptive_replay,
     assign_drafts,
     build_cost_tables,
     draft_budget,
     log_odds_feature,
+    vllm_adaptive,
 )
-from calib.evaluate.policies import policy
-from calib.evaluate.replay import ReplayConfig, Setting, StepBatch, replay, replay_setting, train_mean_curve
 from tests.evaluate.test_replay import bank, curve  # noqa: F401  (bank is a fixture)
 
 SYNTHETIC_SLOPE = 1.3
@@ -191,7 +192,7 @@ def test_policy_in_a_small_replay(bank):  # noqa: F811
     assert (tok >= 4).all() and (tok <= 4 + pos).all() and extra["refits"] == 0
     # no raw confidences (an n-gram bank): not applicable
     sb.p_raw = None
-    assert _vllm_adaptive(Setting(sb, curve(), cfg, train_mean_curve(bank))) is None
+    assert vllm_adaptive(Setting(sb, curve(), cfg, train_mean_curve(bank))) is None
 
 
 def test_policy_rows_in_the_full_replay(bank):  # noqa: F811

@@ -1,14 +1,17 @@
-"""The policy registry (calib.evaluate.policies) and vllm_dsd, on the hand-made replay bank (SYNTHETIC: four
+"""The policy registry (calib.policies) and vllm_dsd, on the hand-made replay bank (SYNTHETIC: four
 rounds written by hand in tests/evaluate/test_replay.py, not engine data). No assertion depends on a
 floating-point result a different CPU could round differently: only orderings that hold by construction,
 equalities of values computed from the same sums, names and messages."""
+
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from calib.evaluate import plots, report
 from calib.evaluate.data import load_eval_bank
-from calib.evaluate.policies import (
+from calib.evaluate.replay import ReplayConfig, replay
+from calib.policies import (
     Policy,
     PolicyResult,
     display_order,
@@ -17,7 +20,7 @@ from calib.evaluate.policies import (
     register_policy,
     unregister_policy,
 )
-from calib.evaluate.replay import ReplayConfig, _vllm_dsd, replay
+from calib.policies.hindsight import vllm_dsd
 from tests.evaluate.test_replay import curve, identity_tables, tiny_bank
 
 SYNTH = "synthetic_depth1"  # a SYNTHETIC throwaway policy: verify depth 1 on every request, pay one draft pass
@@ -80,9 +83,11 @@ def test_unregistered_policy_is_refused(synthetic_policy):
 
 def test_unknown_policy_is_refused_with_the_known_ones():
     with pytest.raises(ValueError) as e:
-        ReplayConfig(policies=["no_spec", "vllm_dynamic"])
+        ReplayConfig(policies=["no_spec", "dynamic_sd"])
     msg = str(e.value)
-    assert "unknown policies ['vllm_dynamic']" in msg
+    assert "unknown policies ['dynamic_sd']" in msg
+    # serving's old name is an alias of the replay's: one vocabulary
+    assert ReplayConfig(policies=["none", "vllm_dynamic"]).policies == ("no_spec", "vllm_dsd")
     assert all(repr(n) in msg for n in policy_names())
     with pytest.raises(ValueError, match="mode='prices' is invalid; it must be one of 'price', 'budget'"):
         ReplayConfig(mode="prices")
@@ -128,11 +133,11 @@ def test_vllm_dsd_picks_one_k_from_the_pooled_stream():
                                                                         if "gamma" in chat[k] else {})}
               for k in chat}
     for rows in (chat, code):
-        got = _vllm_dsd(rows, pooled)
+        got = vllm_dsd(rows, pooled)
         assert got["gamma"] == 2 and got["tokens"] == rows["fixed_2"]["tokens"]
-    assert _vllm_dsd(pooled, pooled)["tokens"] == pooled["fixed_2"]["tokens"]
+    assert vllm_dsd(pooled, pooled)["tokens"] == pooled["fixed_2"]["tokens"]
     # table K = 0 serves no_spec
-    code_only = _vllm_dsd(code, code)
+    code_only = vllm_dsd(code, code)
     assert code_only["gamma"] == 0 and code_only["tokens"] == code["no_spec"]["tokens"]
 
 
@@ -152,3 +157,37 @@ def test_vllm_dsd_in_the_replay(bank2):
             assert r["goodput"] <= at[(c, b, "best_fixed")]["goodput"]  # best_fixed picks per category
             assert r["goodput"] <= at[(c, b, "oracle")]["goodput"] + 1e-12 * abs(r["goodput"])
         assert at[("all", b, "vllm_dsd")]["goodput"] == at[("all", b, "best_fixed")]["goodput"]
+
+
+def test_one_entry_is_a_replay_policy_and_a_serving_policy(bank2, tmp_path):
+    """A SYNTHETIC policy registered once, with a replay function and a serving spec (and an old name as an
+    alias): the replay computes its rows, serve.py's config group offers it (under both names) and the
+    serve runner's check accepts it; unregistered, serving refuses it again."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from calib.policies import Arm, Serving, aliases, servable
+    from calib.policies.config_store import store_policy_configs
+    from calib.serve.runner import check_config, servable_policy
+
+    name, old = "synthetic_served", "synthetic_old_name"
+    register_policy(Policy(name, 16, "tab:pink", "SYNTHETIC served policy", _synthetic_compute,
+                           serving=Serving(speculate=True, arms=(Arm("synthetic_arm", "ngram"),)), aliases=(old,)))
+    try:
+        rows = replay([bank2], {"parametric": curve()}, ReplayConfig(batch_sizes=(1,), policies=[name, "best_fixed"],
+                                                                     min_steps=2, max_steps=2), progress=False)
+        assert {r["policy"] for r in rows} == {name, "best_fixed"}
+        assert name in [p.name for p in servable()] and aliases()[old] == name
+        assert {name, old} <= set(store_policy_configs())
+        conf = str(Path(__file__).resolve().parents[2] / "conf")
+        for asked in (name, old):
+            with initialize_config_dir(config_dir=conf, version_base="1.3"):
+                cfg = OmegaConf.to_container(compose("serve", overrides=[f"policy={asked}", "speculative=ngram",
+                                                                         f"root={tmp_path}"]), resolve=True)
+            assert cfg["policy"]["name"] == name and cfg["policy"]["alias"] == (None if asked == name else old)
+            check_config(cfg)
+            assert servable_policy(cfg["policy"]).name == name
+    finally:
+        unregister_policy(name)
+    with pytest.raises(ValueError, match=f"policy={name!r}: choose one of"):
+        servable_policy({"name": name})

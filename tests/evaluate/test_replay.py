@@ -9,14 +9,8 @@ from calib.bank import schema, write_bank
 from calib.chains.ngram import round_feature_tensor
 from calib.evaluate.cost import CostCurve, make_curve
 from calib.evaluate.data import load_eval_bank
-from calib.evaluate.replay import (
-    ReplayConfig,
-    StepBatch,
-    _committed,
-    replay,
-    replay_setting,
-    train_mean_curve,
-)
+from calib.evaluate.replay import ReplayConfig, replay, replay_setting, train_mean_curve
+from calib.policies.setting import StepBatch, committed
 from calib.tables import save
 from tests.synthetic import two_chain_tables
 
@@ -111,7 +105,7 @@ def test_committed_uses_the_chosen_chain(bank):
     drafter = np.array([[1, 2, 0, 2]])
     depth = np.array([[2, 2, 0, 3]])
     # round 0 model: min(2, 3)+1 = 3; round 1 n-gram: min(2, 2)+1 = 3; round 2 none: 1; round 3 n-gram: 0+1
-    assert _committed(sb, drafter, depth).tolist() == [8]
+    assert committed(sb, drafter, depth).tolist() == [8]
 
 
 def test_drafting_cost_is_charged_per_pass(bank):

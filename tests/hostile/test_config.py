@@ -9,7 +9,9 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from calib.config_checks import check_eval, check_serve, check_train
+from calib.config_checks import check_serve, check_train
+from calib.evaluate.checks import check_eval
+from calib.policies.config_store import store_policy_configs
 
 ROOT = Path(__file__).resolve().parents[2]
 CONF = str(ROOT / "conf")
@@ -18,6 +20,7 @@ CHECKS = {"train": check_train, "eval": check_eval, "serve": check_serve}
 
 
 def _compose(job: str, overrides=()) -> dict:
+    store_policy_configs()  # serve.yaml's `policy` group (serve.py stores it before Hydra composes)
     with initialize_config_dir(config_dir=CONF, version_base="1.3"):
         cfg = compose(job, overrides=[*BASE[job], *overrides])
     return OmegaConf.to_container(cfg, resolve=True)
@@ -27,7 +30,7 @@ def _compose(job: str, overrides=()) -> dict:
     ("train", []), ("train", ["context=none"]), ("train", ["calibrator=temperature", "calibrator.extra=[entropy,margin]"]),
     ("eval", []), ("eval", ["cost=measured", "replay.mode=budget"]),
     ("serve", []), ("serve", ["policy=none", "speculative=none"]), ("serve", ["speculative=ngram", "sampling=sampled"]),
-    ("serve", ["policy=calib_ragged"]),
+    ("serve", ["policy=calib_ragged"]), ("serve", ["policy=ragged_calibrated"]), ("serve", ["policy=vllm_dsd"]),
 ])
 def test_shipped_configs_pass(job, overrides):
     CHECKS[job](_compose(job, overrides))

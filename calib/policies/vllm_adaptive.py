@@ -1,95 +1,14 @@
-"""Peer serving policies: other engines' adaptive speculation, re-implemented for the replay.
+"""``vllm_adaptive``: vLLM 0.32 Model Runner V2 adaptive verification, re-implemented for the replay.
 
-``vllm_adaptive``: vLLM 0.32 Model Runner V2 *adaptive verification* (``enable_adaptive_verification``),
-re-implemented in numpy/torch from the installed package (``vllm/_version.py``: 0.32.0). Followed, in
-``vllm/v1/worker/gpu/spec_decode/``:
-
-``acceptance_estimator.py`` (the online acceptance estimator)
-    * lines 11-20: ``_MAX_LOG_ODDS = 40`` (the feature is clamped to ±40), cold start ``_INIT_SLOPE = 0.5``,
-      ``_INIT_BIAS = -0.2`` -> :data:`MAX_LOG_ODDS`, :data:`INIT_SLOPE`, :data:`INIT_BIAS`;
-    * ``_predict_kernel`` (lines 219-310): feature ``f = logit(max q)`` of the temperature-scaled draft
-      distribution, clamped; ``p = sigmoid(w * f + b_k)`` with one shared slope ``w`` and an intercept per
-      draft position ``k``; stored per request slot as *features* and *predictions* and published as the
-      step's confidences -> :meth:`OnlineAcceptanceEstimator.predict`;
-    * ``_accumulate_kernel`` (lines 23-88): ``num_accepted = max(num_sampled - 1, 0)``, ``num_admitted =
-      num_accepted + num_rejected``; position ``k`` is observed iff ``k <= num_accepted and k <
-      num_admitted`` (the accepted drafts and the first rejected one, if it was verified: right-censored),
-      label ``k < num_accepted``; IRLS weight ``p(1 - p)`` and residual ``label - p`` use the prediction
-      made at draft time; per-position sums ``a_k, b_k, c_k, g0_k, g1_k`` and counts ->
-      :meth:`OnlineAcceptanceEstimator.step`;
-    * ``OnlineAcceptanceEstimator`` (lines 313-449): ``REFIT_INTERVAL = 100`` calls of ``step`` between
-      refits (no refit before the 100th), ``DAMPING_OBSERVATIONS = 50``, ``L2 = 1e-3``, slope and intercepts
-      start at the cold-start values, the statistics are cleared at every refit;
-    * ``_refit_kernel`` (lines 91-160): *one* damped Newton-IRLS step per refit on the arrowhead system
-      ``(XᵀWX + λI) Δθ = Xᵀ(y - p)`` for ``θ = [w, b_0 .. b_{K-1}]``: ``Δw = (g0 - Σ b_k g1_k / (c_k+λ)) /
-      (a + λ - Σ b_k² / (c_k+λ))`` damped by ``n / (n + 50)`` (``n`` the round's observations), dropped when NaN
-      or when it would make ``w`` negative; ``Δb_k = (g1_k - b_k Δw) / (c_k+λ)`` (with the damped ``Δw``)
-      damped by ``n_k / (n_k + 50)``, dropped when NaN -> :meth:`OnlineAcceptanceEstimator._refit`.
-
-``adaptive_verification.py`` (the draft budget and its allocation)
-    * ``build_cost_tables_from_curves`` (lines 80-128) -> :func:`build_cost_tables` (a copy: step
-      function below the cudagraph limit, running maximum of the profiled costs, linear beyond the last
-      point, draft table floored at 0, verify table at 1e-6);
-    * ``AdaptiveVerificationManager.__init__`` / ``add_request`` / ``record_confidences`` (lines 155-186,
-      256-280): the budget reads *stale* confidences, a double-buffered CPU copy: at the step that
-      verifies drafts ``D_s`` it holds the confidences of ``D_{s-1}``, those verified in the previous
-      step (``model_runner.py`` calls ``get_num_tokens`` at lines 1311-1319 while preparing the step and
-      ``record_confidences`` after ``propose``, lines 2256-2260); a new request's row is 1.0;
-    * ``get_num_tokens`` (lines 282-350) -> :func:`draft_budget`: survival = cumulative product of the
-      stale confidences (float64) over each request's scheduled drafts, sorted descending, capped at
-      ``min(Σ scheduled drafts, max_total_logits - num_reqs · num_bonus)``; expected tokens
-      ``num_sampling_requests + cumsum(scores)``; cost ``draft_cost[num_reqs] + verify_cost[non_draft +
-      budget]``; budget = ``argmax`` of their ratio (first maximum);
-    * ``reallocate_drafts`` / ``_assign_draft_token_budget`` (lines 392-447, 46-72) -> :func:`assign_drafts`:
-      budget 0 verifies nothing; a budget below the scheduled drafts admits the global top-``budget``
-      (request, position) slots by survival of *this* step's confidences (float32 cumulative product,
-      slots past a request's scheduled drafts at -inf); otherwise every scheduled draft is verified.
-``input_batch.py`` ``_get_num_sampled_and_rejected_kernel`` (lines 508-533): ``num_rejected = num_logits -
-num_sampled`` with ``num_logits = admitted + 1`` (the bonus), i.e. ``admitted - accepted`` — what
-:func:`adaptive_replay` feeds the estimator (``speculator.py`` ``observe_verification``, lines 489-501,
-runs once per engine step, after verification and before the next ``propose``).
-
-The replay stream (:func:`adaptive_replay`), per step ``s`` of a setting, in vLLM's order: the step's drafts
-are predicted with the coefficients fitted on the outcomes of steps ``< s`` only; the budget is chosen from
-step ``s - 1``'s predictions (1.0 at ``s = 0``, as for a new request); the allocation admits the top slots
-of step ``s``'s predictions; the verified outcome of step ``s`` is then folded into the estimator (refit after
-every 100th step). Charged: ``K`` draft passes every step (vLLM drafts every request's full chain before
-the budget trims verification: ``draft_cost[num_reqs]`` is a constant of its objective) plus the verify
-charge of the admitted depths (:meth:`CostCurve.charge`, the shape's actual cost for MoE curves).
-
-Where the replay differs from vLLM, and why:
-    * **Feature.** vLLM scores ``max q`` of the draft distribution; the banks record the drafter's
-      probability of the token it drafted (``conf``, ``calib/collect/hooks.py``), which equals ``max q``
-      when the draft is the argmax (greedy drafting) and is at most ``max q`` otherwise. Positions the bank
-      did not draft (NaN; none in the shipped banks, vLLM always drafts all ``K``) get feature 0.
-    * **Stale confidences.** In vLLM they are the same *request's* previous drafts; the replay's lanes are
-      rounds drawn independently per step, so lane ``b`` of step ``s - 1`` stands in for the request in
-      lane ``b`` of step ``s``. The budget only depends on the multiset of the batch's stale scores (it
-      sorts them), so this is exact for a stationary batch and an approximation otherwise; the capacity
-      mask uses this step's scheduled drafts, as vLLM does.
-    * **One stream per setting.** A fresh estimator per (bank, category, B, cost curve), like an engine
-      started for that workload. Settings run 24-128 steps, so the estimator refits at most once
-      (``REFIT_INTERVAL = 100``) and serves mostly on its cold-start coefficients — which is what vLLM does
-      in its first 100 steps. The row's ``refits`` extra says how many refits a setting saw.
-    * **Cost tables.** Built with :func:`build_cost_tables` from the replay's cost curve instead of profiled
-      timings: verify points ``(T, C(T))`` for every ``T``, one draft point ``(B, K draft passes)`` =
-      ``Setting.sunk`` (``cudagraph_limit = 0``: the curve already is what a pass costs).
-    * **Batch.** Every request is decoding with one non-draft (bonus) token: ``num_sampling_requests = B``,
-      ``non_draft = B``; ``max_total_logits`` is taken as not binding. Chunked prefill, cudagraph padding of
-      the batch (``compact_batch``) and TP broadcast do not exist in the replay.
-    * **Numerics.** Estimator statistics in float64 (vLLM: float32 on the GPU); ties in the top-k go to the
-      lowest (request, position) index (a stable sort; ``torch.topk`` leaves ties unspecified).
-    * ``replay.mode: budget`` does not apply (vLLM's rule has no token budget): the policy runs its own rule
-      in both modes, as the ``fixed`` rows do.
-Banks whose primary chain has no raw confidence (n-gram banks): no feature, ``compute`` returns None.
+What was followed in vLLM (file and line) and where the replay differs, and why: docs/policies.md.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from calib.evaluate.policies import Policy, PolicyResult, register_policy
-from calib.evaluate.replay import _committed
+from calib.policies.base import Policy, PolicyResult, register_policy
+from calib.policies.setting import Setting, committed
 
 MAX_LOG_ODDS = 40.0  # acceptance_estimator.py:13
 INIT_SLOPE = 0.5  # acceptance_estimator.py:19
@@ -290,7 +209,7 @@ def adaptive_replay(p_raw: np.ndarray, accepted: np.ndarray, scheduled: np.ndarr
                    "budgets": budgets}
 
 
-def _vllm_adaptive(s) -> PolicyResult | None:
+def vllm_adaptive(s: Setting) -> PolicyResult | None:
     sb = s.sb
     if sb.p_raw is None:
         return None
@@ -300,7 +219,7 @@ def _vllm_adaptive(s) -> PolicyResult | None:
     draft_table, verify_table = build_cost_tables([(B, s.sunk)], verify_points, B, t_max)
     scheduled = np.minimum(sb.length[s.P], K)
     depth, info = adaptive_replay(sb.p_raw, sb.acc[s.P], scheduled, float(draft_table[B]), verify_table)
-    tokens = _committed(sb, s.one, depth)
+    tokens = committed(sb, s.one, depth)
     cost = s.curve.charge(depth) + s.sunk
     return PolicyResult(tokens, cost, depth.sum(axis=1), {
         "refits": info["refits"],
@@ -311,6 +230,6 @@ register_policy(Policy(
     "vllm_adaptive", 45, "tab:orange", "vLLM 0.32 adaptive verification: online logistic estimator on the drafter's "
     "raw confidences (shared slope, per-position intercepts, IRLS refit every 100 steps), batch draft budget by "
     "expected-tokens/cost on the previous step's confidences, global top-k of survival; pays K draft passes",
-    _vllm_adaptive,
+    vllm_adaptive,
     below_no_spec="drafts every request's full chain before trimming (K draft passes), and serves mostly on its "
                   "cold-start coefficients (a setting's stream is shorter than a few refits)"))

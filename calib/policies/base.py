@@ -1,30 +1,14 @@
-"""The replay's policy registry: a serving policy is one registered :class:`Policy`.
+"""The policy registry: one :class:`Policy` per name, what the replay computes and what serving runs.
 
-Everything that names policies iterates this registry: the replay (:mod:`calib.evaluate.replay`, which
-computes what a config asks for), :class:`~calib.evaluate.replay.ReplayConfig`'s validation of
-``replay.policies`` (so an unknown name in ``conf/eval.yaml`` or on the command line is refused with
-the registered names), the ladder plot's bar order and colours (:mod:`calib.evaluate.plots`), the
-report's ladder tables, its policy list and its "below ``no_spec``" explanations
-(:mod:`calib.evaluate.report`, :mod:`calib.evaluate.run`), and the report's *Answer*, which pits the best
-policy of camp ``calib`` against the best of camp ``peer`` (:attr:`Policy.camp`, :func:`camp_of`). Adding a policy is one
-:func:`register_policy` call (plus its name in ``replay.policies`` to run it by default).
-
-Two kinds of policy:
-
-* ``kind="step"``: ``compute(setting) -> PolicyResult | None`` decides every step of one (bank,
-  category, B, cost curve) setting; ``setting`` is a :class:`calib.evaluate.replay.Setting` (the
-  gathered arrays, the curve, the config, the drafting prices and the shared helpers). ``None``: the
-  policy does not apply to this bank (e.g. ``ragged_raw`` on a chain with no raw confidence). A family
-  (``family=True``, e.g. ``fixed``) returns ``{row name: PolicyResult}``, rows named ``<name>_<x>``.
-* ``kind="hindsight"``: ``compute(totals, pooled) -> Totals | None`` picks among the step policies'
-  totals after every setting has been replayed: ``totals`` = this slice's ``{row name: Totals}``,
-  ``pooled`` = the same over every category of the (bank, B, cost curve) (for the ``all`` slice
-  ``totals is pooled``). ``best_fixed`` is one (the ladder's reference: every row's ``vs_best_fixed``);
-  hindsight policies are not summed into ``all``, they are recomputed on it.
+A policy's entry holds its replay function (``compute``, on a :class:`calib.policies.setting.Setting`)
+and, if it can be served, its :class:`Serving` spec (what ``serve.py policy=<name>`` runs; the Hydra
+``policy`` group, the serve runner and bench/serve.py's arms are derived from it). Old serving names are
+:attr:`Policy.aliases`. The two kinds and how the replay calls them: docs/policies.md.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple, TypedDict
@@ -44,15 +28,16 @@ CAMP_DEFAULTS = {
     "gated_uniform": "calib", "ragged_raw": "calib", "ragged_calibrated": "calib", "two_drafter": "calib",
 }
 BASE_TOTALS = ("tokens", "cost", "positions", "steps", "rounds")  # every Totals has these; the rest are extras
+log = logging.getLogger("calib.policies")
 
 
 class PolicyResult(NamedTuple):
     """A step policy's decisions on one setting, per step [S]; ``extra`` holds scalars for the row
     (e.g. ``{"gamma": 3}``). A tuple, so ``tokens, cost, positions, extra = result`` works."""
 
-    tokens: np.ndarray  # committed tokens per step
-    cost: np.ndarray  # verify + drafting cost per step (the curve's unit)
-    positions: np.ndarray  # draft positions verified per step
+    tokens: np.ndarray  # [S] committed tokens per step
+    cost: np.ndarray  # [S] verify + drafting cost per step (the curve's unit)
+    positions: np.ndarray  # [S] draft positions verified per step
     extra: dict
 
 
@@ -68,8 +53,46 @@ class Totals(TypedDict, total=False):
 
 
 @dataclass(frozen=True)
+class Arm:
+    """One arm of bench/serve.py: its label and the ``speculative=`` config group it serves with
+    (None: the config's default); ``default``: run unless ``--arms`` names the arms."""
+
+    name: str
+    speculative: str | None = None
+    default: bool = True
+
+
+@dataclass(frozen=True)
+class Serving:
+    """What ``serve.py policy=<name>`` runs in vLLM (the Hydra ``policy`` config node's fields).
+
+    Attributes:
+        speculate: vLLM speculates (``speculative=`` as configured); False: plain decoding.
+        calib: calib decides each step inside the engine (calib/serve/hooks.py) from the tables.
+        chains: calib policies: the chains calib may verify (registered chain names).
+        plan: calib policies with a model drafter: choose each step's number of draft passes.
+        dynamic: vLLM Dynamic SD's schedule ``[[first B, last B, K], ...]`` (K capped at the configured K).
+        arms: bench/serve.py's arms of this policy.
+    """
+
+    speculate: bool
+    calib: bool = False
+    chains: tuple[str, ...] | None = None
+    plan: bool | None = None
+    dynamic: tuple[tuple[int, int, int], ...] | None = None
+    arms: tuple[Arm, ...] = ()
+
+    def node(self, name: str, alias: str | None = None) -> dict:
+        """The ``policy`` config node (conf/serve.yaml's ``policy:``) of policy ``name``; ``alias``: the old
+        serving name it was asked for by (recorded in serve.json), else None."""
+        return {"name": name, "alias": alias, "speculate": self.speculate, "calib": self.calib,
+                "chains": None if self.chains is None else list(self.chains), "plan": self.plan,
+                "dynamic": None if self.dynamic is None else [list(r) for r in self.dynamic]}
+
+
+@dataclass(frozen=True)
 class Policy:
-    """One serving policy.
+    """One policy: how the replay scores it and, if servable, how serve.py runs it.
 
     Attributes:
         name: the name in ``replay.policies`` and in ladder rows (a family's rows: ``<name>_<x>``).
@@ -87,6 +110,8 @@ class Policy:
         camp: ``"calib"``, ``"peer"`` or ``"reference"`` (see :data:`CAMPS`): the report's *Answer* pits the
             best ``calib`` policy against the best ``peer``. None: :data:`CAMP_DEFAULTS` by name, else
             ``reference``; read it through :func:`camp_of`.
+        serving: what ``serve.py policy=<name>`` runs (None: replay only).
+        aliases: other names ``serve.py policy=`` accepts for it (old serving names); each says it is an alias.
     """
 
     name: str
@@ -101,6 +126,8 @@ class Policy:
     plot: bool = True
     pooled_extra: tuple[str, ...] = ()
     camp: str | None = None
+    serving: Serving | None = None
+    aliases: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.name or not self.name.replace("_", "").isalnum():
@@ -113,6 +140,8 @@ class Policy:
             raise ValueError(f"Policy {self.name!r}: camp={self.camp!r} is invalid; it must be one of {list(CAMPS)}")
         if "\n" in self.explanation or "\n" in self.below_no_spec:
             raise ValueError(f"Policy {self.name!r}: explanation and below_no_spec are one line each")
+        if self.aliases and self.serving is None:
+            raise ValueError(f"Policy {self.name!r}: aliases are serving names; it has no serving spec")
 
     def owns(self, row: str) -> bool:
         """Whether a ladder row name belongs to this policy."""
@@ -120,52 +149,86 @@ class Policy:
 
 
 _REGISTRY: dict[str, Policy] = {}
+_ALIASES: dict[str, str] = {}  # alias -> canonical name
 
 
 def register_policy(p: Policy, replace: bool = False) -> Policy:
     """Add ``p`` (after the ones registered before it: hindsight policies see every step policy's
-    totals). A name already registered is refused unless ``replace``; ``needs`` must name registered
+    totals). A name or alias already taken is refused unless ``replace``; ``needs`` must name registered
     policies."""
     if p.name in _REGISTRY and not replace:
         raise ValueError(f"policy {p.name!r} is already registered")
+    clash = [n for n in (p.name, *p.aliases)
+             if _ALIASES.get(n, p.name) != p.name or (n != p.name and n in _REGISTRY)]
+    if clash:
+        raise ValueError(f"policy {p.name!r}: {clash} already name another registered policy or alias")
     missing = [n for n in p.needs if n not in _REGISTRY and n != p.name]
     if missing:
         raise ValueError(f"policy {p.name!r} needs {missing}, which are not registered; "
                          f"registered: {list(_REGISTRY)}")
+    if p.name in _REGISTRY:
+        _drop_aliases(p.name)
     _REGISTRY[p.name] = p
+    _ALIASES.update({a: p.name for a in p.aliases})
     return p
 
 
+def _drop_aliases(name: str) -> None:
+    for alias in [a for a, n in _ALIASES.items() if n == name]:
+        del _ALIASES[alias]
+
+
 def unregister_policy(name: str) -> None:
-    """Remove a registered policy (tests and experiments)."""
-    _builtins()
+    """Remove a registered policy and its aliases (tests and experiments)."""
     if name not in _REGISTRY:
         raise KeyError(f"no policy {name!r}; registered: {list(_REGISTRY)}")
     del _REGISTRY[name]
-
-
-def _builtins() -> None:
-    """The built-in policies register when :mod:`calib.evaluate.replay` is imported (they use its helpers)."""
-    import calib.evaluate.replay  # noqa: F401
-    import calib.evaluate.peers  # noqa: F401
+    _drop_aliases(name)
 
 
 def policies() -> tuple[Policy, ...]:
     """Every registered policy, in registration (= computation) order."""
-    _builtins()
     return tuple(_REGISTRY.values())
 
 
 def policy_names() -> tuple[str, ...]:
-    return tuple(p.name for p in policies())
+    return tuple(_REGISTRY)
+
+
+def canonical(name: str) -> str:
+    """The registered name ``name`` stands for: itself, or the policy it is an alias of (logged)."""
+    if name in _ALIASES:
+        log.info("policy %r is an alias of %r", name, _ALIASES[name])
+        return _ALIASES[name]
+    return name
 
 
 def policy(name: str) -> Policy:
-    """The registered policy ``name``; a ``KeyError`` naming the registered ones otherwise."""
-    _builtins()
+    """The registered policy ``name`` (or an alias of it); a ``KeyError`` naming the registered ones otherwise."""
+    name = canonical(name)
     if name not in _REGISTRY:
         raise KeyError(f"unknown policy {name!r}; registered policies: {list(_REGISTRY)}")
     return _REGISTRY[name]
+
+
+def aliases() -> dict[str, str]:
+    """{alias: canonical name} of every registered policy."""
+    return dict(_ALIASES)
+
+
+def servable() -> tuple[Policy, ...]:
+    """The registered policies serve.py can run (a :class:`Serving` spec), in registration order."""
+    return tuple(p for p in _REGISTRY.values() if p.serving is not None)
+
+
+def serving_nodes() -> dict[str, dict]:
+    """{name: ``policy`` config node} of every servable policy and of every alias (its policy's node, with
+    ``alias`` set to the name asked for)."""
+    out = {}
+    for p in servable():
+        out[p.name] = p.serving.node(p.name)
+        out.update({a: p.serving.node(p.name, alias=a) for a in p.aliases})
+    return out
 
 
 def policy_of_row(row: str) -> Policy | None:

@@ -1,0 +1,151 @@
+"""The replay's driver: draw every setting's steps, run the policies a config asks for, sum and rank them.
+
+:func:`replay` is what ``eval.py`` runs; the accounting and the policies are described in docs/policies.md.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from calib.evaluate.cost import CostCurve
+from calib.evaluate.replay.config import ReplayConfig
+from calib.labels import censored
+from calib.policies import BASE_TOTALS, REFERENCE, PolicyResult, closure, policy, policy_of_row
+from calib.policies.setting import Setting, StepBatch
+
+
+def train_mean_curve(bank) -> np.ndarray:
+    """Primary chain's P(accept k | reached k) [K] pooled over the training split (NaN: never reached);
+    ``bank`` a :class:`calib.evaluate.data.EvalBank`."""
+    chain = bank.chains[bank.primary]
+    acc = chain.acc[bank.split == "train"]
+    if acc.shape[0] == 0:
+        acc = chain.acc
+    reached, label = censored(acc)
+    n = reached.sum(axis=0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(n > 0, (reached & label).sum(axis=0) / np.maximum(n, 1), np.nan)
+
+
+def draw_steps(n_rounds: int, batch: int, cfg: ReplayConfig, rng: np.random.Generator) -> np.ndarray:
+    """[S, B] row indices; rows are distinct within a step when the pool allows it."""
+    steps = int(np.clip(math.ceil(cfg.passes * n_rounds / batch), cfg.min_steps, cfg.max_steps))
+    if n_rounds >= batch:
+        return np.stack([rng.choice(n_rounds, size=batch, replace=False) for _ in range(steps)])
+    return rng.integers(0, n_rounds, size=(steps, batch))
+
+
+def replay_setting(sb: StepBatch, curve: CostCurve, cfg: ReplayConfig, train_curve: np.ndarray) -> dict:
+    """{row name: :class:`PolicyResult`} of every step policy ``cfg.policies`` asks for, what they and the
+    reference ``best_fixed`` need (``no_spec``, ``fixed``), for one setting and one cost curve."""
+    s = Setting(sb, curve, cfg, train_curve)
+    out: dict[str, PolicyResult] = {}
+    for name in closure([*cfg.policies, REFERENCE]):
+        p = policy(name)
+        if p.kind != "step":
+            continue
+        res = p.compute(s)
+        if res is None:
+            continue
+        if p.family:
+            for row, r in res.items():
+                if not p.owns(row):
+                    raise ValueError(f"policy {p.name!r} returned row {row!r}; a family's rows are {p.name}_<x>")
+                out[row] = PolicyResult(*r)
+        else:
+            out[p.name] = PolicyResult(*res)
+    return out
+
+
+def summarise(results: dict, B: int, S: int) -> dict:
+    """Totals per step-policy row (hindsight policies are added by :func:`replay`)."""
+    rows = {}
+    for name, (tok, cost, pos, extra) in results.items():
+        rows[name] = {"tokens": float(np.sum(tok)), "cost": float(np.sum(cost)), "positions": float(np.sum(pos)),
+                      "steps": S, "rounds": S * B, **extra}
+    return rows
+
+
+def add_hindsight(totals: dict, pooled: dict, wanted) -> dict:
+    """``totals`` with every hindsight policy of ``wanted`` (registration order) appended."""
+    for name in wanted:
+        p = policy(name)
+        if p.kind == "hindsight":
+            row = p.compute(totals, pooled)
+            if row is not None:
+                totals[name] = dict(row)
+    return totals
+
+
+def ladder_rows(totals: dict, meta: dict, policies) -> list[dict]:
+    """Goodput, ratio to best_fixed and headroom captured for one setting's totals; the rows of the
+    policies named in ``policies`` (a family's rows first), in ``totals`` order."""
+    gp = {k: v["tokens"] / v["cost"] for k, v in totals.items()}
+    g_bf, g_or = gp.get(REFERENCE), gp.get("oracle")
+    owner = {k: policy_of_row(k) for k in totals}
+    asked = set(policies)
+    keep = [k for k in totals if owner[k] is not None and owner[k].family and owner[k].name in asked] + \
+           [k for k in totals if owner[k] is not None and not owner[k].family and k in asked]
+    rows = []
+    for k in keep:
+        v = totals[k]
+        head = ((gp[k] - g_bf) / (g_or - g_bf)
+                if g_bf is not None and g_or is not None and g_or - g_bf > 1e-12 * abs(g_bf) else float("nan"))
+        rows.append({**meta, "policy": k, "goodput": gp[k],
+                     "vs_best_fixed": gp[k] / g_bf if g_bf else float("nan"),
+                     "headroom_captured": head,
+                     "tokens_per_round": v["tokens"] / v["rounds"],
+                     "verified_per_round": v["positions"] / v["rounds"],
+                     "steps": v["steps"], "rounds": v["rounds"],
+                     **{x: y for x, y in v.items() if x not in BASE_TOTALS},
+                     "_tokens": v["tokens"], "_cost": v["cost"], "_positions": v["positions"]})
+    return rows
+
+
+def replay(banks, curves: dict[str, CostCurve], cfg: ReplayConfig, progress: bool = True) -> list[dict]:
+    """Every (bank, category, B, cost curve) setting; also category "all" (the sum over categories).
+    Step policies are replayed setting by setting; hindsight policies are added once every category of a
+    (bank, B, cost curve) is in (``vllm_dsd`` needs them all)."""
+    from tqdm.auto import tqdm
+
+    settings = []
+    for bank in banks:
+        test = np.nonzero(bank.split == "test")[0]
+        for cat in sorted(set(bank.category[test].tolist())):
+            rows = test[bank.category[test] == cat]
+            for b in cfg.batch_sizes:
+                settings.append((bank, cat, rows, b))
+    wanted = closure([*cfg.policies, REFERENCE])
+    rng = np.random.default_rng(cfg.seed)
+    bar = tqdm(settings, desc="replay", unit="setting", disable=not progress)
+    pooled: dict = {}
+    done: list[tuple[dict, dict, tuple]] = []  # (meta, totals, pooled key) per replayed setting, in order
+    for bank, cat, rows, b in bar:
+        bar.set_postfix_str(f"{bank.name} {cat} B={b}")
+        idx = draw_steps(len(rows), b, cfg, rng)
+        sb = StepBatch(bank, rows, idx)
+        train_curve = train_mean_curve(bank)
+        for cname, curve in curves.items():
+            res = replay_setting(sb, curve.for_batch(b), cfg, train_curve)
+            totals = summarise(res, b, sb.S)
+            meta = {"bank": bank.name, "batch_size": b, "category": cat, "cost_model": cname, "unit": curve.unit}
+            key = (bank.name, b, cname, curve.unit)
+            done.append((meta, totals, key))
+            for pol, v in totals.items():
+                acc = pooled.setdefault(key, {}).setdefault(pol, {"tokens": 0.0, "cost": 0.0, "positions": 0.0,
+                                                                   "steps": 0, "rounds": 0})
+                for f in BASE_TOTALS:
+                    acc[f] += v[f]
+                for x in policy_of_row(pol).pooled_extra:
+                    if x in v:
+                        acc[x] = v[x]
+    ladder: list[dict] = []
+    for meta, totals, key in done:
+        ladder.extend(ladder_rows(add_hindsight(totals, pooled[key], wanted), meta, cfg.policies))
+    for (bname, b, cname, unit), totals in pooled.items():
+        add_hindsight(totals, totals, wanted)
+        meta = {"bank": bname, "batch_size": b, "category": "all", "cost_model": cname, "unit": unit}
+        ladder.extend(ladder_rows(totals, meta, cfg.policies))
+    return ladder

@@ -1,0 +1,54 @@
+"""``oracle``: the allocator on the actual accept masks, a bound on every policy step by step."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from calib.policies.base import Policy, PolicyResult, register_policy
+from calib.policies.setting import Setting, allocate_chains, committed
+
+
+def oracle(s: Setting) -> PolicyResult:
+    """Allocator on the actual accept masks; per step it also chooses in hindsight how many primary
+    draft passes to pay (0..K; with a free drafter always K). A second chain (the n-gram chain of a
+    model-drafter bank) is drafted without a model pass, so it is available in full whatever the
+    number of passes (its own drafting, ``draft_cost[ngram]``, is paid once). The best per-step goodput
+    is kept."""
+    sb, curve, budget = s.sb, s.curve, s.budget
+    S, B, K = sb.S, sb.B, sb.K
+    free = s.draft(1) == 0
+    depths_to_try = [K] if (free or budget is not None) else list(range(K + 1))
+    second_cost = s.second_cost if sb.second else 0.0
+    best = (np.full(S, float(B)), np.full(S, curve.values[B]), np.zeros(S))  # no drafting at all
+    best_gp = best[0] / best[1]
+    for gmax in depths_to_try:
+        if gmax == 0 and not sb.second:
+            continue  # no chain to verify: that is the no-drafting start
+        extra = s.draft(gmax) + second_cost
+        tok, cost, pos = _oracle_passes(s, gmax, extra)
+        gp = tok / cost
+        better = gp > best_gp if budget is None else np.ones(S, bool)
+        best = tuple(np.where(better, new, old) for new, old in zip((tok, cost, pos), best))
+        best_gp = np.where(better, gp, best_gp)
+    return PolicyResult(*best, {})
+
+
+def _oracle_passes(s: Setting, gmax: int, extra: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(tokens, cost, positions) [S] of the allocator on the accept masks with ``gmax`` primary passes drafted."""
+    sb, curve = s.sb, s.curve
+    first, second = sb.ids
+    cost_t = curve.tensor(extra=extra)
+    p1 = sb.oracle[first].copy()
+    p1[..., gmax:] = np.nan
+    p2 = sb.oracle[second] if sb.second else None
+    dr = np.zeros((sb.S, sb.B), np.int64)
+    de = np.zeros((sb.S, sb.B), np.int64)
+    for i in range(sb.S):
+        dr[i], de[i] = allocate_chains(p1[i], None if p2 is None else p2[i], cost_t, s.budget, s.cfg.impl, sb.names)
+    return committed(sb, dr, de), curve.charge(de) + extra, de.sum(axis=1)
+
+
+register_policy(Policy(
+    "oracle", 80, "k", "allocator on the actual accept masks, also choosing per step in hindsight how many draft "
+    "passes to pay (0..K): a bound on every policy, step by step", oracle, camp="reference",
+    below_no_spec="pays drafting it cannot avoid"))

@@ -1,0 +1,35 @@
+"""The reference policies: ``no_spec`` (verify nothing) and the ``fixed`` family (γ for every request)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from calib.policies.base import Arm, Policy, PolicyResult, Serving, register_policy
+from calib.policies.setting import Setting
+
+
+def no_spec(s: Setting) -> PolicyResult:
+    return PolicyResult(np.full(s.S, float(s.B)), np.full(s.S, s.curve.values[s.B]), np.zeros(s.S), {})
+
+
+def fixed(s: Setting) -> dict:
+    out = {}
+    for g in range(1, s.K + 1):
+        tok, cost, pos = s.uniform(np.full(s.S, g), s.draft(g))
+        out[f"fixed_{g}"] = PolicyResult(tok, cost, pos, {"gamma": g})
+    return out
+
+
+# No speculation: plain decoding (the reference for greedy output identity); `speculative` is ignored.
+NO_SPEC = register_policy(Policy(
+    "no_spec", 10, "0.6", "verify nothing; one token per request per pass", no_spec, camp="reference",
+    serving=Serving(speculate=False, arms=(Arm("none"),)), aliases=("none",)))
+# Served: vLLM's own speculation with `speculative` as configured (K = speculative.num_speculative_tokens).
+FIXED = register_policy(Policy(
+    "fixed", 90, None, "every request verifies min(γ, drafted) tokens and pays γ draft passes (rows fixed_<γ>)",
+    fixed, family=True, plot=False, pooled_extra=("gamma",), camp="reference",
+    below_no_spec="verifies γ tokens for every request whatever its odds: where acceptance is low or the "
+                  "per-position cost is high, the extra positions cost more than the tokens they bring "
+                  "(`best_fixed` includes γ = 0, i.e. no_spec)",
+    serving=Serving(speculate=True, arms=(Arm("vllm_eagle", "eagle"), Arm("vllm_ngram", "ngram"))),
+    aliases=("vllm",)))
