@@ -56,7 +56,7 @@ from calib.allocate import allocate_probs, plan_draft
 from calib.allocate.api import IMPLEMENTATIONS
 from calib.calibrators.base import Interval, Options, validate_params
 from calib.chains import chain, chain_names
-from calib.evaluate.cost import CostCurve
+from calib.cost import CostCurve
 from calib.evaluate.data import EvalBank
 from calib.evaluate.policies import (
     BASE_TOTALS,

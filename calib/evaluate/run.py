@@ -18,9 +18,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from calib.atomic import staged_output, write_text_atomic
 from calib.config_checks import check_eval
+from calib.cost import CostCurve, make_curve
 from calib.evaluate import plots
 from calib.evaluate.calibration import POOLED_ECE_MAX, calibration_rows, length_noise, pooled_calibration_rows
-from calib.evaluate.cost import CostCurve, make_curve
 from calib.evaluate.data import load_eval_bank
 from calib.evaluate.replay import ReplayConfig, replay
 from calib.evaluate.report import (

@@ -20,9 +20,9 @@ from pathlib import Path
 import numpy as np
 
 from calib.atomic import write_text_atomic
-from calib.evaluate.cost.moe import MoECost, break_even_alpha, shape_counts
-from calib.moe.models import MODELS
-from calib.moe.trajectories import Trajectories
+from calib.cost.distinct import MODELS
+from calib.cost.moe import MoECost, break_even_alpha, shape_counts
+from calib.cost.trajectories import Trajectories
 
 log = logging.getLogger("calib.moe")
 

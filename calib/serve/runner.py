@@ -130,7 +130,7 @@ def build_engine(cfg: dict, root: Path, max_num_seqs: int):
     """vLLM's ``LLM`` for ``cfg``'s policy and speculative config, with calib's serving mode switched on
     (through calib.envs, before the engine starts) for the calib policies. One per process."""
     from calib.collect.runner import _speculative_config
-    from calib.serve.hooks import measured_cost
+    from calib.cost.serving import measured_cost
     from calib.target import prepare_target
 
     pol, spec_cfg = cfg["policy"], cfg["speculative"]

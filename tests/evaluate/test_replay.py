@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from calib.bank import schema, write_bank
-from calib.evaluate.cost import CostCurve, make_curve
+from calib.cost import CostCurve, make_curve
 from calib.evaluate.data import load_eval_bank
 from calib.evaluate.replay import (
     ReplayConfig,

@@ -59,7 +59,7 @@ class CostCurve:
 
 
 class MoECurve(CostCurve):
-    """A shape-dependent MoE verify cost (:class:`calib.evaluate.cost.moe.MoECost`). ``values`` is the even-spread
+    """A shape-dependent MoE verify cost (:class:`calib.cost.moe.MoECost`). ``values`` is the even-spread
     curve for the current batch size (1 until :meth:`for_batch`)."""
 
     def __init__(self, name: str, cost, t_max: int, unit: str, batch: int = 1):
@@ -70,7 +70,7 @@ class MoECurve(CostCurve):
         return self if batch == self.batch else MoECurve(self.name, self.cost, self.t_max, self.unit, batch)
 
     def charge(self, depth: np.ndarray) -> np.ndarray:
-        from calib.evaluate.cost.moe import depth_counts
+        from calib.cost.moe import depth_counts
 
         depth = np.asarray(depth, dtype=np.int64)
         return self.cost.step_cost(depth_counts(depth, int(depth.max(initial=0))))
@@ -130,7 +130,7 @@ def make_curve(name: str, cfg: dict, t_max: int, root: str | Path = ".") -> Cost
     if t_max < 1:
         raise ValueError(f"cost curve {name!r}: t_max={t_max}; a curve prices T = 1..t_max positions")
     if kind == "moe":
-        from calib.evaluate.cost.moe import MoECost
+        from calib.cost.moe import MoECost
 
         return MoECurve(name, MoECost(cfg, root), t_max, cfg.get("unit", "s"))
     t = np.arange(t_max + 1, dtype=np.float64)
