@@ -218,12 +218,6 @@ def _bank_identity(bank) -> list[dict]:
     return out
 
 
-def _accept_length(samples_rounds: pd.DataFrame, p_col: str) -> dict:
-    """Predicted Σ_k Π_{j≤k} p_j vs actual accepted, over the rounds of ``samples_rounds``."""
-    return {"predicted_mean": float(samples_rounds[p_col].mean()),
-            "actual_mean": float(samples_rounds["accept"].mean())}
-
-
 def _round_predictions(bank, test_prompts: set, table, kind: ChainKind) -> pd.DataFrame:
     """Test rounds of a drafter with raw confidences with raw and calibrated (``table``, read with the
     round's inputs as eval reads them: :func:`calib.chains.round_inputs`) expected accepted length."""

@@ -31,10 +31,9 @@ from dataclasses import dataclass
 import torch
 
 from calib.allocate.reference import BUDGET, COST, allocate_reference
-from calib.allocate.tables import AcceptanceTables
 from calib.chains import ChainKind, chain, chain_names
 from calib.params import Options, validate_params
-from calib.tables.layout import check_chain_inputs, check_confidences
+from calib.tables.layout import AcceptanceTables, check_chain_inputs, check_confidences
 
 IMPLEMENTATIONS = ("reference", "triton")
 MAX_CHAINS = 2  # chains one step chooses between (see calib.allocate.reference)
@@ -119,7 +118,7 @@ def allocate(
     """Allocate verification from raw engine signals through calibrated ``tables``.
 
     Args:
-        tables: any :class:`~calib.allocate.tables.AcceptanceTables`.
+        tables: any :class:`~calib.tables.layout.AcceptanceTables`.
         signals: ``{chain name: float [B, L, A]}`` for one or two chains the tables calibrate: per
             depth, the chain's ``A`` table inputs in the tables' order (``tables.chains[name].axes``;
             a one-axis chain such as the model chain may pass ``[B, K]`` raw confidences in [0, 1]).
