@@ -1,23 +1,10 @@
 """Verify-cost curves ``C(T)``: the cost of one target forward pass that scores ``T`` positions.
 
-Two kinds, chosen in config (``conf/cost/``):
-
-* ``parametric``: ``C(T) = weight_read + per_position · T`` — a fixed term for reading the weights
-  once per pass (what makes speculation pay on memory-bound hardware) plus a per-position compute
-  term. Unit: one weight read.
-* ``moe``: a mixture-of-experts target whose cost depends on the verify *shape* (which request
-  verifies how many positions), not only on ``T``: distinct experts read (calib.moe). The replay
-  charges each step its actual shape (:meth:`CostCurve.charge`); the allocator sees, per batch size
-  (:meth:`CostCurve.for_batch`), the cost of ``T`` positions spread evenly over the ``B`` requests.
-  Unit: seconds (roofline; see conf/cost/moe.yaml).
-* ``measured``: a CSV with columns ``T, seconds[, seconds_min]`` (``bench/verify_cost.py``; the
-  config's ``column`` picks median or minimum over repeats), interpolated linearly
-  between its grid points and extrapolated linearly from its last two points. Unit: seconds.
-
-Curves are returned as the allocator's price-mode tensor: float64 ``[T_max + 1]``, index = ``T``.
-Every curve is checked where it is made: at least ``C(0..1)`` (``T_max >= 1``), and every ``C(T)``
-finite and positive; a measured CSV's rows are checked as they are read (file and line named).
-A zero, negative or NaN cost would make the allocator's goodput rule refuse every draft token.
+Three kinds, chosen in config (``conf/cost/``): ``parametric`` (weight read + per-position term),
+``measured`` (a CSV from ``bench/verify_cost.py``) and ``moe`` (a verify *shape*'s experts read,
+:mod:`calib.cost.moe`), each returned as the allocator's price-mode tensor float64 ``[T_max + 1]`` and
+checked finite and positive where it is made. The draft cost of a drafter: :mod:`calib.cost.draft`.
+Design notes: docs/cost.md.
 """
 
 from __future__ import annotations

@@ -1,15 +1,7 @@
 """MoE verify cost: from the predicted distinct experts of a verify shape to seconds.
 
-A verify pass reads every weight that is not routed once (attention, norms, routers, shared experts,
-lm_head: ``dense_params``) and, in each MoE layer, every expert that at least one of its positions
-routes to; it also computes ``flops_per_position`` per position. Roofline:
-
-    cost(shape) = max( (dense_params + expert_params · Σ_layers distinct_l(shape)) · bytes_per_param
-                       / bandwidth,  positions · flops_per_position / peak_flops )
-
-``distinct_l`` comes from one of the models in :mod:`calib.cost.distinct`, fitted on a routing capture
-(``distinct.routing``) or, without one, the uniform coupon collector. Shapes are given as counts:
-``counts[s, d]`` = sequences of step ``s`` verifying ``d`` positions (bonus + d − 1 drafts).
+Roofline per verify pass: the dense weights and every expert a shape routes to read once, against the
+positions' FLOPs; the distinct experts from :mod:`calib.cost.distinct`. Design notes: docs/cost.md.
 """
 
 from __future__ import annotations
