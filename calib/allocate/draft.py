@@ -49,11 +49,11 @@ import torch
 from calib.allocate.api import (
     IMPLEMENTATIONS,
     TEMPERATURE,
-    _batch,
-    _check_mode,
-    _check_probs,
-    _kinds,
     allocate_probs,
+    batch_size_of,
+    chain_kinds_of,
+    check_mode,
+    check_probs,
 )
 from calib.allocate.reference import SCALE, survival
 from calib.params import Interval, NoneValue, Options, validate_params
@@ -143,11 +143,11 @@ def _plan_inputs(known: Mapping[str, torch.Tensor], forecast: torch.Tensor, cost
     done_p = done_p.to(torch.float32)
     probs = {chain: done_p, **others}
     cost64 = cost.to(torch.float64)
-    _check_mode(None, cost64, impl)
-    kinds = _kinds(probs, "probs")
+    check_mode(None, cost64, impl)
+    kinds = chain_kinds_of(probs, "probs")
     for kind in kinds:
-        _check_probs(probs[kind.name], kind.name)
-    _batch(probs, kinds)
+        check_probs(probs[kind.name], kind.name)
+    batch_size_of(probs, kinds)
     cost64 = cost64.numpy()
     priced = cost64[B:] + extras[0]  # check_cost's conditions on the curve of plan g = done
     if not (priced.size and np.isfinite(priced[0]) and (priced > 0).all() and np.isfinite(cost64[B] + extras[-1])):
