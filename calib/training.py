@@ -77,6 +77,19 @@ def fit_chain(kind: ChainKind, samples: pd.DataFrame, chain_cfg: dict) -> dict:
         raise ValueError(f"the {kind.name} chain's samples need train and val prompts; add prompts or banks")
     axes, optional, edge_specs = context_spec(chain_cfg)
     cfg = _resolve_context(chain_cfg, tr, axes, optional, edge_specs)
+    ctx_cfg = cfg.get("context") or {}
+    fitter = _chain_fitter(kind, cfg, tr, va)
+    res = _select(f"{kind.name} chain", chain_cfg["candidates"], fitter(axes))
+    for f in res["fits"].values():
+        f["estimator"] = f.pop("wrapped")
+    selected = _add_optional_axes(kind, res, chain_cfg, ctx_cfg, list(axes), optional, fitter, tr, va)
+    res["chain_cfg"] = _with_selected(cfg, selected) if ctx_cfg else cfg
+    return res
+
+
+def _chain_fitter(kind: ChainKind, cfg: dict, tr: pd.DataFrame, va: pd.DataFrame):
+    """``fitter(selected, tr, va)``: a ``fit_one(estimator)`` for :func:`_select` that fits on ``tr`` with
+    the context axes ``selected`` and scores on ``va`` (``(val NLL, {"uses_context", "wrapped"})``)."""
     n_own = len(kind.feature_names(cfg))
     ctx_cfg = cfg.get("context") or {}
     min_cell = int(ctx_cfg.get("min_cell_samples", 500))
@@ -100,11 +113,14 @@ def fit_chain(kind: ChainKind, samples: pd.DataFrame, chain_cfg: dict) -> dict:
             return nll(est.predict_proba(X_va, va.depth), va.label), {"uses_context": uses_context,
                                                                       "wrapped": est}
         return fit_one
+    return fitter
 
-    res = _select(f"{kind.name} chain", chain_cfg["candidates"], fitter(axes))
-    for f in res["fits"].values():
-        f["estimator"] = f.pop("wrapped")
-    selected = list(axes)
+
+def _add_optional_axes(kind: ChainKind, res: dict, chain_cfg: dict, ctx_cfg: dict, selected: list, optional,
+                       fitter, tr: pd.DataFrame, va: pd.DataFrame) -> list:
+    """Try each optional context axis on the selected estimator, in order: kept (``res``'s fit replaced)
+    where it lowers the validation NLL; large banks decide on a row sample (both variants fitted on
+    it) and refit only a kept axis. Records ``res["context_trials"]``; returns the axes kept."""
     best_spec = {res["best"]: chain_cfg["candidates"][res["best"]]}
     trial_n = int(ctx_cfg.get("trial_samples") or 0)
     sampled = bool(trial_n) and len(tr) > trial_n
@@ -137,8 +153,7 @@ def fit_chain(kind: ChainKind, samples: pd.DataFrame, chain_cfg: dict) -> dict:
             fit["estimator"] = fit.pop("wrapped")
             res["fits"][res["best"]] = fit
             selected.append(name)
-    res["chain_cfg"] = _with_selected(cfg, selected) if ctx_cfg else cfg
-    return res
+    return selected
 
 
 def _named_features(kind: ChainKind, est, samples: pd.DataFrame) -> list[str] | None:
@@ -181,7 +196,7 @@ def _with_selected(cfg: dict, selected) -> dict:
 
 
 def fit_model_calibrator(samples: pd.DataFrame, candidates: dict, extra_names=()) -> dict:
-    """:func:`fit_chain` on the model chain (``samples`` from :func:`calib.labels.model_samples`)."""
+    """:func:`fit_chain` on the model chain (``samples`` from :func:`calib.chains.model.model_samples`)."""
     return fit_chain(chain("model"), samples, {"candidates": candidates, "extra": list(extra_names or [])})
 
 
@@ -216,12 +231,6 @@ def _bank_identity(bank) -> list[dict]:
                     **{k: man.get(k) for k in ("model", "speculator", "config", "n_rounds", "engine",
                                                "engine_version")}})
     return out
-
-
-def _accept_length(samples_rounds: pd.DataFrame, p_col: str) -> dict:
-    """Predicted Σ_k Π_{j≤k} p_j vs actual accepted, over the rounds of ``samples_rounds``."""
-    return {"predicted_mean": float(samples_rounds[p_col].mean()),
-            "actual_mean": float(samples_rounds["accept"].mean())}
 
 
 def _round_predictions(bank, test_prompts: set, table, kind: ChainKind) -> pd.DataFrame:
@@ -312,43 +321,11 @@ def _fit_and_export_tracked(cfg: dict, bank, tracker, stage: Path, out_dir: Path
         if not len(samples):
             continue
         samples["split"] = prompt_split(samples.category, samples.prompt_idx, fractions, seed)
-        res = fit_chain(kind, samples, chain_cfg)
-        chain_cfg = res["chain_cfg"]  # context axes selected, edges resolved
-        chosen = res["fits"][res["best"]]
-        best = chosen["estimator"]
-        n_depths = int(samples.depth.max()) + 1
-        tr, va, te = (samples[samples.split == s] for s in ("train", "val", "test"))
-        table, info = encode_chain(kind, best, tr, chain_cfg, n_depths, chosen["uses_context"], seed)
+        res, table, chain_meta, per_depth = _train_chain(kind, samples, chain_cfg, bank, widths[kind.name], seed)
         chain_tables[kind.name] = table
-        axes = [a.name for a in table.axes]
-        chain_meta = {"id": kind.id, **_chain_ids(kind, samples), "depths": n_depths,
-                      "k": max(widths[kind.name], n_depths), "estimator": res["best"], "params": _params(best), **_context_cells(best),
-                      **({"context_trials": res["context_trials"]} if res.get("context_trials") else {}),
-                      "features": list(getattr(best, "features", kind.feature_names(chain_cfg))), **info,
-                      "n_samples": {s: int((samples.split == s).sum()) for s in ("train", "val", "test")},
-                      "val_nll": {n: f["val_nll"] for n, f in res["fits"].items()}}
-        if kind.confidence:  # raw vs calibrated per depth, and the accepted length per round
-            per_depth = _per_depth(te, table_predict(table, te[axes], te.depth), n_depths, kind.confidence)
-            chain_meta["val"] = _per_depth(va, table_predict(table, va[axes], va.depth), n_depths, kind.confidence)
-            chain_meta["test"] = per_depth
-            chain_meta["forecast"] = chain_forecast(table, tr, context_axes(chain_cfg), n_depths)
-            rounds = _round_predictions(bank, set(zip(te.category, te.prompt_idx)), table, kind)
-            chain_meta["accept_length_test"] = {
-                "actual_mean": float(rounds.accept.mean()), "raw_predicted_mean": float(rounds.raw.mean()),
-                "calibrated_predicted_mean": float(rounds.calibrated.mean()), "n_rounds": len(rounds)}
+        if per_depth is not None:
             summary_rows = per_depth
             reports[kind.name] = samples
-        else:  # the estimator itself vs its table on the test split
-            table_p = table_predict(table, te[axes], te.depth) if len(te) else None
-            chain_meta["test"] = ({"model": _metrics(best.predict_proba(kind.X(te, chain_cfg), te.depth), te.label),
-                                   "table": _metrics(table_p, te.label)} if len(te) else {})
-        tcfg = chain_cfg.get("transfer")
-        if tcfg:
-            chain_meta["transfer"] = transfer_check(kind, samples, chain_cfg, chain_cfg["candidates"][res["best"]],
-                                                    tcfg["baseline"], tcfg["fit_on"], tcfg["eval_on"])
-        if "counterfactual" in samples.columns:
-            chain_meta["label_sources"] = samples.groupby("counterfactual").size().rename(
-                lambda c: "counterfactual" if c else "verified").to_dict()
         meta["chains"][kind.name] = chain_meta
         for n, f in res["fits"].items():
             fit_rows.append({"drafter": kind.name, "candidate": n, "val_nll": f["val_nll"], "fit_s": f["fit_s"],
@@ -369,6 +346,47 @@ def _fit_and_export_tracked(cfg: dict, bank, tracker, stage: Path, out_dir: Path
     save(stage, tables, meta)
     _log(tracker, stage, meta, summary_rows, fit_rows, reports)
     return _write_summary(stage, out_dir, meta)
+
+
+def _train_chain(kind: ChainKind, samples: pd.DataFrame, chain_cfg: dict, bank, width: int, seed: int):
+    """Fit one chain (:func:`fit_chain`), encode its table and score it: ``(fit result, table,
+    tables.json's chain entry, per-depth test rows or None for a chain without confidences)``."""
+    res = fit_chain(kind, samples, chain_cfg)
+    chain_cfg = res["chain_cfg"]  # context axes selected, edges resolved
+    chosen = res["fits"][res["best"]]
+    best = chosen["estimator"]
+    n_depths = int(samples.depth.max()) + 1
+    tr, va, te = (samples[samples.split == s] for s in ("train", "val", "test"))
+    table, info = encode_chain(kind, best, tr, chain_cfg, n_depths, chosen["uses_context"], seed)
+    axes = [a.name for a in table.axes]
+    chain_meta = {"id": kind.id, **_chain_ids(kind, samples), "depths": n_depths,
+                  "k": max(width, n_depths), "estimator": res["best"], "params": _params(best), **_context_cells(best),
+                  **({"context_trials": res["context_trials"]} if res.get("context_trials") else {}),
+                  "features": list(getattr(best, "features", kind.feature_names(chain_cfg))), **info,
+                  "n_samples": {s: int((samples.split == s).sum()) for s in ("train", "val", "test")},
+                  "val_nll": {n: f["val_nll"] for n, f in res["fits"].items()}}
+    per_depth = None
+    if kind.confidence:  # raw vs calibrated per depth, and the accepted length per round
+        per_depth = _per_depth(te, table_predict(table, te[axes], te.depth), n_depths, kind.confidence)
+        chain_meta["val"] = _per_depth(va, table_predict(table, va[axes], va.depth), n_depths, kind.confidence)
+        chain_meta["test"] = per_depth
+        chain_meta["forecast"] = chain_forecast(table, tr, context_axes(chain_cfg), n_depths)
+        rounds = _round_predictions(bank, set(zip(te.category, te.prompt_idx)), table, kind)
+        chain_meta["accept_length_test"] = {
+            "actual_mean": float(rounds.accept.mean()), "raw_predicted_mean": float(rounds.raw.mean()),
+            "calibrated_predicted_mean": float(rounds.calibrated.mean()), "n_rounds": len(rounds)}
+    else:  # the estimator itself vs its table on the test split
+        table_p = table_predict(table, te[axes], te.depth) if len(te) else None
+        chain_meta["test"] = ({"model": _metrics(best.predict_proba(kind.X(te, chain_cfg), te.depth), te.label),
+                               "table": _metrics(table_p, te.label)} if len(te) else {})
+    tcfg = chain_cfg.get("transfer")
+    if tcfg:
+        chain_meta["transfer"] = transfer_check(kind, samples, chain_cfg, chain_cfg["candidates"][res["best"]],
+                                                tcfg["baseline"], tcfg["fit_on"], tcfg["eval_on"])
+    if "counterfactual" in samples.columns:
+        chain_meta["label_sources"] = samples.groupby("counterfactual").size().rename(
+            lambda c: "counterfactual" if c else "verified").to_dict()
+    return res, table, chain_meta, per_depth
 
 
 def _params(est) -> dict:

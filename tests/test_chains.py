@@ -58,7 +58,7 @@ def test_registry_ids_and_names():
 
 def test_a_third_chain_is_one_registration(tmp_path, suffix_chain):
     from calib.allocate import allocate, allocate_probs
-    from calib.evaluate.cost import make_curve
+    from calib.cost import make_curve
     from calib.evaluate.data import load_eval_bank
     from calib.evaluate.replay import ReplayConfig, replay
     from calib.tables import load

@@ -12,8 +12,8 @@ switches on with ``TRITON_INTERPRET=1`` before triton is first imported (nothing
 from calib.allocate.api import MAX_CHAINS, Allocation, allocate, allocate_probs, calibrated_probs, check_cost
 from calib.allocate.draft import DraftPlan, forecast_probs, plan_draft
 from calib.allocate.reference import SCALE
-from calib.allocate.tables import AcceptanceTables, ChainTable, GridTables
 from calib.chains import NO_CHAIN
+from calib.tables.layout import AcceptanceTables, ChainTable, GridTables
 
 __all__ = [
     "MAX_CHAINS",
@@ -21,8 +21,8 @@ __all__ = [
     "SCALE",
     "AcceptanceTables",
     "Allocation",
-    "DraftPlan",
     "ChainTable",
+    "DraftPlan",
     "GridTables",
     "allocate",
     "allocate_probs",

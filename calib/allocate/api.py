@@ -31,10 +31,9 @@ from dataclasses import dataclass
 import torch
 
 from calib.allocate.reference import BUDGET, COST, allocate_reference
-from calib.allocate.tables import AcceptanceTables
 from calib.chains import ChainKind, chain, chain_names
 from calib.params import Options, validate_params
-from calib.tables.layout import check_chain_inputs, check_confidences
+from calib.tables.layout import AcceptanceTables, check_chain_inputs, check_confidences
 
 IMPLEMENTATIONS = ("reference", "triton")
 MAX_CHAINS = 2  # chains one step chooses between (see calib.allocate.reference)
@@ -87,11 +86,11 @@ def allocate_probs(
     Exactly one of ``budget`` and ``cost`` must be given. See :mod:`calib.allocate.reference`
     for the decision rules.
     """
-    _check_mode(budget, cost, impl, "allocate_probs")
-    kinds = _kinds(probs, "probs")
+    check_mode(budget, cost, impl, "allocate_probs")
+    kinds = chain_kinds_of(probs, "probs")
     for kind in kinds:
-        _check_probs(probs[kind.name], kind.name)
-    n_requests = _batch(probs, kinds)
+        check_probs(probs[kind.name], kind.name)
+    n_requests = batch_size_of(probs, kinds)
     if cost is not None and _host_readable(cost, impl):
         check_cost(cost, n_requests)
     first = probs[kinds[0].name]
@@ -119,7 +118,7 @@ def allocate(
     """Allocate verification from raw engine signals through calibrated ``tables``.
 
     Args:
-        tables: any :class:`~calib.allocate.tables.AcceptanceTables`.
+        tables: any :class:`~calib.tables.layout.AcceptanceTables`.
         signals: ``{chain name: float [B, L, A]}`` for one or two chains the tables calibrate: per
             depth, the chain's ``A`` table inputs in the tables' order (``tables.chains[name].axes``;
             a one-axis chain such as the model chain may pass ``[B, K]`` raw confidences in [0, 1]).
@@ -131,10 +130,10 @@ def allocate(
     Input that does not match the tables is a ``ValueError`` naming both sides; so is a request whose
     sampling temperature (on a table axis named ``temperature``) is NaN, infinite or negative.
     """
-    _check_mode(budget, cost, impl, "allocate")
-    kinds = _kinds(signals, "signals")
+    check_mode(budget, cost, impl, "allocate")
+    kinds = chain_kinds_of(signals, "signals")
     checked = _checked_signals(tables, signals, kinds, impl)
-    n_requests = _batch(checked, kinds)
+    n_requests = batch_size_of(checked, kinds)
     if cost is not None and _host_readable(cost, impl):
         check_cost(cost, n_requests)
     first = checked[kinds[0].name]
@@ -158,7 +157,7 @@ def calibrated_probs(tables: AcceptanceTables, signals: Mapping[str, torch.Tenso
     (as :func:`allocate` takes them, checked the same way; NaN where there is no token): what
     :func:`allocate` feeds :func:`allocate_probs`, for a caller that reuses or combines them (an engine
     that prices a plan before drafting and decides after it). Reference lookup."""
-    kinds = _kinds(signals, "signals")
+    kinds = chain_kinds_of(signals, "signals")
     checked = _checked_signals(tables, signals, kinds, "reference")
     return {k.name: tables.chains[k.name].lookup(checked[k.name], k.name) for k in kinds}
 
@@ -185,7 +184,7 @@ def _checked_signals(tables, signals, kinds, impl: str) -> dict[str, torch.Tenso
     return checked
 
 
-def _kinds(mapping, what: str) -> list[ChainKind]:
+def chain_kinds_of(mapping, what: str) -> list[ChainKind]:
     """The registered chain kinds ``mapping`` names, by registry id (the allocator's tie order)."""
     if not isinstance(mapping, Mapping) or not mapping:
         raise ValueError(f"`{what}` must be a non-empty mapping {{chain name: tensor}} over the registered "
@@ -200,7 +199,7 @@ def _kinds(mapping, what: str) -> list[ChainKind]:
     return kinds
 
 
-def _batch(mapping, kinds) -> int:
+def batch_size_of(mapping, kinds) -> int:
     sizes = {k.name: mapping[k.name].shape[0] for k in kinds}
     if len(set(sizes.values())) > 1:
         raise ValueError(f"the chains have different batch sizes B: {sizes}")
@@ -246,7 +245,7 @@ def _host_readable(x: torch.Tensor, impl: str) -> bool:
     return impl == "reference" or x.device.type == "cpu"
 
 
-def _check_mode(budget, cost, impl: str, owner: str = "allocate") -> None:
+def check_mode(budget, cost, impl: str, owner: str = "allocate") -> None:
     """The entry arguments (:data:`ENTRY_CONSTRAINTS`), exactly one of ``budget`` and ``cost``, and a
     tensor budget's value where reading it costs no device sync (the reference reads it anyway)."""
     validate_params(owner, {"impl": impl, "budget": budget, "cost": cost}, ENTRY_CONSTRAINTS)
@@ -275,7 +274,7 @@ def _check_temperatures(x: torch.Tensor, table, name: str) -> None:
                              "negative one would silently be read from an end bin of the tables")
 
 
-def _check_probs(x: torch.Tensor, name: str) -> None:
+def check_probs(x: torch.Tensor, name: str) -> None:
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         raise ValueError(f"{name} must be a float tensor, got {type(x).__name__} "
                          f"{getattr(x, 'dtype', '')}".rstrip())

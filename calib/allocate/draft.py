@@ -49,11 +49,11 @@ import torch
 from calib.allocate.api import (
     IMPLEMENTATIONS,
     TEMPERATURE,
-    _batch,
-    _check_mode,
-    _check_probs,
-    _kinds,
     allocate_probs,
+    batch_size_of,
+    chain_kinds_of,
+    check_mode,
+    check_probs,
 )
 from calib.allocate.reference import SCALE, survival
 from calib.params import Interval, NoneValue, Options, validate_params
@@ -121,39 +121,47 @@ def plan_draft(
         return _plan_draft_loop(known, forecast, **kwargs)
     extras = [sunk + (g - done) * pass_cost for g in range(done, K + 1)]
     try:
-        # allocate_probs's checks of the first plan (g = done), on the same chains, shapes and dtypes.
-        # They pass for every later plan too: its curve entries are these plus a larger extra, still
-        # > 0 (or still +inf), unless cost[B] overflows, which is refused here (the loop reports it).
-        others = {n: x for n, x in known.items() if n != chain}
-        done_p = done_p.to(torch.float32)
-        probs = {chain: done_p, **others}
-        cost64 = cost.to(torch.float64)
-        _check_mode(None, cost64, impl)
-        kinds = _kinds(probs, "probs")
-        for kind in kinds:
-            _check_probs(probs[kind.name], kind.name)
-        _batch(probs, kinds)
-        cost64 = cost64.numpy()
-        priced = cost64[B:] + extras[0]  # check_cost's conditions on the curve of plan g = done
-        if not (priced.size and np.isfinite(priced[0]) and (priced > 0).all() and np.isfinite(cost64[B] + extras[-1])):
-            raise ValueError("a cost check fails")
-        other = next(iter(others.values()), None)
-        other = None if other is None else other.to(torch.float32).numpy()
-        # Plan g's chain is p's first g columns (the loop's): survival is a running product along a row,
-        # so its gains are those of p's first g columns.
-        p = forecast[:, done:].to(torch.float32).numpy()
-        if done:
-            done_np = done_p.numpy()
-            ended = np.isnan(done_np).any(axis=1, keepdims=True)
-            p = np.concatenate([done_np, np.where(ended, np.float32(np.nan), p)], axis=1)
+        p, other, chain_first, cost64 = _plan_inputs(known, forecast, cost, chain, done_p, extras, impl)
     except Exception:  # noqa: BLE001 - anything the loop would refuse: it raises what allocate_probs does
         return _plan_draft_loop(known, forecast, **kwargs)
-    value, _, depth = _plan_all(p, other, chain_first=kinds[0].name == chain, done=done, cost=cost64,
-                                extras=np.array(extras))
+    value, _, depth = _plan_all(p, other, chain_first=chain_first, done=done, cost=cost64, extras=np.array(extras))
     drafting = depth > done
     run = bool(drafting.any())
     drafting = torch.from_numpy(drafting) if run else torch.zeros(B, dtype=torch.bool)
     return DraftPlan(run, drafting, int(depth.max()) if run else done, value)
+
+
+def _plan_inputs(known: Mapping[str, torch.Tensor], forecast: torch.Tensor, cost: torch.Tensor, chain: str,
+                 done_p: torch.Tensor, extras: list[float], impl: str):
+    """:func:`_plan_all`'s inputs ``(p [B, K], other [B, L] or None, chain_first, cost float64 [T])``, after
+    allocate_probs's checks of the first plan (g = done), on the same chains, shapes and dtypes. They
+    pass for every later plan too: its curve entries are these plus a larger extra, still > 0 (or
+    still +inf), unless cost[B] overflows, which is refused here (the loop reports it). Raises
+    whatever check fails."""
+    B, done = done_p.shape
+    others = {n: x for n, x in known.items() if n != chain}
+    done_p = done_p.to(torch.float32)
+    probs = {chain: done_p, **others}
+    cost64 = cost.to(torch.float64)
+    check_mode(None, cost64, impl)
+    kinds = chain_kinds_of(probs, "probs")
+    for kind in kinds:
+        check_probs(probs[kind.name], kind.name)
+    batch_size_of(probs, kinds)
+    cost64 = cost64.numpy()
+    priced = cost64[B:] + extras[0]  # check_cost's conditions on the curve of plan g = done
+    if not (priced.size and np.isfinite(priced[0]) and (priced > 0).all() and np.isfinite(cost64[B] + extras[-1])):
+        raise ValueError("a cost check fails")
+    other = next(iter(others.values()), None)
+    other = None if other is None else other.to(torch.float32).numpy()
+    # Plan g's chain is p's first g columns (the loop's): survival is a running product along a row,
+    # so its gains are those of p's first g columns.
+    p = forecast[:, done:].to(torch.float32).numpy()
+    if done:
+        done_np = done_p.numpy()
+        ended = np.isnan(done_np).any(axis=1, keepdims=True)
+        p = np.concatenate([done_np, np.where(ended, np.float32(np.nan), p)], axis=1)
+    return p, other, kinds[0].name == chain, cost64
 
 
 def _plan_all(p: np.ndarray, other: np.ndarray | None, *, chain_first: bool, done: int, cost: np.ndarray,
@@ -177,28 +185,9 @@ def _plan_all(p: np.ndarray, other: np.ndarray | None, *, chain_first: bool, don
     B, K = p.shape
     gs = np.arange(done, K + 1)
     base = B * SCALE
-    if other is None:
-        qm, qo = _gains(p), None  # [B, K or 1]
-    else:  # one pass over both chains (NaN padding: zero gains), as the reference
-        stacked = np.full((2 * B, max(K, other.shape[1])), np.float32(np.nan), dtype=np.float32)
-        stacked[:B, :K], stacked[B:, : other.shape[1]] = p, other
-        q_both = _gains(stacked)
-        qm, qo = q_both[:B, : max(K, 1)], q_both[B:, : max(other.shape[1], 1)]
-    W = max(qm.shape[1], 0 if qo is None else qo.shape[1])
-    # price[m] = cost[B + m] for m <= the reference's B W (NaN: no entry), plus each plan's extra.
-    size = B * W
-    available = cost[B : B + size + 1]
-    price = np.full(size + 1, np.nan)
-    price[: available.size] = available
-    # Every positive gain of both chains, sorted non-increasing once: value, request, column, chain.
-    chains = [qm] if qo is None else [qm, qo]
-    flat = np.concatenate([q.ravel() for q in chains])
-    idx = np.flatnonzero(flat > 0)
-    idx = idx[np.argsort(-flat[idx], kind="stable")]
-    v = flat[idx]
-    mine = idx < qm.size  # the planned chain's entries
-    req = np.where(mine, idx // qm.shape[1], (idx - qm.size) // (1 if qo is None else qo.shape[1]))
-    held = ~mine | ((idx % qm.shape[1])[None, :] < gs[:, None])  # [G, E]: plan g holds the entry
+    qm, qo = _plan_gains(p, other)
+    price = _slot_prices(cost, B, max(qm.shape[1], 0 if qo is None else qo.shape[1]))
+    v, mine, req, held = _sorted_gains(qm, qo, gs)
     alone = _best_prefixes(v, held & mine, price, extras, base)  # the planned chain alone
     q_plan = np.where(np.arange(qm.shape[1])[None, None, :] < gs[:, None, None], qm[None], 0)  # [G, B, K]
 
@@ -207,7 +196,50 @@ def _plan_all(p: np.ndarray, other: np.ndarray | None, *, chain_first: bool, don
         values = (total / SCALE) / (price[m] + extras)
         best = int(np.argmax(values))
         return float(values[best]), int(gs[best]), _take_top(q_plan[best], threshold[best], m[best])
+    return _plan_two_chains(v, mine, req, held, alone, q_plan, qo, price, extras, gs, base, chain_first)
 
+
+def _plan_gains(p: np.ndarray, other: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:
+    """Fixed-point gains of the planned chain ``p [B, K]`` and of the free chain ``other [B, L]`` (None:
+    none): int64 ``[B, max(K, 1)]`` and ``[B, max(L, 1)]``, both from one pass as the reference takes it."""
+    B, K = p.shape
+    if other is None:
+        return _gains(p), None  # [B, K or 1]
+    # one pass over both chains (NaN padding: zero gains), as the reference
+    stacked = np.full((2 * B, max(K, other.shape[1])), np.float32(np.nan), dtype=np.float32)
+    stacked[:B, :K], stacked[B:, : other.shape[1]] = p, other
+    q_both = _gains(stacked)
+    return q_both[:B, : max(K, 1)], q_both[B:, : max(other.shape[1], 1)]
+
+
+def _slot_prices(cost: np.ndarray, B: int, W: int) -> np.ndarray:
+    """``price[m] = cost[B + m]`` for ``m <= B W`` (the reference's most slots; NaN: no entry) [B W + 1]."""
+    size = B * W
+    available = cost[B : B + size + 1]
+    price = np.full(size + 1, np.nan)
+    price[: available.size] = available
+    return price
+
+
+def _sorted_gains(qm: np.ndarray, qo: np.ndarray | None, gs: np.ndarray) -> tuple:
+    """Every positive gain of both chains, sorted non-increasing once: ``(v [E], mine [E], req [E],
+    held [G, E])``: its value, whether it is the planned chain's, its request, and whether plan ``g``
+    (of ``gs``) holds it (every free-chain entry; a planned-chain entry at a column below ``g``)."""
+    chains = [qm] if qo is None else [qm, qo]
+    flat = np.concatenate([q.ravel() for q in chains])
+    idx = np.flatnonzero(flat > 0)
+    idx = idx[np.argsort(-flat[idx], kind="stable")]
+    v = flat[idx]
+    mine = idx < qm.size  # the planned chain's entries
+    req = np.where(mine, idx // qm.shape[1], (idx - qm.size) // (1 if qo is None else qo.shape[1]))
+    held = ~mine | ((idx % qm.shape[1])[None, :] < gs[:, None])  # [G, E]: plan g holds the entry
+    return v, mine, req, held
+
+
+def _plan_two_chains(v, mine, req, held, alone, q_plan, qo, price, extras, gs, base, chain_first):
+    """:func:`_plan_all` with a free chain: the two-chain price rule over every plan (the reference's
+    :func:`calib.allocate.reference._two_chain_price`), ``alone`` the planned chain's own best prefixes."""
+    B = q_plan.shape[1]
     free = _best_prefixes(v[~mine], None, price, extras, base)  # the free chain alone
     first, second = (alone, free) if chain_first else (free, alone)
     q = (q_plan, qo[None]) if chain_first else (qo[None], q_plan)

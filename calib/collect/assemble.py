@@ -1,4 +1,4 @@
-"""Captured rounds (JSON lines from :mod:`calib.collect.hooks`) → bank tables, plus reconciliation."""
+"""Captured rounds (JSON lines from :mod:`calib.vllm.capture`) → bank tables, plus reconciliation."""
 
 from __future__ import annotations
 

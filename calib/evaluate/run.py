@@ -17,10 +17,10 @@ import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
 from calib.atomic import staged_output, write_text_atomic
+from calib.cost import CostCurve, make_curve
 from calib.evaluate import plots
 from calib.evaluate.calibration import POOLED_ECE_MAX, calibration_rows, length_noise, pooled_calibration_rows
 from calib.evaluate.checks import check_eval
-from calib.evaluate.cost import CostCurve, make_curve
 from calib.evaluate.data import load_eval_bank
 from calib.evaluate.replay import ReplayConfig, replay
 from calib.evaluate.report import (

@@ -1,11 +1,13 @@
 """MoE verification cost: routing captures, distinct-expert models, MoE verify-cost curves.
 
 Light on import (numpy only, loaded on first use): the testbed recipe (:mod:`calib.moe.moefy`,
-:mod:`calib.moe.capture`) loads torch and transformers itself. See calib/moe/README.md.
+:mod:`calib.moe.capture`) loads torch and transformers itself. The cost models themselves live in
+:mod:`calib.cost` (``distinct``, ``moe``); see calib/moe/README.md.
 """
 
-_LAZY = {"UniformCoupon": "models", "IndependentNonUniform": "models", "MaxEntPairwise": "models",
-         "Trajectories": "trajectories", "MoECost": "cost"}
+_LAZY = {"UniformCoupon": "calib.cost.distinct", "IndependentNonUniform": "calib.cost.distinct",
+         "MaxEntPairwise": "calib.cost.distinct", "Trajectories": "calib.cost.trajectories",
+         "MoECost": "calib.cost.moe"}
 
 __all__ = ["IndependentNonUniform", "MaxEntPairwise", "MoECost", "Trajectories", "UniformCoupon"]
 
@@ -14,5 +16,5 @@ def __getattr__(name):
     if name in _LAZY:
         import importlib
 
-        return getattr(importlib.import_module(f"calib.moe.{_LAZY[name]}"), name)
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(name)

@@ -20,9 +20,9 @@ from pathlib import Path
 import numpy as np
 
 from calib.atomic import write_text_atomic
-from calib.evaluate.cost.moe import MoECost, break_even_alpha, shape_counts
-from calib.moe.models import MODELS
-from calib.moe.trajectories import Trajectories
+from calib.cost.distinct import MODELS
+from calib.cost.moe import MoECost, break_even_alpha, shape_counts
+from calib.cost.trajectories import Trajectories
 
 log = logging.getLogger("calib.moe")
 
@@ -203,9 +203,10 @@ def load_cost_configs(names, root) -> dict:
 
 
 def run_analysis(c: dict, root: str | Path = ".") -> dict:
+    """Fit and score the distinct-expert models on the capture ``c.analyze.routing``; write
+    metrics.json, report.md and the pictures to ``c.analyze.out_dir``."""
     from calib.atomic import write_json_atomic
-    from calib.moe import plots
-    from calib.tracking import make_tracker
+    from calib.bank import read_routing
 
     t0 = time.perf_counter()
     a = c["analyze"]
@@ -216,61 +217,18 @@ def run_analysis(c: dict, root: str | Path = ".") -> dict:
     rng = np.random.default_rng(int(a["seed"]))
     tr = Trajectories.from_bank(bank)
     fit, held = tr.split(float(a["heldout_fraction"]), int(a["seed"]))
-    from calib.bank import read_routing
-
     info = read_routing(bank, validate_on_open=False).info
     log.info("routing capture %s: %d requests (%d fit, %d held out), %d layers, %d experts, top-%d, proxy=%s",
              bank, tr.n_requests, fit.n_requests, held.n_requests, tr.layers, tr.n_experts, tr.top_k,
              info.get("proxy"))
 
-    # Repeated random splits by request: with a few dozen requests one split's error is noisy.
-    tables = []
-    for s in range(int(a.get("splits", 1))):
-        f_s, h_s = tr.split(float(a["heldout_fraction"]), int(a["seed"]) + s)
-        models, c_s, t_s, ipf_s = evaluate_models(f_s, h_s, a, np.random.default_rng(int(a["seed"]) + s))
-        if s == 0:
-            curves, ipf = c_s, ipf_s
-        tables.append(t_s)
-    table = aggregate_splits(tables)
+    models, curves, ipf, table = score_on_splits(tr, a)
     pop = popularity_fits(tr.marginals(), tr.top_k)
     same, cross = overlap_by_distance(tr, 32, rng)
-
-    # Width vs depth at 2 positions: measured on every request (many draws), models fitted on all.
-    full = {name: m.__class__(**m.get_params()).fit(tr) for name, m in models.items()}
-    n_be = 20 * int(a["samples"])
-    by = {fam: {"measured": distinct(tr, draw(tr, fam, 2, n_be, rng)[0]).mean(axis=0),
-                **{name: m.predict([2] if fam == "depth" else [1, 1]) for name, m in full.items()}}
-          for fam in ("depth", "width")}
-    be = {}
-    for src in ("measured", *full):
-        d2 = float(np.sum(by["depth"][src]))
-        w2 = float(np.sum(by["width"][src]))
-        per_layer = 2 * by["depth"][src] / by["width"][src] - 1
-        be[src] = {"depth2_experts": d2, "width2_experts": w2, "alpha": break_even_alpha(d2, w2),
-                   "alpha_layer_min": float(per_layer.min()), "alpha_layer_max": float(per_layer.max())}
+    be = width_vs_depth(tr, models, int(a["samples"]), rng)
     acc0 = _first_draft_acceptance(bank)
-
-    costs = load_cost_configs(a.get("cost") or [], root)
-    cost_models = {}
-    for name, cfg in costs.items():
-        d = dict(cfg.get("distinct") or {})
-        if d.get("routing"):
-            d["routing"] = str(bank)  # the capture under analysis
-            cfg = {**cfg, "distinct": d}
-        try:
-            cost_models[name] = MoECost(cfg, root)
-        except ValueError as exc:  # a capture of another model cannot drive this config
-            log.warning("cost %s: %s; falling back to the uniform model", name, exc)
-            cost_models[name] = MoECost({**cfg, "distinct": {"model": "uniform"}}, root)
-
-    plots.TAG = " (PROXY)" if info.get("proxy") else ""
-    pics = [plots.popularity(tr, pop, out / "popularity.png"),
-            plots.distinct_by_shape(curves, tr, out / "distinct_by_shape.png"),
-            plots.models_vs_measured(curves, out / "models_vs_measured.png"),
-            plots.overlap(same, cross, tr, out / "overlap_by_distance.png"),
-            plots.break_even(be, acc0, out / "break_even.png")]
-    if cost_models:
-        pics.append(plots.cost_curves(cost_models, out / "cost_curves.png"))
+    cost_models = capture_cost_models(load_cost_configs(a.get("cost") or [], root), bank, root)
+    pics = draw_pictures(out, tr, pop, curves, same, cross, be, acc0, cost_models, proxy=bool(info.get("proxy")))
 
     metrics = {"routing": str(bank), "routing_info": info,
                "requests": {"all": tr.n_requests, "fit": fit.n_requests, "heldout": held.n_requests,
@@ -286,6 +244,77 @@ def run_analysis(c: dict, root: str | Path = ".") -> dict:
     print(f"break-even alpha (2 positions, batch 1): measured {be['measured']['alpha']:.3f}, "
           + ", ".join(f"{k} {v['alpha']:.3f}" for k, v in be.items() if k != "measured"))
     print(f"-> {out}/report.md, metrics.json, {len(pics)} pictures ({metrics['runtime_s']:.0f} s)")
+    _track(c, out, table, be, pop, pics)
+    return metrics
+
+
+def score_on_splits(tr: Trajectories, a: dict) -> tuple[dict, list, dict, list[dict]]:
+    """The models fitted and scored on ``a.splits`` random splits by request (with a few dozen requests
+    one split's error is noisy): the models of the last split (their parameters), ``curves`` and
+    ``ipf`` of the first and the error table aggregated over all."""
+    tables = []
+    for s in range(int(a.get("splits", 1))):
+        f_s, h_s = tr.split(float(a["heldout_fraction"]), int(a["seed"]) + s)
+        models, c_s, t_s, ipf_s = evaluate_models(f_s, h_s, a, np.random.default_rng(int(a["seed"]) + s))
+        if s == 0:
+            curves, ipf = c_s, ipf_s
+        tables.append(t_s)
+    return models, curves, ipf, aggregate_splits(tables)
+
+
+def width_vs_depth(tr: Trajectories, models: dict, samples: int, rng) -> dict:
+    """Width vs depth at 2 positions: measured on every request (``20 * samples`` draws) and predicted by
+    each model refitted on all; per source the experts read and the break-even acceptance α."""
+    full = {name: m.__class__(**m.get_params()).fit(tr) for name, m in models.items()}
+    n_be = 20 * samples
+    by = {fam: {"measured": distinct(tr, draw(tr, fam, 2, n_be, rng)[0]).mean(axis=0),
+                **{name: m.predict([2] if fam == "depth" else [1, 1]) for name, m in full.items()}}
+          for fam in ("depth", "width")}
+    be = {}
+    for src in ("measured", *full):
+        d2 = float(np.sum(by["depth"][src]))
+        w2 = float(np.sum(by["width"][src]))
+        per_layer = 2 * by["depth"][src] / by["width"][src] - 1
+        be[src] = {"depth2_experts": d2, "width2_experts": w2, "alpha": break_even_alpha(d2, w2),
+                   "alpha_layer_min": float(per_layer.min()), "alpha_layer_max": float(per_layer.max())}
+    return be
+
+
+def capture_cost_models(costs: dict, bank: Path, root: Path) -> dict:
+    """``{name: MoECost}`` of the cost configs, a fitted model's routing replaced by the capture under
+    analysis; a config that capture cannot drive (another model's) falls back to the uniform model."""
+    cost_models = {}
+    for name, cfg in costs.items():
+        d = dict(cfg.get("distinct") or {})
+        if d.get("routing"):
+            d["routing"] = str(bank)  # the capture under analysis
+            cfg = {**cfg, "distinct": d}
+        try:
+            cost_models[name] = MoECost(cfg, root)
+        except ValueError as exc:  # a capture of another model cannot drive this config
+            log.warning("cost %s: %s; falling back to the uniform model", name, exc)
+            cost_models[name] = MoECost({**cfg, "distinct": {"model": "uniform"}}, root)
+    return cost_models
+
+
+def draw_pictures(out: Path, tr, pop, curves, same, cross, be, acc0, cost_models, proxy: bool) -> list:
+    """The analysis's pictures in ``out`` (titles tagged PROXY for a proxy capture); their paths."""
+    from calib.moe import plots
+
+    plots.TAG = " (PROXY)" if proxy else ""
+    pics = [plots.popularity(tr, pop, out / "popularity.png"),
+            plots.distinct_by_shape(curves, tr, out / "distinct_by_shape.png"),
+            plots.models_vs_measured(curves, out / "models_vs_measured.png"),
+            plots.overlap(same, cross, tr, out / "overlap_by_distance.png"),
+            plots.break_even(be, acc0, out / "break_even.png")]
+    if cost_models:
+        pics.append(plots.cost_curves(cost_models, out / "cost_curves.png"))
+    return pics
+
+
+def _track(c: dict, out: Path, table: list[dict], be: dict, pop, pics) -> None:
+    """The errors, break-even α, popularity and pictures to the configured tracker."""
+    from calib.tracking import make_tracker
 
     tracker = make_tracker(c.get("logger"), out, c, "moe")
     try:
@@ -297,7 +326,6 @@ def run_analysis(c: dict, root: str | Path = ".") -> dict:
             tracker.log_image(f"moe/{Path(p).stem}", p)
     finally:
         tracker.finish()
-    return metrics
 
 
 def _first_draft_acceptance(bank: Path) -> float | None:

@@ -125,25 +125,11 @@ def capture(cfg: dict, root: str | Path = ".") -> Path:
             ids = encode_prompt(tok, p.messages)
             gen, rounds = speculate(model, hooks, ids, max_new, k, ngram, tok.eos_token_id)
             if req == 0 and cfg.get("check_greedy", True):
-                with torch.no_grad():
-                    ref = model.generate(torch.tensor([ids]), max_new_tokens=max_new, do_sample=False,
-                                         eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)
-                ref = ref[0, len(ids):].tolist()
-                if ref != gen[: len(ref)]:
-                    raise RuntimeError(f"prompt {p.id}: speculative output differs from greedy decoding")
+                _check_greedy(model, tok, ids, gen, max_new, p.id)
             outputs[p.id] = tok.decode(gen, skip_special_tokens=True)
-            for r, (drafts, a, start, routing) in enumerate(rounds):
-                keys = {"model": MODEL_KEY, "speculator": "ngram", "config": config_key, "category": p.category,
-                        "prompt_idx": p.idx, "turn": 0, "round_idx": r}
-                acc_rows.append({**keys, "accept": a, **{f"acc{j}": (1 if j < a else 0) if j < len(drafts) else None
-                                                          for j in range(k)}})
-                spec_rows.append({**keys, **{f"conf{j}": None for j in range(k)},
-                                  **{f"tok{j}": drafts[j] if j < len(drafts) else None for j in range(k)},
-                                  "batch_size": 1, "temperature": 0.0})
-                for j in range(routing.shape[0]):
-                    meta_rows.append({**keys, "routing_idx": len(experts), "routing_block_idx": j,
-                                      "request_idx": req, "position": start + j, "accepted": j <= a})
-                    experts.append(routing[j])
+            keys = {"model": MODEL_KEY, "speculator": "ngram", "config": config_key, "category": p.category,
+                    "prompt_idx": p.idx, "turn": 0}
+            _append_rounds(rounds, keys, req, k, acc_rows, spec_rows, meta_rows, experts)
             log.info("capture %s: %d tokens in %d rounds (%.2f accepted/round)", p.id, len(gen), len(rounds),
                      np.mean([r[1] for r in rounds]) if rounds else 0.0)
     finally:
@@ -152,14 +138,9 @@ def capture(cfg: dict, root: str | Path = ".") -> Path:
     spec_t = _table(spec_rows, schema.SPECULATOR)
     meta_t = _table(meta_rows, schema.ROUTING_META)
     arr = np.stack(experts).astype(np.uint8)
-    info = {"n_experts": router.n_experts, "top_k": router.top_k, "layers": router.layers, "proxy": True,
-            "source": "shadow routing of a MoEfied SmolLM2-135M-Instruct (dense model ran; linear routers "
-                      "recorded their top-k) -- a PROXY for a real MoE target",
-            "router": str(cfg["router"]), "router_mean_topk_recall": router.meta.get("mean_topk_recall"),
-            "router_mean_energy_captured": router.meta.get("mean_energy_captured")}
     manifest = {"model": MODEL_KEY, "speculator": "ngram", "config": config_key,
                 "categories": sorted({p.category for p in prompts}), "num_speculative_tokens": k,
-                "engine": "transformers (calib.moe.capture; greedy, batch 1)", "routing": info,
+                "engine": "transformers (calib.moe.capture; greedy, batch 1)", "routing": _routing_info(router, cfg),
                 "prompts": list(cfg["prompts"]), "prompts_per_file": int(cfg["prompts_per_file"]),
                 "max_new_tokens": max_new, "ngram": list(ngram),
                 "runtime_s": round(time.perf_counter() - t0, 1)}
@@ -169,6 +150,44 @@ def capture(cfg: dict, root: str | Path = ".") -> Path:
     log.info("capture: %d rounds, %d routed positions -> %s (%.0f s)", len(acc_rows), len(arr), out,
              time.perf_counter() - t0)
     return out
+
+
+def _check_greedy(model, tok, ids: list[int], gen: list[int], max_new: int, prompt_id: str) -> None:
+    """Refuse a capture whose speculative output differs from the dense model's own greedy decoding."""
+    import torch
+
+    with torch.no_grad():
+        ref = model.generate(torch.tensor([ids]), max_new_tokens=max_new, do_sample=False,
+                             eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)
+    ref = ref[0, len(ids):].tolist()
+    if ref != gen[: len(ref)]:
+        raise RuntimeError(f"prompt {prompt_id}: speculative output differs from greedy decoding")
+
+
+def _append_rounds(rounds: list, keys: dict, req: int, k: int, acc_rows: list, spec_rows: list,
+                   meta_rows: list, experts: list) -> None:
+    """One request's rounds ``(drafts, accepted, start, routing [positions, layers, top_k])`` as bank rows
+    (acceptance, speculator, routing meta) and routed positions, appended in round order."""
+    for r, (drafts, a, start, routing) in enumerate(rounds):
+        keys_r = {**keys, "round_idx": r}
+        acc_rows.append({**keys_r, "accept": a, **{f"acc{j}": (1 if j < a else 0) if j < len(drafts) else None
+                                                    for j in range(k)}})
+        spec_rows.append({**keys_r, **{f"conf{j}": None for j in range(k)},
+                          **{f"tok{j}": drafts[j] if j < len(drafts) else None for j in range(k)},
+                          "batch_size": 1, "temperature": 0.0})
+        for j in range(routing.shape[0]):
+            meta_rows.append({**keys_r, "routing_idx": len(experts), "routing_block_idx": j,
+                              "request_idx": req, "position": start + j, "accepted": j <= a})
+            experts.append(routing[j])
+
+
+def _routing_info(router, cfg: dict) -> dict:
+    """The bank manifest's ``routing``: the shadow router's shape and quality (a PROXY capture)."""
+    return {"n_experts": router.n_experts, "top_k": router.top_k, "layers": router.layers, "proxy": True,
+            "source": "shadow routing of a MoEfied SmolLM2-135M-Instruct (dense model ran; linear routers "
+                      "recorded their top-k) -- a PROXY for a real MoE target",
+            "router": str(cfg["router"]), "router_mean_topk_recall": router.meta.get("mean_topk_recall"),
+            "router_mean_energy_captured": router.meta.get("mean_energy_captured")}
 
 
 def _resolve(root: Path, p) -> Path:

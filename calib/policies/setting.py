@@ -73,7 +73,7 @@ def allocate_chains(p1, p2, cost: torch.Tensor, budget: int | None, impl: str, n
 class Setting:
     """One (bank, category, B) setting under one cost curve: what a step policy's ``compute`` receives.
 
-    ``sb`` the gathered arrays, ``curve`` (a :class:`calib.evaluate.cost.CostCurve`, already ``for_batch``),
+    ``sb`` the gathered arrays, ``curve`` (a :class:`calib.cost.CostCurve`, already ``for_batch``),
     ``cfg`` (a :class:`calib.evaluate.replay.ReplayConfig`), ``train_curve`` [K] (the primary chain's
     training acceptance curve), ``budget`` (None in price mode), ``sunk`` (the price of K primary draft
     passes), and the helpers :meth:`draft`, :meth:`uniform` and :meth:`ragged` the built-ins share.

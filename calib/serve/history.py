@@ -10,7 +10,7 @@ same rounds through both and gets identical values):
 * ``mean_accept``: the mean accepted length over its earlier rounds; NaN in its first round;
 * ``position``: the tokens its earlier rounds emitted, ``accepted + 1`` each; 0 in its first round.
 
-A *round* is what the bank records as one (:mod:`calib.collect.hooks`): a verify step in which the
+A *round* is what the bank records as one (:mod:`calib.vllm.capture`): a verify step in which the
 request had at least one draft token. A step in which the request verified no draft token (no
 n-gram match, or calib chose ``[]``) is not a round of the bank, so :meth:`RequestHistory.observe`
 with ``drafted=0`` leaves the history unchanged. Nor is the token sampled at prefill counted: the

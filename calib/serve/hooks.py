@@ -14,6 +14,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from calib.cost.draft import DEFAULT_DRAFT_COST
+from calib.cost.serving import cost_curve
 
 log = logging.getLogger("calib.serve")
 
@@ -63,49 +65,12 @@ class ServeStats:
                 f"{self.errors} hook errors" + (f"; OFF: {self.disabled_reason}" if self.disabled_reason else ""))
 
 
-def parse_cost(text: str) -> tuple[float, float]:
-    """``"weight_read,per_position"`` -> two positive floats (the parametric ``CALIB_SERVE_COST``)."""
-    try:
-        w, p = (float(x) for x in str(text).split(","))
-    except ValueError:
-        raise ValueError(f"CALIB_SERVE_COST={text!r}: expected 'weight_read,per_position' (e.g. '1.0,0.01') "
-                         "or a measured curve 'PATH.csv[:column]'") from None
-    if not (w > 0 and p >= 0 and math.isfinite(w) and math.isfinite(p)):
-        raise ValueError(f"CALIB_SERVE_COST={text!r}: weight_read must be > 0 and per_position >= 0")
-    return w, p
-
-
-def measured_cost(text: str) -> tuple[str, str] | None:
-    """``(path, column)`` when ``CALIB_SERVE_COST`` names a measured CSV (``PATH.csv[:column]``; column
-    default ``seconds_min``), None for the parametric ``weight_read,per_position``."""
-    text = str(text)
-    if ".csv" not in text:
-        return None
-    path, _, column = text.partition(".csv")
-    return path + ".csv", column.lstrip(":") or "seconds_min"
-
-
-def cost_curve(text: str, t_max: int) -> torch.Tensor:
-    """``CALIB_SERVE_COST`` as the allocator's price-mode curve, float32 ``[t_max + 1]``: parametric
-    ``weight_read,per_position`` or a measured CSV ``PATH[:column]`` (``T, seconds[, seconds_min]``,
-    bench/verify_cost.py; column default ``seconds_min``), read as conf/cost/measured.yaml reads it."""
-    measured = measured_cost(text)
-    if measured is not None:
-        from calib.evaluate.cost import make_curve
-
-        path, column = measured
-        curve = make_curve("CALIB_SERVE_COST", {"kind": "measured", "path": path, "column": column}, t_max)
-        return torch.from_numpy(np.ascontiguousarray(curve.values)).to(torch.float32)
-    w, p = parse_cost(text)
-    return (w + p * torch.arange(t_max + 1, dtype=torch.float64)).to(torch.float32)
-
-
 class Server:
     """Per-process serving state: the lazily built decider, drafter confidences, statistics."""
 
     def __init__(self, tables: str, cost: str = "1.0,0.01", model_id: str | None = None,
                  ngram: tuple[int, int, int] = (1, 4, 4), chains: str = "model,ngram", plan: bool = True,
-                 draft_cost: float = 0.24):
+                 draft_cost: float = DEFAULT_DRAFT_COST):
         self.tables_dir = str(tables)
         self.cost_text = cost
         self.model_id = model_id

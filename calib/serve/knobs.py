@@ -9,19 +9,18 @@ from __future__ import annotations
 import json
 import numbers
 from dataclasses import asdict, dataclass, fields
-from pathlib import Path
 from typing import ClassVar
 
+from calib.cost.draft import DEFAULT_DRAFT_COST, PROJECT_ROOT
 from calib.params import TEXT, Boolean, Each, Interval, NoneValue, Satisfies, validate_params
 
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
 # The verify-cost curve serve.py prices with by default (conf/serve.yaml serve.cost), for `vllm serve` too.
 DEFAULT_COST_CSV = "data/cost/smollm2-135m-cpu.csv"
 DEFAULT_COST = f"{PROJECT_ROOT / DEFAULT_COST_CSV}:seconds_min"
 
 
 def _cost_text(text) -> bool:
-    from calib.serve.hooks import measured_cost, parse_cost
+    from calib.cost.serving import measured_cost, parse_cost
 
     return isinstance(text, str) and (measured_cost(text) is not None or bool(parse_cost(text)))
 
@@ -36,7 +35,7 @@ class ServeKnobs:
     ngram: tuple[int, int, int] = (1, 4, 4)  # min_n, max_n, k of the n-gram chain beside a model drafter
     chains: tuple[str, ...] | None = None  # the chains calib may verify (None: every registered chain)
     plan: bool = True  # with a model drafter: choose each step's number of draft passes (plan_draft)
-    draft_cost: float = 0.24  # one model-drafter pass as a fraction of the verify pass C(B) (conf/eval.yaml)
+    draft_cost: float = DEFAULT_DRAFT_COST  # one model-drafter pass / the verify pass C(B) (the drafter's export)
 
     _parameter_constraints: ClassVar[dict] = {
         "tables": [TEXT],

@@ -181,7 +181,7 @@ def serve_knobs(cfg: dict, root: Path):
     """The serving knobs of a calib policy's ``cfg`` (:class:`calib.serve.knobs.ServeKnobs`), paths absolute
     for the engine's processes. Keys of ``cfg.serve`` other than ``cost`` and ``model_id`` are knobs as
     they are (a new knob needs no line here)."""
-    from calib.serve.hooks import measured_cost
+    from calib.cost.serving import measured_cost
     from calib.serve.knobs import ServeKnobs
 
     pol, spec_cfg = cfg["policy"], cfg["speculative"]

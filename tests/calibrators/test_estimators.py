@@ -6,8 +6,8 @@ import pytest
 
 from calib.calibrators.base import NotFittedError
 from calib.calibrators.binning import HistogramBinning, IsotonicPerDepth
-from calib.calibrators.identity import Identity
 from calib.calibrators.features import GradientBoostingAcceptance, LogisticAcceptance
+from calib.calibrators.identity import Identity
 from calib.calibrators.scaling import TemperatureScaling
 from calib.metrics import ece, nll
 

@@ -78,7 +78,13 @@ def test_export_layout(tmp_path):
     names = set(load_file(out / "model.safetensors"))
     assert "fc.weight" in names and "layers.0.self_attn.q_proj.weight" in names
     assert not any("input_layernorm" in n or "embed" in n or "lm_head" in n for n in names)
-    assert json.loads((out / "config.json").read_text())["num_hidden_layers"] == 1
+    config = json.loads((out / "config.json").read_text())
+    assert config["num_hidden_layers"] == 1
+    # the head's draft cost is recorded where it is described (calib.cost.draft reads it)
+    from calib.cost.draft import DRAFT_COST_KEY, draft_cost
+    from calib.drafters.eagle.model import head_cost_ratio
+
+    assert config[DRAFT_COST_KEY] == round(head_cost_ratio(head.config), 2) == draft_cost(out)
     # Round trip (warm starts): every exported tensor comes back, in bf16 precision.
     from calib.drafters.eagle.export import load_exported
 

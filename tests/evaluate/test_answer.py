@@ -7,8 +7,8 @@ import math
 
 import pytest
 
+from calib.cost import make_curve
 from calib.evaluate import plots, report
-from calib.evaluate.cost import make_curve
 from calib.evaluate.data import load_eval_bank
 from calib.evaluate.replay import ReplayConfig, replay
 from calib.policies import CAMPS, Policy, camp_of, policy_of_row, register_policy, unregister_policy

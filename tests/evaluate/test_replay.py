@@ -7,7 +7,7 @@ import torch
 
 from calib.bank import schema, write_bank
 from calib.chains.ngram import round_feature_tensor
-from calib.evaluate.cost import CostCurve, make_curve
+from calib.cost import CostCurve, make_curve
 from calib.evaluate.data import load_eval_bank
 from calib.evaluate.replay import ReplayConfig, replay, replay_setting, train_mean_curve
 from calib.policies.setting import StepBatch, committed

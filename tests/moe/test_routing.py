@@ -9,7 +9,7 @@ import pytest
 
 from calib.bank import BankError, read_routing, validate, write_bank
 from calib.bank.__main__ import main as cli
-from calib.moe.trajectories import Trajectories
+from calib.cost.trajectories import Trajectories
 from tests.synthetic import synthetic_tables
 
 E, K, LAYERS = 8, 2, 3

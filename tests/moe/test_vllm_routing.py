@@ -10,7 +10,7 @@ import pytest
 
 from calib.bank import read_routing, schema, validate, write_bank
 from calib.collect.assemble import RunKeys, build_tables
-from calib.moe.trajectories import Trajectories
+from calib.cost.trajectories import Trajectories
 from calib.moe.vllm_routing import routing_rows
 from tests.engine_identity import assert_runs_match
 

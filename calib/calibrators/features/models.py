@@ -51,7 +51,7 @@ def _check_frame(X, depth, features, y=None):
     if isinstance(X, pd.DataFrame):
         missing = [c for c in features if c not in X.columns]
         if missing:
-            raise ValueError(f"n-gram samples lack columns {missing}; they come from calib.labels.ngram_samples")
+            raise ValueError(f"n-gram samples lack columns {missing}; they come from calib.chains.ngram.ngram_samples")
         X = X[list(features)].to_numpy(dtype=np.float64, copy=True)
         ctx = [i for i, f in enumerate(features) if f in CONTEXT_FEATURES]
         if ctx:
@@ -267,7 +267,6 @@ class MLPAcceptance(FeatureModel):
         return torch.from_numpy(Z.astype(np.float32))
 
     def fit(self, X, depth, y, *, val=None) -> MLPAcceptance:
-        import lightning as L
         from torch.utils.data import BatchSampler, DataLoader, RandomSampler, SequentialSampler, TensorDataset
 
         from calib.calibrators.lightning_fit import fit_module
@@ -277,45 +276,8 @@ class MLPAcceptance(FeatureModel):
         self.n_depths_ = int(depth.max()) + 1
         D = self._design(X, depth)
         self.mean_, self.std_ = D.mean(0), D.std(0) + 1e-9
-        if val is not None:
-            vX, vd, vy = _check_frame(val[0], val[1], self.features, val[2])
-            if len(vy) > self.max_train_samples // 4:  # early stopping needs a sample, not all of it
-                keep = np.random.default_rng(self.seed + 1).choice(len(vy), self.max_train_samples // 4, replace=False)
-                vX, vd, vy = vX[keep], vd[keep], vy[keep]
-        else:  # hold out a random tenth of the rows for early stopping
-            rng = np.random.default_rng(self.seed)
-            hold = rng.uniform(size=len(y)) < 0.1
-            vX, vd, vy = X[hold], depth[hold], y[hold]
-            X, depth, y = X[~hold], depth[~hold], y[~hold]
-        if len(y) > self.max_train_samples:  # a small net gains nothing from millions of rows
-            keep = np.random.default_rng(self.seed).choice(len(y), self.max_train_samples, replace=False)
-            X, depth, y = X[keep], depth[keep], y[keep]
-        hidden, lr = self.hidden, self.lr
-        n_in = D.shape[1]
-
-        class Net(L.LightningModule):
-            def __init__(self):
-                super().__init__()
-                self.net = torch.nn.Sequential(torch.nn.Linear(n_in, hidden), torch.nn.GELU(),
-                                               torch.nn.Linear(hidden, hidden), torch.nn.GELU(),
-                                               torch.nn.Linear(hidden, 1))
-
-            def forward(self, x):
-                return self.net(x).squeeze(-1)
-
-            def training_step(self, batch, _):
-                x, t = batch
-                loss = torch.nn.functional.binary_cross_entropy_with_logits(self(x), t)
-                self.log("train_nll", loss, prog_bar=True)
-                return loss
-
-            def validation_step(self, batch, _):
-                x, t = batch
-                self.log("val_nll", torch.nn.functional.binary_cross_entropy_with_logits(self(x), t), prog_bar=True)
-
-            def configure_optimizers(self):
-                return torch.optim.Adam(self.parameters(), lr=lr)
-
+        X, depth, y, vX, vd, vy = self._train_and_early_stopping_rows(X, depth, y, val)
+        Net = acceptance_net_class(D.shape[1], self.hidden, self.lr)
         torch.manual_seed(self.seed)  # weight init is part of the fit
         net = Net()
         train = TensorDataset(self._tensor(X, depth), torch.from_numpy(y.astype(np.float32)))
@@ -329,8 +291,58 @@ class MLPAcceptance(FeatureModel):
         self.net_ = net.eval()
         return self
 
+    def _train_and_early_stopping_rows(self, X, depth, y, val):
+        """``(X, depth, y)`` to train on and ``(vX, vd, vy)`` to stop early on: ``val`` (at most a quarter
+        of ``max_train_samples`` of it) or a random tenth held out of the rows; at most
+        ``max_train_samples`` training rows (a small net gains nothing from millions)."""
+        if val is not None:
+            vX, vd, vy = _check_frame(val[0], val[1], self.features, val[2])
+            if len(vy) > self.max_train_samples // 4:  # early stopping needs a sample, not all of it
+                keep = np.random.default_rng(self.seed + 1).choice(len(vy), self.max_train_samples // 4, replace=False)
+                vX, vd, vy = vX[keep], vd[keep], vy[keep]
+        else:  # hold out a random tenth of the rows for early stopping
+            rng = np.random.default_rng(self.seed)
+            hold = rng.uniform(size=len(y)) < 0.1
+            vX, vd, vy = X[hold], depth[hold], y[hold]
+            X, depth, y = X[~hold], depth[~hold], y[~hold]
+        if len(y) > self.max_train_samples:  # a small net gains nothing from millions of rows
+            keep = np.random.default_rng(self.seed).choice(len(y), self.max_train_samples, replace=False)
+            X, depth, y = X[keep], depth[keep], y[keep]
+        return X, depth, y, vX, vd, vy
+
     def predict_proba(self, X, depth) -> np.ndarray:
         self._check_fitted()
         X, depth, _ = _check_frame(X, depth, self.features)
         with torch.no_grad():
             return torch.sigmoid(self.net_(self._tensor(X, depth))).double().numpy()
+
+
+def acceptance_net_class(n_in: int, hidden: int, lr: float) -> type:
+    """:class:`MLPAcceptance`'s network class: ``n_in`` standardised inputs -> two GELU layers of
+    ``hidden`` -> one logit, a LightningModule trained on binary cross-entropy with Adam at ``lr``."""
+    import lightning as L
+
+    class Net(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Sequential(torch.nn.Linear(n_in, hidden), torch.nn.GELU(),
+                                           torch.nn.Linear(hidden, hidden), torch.nn.GELU(),
+                                           torch.nn.Linear(hidden, 1))
+
+        def forward(self, x):
+            return self.net(x).squeeze(-1)
+
+        def training_step(self, batch, _):
+            x, t = batch
+            loss = torch.nn.functional.binary_cross_entropy_with_logits(self(x), t)
+            self.log("train_nll", loss, prog_bar=True)
+            return loss
+
+        def validation_step(self, batch, _):
+            x, t = batch
+            self.log("val_nll", torch.nn.functional.binary_cross_entropy_with_logits(self(x), t), prog_bar=True)
+
+        def configure_optimizers(self):
+            return torch.optim.Adam(self.parameters(), lr=lr)
+
+    return Net

@@ -2,7 +2,8 @@
 
 vLLM maps ``fc.weight`` and ``layers.0.*`` (HF names; q/k/v and gate/up are stacked on load) into
 ``EagleLlamaForCausalLM``; embeddings and lm_head are shared with the target when absent. The
-config is the target's with ``num_hidden_layers = 1`` (vLLM's EAGLEConfig renames the architecture).
+config is the target's with ``num_hidden_layers = 1`` (vLLM's EAGLEConfig renames the architecture)
+and the head's draft cost (:data:`calib.cost.draft.DRAFT_COST_KEY`, :func:`head_draft_cost`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,14 @@ import torch
 from safetensors.torch import save_file
 
 from calib.atomic import atomic_dir
+from calib.cost.draft import DRAFT_COST_KEY
+from calib.drafters.eagle.model import head_cost_ratio
+
+
+def head_draft_cost(target_config) -> float:
+    """The draft cost an exported head records: its matmul FLOPs per token against the target's
+    (:func:`head_cost_ratio`), to two places (an estimate, not a timing: 0.24 for SmolLM2-135M)."""
+    return round(head_cost_ratio(target_config), 2)
 
 
 def export_head(head, out_dir: str | os.PathLike, dtype: torch.dtype = torch.bfloat16, extra: dict | None = None) -> Path:
@@ -27,8 +36,9 @@ def export_head(head, out_dir: str | os.PathLike, dtype: torch.dtype = torch.bfl
         tensors[f"layers.0.{name}"] = t
     tensors = {k: v.detach().to(dtype).contiguous().cpu() for k, v in tensors.items()}
     config = head.config.to_dict()
-    config.update(num_hidden_layers=1, architectures=["LlamaForCausalLM"], torch_dtype=str(dtype).split(".")[-1],
-                  **(extra or {}))
+    config.update(num_hidden_layers=1, architectures=["LlamaForCausalLM"], torch_dtype=str(dtype).split(".")[-1])
+    config[DRAFT_COST_KEY] = head_draft_cost(head.config)  # head.config is the target's (all its layers)
+    config.update(extra or {})
     config.pop("_attn_implementation", None)
     with atomic_dir(out) as stage:
         save_file(tensors, stage / "model.safetensors", metadata={"format": "pt"})

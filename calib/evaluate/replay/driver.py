@@ -9,7 +9,7 @@ import math
 
 import numpy as np
 
-from calib.evaluate.cost import CostCurve
+from calib.cost import CostCurve
 from calib.evaluate.replay.config import ReplayConfig
 from calib.labels import censored
 from calib.policies import BASE_TOTALS, REFERENCE, PolicyResult, closure, policy, policy_of_row

@@ -1,23 +1,10 @@
 """Verify-cost curves ``C(T)``: the cost of one target forward pass that scores ``T`` positions.
 
-Two kinds, chosen in config (``conf/cost/``):
-
-* ``parametric``: ``C(T) = weight_read + per_position · T`` — a fixed term for reading the weights
-  once per pass (what makes speculation pay on memory-bound hardware) plus a per-position compute
-  term. Unit: one weight read.
-* ``moe``: a mixture-of-experts target whose cost depends on the verify *shape* (which request
-  verifies how many positions), not only on ``T``: distinct experts read (calib.moe). The replay
-  charges each step its actual shape (:meth:`CostCurve.charge`); the allocator sees, per batch size
-  (:meth:`CostCurve.for_batch`), the cost of ``T`` positions spread evenly over the ``B`` requests.
-  Unit: seconds (roofline; see conf/cost/moe.yaml).
-* ``measured``: a CSV with columns ``T, seconds[, seconds_min]`` (``bench/verify_cost.py``; the
-  config's ``column`` picks median or minimum over repeats), interpolated linearly
-  between its grid points and extrapolated linearly from its last two points. Unit: seconds.
-
-Curves are returned as the allocator's price-mode tensor: float64 ``[T_max + 1]``, index = ``T``.
-Every curve is checked where it is made: at least ``C(0..1)`` (``T_max >= 1``), and every ``C(T)``
-finite and positive; a measured CSV's rows are checked as they are read (file and line named).
-A zero, negative or NaN cost would make the allocator's goodput rule refuse every draft token.
+Three kinds, chosen in config (``conf/cost/``): ``parametric`` (weight read + per-position term),
+``measured`` (a CSV from ``bench/verify_cost.py``) and ``moe`` (a verify *shape*'s experts read,
+:mod:`calib.cost.moe`), each returned as the allocator's price-mode tensor float64 ``[T_max + 1]`` and
+checked finite and positive where it is made. The draft cost of a drafter: :mod:`calib.cost.draft`.
+Design notes: docs/cost.md.
 """
 
 from __future__ import annotations
@@ -59,7 +46,7 @@ class CostCurve:
 
 
 class MoECurve(CostCurve):
-    """A shape-dependent MoE verify cost (:class:`calib.evaluate.cost.moe.MoECost`). ``values`` is the even-spread
+    """A shape-dependent MoE verify cost (:class:`calib.cost.moe.MoECost`). ``values`` is the even-spread
     curve for the current batch size (1 until :meth:`for_batch`)."""
 
     def __init__(self, name: str, cost, t_max: int, unit: str, batch: int = 1):
@@ -70,7 +57,7 @@ class MoECurve(CostCurve):
         return self if batch == self.batch else MoECurve(self.name, self.cost, self.t_max, self.unit, batch)
 
     def charge(self, depth: np.ndarray) -> np.ndarray:
-        from calib.evaluate.cost.moe import depth_counts
+        from calib.cost.moe import depth_counts
 
         depth = np.asarray(depth, dtype=np.int64)
         return self.cost.step_cost(depth_counts(depth, int(depth.max(initial=0))))
@@ -130,7 +117,7 @@ def make_curve(name: str, cfg: dict, t_max: int, root: str | Path = ".") -> Cost
     if t_max < 1:
         raise ValueError(f"cost curve {name!r}: t_max={t_max}; a curve prices T = 1..t_max positions")
     if kind == "moe":
-        from calib.evaluate.cost.moe import MoECost
+        from calib.cost.moe import MoECost
 
         return MoECurve(name, MoECost(cfg, root), t_max, cfg.get("unit", "s"))
     t = np.arange(t_max + 1, dtype=np.float64)

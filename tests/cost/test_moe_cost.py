@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from calib.evaluate.cost import CostCurve, make_curve
-from calib.evaluate.cost.moe import MoECost, break_even_alpha, depth_counts, shape_counts
+from calib.cost import CostCurve, make_curve
+from calib.cost.moe import MoECost, break_even_alpha, depth_counts, shape_counts
 
 CFG = {"kind": "moe", "unit": "s", "layers": 2, "n_experts": 8, "top_k": 2, "expert_params": 1e6,
        "dense_params": 4e6, "bytes_per_param": 1, "bandwidth_gbs": 1.0, "flops_per_position": 1e3,
@@ -66,11 +66,11 @@ def test_config_errors_are_named():
 def test_replay_charges_the_actual_shape(tmp_path):
     """On the hand-made replay bank (SYNTHETIC), a shape-sensitive MoE cost charges each policy the
     cost of the depths it chose, not the even-spread price the allocator saw."""
-    from calib.evaluate.cost import MoECurve
+    from calib.cost import MoECurve
+    from calib.cost.distinct import MaxEntPairwise
+    from calib.cost.trajectories import Trajectories, one_hot
     from calib.evaluate.data import load_eval_bank
     from calib.evaluate.replay import ReplayConfig, replay_setting, train_mean_curve
-    from calib.moe.models import MaxEntPairwise
-    from calib.moe.trajectories import Trajectories, one_hot
     from calib.policies.setting import StepBatch
     from tests.evaluate.test_replay import identity_tables, tiny_bank
 

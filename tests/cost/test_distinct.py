@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from calib.moe.models import IndependentNonUniform, MaxEntPairwise, UniformCoupon, ipf_chain
-from calib.moe.trajectories import Trajectories, one_hot
+from calib.cost.distinct import IndependentNonUniform, MaxEntPairwise, UniformCoupon, ipf_chain
+from calib.cost.trajectories import Trajectories, one_hot
 
 
 def _traj(seqs_ids, n_experts):

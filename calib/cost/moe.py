@@ -1,15 +1,7 @@
 """MoE verify cost: from the predicted distinct experts of a verify shape to seconds.
 
-A verify pass reads every weight that is not routed once (attention, norms, routers, shared experts,
-lm_head: ``dense_params``) and, in each MoE layer, every expert that at least one of its positions
-routes to; it also computes ``flops_per_position`` per position. Roofline:
-
-    cost(shape) = max( (dense_params + expert_params · Σ_layers distinct_l(shape)) · bytes_per_param
-                       / bandwidth,  positions · flops_per_position / peak_flops )
-
-``distinct_l`` comes from one of the models in :mod:`calib.moe.models`, fitted on a routing capture
-(``distinct.routing``) or, without one, the uniform coupon collector. Shapes are given as counts:
-``counts[s, d]`` = sequences of step ``s`` verifying ``d`` positions (bonus + d − 1 drafts).
+Roofline per verify pass: the dense weights and every expert a shape routes to read once, against the
+positions' FLOPs; the distinct experts from :mod:`calib.cost.distinct`. Design notes: docs/cost.md.
 """
 
 from __future__ import annotations
@@ -18,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from calib.moe.models import MODELS, UniformCoupon
+from calib.cost.distinct import MODELS, UniformCoupon
 
 
 class MoECost:
@@ -47,7 +39,7 @@ class MoECost:
                 raise ValueError(f"distinct.model={self.model_name!r} needs distinct.routing (a capture)")
             self.model = UniformCoupon(self.n_experts, self.top_k, self.layers).fit()
         else:
-            from calib.moe.trajectories import Trajectories
+            from calib.cost.trajectories import Trajectories
 
             path = Path(routing) if Path(routing).is_absolute() else Path(root) / routing
             tr = Trajectories.from_bank(path)

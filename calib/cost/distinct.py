@@ -1,25 +1,7 @@
 """Models of the number of distinct experts a verify shape routes to, per MoE layer.
 
-A *shape* is the list of per-sequence position counts of one verify pass: ``[d_1, ..., d_B]``
-(sequence i verifies ``d_i`` consecutive positions: its bonus position and ``d_i - 1`` drafts). All
-three models treat sequences as independent and differ in what they know about one sequence's
-chain of positions. Each provides ``log_absent(d)`` [layers, E] = log P(expert e is used by none of
-``d`` consecutive positions of one sequence); then
-
-    E[distinct experts in layer l] = Σ_e 1 − Π_i P_absent(l, e, d_i).
-
-(a) :class:`UniformCoupon` — every position picks k of E experts uniformly:
-    P_absent = (1 − k/E)^d, i.e. the coupon collector E·(1 − (1 − k/E)^N).
-(b) :class:`IndependentNonUniform` — positions independent, expert e used with its measured
-    marginal π_le: P_absent = (1 − π_le)^d.
-(c) :class:`MaxEntPairwise` — per (layer, expert), the maximum-entropy distribution over the binary
-    use pattern of d consecutive positions that matches the marginal π_le at every position and the
-    measured co-use rate c_le(δ) = P(used at p and at p + δ) for every pair at distance δ, fitted by
-    iterative proportional fitting (IPF) over the 2^d patterns; P_absent is its all-zero cell.
-    Chains longer than ``max_chain`` extend the last conditional ratio geometrically.
-
-Estimators follow scikit-learn conventions: the constructor stores parameters, ``fit(trajectories)``
-returns self, learned state ends with ``_``.
+Three models (uniform coupon collector, independent non-uniform, pairwise maximum entropy), as
+scikit-learn-style estimators fitted on routing trajectories. Design notes: docs/cost.md.
 """
 
 from __future__ import annotations

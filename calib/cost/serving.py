@@ -1,0 +1,49 @@
+"""The verify cost as serving is given it: one text, the ``cost`` knob (``conf/serve.yaml`` ``serve.cost``).
+
+Either the parametric ``weight_read,per_position`` (conf/cost/parametric.yaml) or a measured CSV
+``PATH.csv[:column]`` (bench/verify_cost.py), turned into the allocator's price-mode curve.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from calib.cost import make_curve
+
+
+def parse_cost(text: str) -> tuple[float, float]:
+    """``"weight_read,per_position"`` -> two positive floats (the parametric ``cost`` knob)."""
+    try:
+        w, p = (float(x) for x in str(text).split(","))
+    except ValueError:
+        raise ValueError(f"serve.cost={text!r}: expected 'weight_read,per_position' (e.g. '1.0,0.01') "
+                         "or a measured curve 'PATH.csv[:column]'") from None
+    if not (w > 0 and p >= 0 and math.isfinite(w) and math.isfinite(p)):
+        raise ValueError(f"serve.cost={text!r}: weight_read must be > 0 and per_position >= 0")
+    return w, p
+
+
+def measured_cost(text: str) -> tuple[str, str] | None:
+    """``(path, column)`` when the ``cost`` knob names a measured CSV (``PATH.csv[:column]``; column
+    default ``seconds_min``), None for the parametric ``weight_read,per_position``."""
+    text = str(text)
+    if ".csv" not in text:
+        return None
+    path, _, column = text.partition(".csv")
+    return path + ".csv", column.lstrip(":") or "seconds_min"
+
+
+def cost_curve(text: str, t_max: int) -> torch.Tensor:
+    """The ``cost`` knob as the allocator's price-mode curve, float32 ``[t_max + 1]``: parametric
+    ``weight_read,per_position`` or a measured CSV ``PATH[:column]`` (``T, seconds[, seconds_min]``,
+    bench/verify_cost.py; column default ``seconds_min``), read as conf/cost/measured.yaml reads it."""
+    measured = measured_cost(text)
+    if measured is not None:
+        path, column = measured
+        curve = make_curve("serve.cost", {"kind": "measured", "path": path, "column": column}, t_max)
+        return torch.from_numpy(np.ascontiguousarray(curve.values)).to(torch.float32)
+    w, p = parse_cost(text)
+    return (w + p * torch.arange(t_max + 1, dtype=torch.float64)).to(torch.float32)
