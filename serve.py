@@ -10,7 +10,7 @@ store_policy_configs()  # the `policy` group (policy=<name>) comes from calib.po
 
 @hydra.main(config_path="conf", config_name="serve", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    from calib.serve.runner import run
+    from calib.vllm.serve_runner import run
 
     run(OmegaConf.to_container(cfg, resolve=True))
 

@@ -76,7 +76,7 @@ def worker(spec_path: str) -> None:
     import random
 
     from calib.prompts import load_prompts
-    from calib.serve.runner import build_engine, calib_off, serve_cell
+    from calib.vllm.serve_runner import build_engine, calib_off, serve_cell
 
     spec = json.loads(Path(spec_path).read_text())
     cfg = compose(spec["overrides"])
@@ -134,7 +134,7 @@ def cells_for(args) -> list:
 
 def table(records: list, arms: list[str]) -> tuple[list[dict], str]:
     """Median tok/s per (cell, arm) over repetitions, and each arm's ratio to the best vLLM arm. A calib
-    arm's repetition served with calib off (``calib_off``, :func:`calib.serve.runner.calib_off`) is not
+    arm's repetition served with calib off (``calib_off``, :func:`calib.vllm.serve_runner.calib_off`) is not
     counted; a cell where every repetition was is shown as OFF."""
     cells: dict[tuple, dict[str, list]] = {}
     off: dict[tuple, dict[str, str]] = {}

@@ -71,7 +71,7 @@ ROUND_COLUMNS: dict[str, tuple[pa.DataType, str, bool]] = {
     "accept": (pa.int64(), ACCEPTANCE, True),
     "batch_size": (pa.int64(), SPECULATOR, False),
     "temperature": (pa.float64(), SPECULATOR, False),
-    # Collected with calib serving on (calib/serve/hooks.py): the chain the engine verified this round,
+    # Collected with calib serving on (calib/vllm/server.py): the chain the engine verified this round,
     # "model" (a prefix of the speculator's draft) or "ngram" (the n-gram chain calib substituted; the
     # round's acc/conf/tok columns are then empty, since the speculator's draft was not verified, and
     # ngram.parquet labels the chain as verified). Absent when serving was off.

@@ -8,10 +8,11 @@ conf/eval.yaml and conf/serve.yaml read it with the ``${calib.draft_cost:DRAFTER
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from pathlib import Path
+
+from calib.sidefiles import read_json
 
 DRAFT_COST_KEY = "calib_draft_cost"  # in a drafter's config.json
 # What the shipped EAGLE head (data/drafters/eagle-smollm2-135m) records: its matmul FLOPs per token
@@ -42,10 +43,7 @@ def draft_cost(drafter_dir: str | os.PathLike | None) -> float:
     config = (path if path.is_absolute() else PROJECT_ROOT / path) / "config.json"
     if not config.is_file():
         return DEFAULT_DRAFT_COST
-    try:
-        recorded = json.loads(config.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{config}: not a JSON config ({exc}); the drafter's draft cost is read from it") from None
-    if not isinstance(recorded, dict) or DRAFT_COST_KEY not in recorded:
+    recorded = read_json(config, hint="the drafter's draft cost is read from it")
+    if DRAFT_COST_KEY not in recorded:
         return DEFAULT_DRAFT_COST
     return check_draft_cost(recorded[DRAFT_COST_KEY], f"{config} {DRAFT_COST_KEY}")

@@ -68,7 +68,7 @@ class Serving:
 
     Attributes:
         speculate: vLLM speculates (``speculative=`` as configured); False: plain decoding.
-        calib: calib decides each step inside the engine (calib/serve/hooks.py) from the tables.
+        calib: calib decides each step inside the engine (calib/vllm/server.py) from the tables.
         chains: calib policies: the chains calib may verify (registered chain names).
         plan: calib policies with a model drafter: choose each step's number of draft passes.
         dynamic: vLLM Dynamic SD's schedule ``[[first B, last B, K], ...]`` (K capped at the configured K).

@@ -1,6 +1,6 @@
 """Per-request (ragged) allocator policies: ``ragged_raw``, ``ragged_calibrated`` and ``two_drafter``.
 
-The last two are calib's served policies (calib/serve/hooks.py decides each engine step the same way);
+The last two are calib's served policies (calib/vllm/server.py decides each engine step the same way);
 :func:`draft_aware` is their replay of the draft-pass plan.
 """
 

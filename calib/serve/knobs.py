@@ -1,6 +1,6 @@
 """Serving's knobs as one validated value, carried to vLLM's workers as JSON in ``CALIB_SERVE``.
 
-serve.py builds it from its config (:func:`calib.serve.runner.build_engine`); under ``vllm serve`` a
+serve.py builds it from its config (:func:`calib.vllm.serve_runner.build_engine`); under ``vllm serve`` a
 user sets ``CALIB_SERVE='{"tables": "runs/train/default"}'``. A new knob is one field here and its use.
 """
 

@@ -1,6 +1,6 @@
 """Serving: calib decides every step's drafts inside vLLM, a subscriber of :mod:`calib.vllm.patches`.
 
-The events feed :class:`calib.serve.hooks.Server` (the decision, the plan of draft passes, the
+The events feed :class:`calib.vllm.server.Server` (the decision, the plan of draft passes, the
 drafter's confidences, the request history); docs/serving_hooks.md describes what each one does.
 """
 
@@ -12,9 +12,9 @@ import os
 import time
 
 from calib.chains import chain_names
-from calib.serve.hooks import Server, ServeStats
 from calib.serve.knobs import ServeKnobs
 from calib.vllm.patches import RunnerSubscriber
+from calib.vllm.server import Server, ServeStats
 
 log = logging.getLogger("calib.serve")
 

@@ -33,6 +33,9 @@ def test_a_recorded_cost_that_is_not_a_cost_is_refused(tmp_path, value):
 
 
 def test_conf_reads_the_drafters_record(tmp_path):
+    from calib.policies.config_store import store_policy_configs
+
+    store_policy_configs()  # conf/serve.yaml's policy group comes from the policy registry
     (tmp_path / "config.json").write_text(json.dumps({DRAFT_COST_KEY: 0.5}))
     with initialize_config_dir(config_dir=os.fspath(PROJECT_ROOT / "conf"), version_base="1.3"):
         assert compose("eval").draft_cost.model == 0.24

@@ -168,7 +168,7 @@ def test_one_entry_is_a_replay_policy_and_a_serving_policy(bank2, tmp_path):
 
     from calib.policies import Arm, Serving, aliases, servable
     from calib.policies.config_store import store_policy_configs
-    from calib.serve.runner import check_config, servable_policy
+    from calib.vllm.serve_runner import check_config, servable_policy
 
     name, old = "synthetic_served", "synthetic_old_name"
     register_policy(Policy(name, 16, "tab:pink", "SYNTHETIC served policy", _synthetic_compute,

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from calib.atomic import OWNED, atomic_dir, check_replaceable, foreign_entries, staged_output
-from calib.serve.runner import calib_off
+from calib.vllm.serve_runner import calib_off
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -47,7 +47,7 @@ def _serve(*overrides: str) -> subprocess.CompletedProcess:
 
 
 def test_config_errors_say_what_to_do(tmp_path):
-    from calib.serve.runner import check_config
+    from calib.vllm.serve_runner import check_config
 
     base = {"policy": {"name": "calib_two_drafter", "speculate": True, "calib": True, "chains": ["model"]},
             "concurrency": 4, "speculative": {"method": "eagle"}, "tables": str(tmp_path / "none"),

@@ -143,7 +143,7 @@ def _runner(model_dir: str, k: int = 4):
 
 
 def test_tables_for_another_model_pass_vllm_drafts_through(tmp_path, caplog):
-    from calib.serve.hooks import Server
+    from calib.vllm.server import Server
     from tests.serve.test_serving_engine import _synthetic_tables
 
     tables = _synthetic_tables(tmp_path / "tables")  # tagged for SmolLM2-135M-Instruct

@@ -48,7 +48,7 @@ def compose(name: str, *overrides: str) -> dict:
 
 def test_serve_engine_kwargs_and_knobs(started, monkeypatch, tmp_path):
     import calib.target
-    from calib.serve import runner
+    from calib.vllm import serve_runner as runner
 
     monkeypatch.setattr(calib.target, "prepare_target", lambda *a, **k: tmp_path)
     cfg = compose("serve", "policy=calib_two_drafter", "speculative=ngram")

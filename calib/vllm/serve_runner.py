@@ -6,7 +6,7 @@ the environment it finds at engine start):
 * ``no_spec`` — no speculation (the reference for greedy output identity);
 * ``fixed`` / ``vllm_dsd`` — vLLM's own speculation (fixed K, or Dynamic SD's K per batch size);
 * ``ragged_calibrated`` / ``two_drafter`` — vLLM drafts, calib decides every step inside the engine
-  (calib/serve/hooks.py): a calibrated prefix of the drafter's chain, or (two drafters) of the n-gram
+  (calib/vllm/server.py): a calibrated prefix of the drafter's chain, or (two drafters) of the n-gram
   chain, or nothing; with a model drafter, also how many draft passes the step runs.
 
 The names are the replay's (:mod:`calib.policies`, whose servable entries make the ``policy`` config
