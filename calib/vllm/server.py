@@ -14,8 +14,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from calib.cost.draft import DEFAULT_DRAFT_COST
+from calib.chains import chain_names
 from calib.cost.serving import cost_curve
+from calib.serve.knobs import ServeKnobs
 
 log = logging.getLogger("calib.serve")
 
@@ -68,18 +69,15 @@ class ServeStats:
 class Server:
     """Per-process serving state: the lazily built decider, drafter confidences, statistics."""
 
-    def __init__(self, tables: str, cost: str = "1.0,0.01", model_id: str | None = None,
-                 ngram: tuple[int, int, int] = (1, 4, 4), chains: str = "model,ngram", plan: bool = True,
-                 draft_cost: float = DEFAULT_DRAFT_COST):
-        self.tables_dir = str(tables)
-        self.cost_text = cost
-        self.model_id = model_id
-        self.default_ngram = tuple(int(x) for x in ngram)
-        self.chains = tuple(c.strip() for c in str(chains).split(",") if c.strip())
-        self.plan = bool(plan)
-        if not (math.isfinite(float(draft_cost)) and float(draft_cost) >= 0):
-            raise ValueError(f"CALIB_SERVE_DRAFT_COST={draft_cost!r}: must be a number >= 0")
-        self.draft_cost = float(draft_cost)
+    def __init__(self, knobs: ServeKnobs):
+        self.knobs = knobs  # validated at construction (calib.serve.knobs)
+        self.tables_dir = knobs.tables
+        self.cost_text = knobs.cost
+        self.model_id = knobs.model_id
+        self.default_ngram = knobs.ngram
+        self.chains = tuple(knobs.chains or chain_names())
+        self.plan = knobs.plan
+        self.draft_cost = knobs.draft_cost
         self.planning = False  # set at construction: a model drafter whose passes calib chooses
         self.lookup: str | None = None  # set at construction: the chain recomputed from the request's tokens
         self.decider = None

@@ -11,7 +11,6 @@ import logging
 import os
 import time
 
-from calib.chains import chain_names
 from calib.serve.knobs import ServeKnobs
 from calib.vllm.patches import RunnerSubscriber
 from calib.vllm.server import Server, ServeStats
@@ -98,8 +97,7 @@ def start_serving(knobs: ServeKnobs) -> ServingSubscriber:
     """This process's serving state for ``knobs``, as a subscriber of the patch set (once per process)."""
     global _SERVER
     if _SERVER is None:
-        _SERVER = Server(knobs.tables, knobs.cost, knobs.model_id, knobs.ngram,
-                         ",".join(knobs.chains or chain_names()), knobs.plan, knobs.draft_cost)
+        _SERVER = Server(knobs)
         _ensure_log_handler()
         atexit.register(_log_summary)
         log.info("calib serving hooks installed (pid %d), tables %s", os.getpid(), knobs.tables)

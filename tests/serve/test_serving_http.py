@@ -143,11 +143,12 @@ def _runner(model_dir: str, k: int = 4):
 
 
 def test_tables_for_another_model_pass_vllm_drafts_through(tmp_path, caplog):
+    from calib.serve.knobs import ServeKnobs
     from calib.vllm.server import Server
     from tests.serve.test_serving_engine import _synthetic_tables
 
     tables = _synthetic_tables(tmp_path / "tables")  # tagged for SmolLM2-135M-Instruct
-    srv = Server(str(tables))
+    srv = Server(ServeKnobs(str(tables)))
     runner = _runner("/models/Other-7B")  # the engine serves another model
     out = SimpleNamespace(req_ids=["a", "b"], draft_token_ids=[[1, 2, 3, 4], []])
     with caplog.at_level(logging.WARNING, logger="calib.serve"):
@@ -160,7 +161,7 @@ def test_tables_for_another_model_pass_vllm_drafts_through(tmp_path, caplog):
     assert srv.failed and srv.decider is None and st.steps == st.passthrough == 3 and st.decided == 0
     assert st.disabled_reason and "TablesError" in st.disabled_reason
     # The same tables on their own model build the decider (the refusal above was the model id).
-    ok = Server(str(tables))
+    ok = Server(ServeKnobs(str(tables)))
     assert ok.ensure(_runner("/models/SmolLM2-135M-Instruct")) is not None and not ok.failed
 
 

@@ -41,6 +41,9 @@ def compose(name: str, *overrides: str) -> dict:
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
+    from calib.policies.config_store import store_policy_configs
+
+    store_policy_configs()  # conf/serve.yaml's policy group comes from the policy registry
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = hydra_compose(name, overrides=[f"root={ROOT}", *overrides])
     return OmegaConf.to_container(cfg, resolve=True)
