@@ -341,7 +341,6 @@ def _ladder_section(ladder, notes, curves, rcfg) -> list[str]:
     t_hi = len(next(iter(curves.values())).values) - 1
     curve_desc = "; ".join(f"`{n}` (unit: {c.unit}, C(1)={c.values[1]:.4g}, C({t_hi})={c.values[t_hi]:.4g})"
                            for n, c in curves.items())
-    # The text says calib.evaluate.policies (the registry's old home): kept, so the report stays byte-identical.
     L.append(f"Each step draws B rounds of one category from the test split; a round verified at depth d "
              f"commits min(d, accepted)+1 tokens; a step costs C(B + Σ d) plus drafting "
              f"({rcfg.draft_cost} × draft passes × C(B)). Cost curves: {curve_desc}. Decisions: "
@@ -349,7 +348,7 @@ def _ladder_section(ladder, notes, curves, rcfg) -> list[str]:
              "Goodput = committed tokens per unit cost; headroom captured = (G − G_best_fixed) / "
              "(G_oracle − G_best_fixed). Signal-based policies pay K draft passes before deciding; the "
              "oracle chooses in hindsight how many to pay. Category `all` sums both categories' steps. "
-             "Policies (registered in `calib.evaluate.policies`):")
+             "Policies (registered in `calib.policies`, docs/policies.md):")
     L += [""] + policy_lines(ladder)
     for n, c in curves.items():
         if type(c).for_batch is not CostCurve.for_batch:  # shape-dependent (MoE): say what pricing missed
