@@ -19,10 +19,10 @@ import numpy as np
 import torch
 
 from calib.bank import Bank
-from calib.chains import Offer, chains
+from calib.chains import Offer, chains, split_context
 from calib.chains.ngram import step_feature_tensor
 from calib.serve import StepInputs, decide_step
-from calib.serve.decide import feature_names, split_context
+from calib.serve.decide import feature_names
 from calib.serve.history import RequestHistory
 from calib.tables import load
 

@@ -18,6 +18,7 @@ from calib.chains.base import (
     offer_inputs,
     register_chain,
     resolve_edges,
+    split_context,
     unregister_chain,
     verified_chain,
 )
@@ -30,4 +31,4 @@ register_chain(NGRAM)
 
 __all__ = ["CONTEXT", "NO_CHAIN", "Axis", "ChainKind", "Offer", "RoundData", "chain", "chain_names",
            "chain_of_method", "chains", "confidence_chain", "context_axes", "context_spec", "offer_inputs", "register_chain",
-           "resolve_edges", "round_inputs", "unregister_chain", "verified_chain"]
+           "resolve_edges", "round_inputs", "split_context", "unregister_chain", "verified_chain"]

@@ -137,6 +137,17 @@ def context_axes(chain_cfg: dict) -> tuple[Axis, ...]:
     return tuple(Axis(n, edges=tuple(float(e) for e in edges[n])) for n in names)
 
 
+def split_context(names, chain_name: str) -> tuple[list[str], list[str]]:
+    """``(own, context)`` of a chain table's axis names: the chain's own axes, then the :data:`CONTEXT`
+    axes, which must come last (a ``ValueError`` naming the chain otherwise)."""
+    names = list(names)
+    ctx = [n for n in names if n in CONTEXT]
+    own = names[: len(names) - len(ctx)]
+    if names[len(own):] != ctx:
+        raise ValueError(f"chain {chain_name!r}: context axes {ctx} must come after the chain's own axes, got {names}")
+    return own, ctx
+
+
 def resolve_edges(values, spec, max_bins: int = 8, decimals: int = 4) -> list[float]:
     """Inner bin edges of a context axis: ``spec`` as given when it is a list; ``"auto"``: midpoints
     between the distinct (rounded) finite training ``values`` (none for a single value: a one-bin

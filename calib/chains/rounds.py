@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from calib.chains.base import CONTEXT, ChainKind, RoundData
+from calib.chains.base import ChainKind, RoundData, split_context
 
 
 def round_inputs(kind: ChainKind, rounds, axis_names):
@@ -16,11 +16,7 @@ def round_inputs(kind: ChainKind, rounds, axis_names):
         return None
     if axis_names is None:
         return kind.round_data(rounds, None)
-    names = list(axis_names)
-    ctx = [n for n in names if n in CONTEXT]
-    own = names[: len(names) - len(ctx)]
-    if names[len(own):] != ctx:
-        raise ValueError(f"chain {kind.name!r}: context axes {ctx} must come after the chain's own axes, got {names}")
+    own, ctx = split_context(axis_names, kind.name)
     data = kind.round_data(rounds, own)
     if data is None or not ctx:
         return data

@@ -37,7 +37,16 @@ import torch
 
 from calib.allocate import allocate, allocate_probs, calibrated_probs, check_cost
 from calib.allocate.api import IMPLEMENTATIONS
-from calib.chains import CONTEXT, NO_CHAIN, Offer, chain, chain_names, chains, offer_inputs, verified_chain
+from calib.chains import (
+    NO_CHAIN,
+    Offer,
+    chain,
+    chain_names,
+    chains,
+    offer_inputs,
+    split_context,
+    verified_chain,
+)
 from calib.params import TEXT, Interval, NoneValue, Options, Satisfies, validate_params
 from calib.serve.history import RequestHistory
 
@@ -125,16 +134,6 @@ def feature_names(tables, chain_name: str) -> list[str]:
         return list(tables.feature_names(chain_name))
     t = tables.chains.get(chain_name)
     return [a.name for a in t.axes] if t is not None else []
-
-
-def split_context(names: Sequence[str], chain_name: str) -> tuple[list[str], list[str]]:
-    """``(own, context)`` feature names of a chain's table; the context axes must come last."""
-    ctx = [n for n in names if n in CONTEXT]
-    own = list(names[: len(names) - len(ctx)])
-    if list(names[len(own):]) != ctx:
-        raise ValueError(f"chain {chain_name!r}: context axes {ctx} must come after the chain's own axes, "
-                         f"got {list(names)}")
-    return own, ctx
 
 
 def context_columns(ctx: Sequence[str], inputs: StepInputs, history: RequestHistory,

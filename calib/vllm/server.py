@@ -143,7 +143,8 @@ class Server:
                           method=method, chains=self.chains, cost=cost)
         self.ngram_own = []
         if self.lookup in dec.chains:
-            from calib.serve.decide import feature_names, split_context
+            from calib.chains import split_context
+            from calib.serve.decide import feature_names
 
             self.ngram_own = split_context(feature_names(dec.tables, self.lookup), self.lookup)[0]
         model_drafter = chain(dec.engine_chain).confidence is not None  # its passes are calib's to plan
@@ -318,7 +319,7 @@ class Server:
         batch = runner.input_batch
         rows = [batch.req_id_to_index[r] for r in req_ids]
         temps = [float(batch.temperature_cpu[i]) for i in rows]
-        from calib.chains import NO_CHAIN, chain
+        from calib.chains import NO_CHAIN, chains
 
         d = dec.decide(StepInputs(req_ids, temps, self.offers(dec, req_ids, engine, batch, rows)))
         if d.passthrough:
@@ -327,8 +328,9 @@ class Server:
         drafts = d.drafts
         if len(drafts) != len(req_ids) or any(len(x) > K or any(t < 0 for t in x) for x in drafts):
             raise RuntimeError("decision out of bounds (more than K tokens, or a negative id)")
+        names = {kind.id: kind.name for kind in chains()}  # one registry read per step, not per request
         for r, cid, x in zip(req_ids, d.chain.tolist(), drafts):
-            self.chosen[r] = chain(int(cid)).name if (cid != NO_CHAIN and x) else None
+            self.chosen[r] = names[int(cid)] if (cid != NO_CHAIN and x) else None
         self.count(drafts, engine)
         self.stats.allocator_ms.append(float(d.allocator_ms))
         self.stats.hook_ms.append((time.perf_counter() - start) * 1e3)
