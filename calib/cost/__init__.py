@@ -1,8 +1,8 @@
 """Verify-cost curves ``C(T)``: the cost of one target forward pass that scores ``T`` positions.
 
-Three kinds, chosen in config (``conf/cost/``): ``parametric`` (weight read + per-position term),
-``measured`` (a CSV from ``bench/verify_cost.py``) and ``moe`` (a verify *shape*'s experts read,
-:mod:`calib.cost.moe`), each returned as the allocator's price-mode tensor float64 ``[T_max + 1]`` and
+Four kinds, chosen in config (``conf/cost/``): ``parametric`` (weight read + per-position term),
+``measured`` (a CSV from ``bench/verify_cost.py``), ``engine`` (an engine's whole step measured on the
+clock, :mod:`calib.cost.step`) and ``moe`` (a verify *shape*'s experts read, :mod:`calib.cost.moe`), each returned as the allocator's price-mode tensor float64 ``[T_max + 1]`` and
 checked finite and positive where it is made. The draft cost of a drafter: :mod:`calib.cost.draft`.
 Design notes: docs/cost.md.
 """
@@ -120,6 +120,11 @@ def make_curve(name: str, cfg: dict, t_max: int, root: str | Path = ".") -> Cost
         from calib.cost.moe import MoECost
 
         return MoECurve(name, MoECost(cfg, root), t_max, cfg.get("unit", "s"))
+    if kind == "engine":
+        from calib.cost.step import EngineStepCurve, load_step_cost
+
+        path = Path(cfg["path"])
+        return EngineStepCurve(name, load_step_cost(path if path.is_absolute() else Path(root) / path), t_max)
     t = np.arange(t_max + 1, dtype=np.float64)
     if kind == "parametric":
         values = float(cfg["weight_read"]) + float(cfg["per_position"]) * t
@@ -140,6 +145,6 @@ def make_curve(name: str, cfg: dict, t_max: int, root: str | Path = ".") -> Cost
             # switch at some sizes: C(16) < C(15) here), so C(T) is at most every C(T' >= T).
             values = np.minimum.accumulate(values[::-1])[::-1]
     else:
-        raise ValueError(f"cost curve {name!r}: kind must be parametric, measured or moe, got {kind!r}")
+        raise ValueError(f"cost curve {name!r}: kind must be parametric, measured, engine or moe, got {kind!r}")
     values[0] = values[1]
     return CostCurve(name, values, unit)  # checks every C(T)

@@ -21,7 +21,7 @@ from calib.evaluate.replay import ReplayConfig
 from calib.params import TEXT, Boolean, Each, Fractions, Interval, NoneValue, Options
 
 SPLITS = ("train", "val", "test")
-COST_KINDS = ("parametric", "measured", "moe")
+COST_KINDS = ("parametric", "measured", "engine", "moe")
 
 
 def _eval_constraints() -> dict:
@@ -59,6 +59,8 @@ def _check_costs(job: str, cfg) -> None:
         if c.get("kind", name) == "parametric":
             validate_config(job, sub, {f"cost.{name}.weight_read": [Interval(numbers.Real, 0, None, closed="neither")],
                                        f"cost.{name}.per_position": [REAL_0]})
+        elif c.get("kind", name) == "engine":
+            validate_config(job, sub, {f"cost.{name}.path": [TEXT]})
         elif c.get("kind", name) == "measured":
             validate_config(job, sub, {f"cost.{name}.path": [TEXT], f"cost.{name}.column": [NoneValue(), TEXT],
                                        f"cost.{name}.pad_to_cheaper": [Boolean()]})

@@ -19,18 +19,18 @@ DRAFTER_CHAIN, NGRAM_CHAIN = "model", "ngram"
 
 
 def draft_aware(s: Setting, p1: np.ndarray, forecast: np.ndarray, p2: np.ndarray | None) -> PolicyResult:
-    """The draft-aware allocator per step (:func:`calib.allocate.plan_draft`): before each primary-chain
-    draft pass the plan decides from the calibrated tokens drafted so far (``p1`` [S, B, K]), the tables'
-    forecast of the later depths (``forecast`` [S, B, K]) and the second chain (``p2`` [S, B, K], free to
-    know: drafted before the primary), whether the pass pays; the passes run are charged (one
-    ``draft_cost[primary] · C(B)`` each, however many rows draft), then the allocator verifies what was
-    drafted. Requests the plan does not draft for end their chain there. In budget mode there is no
-    price to weigh a pass against: K passes, as before.
+    """The draft-aware allocator per step (:func:`calib.allocate.plan_draft`): from the tables' forecast
+    of the primary chain (``forecast`` [S, B, K]) and the second chain (``p2`` [S, B, K], free to know:
+    drafted before the primary) the plan chooses the step's primary draft passes, once before drafting
+    as served (``cfg.plan == "step"``), or before each pass from the calibrated tokens drafted so far
+    (``p1`` [S, B, K], ``"pass"``); the passes run are charged (:meth:`Setting.draft`, however many rows
+    draft), then the allocator verifies what was drafted. In budget mode there is no price to weigh a
+    pass against: K passes, as before.
     """
     sb, S, B = s.sb, s.S, s.B
     if s.budget is not None:
         return s.ragged(p1, p2, s.draft(s.K, second=p2 is not None))
-    pass_cost = s.draft(1)
+    pass_cost = s.pass_price()
     free_cost = s.second_cost if p2 is not None else 0.0
     verify = s.curve.tensor()
     dr = np.zeros((S, B), np.int64)
@@ -40,20 +40,28 @@ def draft_aware(s: Setting, p1: np.ndarray, forecast: np.ndarray, p2: np.ndarray
         p2_i = None if p2 is None else p2[i]
         known, done = planned_drafts(s, p1[i], forecast[i], p2_i, verify, pass_cost, free_cost)
         passes[i] = done
-        extra = free_cost + done * pass_cost
+        extra = free_cost + s.draft(done)
         dr[i], de[i] = allocate_chains(known, p2_i, s.curve.tensor(extra=extra), None, s.cfg.impl, sb.names)
-    return s.allocated(dr, de, free_cost + passes * pass_cost, draft_passes=float(passes.mean()))
+    return s.allocated(dr, de, free_cost + s.draft(passes), draft_passes=float(passes.mean()))
 
 
 def planned_drafts(s: Setting, p1: np.ndarray, forecast: np.ndarray, p2: np.ndarray | None, verify: torch.Tensor,
                    pass_cost: float, free_cost: float) -> tuple[np.ndarray, int]:
     """One step's draft passes as the plan runs them: (the primary chain's drafted probabilities [B, K],
-    NaN where not drafted; the passes run). ``p1``, ``forecast``, ``p2`` [B, K]."""
+    NaN where not drafted; the passes run). ``p1``, ``forecast``, ``p2`` [B, K]. Planned once per step
+    every request drafts every pass (vLLM's drafter runs the batch); planned per pass, the requests the
+    plan does not draft for end their chain there."""
     first, second = s.sb.names
     B, K = s.B, s.K
     known = np.full((B, K), np.nan, dtype=np.float32)
     others = {} if p2 is None else {second: torch.from_numpy(np.ascontiguousarray(p2, dtype=np.float32))}
     fc = torch.from_numpy(np.ascontiguousarray(forecast, dtype=np.float32))
+    if s.cfg.plan == "step":
+        plan = plan_draft({first: torch.zeros(B, 0), **others}, fc, cost=verify, pass_cost=pass_cost,
+                          sunk=free_cost, chain=first, impl=s.cfg.impl)
+        done = plan.passes if plan.run_pass else 0
+        known[:, :done] = p1[:, :done]
+        return known, done
     done = 0
     while done < K:
         plan = plan_draft({first: torch.from_numpy(known[:, :done].copy()), **others}, fc, cost=verify,

@@ -11,6 +11,7 @@ import torch
 
 from calib.allocate import allocate_probs
 from calib.chains import chain
+from calib.cost.step import EngineStepCurve
 from calib.policies.base import PolicyResult
 
 
@@ -81,13 +82,23 @@ class Setting:
     Two chains (``P`` the primary, ``Q`` the second or None): the draft-aware plan and the allocator's
     callers here offer one second chain beside the primary, and their drafting prices are summed in that
     order (``frac_p + frac_q``); docs/policies.md says what a per-chain mapping must keep.
+
+    On an engine's measured step cost (:class:`calib.cost.step.EngineStepCurve`) drafting is priced as
+    the engine spends it instead of ``draft_cost``: a bank whose primary chain is a model drafter's
+    pays the loaded drafter's idle forward in every speculating step (``curve``; ``plain`` is the curve
+    without it, for ``no_spec``), each draft pass at its measured price, and a model-free chain its
+    proposer per step; calib's served policies also pay calib's hooks (:meth:`overhead`).
     """
 
     def __init__(self, sb: StepBatch, curve, cfg, train_curve: np.ndarray):
-        self.sb, self.curve, self.cfg = sb, curve, cfg
+        self.sb, self.cfg = sb, cfg
+        self.engine = isinstance(curve, EngineStepCurve)
+        self.model_primary = chain(sb.names[0]).confidence is not None  # its passes are model forwards
+        self.plain = curve.with_drafter(False) if self.engine else curve  # no speculation: nothing loaded
+        self.curve = curve.with_drafter(self.model_primary) if self.engine else curve
         self.train_curve = train_curve  # [K]
         self.S, self.B, self.K = sb.S, sb.B, sb.K
-        self.c_b = curve.values[self.B]
+        self.c_b = self.curve.values[self.B]
         self.P, self.Q = sb.ids  # the primary chain's id and the second chain's (None: there is none)
         self.frac_p = float(cfg.draft_cost.get(sb.names[0], 0.0))
         self.frac_q = float(cfg.draft_cost.get(sb.names[1], 0.0))
@@ -98,7 +109,21 @@ class Setting:
 
     def draft(self, passes, second=False):
         """Drafting cost of ``passes`` draft passes over the batch (both chains' if ``second``)."""
-        return (self.frac_p + (self.frac_q if second else 0.0)) * passes * self.c_b
+        if not self.engine:
+            return (self.frac_p + (self.frac_q if second else 0.0)) * passes * self.c_b
+        chain_step = self.curve.chain()  # a model-free chain's proposer: once per step, whatever its depth
+        own = self.curve.draft(passes) if self.model_primary else np.where(np.asarray(passes) > 0, chain_step, 0.0)
+        total = own + (chain_step if second else 0.0)
+        return float(total) if np.ndim(total) == 0 else total
+
+    def pass_price(self) -> float:
+        """The price of one primary draft pass a plan weighs (the mean over K passes on an engine's step
+        cost, whose first pass runs no extra forward)."""
+        return self.draft(1) if not self.engine else float(self.draft(self.K)) / self.K
+
+    def overhead(self, served_by_calib: bool) -> float:
+        """What calib's hooks cost a step of a policy calib serves (an engine's step cost only)."""
+        return self.curve.calib() if (self.engine and served_by_calib) else 0.0
 
     def uniform(self, gamma_per_step, draft_cost):
         """(tokens, cost, positions) [S] of verifying γ_s [S] on every request of step s (capped by its chain)."""

@@ -15,6 +15,9 @@ from calib.chains import chain_names
 from calib.policies import canonical, policy_names
 
 MODES = ("price", "budget")  # price: goodput rule on the cost curve; budget: tokens per request
+# When the draft-aware policies plan their model draft passes: once per step, before drafting (the loop
+# calib serves: calib/vllm/server.py sets the step's passes), or again before every pass.
+PLANS = ("step", "pass")
 DRAFTERS = chain_names()  # the chains a draft cost can be given for (calib.chains, at import)
 EVAL_YAML = Path(__file__).resolve().parents[3] / "conf" / "eval.yaml"
 
@@ -56,6 +59,8 @@ class ReplayConfig:
         draft_cost: ``{drafter: cost of one draft pass as a fraction of the target's pass over B}``,
             drafters from :data:`DRAFTERS`.
         impl: the allocator implementation (``calib.allocate``'s ``IMPLEMENTATIONS``).
+        plan: from :data:`PLANS`; when the draft-aware policies (``ragged_calibrated``, ``two_drafter``)
+            choose their draft passes: ``step`` once before drafting, as served; ``pass`` before each.
     """
 
     batch_sizes: tuple[int, ...] = field(default_factory=_from_yaml("batch_sizes"))
@@ -68,6 +73,7 @@ class ReplayConfig:
     seed: int = field(default_factory=_from_yaml("seed"))
     draft_cost: dict = field(default_factory=_from_yaml("draft_cost"))
     impl: str = field(default_factory=_from_yaml("impl"))
+    plan: str = field(default_factory=_from_yaml("plan"))
 
     _constraints: ClassVar[dict] = {  # declarative checks (calib.calibrators.base), batch_sizes below
         "mode": [Options(MODES)],
@@ -77,6 +83,7 @@ class ReplayConfig:
         "passes": [Interval(numbers.Real, 0, None, closed="neither")],
         "seed": [Interval(numbers.Integral, 0, None)],
         "impl": [Options(IMPLEMENTATIONS)],
+        "plan": [Options(PLANS)],
     }
 
     def __post_init__(self) -> None:

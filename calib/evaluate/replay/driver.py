@@ -49,14 +49,19 @@ def replay_setting(sb: StepBatch, curve: CostCurve, cfg: ReplayConfig, train_cur
         res = p.compute(s)
         if res is None:
             continue
+        hooks = s.overhead(p.serving is not None and p.serving.calib)  # calib's own time, where it serves
         if p.family:
             for row, r in res.items():
                 if not p.owns(row):
                     raise ValueError(f"policy {p.name!r} returned row {row!r}; a family's rows are {p.name}_<x>")
-                out[row] = PolicyResult(*r)
+                out[row] = _charged(PolicyResult(*r), hooks)
         else:
-            out[p.name] = PolicyResult(*res)
+            out[p.name] = _charged(PolicyResult(*res), hooks)
     return out
+
+
+def _charged(res: PolicyResult, hooks: float) -> PolicyResult:
+    return res if hooks == 0 else res._replace(cost=res.cost + hooks)
 
 
 def summarise(results: dict, B: int, S: int) -> dict:

@@ -1,0 +1,297 @@
+"""Where an engine step's time goes, per serving arm and concurrency: milliseconds per part, on the clock.
+
+    python bench/profile_step.py                                   # 4 arms x concurrency 1 4 16, code edits
+    python bench/profile_step.py --arms none calib_two_drafter --concurrency 4 --sampling sampled
+
+Each arm (bench/serve.py's arms) runs in its own process with perf_counter wrappers on vLLM's V1 runner
+(installed once the engine has started): the target's forward and LM head,
+the verify/sampling, the drafter's first pass (the pass that keeps its KV cache right, run even when 0
+tokens are drafted), its further passes and its LM head, the n-gram proposer, bookkeeping and the
+scheduler; calib's hooks come from its serving statistics. One row per engine step is kept
+(batch, tokens, draft passes, the parts; "other" is the scheduler, output processing and the rest): ``--out`` (runs/bench/profile.json) holds them, and the table
+of medians per step is printed and, with ``--docs``, written into docs/profile.md's marked block.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("bench_serve", Path(__file__).with_name("serve.py"))
+bench_serve = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench_serve)
+
+DEFAULT_ARMS = ["none", "vllm_ngram", "vllm_eagle", "calib_two_drafter"]
+# the parts of a step, in the order of the table (each a wrapper below, or calib's statistics)
+PARTS = ("prepare_inputs", "target_forward", "target_lm_head", "verify_sample", "drafter_first_pass", "drafter_more_passes",
+         "drafter_lm_head", "ngram_propose", "calib", "bookkeeping", "other")
+BEGIN, END = "<!-- profile:begin -->", "<!-- profile:end -->"
+
+
+class StepTimer:
+    """perf_counter totals per part within the engine step in progress, and the finished steps' rows."""
+
+    def __init__(self):
+        self.parts: dict[str, float] = {}
+        self.info: dict = {}
+        self.rows: list[dict] = []
+        self.drafter_calls = 0  # drafter forwards within the propose call in progress
+
+    def add(self, part: str, seconds: float) -> None:
+        self.parts[part] = self.parts.get(part, 0.0) + seconds
+
+    def finish(self, step_s: float, calib_ms: float) -> None:
+        ms = {k: v * 1e3 for k, v in self.parts.items()}
+        ms["calib"] = calib_ms
+        ms["other"] = step_s * 1e3 - sum(ms.values())
+        self.rows.append({**self.info, "step_ms": step_s * 1e3, "ms": ms})
+        self.parts, self.info = {}, {}
+
+
+TIMER = StepTimer()
+
+
+def _timed(cls, name: str, part, before=None):
+    """Wrap ``cls.name`` so each call adds its time to ``part`` (a name, or a function of self -> name)."""
+    import functools
+
+    original = getattr(cls, name)
+
+    @functools.wraps(original)
+    def wrapper(self, *args, **kwargs):
+        if before is not None:
+            before(self, *args, **kwargs)
+        key = part(self) if callable(part) else part
+        t0 = time.perf_counter()
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            if key is not None:
+                TIMER.add(key, time.perf_counter() - t0)
+
+    setattr(cls, name, wrapper)
+
+
+def install_timers() -> None:
+    """The wrappers, on vLLM's classes (outside calib's patch set: ``verify_sample`` includes calib's
+    observation of the verify, a list copy; calib's decision and plan are its own statistics)."""
+    from vllm.model_executor.models.llama import LlamaForCausalLM
+    from vllm.model_executor.models.llama_eagle import EagleLlamaForCausalLM
+    from vllm.v1.spec_decode.ngram_proposer import NgramProposer
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    def note_batch(runner, scheduler_output, *a, **k):
+        so = scheduler_output
+        TIMER.info = {"batch": len(so.num_scheduled_tokens), "tokens": int(so.total_num_scheduled_tokens),
+                      "draft_tokens": sum(len(v) for v in so.scheduled_spec_decode_tokens.values()), "passes": 0}
+
+    def reset_drafter(runner, *a, **k):
+        TIMER.drafter_calls = 0
+
+    def lm_head(model):
+        if isinstance(model, EagleLlamaForCausalLM):  # one per draft pass run (none when 0 are planned)
+            TIMER.info["passes"] = TIMER.info.get("passes", 0) + 1
+            return "drafter_lm_head"
+        return "target_lm_head"
+
+    def drafter_pass(model):
+        TIMER.drafter_calls += 1
+        return "drafter_first_pass" if TIMER.drafter_calls == 1 else "drafter_more_passes"
+
+    _timed(GPUModelRunner, "execute_model", None, before=note_batch)
+    _timed(GPUModelRunner, "propose_draft_token_ids", None, before=reset_drafter)
+    _timed(GPUModelRunner, "_sample", "verify_sample")
+    _timed(GPUModelRunner, "_bookkeeping_sync", "bookkeeping")
+    _timed(GPUModelRunner, "_prepare_inputs", "prepare_inputs")
+    _timed(GPUModelRunner, "_update_states", "prepare_inputs")
+    _timed(LlamaForCausalLM, "forward", "target_forward")
+    _timed(EagleLlamaForCausalLM, "forward", drafter_pass)
+    _timed(LlamaForCausalLM, "compute_logits", lm_head)
+    _timed(NgramProposer, "propose", "ngram_propose")
+
+
+def profile_cell(llm, cfg: dict, prompts: list, sampling: dict, concurrency: int) -> list[dict]:
+    """Serve ``prompts`` at ``concurrency`` step by step; one timed row per engine step."""
+    from vllm import SamplingParams
+
+    from calib.prompts import encode_chat
+    from calib.vllm import serving
+
+    engine, tok = llm.llm_engine, llm.get_tokenizer()
+    params = SamplingParams(temperature=float(sampling["temperature"]), max_tokens=int(sampling["max_tokens"]))
+    queue = [{"prompt_token_ids": encode_chat(tok, p.messages)} for p in prompts]
+    TIMER.rows, inflight, n = [], 0, 0
+    while queue or inflight:
+        while queue and inflight < concurrency:
+            engine.add_request(f"profile-{concurrency}-{n}", queue.pop(0), params)
+            n, inflight = n + 1, inflight + 1
+        st = serving.stats()
+        calib0 = sum(st.hook_ms) + sum(st.plan_ms) if st else 0.0
+        TIMER.parts, t0 = {}, time.perf_counter()
+        outs = engine.step()
+        step_s = time.perf_counter() - t0
+        calib_ms = (sum(st.hook_ms) + sum(st.plan_ms) - calib0) if st else 0.0
+        if TIMER.info:  # a step that ran the model (not a scheduler-only call)
+            TIMER.info["running"] = inflight
+            TIMER.finish(step_s, calib_ms)
+        inflight -= sum(1 for o in outs if o.finished)
+    return TIMER.rows
+
+
+def worker(spec_path: str) -> None:
+    from calib.prompts import load_prompts
+    from calib.vllm.serve_runner import build_engine
+
+    spec = json.loads(Path(spec_path).read_text())
+    cfg = bench_serve.compose(spec["overrides"])
+    llm = build_engine(cfg, ROOT, max_num_seqs=max(spec["concurrency"]))
+    install_timers()  # after the engine: its start scans every loaded module (vLLM's Triton overrides)
+    prompts = load_prompts(cfg["prompts"]["files"], root=ROOT)
+    sampling = {**cfg["sampling"], "max_tokens": spec["max_tokens"]}
+    profile_cell(llm, cfg, prompts[:2], {**sampling, "max_tokens": 8}, 2)  # warm-up, off the record
+    out = []
+    for c in spec["concurrency"]:
+        rows = profile_cell(llm, cfg, prompts[: max(spec["min_prompts"], 2 * c)], sampling, c)
+        out.append({"arm": spec["arm"], "concurrency": c, "steps": rows})
+        print(f"  {spec['arm']:<18} c={c:<3} {len(rows)} steps, median {statistics.median(r['step_ms'] for r in rows):.1f} ms",
+              flush=True)
+    Path(spec["out"]).write_text(json.dumps(out))
+
+
+def decode_rows(cell: dict) -> list[dict]:
+    """A cell's decode steps: no prompt chunk in the step (at most K + 1 = 5 positions per request)."""
+    return [r for r in cell["steps"] if r["tokens"] <= r["batch"] * 5]
+
+
+def summarise(cell: dict) -> dict:
+    """Medians per step over a cell's steady steps (every request in flight decoding: no prefill)."""
+    rows = [r for r in decode_rows(cell) if r["running"] == cell["concurrency"]] or cell["steps"]
+    med = {p: statistics.median(r["ms"].get(p, 0.0) for r in rows) for p in PARTS}
+    return {"arm": cell["arm"], "concurrency": cell["concurrency"], "steps": len(rows),
+            "step_ms": statistics.median(r["step_ms"] for r in rows), "parts_ms": med,
+            "passes_mean": statistics.fmean(r.get("passes", 0) for r in rows),
+            "tokens_mean": statistics.fmean(r["tokens"] for r in rows)}
+
+
+def table(summaries: list[dict]) -> str:
+    head = "| arm | c | step ms | " + " | ".join(p.replace("_", " ") for p in PARTS) + " | passes/step | tokens/step |"
+    lines = [head, "|" + "---|" * (len(PARTS) + 5)]
+    for s in summaries:
+        lines.append(f"| {s['arm']} | {s['concurrency']} | {s['step_ms']:.1f} | "
+                     + " | ".join(f"{s['parts_ms'][p]:.1f}" for p in PARTS)
+                     + f" | {s['passes_mean']:.2f} | {s['tokens_mean']:.1f} |")
+    return "\n".join(lines)
+
+
+def write_docs(path: Path, text: str) -> None:
+    """Replace the marked block of ``path`` with ``text`` (written to a temp name, then renamed)."""
+    doc = path.read_text()
+    if BEGIN not in doc or END not in doc:
+        raise SystemExit(f"{path}: no {BEGIN} ... {END} block to regenerate")
+    head, rest = doc.split(BEGIN, 1)
+    new = head + BEGIN + "\n" + text + "\n" + END + rest.split(END, 1)[1]
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".")
+    with os.fdopen(fd, "w") as fh:
+        fh.write(new)
+    os.replace(tmp, path)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--arms", nargs="+", default=DEFAULT_ARMS, choices=list(bench_serve.ARMS))
+    ap.add_argument("--concurrency", nargs="+", type=int, default=[1, 4, 16])
+    ap.add_argument("--prompts", default="code_edit", help="a conf/prompts/ name")
+    ap.add_argument("--sampling", default="greedy", choices=["greedy", "sampled"])
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--min-prompts", type=int, default=4, help="prompts per cell: max(this, 2 x concurrency)")
+    ap.add_argument("--tables", default="runs/train/default", help="tables folder (calib arms)")
+    ap.add_argument("--out", default="runs/bench/profile.json")
+    ap.add_argument("--docs", help="regenerate this markdown file's profile block (docs/profile.md)")
+    ap.add_argument("--from-json", help="summarise an earlier --out file (runs nothing)")
+    ap.add_argument("--step-cost", help="fit the replay's engine step-cost model (calib.cost.step) to every "
+                    "decode step profiled and write it here (data/cost/smollm2-135m-cpu-step.json)")
+    args = ap.parse_args(argv)
+    if args.worker:
+        return worker(args.worker)
+    if args.from_json:
+        result = json.loads(Path(args.from_json).read_text())
+    else:
+        result = run(args, argv)
+    text = table(result["summary"])
+    print(text)
+    if args.step_cost:
+        from calib.cost.step import fit_step_cost, save_step_cost
+
+        rows = [r for c in result["cells"] for r in decode_rows(c)]
+        save_step_cost(fit_step_cost(rows, {"command": result["command"], "date": result["date"],
+                                            "arms": sorted({c["arm"] for c in result["cells"]}),
+                                            "steps": len(rows)}), args.step_cost)
+        print(f"wrote {args.step_cost} (fitted on {len(rows)} decode steps)")
+    if args.docs:
+        write_docs(Path(args.docs), f"Made by `{result['command']}` on {result['date']} "
+                   f"({result['prompts']} prompts, {result['sampling']}, {result['max_tokens']} tokens; medians per "
+                   f"steady decode step, ms):\n\n{text}")
+        print(f"wrote {args.docs}")
+
+
+def run(args, argv) -> dict:
+    """Profile each arm in its own process; ``--out`` is rewritten after each arm, keeping the cells of
+    arms not run now (so a run can be resumed, or an arm re-profiled, one arm at a time)."""
+    if any(a.startswith("calib") for a in args.arms) and not (Path(args.tables) / "tables.json").is_file():
+        sys.exit(f"--tables {args.tables}: no tables.json; make tables with `python train.py out_dir={args.tables}`")
+    out = Path(args.out)
+    kept = json.loads(out.read_text())["cells"] if out.is_file() else []
+    kept = [c for c in kept if c["arm"] not in args.arms]
+    t_start, cells = time.time(), []
+    with tempfile.TemporaryDirectory(prefix="calib-profile-") as tmp:
+        for i, arm in enumerate(args.arms, 1):
+            elapsed = time.time() - t_start
+            eta = f", ETA {elapsed / (i - 1) * (len(args.arms) - i + 1) / 60:.1f} min" if i > 1 else ""
+            print(f"[{i}/{len(args.arms)}] {arm}{eta}", flush=True)
+            cells += profile_arm(arm, args, Path(tmp))
+            result = write_result(out, args, argv, kept + cells)
+    print(f"wrote {out} ({(time.time() - t_start) / 60:.1f} min)")
+    return result
+
+
+def profile_arm(arm: str, args, tmp: Path) -> list[dict]:
+    spec = {"arm": arm, "concurrency": args.concurrency, "max_tokens": args.max_tokens,
+            "min_prompts": args.min_prompts, "out": str(tmp / f"{arm}.json"),
+            "overrides": [*bench_serve.ARMS[arm], f"tables={Path(args.tables).resolve()}",
+                          f"prompts={args.prompts}", f"sampling={args.sampling}"]}
+    (tmp / f"{arm}.spec.json").write_text(json.dumps(spec))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "offline"}
+    with open(tmp / f"{arm}.log", "w") as fh:
+        proc = subprocess.run([sys.executable, __file__, "--worker", str(tmp / f"{arm}.spec.json")], env=env,
+                              cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, check=False)
+    log = (tmp / f"{arm}.log").read_text().splitlines()
+    print("\n".join(line for line in log if line.startswith("  ") and " steps, median " in line), flush=True)
+    if proc.returncode:
+        raise SystemExit(f"arm {arm} failed (exit {proc.returncode}):\n" + "\n".join(log[-30:]))
+    return json.loads(Path(spec["out"]).read_text())
+
+
+def write_result(out: Path, args, argv, cells: list[dict]) -> dict:
+    result = {"command": " ".join(["python bench/profile_step.py", *(argv or sys.argv[1:])]),
+              "date": time.strftime("%Y-%m-%d"), "prompts": args.prompts, "sampling": args.sampling,
+              "max_tokens": args.max_tokens, "summary": [summarise(c) for c in cells], "cells": cells}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(dir=out.parent, prefix=out.name + ".")
+    with os.fdopen(fd, "w") as fh:
+        json.dump(result, fh)
+    os.replace(tmp_name, out)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,183 @@
+"""An engine step's cost as measured on the clock: what the replay charges a step, part by part.
+
+:func:`fit_step_cost` fits :class:`StepCost` to ``bench/profile_step.py``'s rows (one per engine step,
+milliseconds per part); the fit is written beside the verify-cost curves (``data/cost/*-step.json``)
+and read back by :func:`load_step_cost`. :class:`EngineStepCurve` is it as the replay's cost curve
+(``conf/cost/engine.yaml``, kind ``engine``). The model and its fit: docs/cost.md, "Engine step cost".
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from calib.cost import CostCurve
+
+# bench/profile_step.py's parts that make up each term of the model (the rest of a step is "verify").
+DRAFTER_PARTS = {"idle": ("drafter_first_pass",), "lm_head": ("drafter_lm_head",),
+                 "more": ("drafter_more_passes",)}
+CHAIN_PARTS = ("ngram_propose",)
+CALIB_PARTS = ("calib",)
+STEP_COST_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Linear:
+    """``intercept + Σ slope_x · x`` in seconds over the named inputs (``T``: positions, ``B``: batch)."""
+
+    intercept: float
+    slopes: dict  # {input name: seconds per unit}
+
+    def __call__(self, **inputs) -> np.ndarray:
+        out = np.asarray(self.intercept, dtype=np.float64)
+        for name, slope in self.slopes.items():
+            out = out + slope * np.asarray(inputs[name], dtype=np.float64)
+        return out
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """One engine's step, in seconds (fitted by :func:`fit_step_cost`).
+
+    Attributes:
+        verify: every step pays it: scheduling, inputs, the target's forward and LM head over ``T``
+            positions of ``B`` requests, the sampler/verify and bookkeeping (of ``T``, ``B``).
+        idle: a loaded model drafter's first forward over the step's ``T`` positions: run every step
+            it is loaded, even when 0 tokens are drafted (it keeps the drafter's KV cache right).
+        lm_head: one draft pass's LM head and sampling over ``B`` rows (of ``B``).
+        more: each draft pass after the first: a drafter forward over ``B`` rows (of ``B``).
+        chain: a model-free chain's proposer per step (vLLM's n-gram lookup; of ``B``).
+        calib: calib's hooks per step when it serves (decision, plan, n-gram recompute; of ``B``).
+        source: what it was fitted on (the profile's command, date, engine).
+    """
+
+    verify: Linear
+    idle: Linear
+    lm_head: Linear
+    more: Linear
+    chain: Linear
+    calib: Linear
+    source: dict
+
+    def draft(self, passes, batch: int) -> np.ndarray:
+        """Seconds of ``passes`` model draft passes over ``batch`` rows (the idle forward not included)."""
+        passes = np.asarray(passes, dtype=np.float64)
+        return passes * self.lm_head(B=batch) + np.maximum(passes - 1, 0) * self.more(B=batch)
+
+
+def _fit(x: np.ndarray, y: np.ndarray, names: tuple[str, ...]) -> Linear:
+    """Least squares ``y ≈ a + X b`` with ``a, b >= 0`` (a negative term is dropped and the rest refitted)."""
+    keep = list(range(len(names)))
+    while True:
+        design = np.column_stack([np.ones(len(y)), *(x[:, i] for i in keep)])
+        coef, *_ = np.linalg.lstsq(design, y, rcond=None)
+        neg = [j for j in range(1, len(coef)) if coef[j] < 0]
+        if not neg:
+            break
+        keep.pop(neg[0] - 1)
+    slopes = {names[i]: float(c) for i, c in zip(keep, coef[1:])}
+    return Linear(max(float(coef[0]), 0.0), {**{n: 0.0 for n in names}, **slopes})
+
+
+def _part_ms(row: dict, parts) -> float:
+    return sum(float(row["ms"].get(p, 0.0)) for p in parts)
+
+
+def fit_step_cost(rows: list[dict], source: dict) -> StepCost:
+    """Fit :class:`StepCost` to profile rows ``{"batch", "tokens", "passes", "step_ms", "ms": {part: ms}}``
+    (bench/profile_step.py's steady decode steps; every arm's rows together)."""
+    if not rows:
+        raise ValueError("fit_step_cost: no profile rows (run bench/profile_step.py)")
+    B = np.array([r["batch"] for r in rows], dtype=np.float64)
+    T = np.array([r["tokens"] for r in rows], dtype=np.float64)
+    passes = np.array([r.get("passes", 0) for r in rows], dtype=np.float64)
+    drafter = [p for parts in DRAFTER_PARTS.values() for p in parts]
+    own = (*drafter, *CHAIN_PARTS, *CALIB_PARTS)
+    verify_s = np.array([r["step_ms"] - _part_ms(r, own) for r in rows]) / 1e3
+    idle_s = np.array([_part_ms(r, DRAFTER_PARTS["idle"]) for r in rows]) / 1e3
+    loaded = idle_s > 0
+    fits = {"verify": _fit(np.column_stack([T, B]), verify_s, ("T", "B"))}
+    fits["idle"] = _fit(T[loaded, None], idle_s[loaded], ("T",)) if loaded.any() else Linear(0.0, {"T": 0.0})
+    for name, mask, denom in (("lm_head", passes > 0, passes), ("more", passes > 1, passes - 1)):
+        y = np.array([_part_ms(r, DRAFTER_PARTS[name]) for r in rows]) / 1e3
+        fits[name] = (_fit(B[mask, None], y[mask] / denom[mask], ("B",)) if mask.any()
+                      else Linear(0.0, {"B": 0.0}))
+    for name, parts in (("chain", CHAIN_PARTS), ("calib", CALIB_PARTS)):
+        y = np.array([_part_ms(r, parts) for r in rows]) / 1e3
+        mask = y > 0
+        fits[name] = _fit(B[mask, None], y[mask], ("B",)) if mask.any() else Linear(0.0, {"B": 0.0})
+    return StepCost(**fits, source=dict(source))
+
+
+def save_step_cost(cost: StepCost, path) -> None:
+    """Write ``cost`` as JSON to ``path`` (a temp name, then renamed)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    doc = {"version": STEP_COST_VERSION, "unit": "s", **asdict(cost)}
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".")
+    with os.fdopen(fd, "w") as fh:
+        json.dump(doc, fh, indent=1)
+        fh.write("\n")
+    os.replace(tmp, path)
+
+
+def load_step_cost(path) -> StepCost:
+    """The :class:`StepCost` in ``path``; a ``ValueError`` naming the file and key if it is not one."""
+    from calib.sidefiles import read_json
+
+    doc = read_json(Path(path), hint="an engine step-cost model is written by bench/profile_step.py --step-cost")
+    if doc.get("version") != STEP_COST_VERSION:
+        raise ValueError(f"{path}: version {doc.get('version')!r}; this calib reads step-cost version "
+                         f"{STEP_COST_VERSION} (re-run bench/profile_step.py --step-cost {path})")
+    terms = {}
+    for key in ("verify", "idle", "lm_head", "more", "chain", "calib"):
+        term = doc.get(key)
+        ok = (isinstance(term, dict) and isinstance(term.get("slopes"), dict)
+              and all(_nonneg(v) for v in [term.get("intercept"), *term["slopes"].values()]))
+        if not ok:
+            raise ValueError(f"{path}: {key}: expected {{intercept, slopes: {{input: seconds}}}} with finite "
+                             f"values >= 0, got {term!r}")
+        terms[key] = Linear(float(term["intercept"]), {k: float(v) for k, v in term["slopes"].items()})
+    return StepCost(**terms, source=doc.get("source", {}))
+
+
+def _nonneg(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+
+
+class EngineStepCurve(CostCurve):
+    """:class:`StepCost` as the replay's cost curve: ``values[T]`` is a step's verify over ``T`` positions
+    of the current batch (:meth:`for_batch`), plus the idle drafter's forward when a model drafter is
+    loaded (:meth:`with_drafter`); :meth:`draft`, :meth:`chain` and :meth:`calib` price the rest."""
+
+    def __init__(self, name: str, cost: StepCost, t_max: int, unit: str = "s", batch: int = 1,
+                 drafter: bool = False):
+        t = np.arange(t_max + 1, dtype=np.float64)
+        t[0] = 1
+        values = cost.verify(T=t, B=batch) + (cost.idle(T=t) if drafter else 0.0)
+        super().__init__(name, np.asarray(values, dtype=np.float64), unit)
+        self.cost, self.t_max, self.batch, self.drafter = cost, t_max, batch, drafter
+
+    def for_batch(self, batch: int) -> EngineStepCurve:
+        return self if batch == self.batch else EngineStepCurve(self.name, self.cost, self.t_max, self.unit,
+                                                                batch, self.drafter)
+
+    def with_drafter(self, loaded: bool) -> EngineStepCurve:
+        """This curve with a model drafter loaded (its idle forward in every step) or not."""
+        return self if loaded == self.drafter else EngineStepCurve(self.name, self.cost, self.t_max, self.unit,
+                                                                   self.batch, loaded)
+
+    def draft(self, passes) -> np.ndarray:
+        return self.cost.draft(passes, self.batch)
+
+    def chain(self) -> float:
+        return float(self.cost.chain(B=self.batch))
+
+    def calib(self) -> float:
+        return float(self.cost.calib(B=self.batch))
