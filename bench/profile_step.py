@@ -215,6 +215,8 @@ def main(argv=None) -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--min-prompts", type=int, default=4, help="prompts per cell: max(this, 2 x concurrency)")
     ap.add_argument("--tables", default="runs/train/default", help="tables folder (calib arms)")
+    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="serve.py overrides for every arm, e.g. engine.dtype=float32")
     ap.add_argument("--out", default="runs/bench/profile.json")
     ap.add_argument("--docs", help="regenerate this markdown file's profile block (docs/profile.md)")
     ap.add_argument("--from-json", help="summarise an earlier --out file (runs nothing)")
@@ -268,7 +270,7 @@ def profile_arm(arm: str, args, tmp: Path) -> list[dict]:
     spec = {"arm": arm, "concurrency": args.concurrency, "max_tokens": args.max_tokens,
             "min_prompts": args.min_prompts, "out": str(tmp / f"{arm}.json"),
             "overrides": [*bench_serve.ARMS[arm], f"tables={Path(args.tables).resolve()}",
-                          f"prompts={args.prompts}", f"sampling={args.sampling}"]}
+                          f"prompts={args.prompts}", f"sampling={args.sampling}", *args.set]}
     (tmp / f"{arm}.spec.json").write_text(json.dumps(spec))
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "offline"}
     with open(tmp / f"{arm}.log", "w") as fh:

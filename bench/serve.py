@@ -40,19 +40,22 @@ ROOT = Path(__file__).resolve().parents[1]
 def _arms() -> tuple[dict, list, tuple, tuple]:
     """{arm: serve.py overrides}, the default arms, vLLM's arms (no calib; not speculating included) and
     vLLM's speculating arms, from the servable policies of calib.policies: vLLM's first, then calib's
-    (registration order within each)."""
+    (registration order within each). Also fills :data:`REPLAYED` (what the replay predicts each arm as)."""
     import calib.policies
 
     arms, default, vllm, vllm_spec = {}, [], [], []
     for p in sorted(calib.policies.servable(), key=lambda p: p.serving.calib):
         for arm in p.serving.arms:
             arms[arm.name] = [f"policy={p.name}"] + ([f"speculative={arm.speculative}"] if arm.speculative else [])
+            # conf/speculative/<name>.yaml is named after its vLLM method (eagle, ngram)
+            REPLAYED[arm.name] = (p.name, p.family, arm.speculative if p.serving.speculate else None)
             default += [arm.name] if arm.default else []
             vllm += [arm.name] if not p.serving.calib else []
             vllm_spec += [arm.name] if not p.serving.calib and p.serving.speculate else []
     return arms, default, tuple(vllm), tuple(vllm_spec)
 
 
+REPLAYED: dict[str, tuple] = {}  # arm -> (policy name, family, speculative method or None)
 ARMS, DEFAULT_ARMS, VLLM_ARMS, VLLM_SPEC_ARMS = _arms()  # VLLM_ARMS: what vLLM offers, not speculating too
 CALIB_ARMS = tuple(a for a in ARMS if a not in VLLM_ARMS)
 SAMPLING = {"greedy": "greedy", "sampled": "sampled"}
@@ -132,7 +135,41 @@ def cells_for(args) -> list:
             for cat in args.categories for s in args.sampling for c in args.concurrency]
 
 
-def table(records: list, arms: list[str]) -> tuple[list[dict], str]:
+def predictions(records: list, metrics: dict | None, cost_model: str) -> dict:
+    """{(category, sampling, concurrency, arm): the replay's predicted speed-up over no speculation}."""
+    from calib.evaluate.prediction import predicted_speedup, replay_row
+
+    out = {}
+    if metrics is None:
+        return out
+    for r in records:
+        c = r["cell"]
+        key = (c["category"], c["sampling"], c["concurrency"], r["arm"])
+        if key in out:
+            continue
+        name, family, method = REPLAYED[r["arm"]]
+        out[key] = predicted_speedup(metrics, row=replay_row(name, family, int(r["num_speculative_tokens"]) or 1),
+                                     method=method, temperature=float(r["temperature"]), category=c["category"],
+                                     batch=c["concurrency"], cost_model=cost_model)
+    return out
+
+
+def speedup_table(rows: list[dict], arms: list[str]) -> str:
+    """Measured tok/s over no speculation's per cell and arm, beside the replay's prediction."""
+    head = "| category | sampling | c | " + " | ".join(a for a in arms if a != "none") + " |"
+    lines = [head, "|" + "---|" * (len(arms) + 2)]
+    for row in rows:
+        cells = []
+        for a in arms:
+            if a == "none":
+                continue
+            m, p = row["ratio_to_none"].get(a), row["predicted_vs_none"].get(a)
+            cells.append(("–" if m is None else f"{m:.2f}×") + ("" if p is None else f" ({p:.2f}×)"))
+        lines.append(f"| {row['category']} | {row['sampling']} | {row['concurrency']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def table(records: list, arms: list[str], predicted: dict | None = None) -> tuple[list[dict], str]:
     """Median tok/s per (cell, arm) over repetitions, and each arm's ratio to the best vLLM arm. A calib
     arm's repetition served with calib off (``calib_off``, :func:`calib.vllm.serve_runner.calib_off`) is not
     counted; a cell where every repetition was is shown as OFF."""
@@ -160,7 +197,11 @@ def table(records: list, arms: list[str]) -> tuple[list[dict], str]:
                "best_vllm_speculative": best_spec,
                "ratio_to_best_vllm_speculative": {a: med[a] / spec[best_spec] for a in med} if best_spec else {},
                "calib_overhead_pct": {a: statistics.median(x["overhead_pct"] for x in rs)
-                                      for a, rs in cells[key].items() if rs[0].get("overhead_pct") is not None}}
+                                      for a, rs in cells[key].items() if rs[0].get("overhead_pct") is not None},
+               "ratio_to_none": {a: med[a] / med["none"] for a in med} if med.get("none") else {},
+               "predicted_vs_none": {a: (predicted or {}).get((*key, a)) for a in med},
+               "tok_s_spread": {a: [min(x["tok_s"] for x in rs), max(x["tok_s"] for x in rs)]
+                                for a, rs in cells[key].items()}}
         rows.append(row)
     head = "| category | sampling | c | " + " | ".join(arms) + " | best vLLM arm |"
     lines = [head, "|" + "---|" * (len(arms) + 4)]
@@ -211,12 +252,17 @@ def main(argv=None) -> None:
     ap.add_argument("--identity-prompts", type=int, default=8)
     ap.add_argument("--out", default="runs/bench/serve.json")
     ap.add_argument("--from-json", help="print the table of an earlier run's --out file (runs nothing)")
+    ap.add_argument("--replay", default="runs/eval/default/metrics.json",
+                    help="eval.py's metrics.json whose ladder predicts each cell (the replay's speed-up over none)")
+    ap.add_argument("--cost-model", default="engine", help="the ladder's cost model the prediction reads")
+    ap.add_argument("--readme", help="regenerate this markdown file's serve-bench block (README.md)")
     args = ap.parse_args(argv)
     if args.worker:
         return worker(args.worker)
     if args.from_json:
         done = json.loads(Path(args.from_json).read_text())
-        return report(done["runs"], done["arms"], done.get("identity_float32_greedy"), len({r["rep"] for r in done["runs"]}))
+        return report(done["runs"], done["arms"], done.get("identity_float32_greedy"),
+                      len({r["rep"] for r in done["runs"]}), args, done)
     if not (Path(args.tables) / "tables.json").is_file():
         sys.exit(f"--tables {args.tables}: no tables.json there; make tables with "
                  f"`python train.py out_dir={args.tables} logger=none`")
@@ -227,10 +273,15 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory(prefix="calib-bench-serve-") as tmp:
         tmp = Path(tmp)
         print(f"{len(args.arms)} arms x {args.reps} reps x {len(cells)} cells", flush=True)
+        done_runs, total_runs = 0, args.reps * len(args.arms)
         for rep in range(args.reps):
             order = args.arms[rep % len(args.arms):] + args.arms[: rep % len(args.arms)]
             for arm in order:
+                elapsed = time.time() - t_start
+                eta = f", ETA {elapsed / done_runs * (total_runs - done_runs) / 60:.0f} min" if done_runs else ""
+                print(f"[{done_runs + 1}/{total_runs}] {arm} rep {rep}{eta}", flush=True)
                 records += run_arm(arm, rep, cells, args, [], tmp)
+                done_runs += 1
         ident = None
         if args.identity:
             icells = [{"category": cat, "sampling": "greedy", "concurrency": 4, "max_tokens": args.max_tokens,
@@ -239,24 +290,43 @@ def main(argv=None) -> None:
             for arm in ["none", *[a for a in args.arms if a != "none"]]:
                 id_records += run_arm(arm, 99, icells, args, ["engine.dtype=float32"], tmp)
             ident = identity(id_records)
-    rows, _ = table(records, args.arms)
+    metrics = _metrics(args.replay)
+    rows, _ = table(records, args.arms, predictions(records, metrics, args.cost_model))
     for r in records:
         r.pop("texts", None)
-    result = {"command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]), "wall_s": time.time() - t_start,
-              "arms": args.arms, "table": rows, "identity_float32_greedy": ident, "runs": records}
+    result = {"command": " ".join(["python bench/serve.py", *(argv or sys.argv[1:])]), "wall_s": time.time() - t_start,
+              "date": time.strftime("%Y-%m-%d"), "cpu": _cpu(), "replay": args.replay if metrics else None,
+              "cost_model": args.cost_model, "arms": args.arms, "table": rows, "identity_float32_greedy": ident,
+              "runs": records}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(dir=out.parent, prefix=out.name + ".")
     with os.fdopen(fd, "w") as fh:
         json.dump(result, fh, indent=1)
     os.replace(tmp_name, out)
-    report(records, args.arms, ident, args.reps)
+    report(records, args.arms, ident, args.reps, args, result)
     print(f"\nwrote {out} ({result['wall_s'] / 60:.1f} min)")
 
 
-def report(records: list, arms: list[str], ident: dict | None, reps: int) -> None:
-    """The answer first (calib's ratios to vLLM), then the table and the identity check."""
-    rows, text = table(records, arms)
+def _metrics(path: str | None) -> dict | None:
+    if not path or not Path(path).is_file():
+        print(f"(no replay prediction: {path} not found; run `python eval.py` first)", flush=True)
+        return None
+    return json.loads(Path(path).read_text())
+
+
+def _cpu() -> str:
+    try:
+        return next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return "unknown"
+
+
+def report(records: list, arms: list[str], ident: dict | None, reps: int, args=None, result=None) -> None:
+    """The answer first (calib's ratios to vLLM), then the table and the identity check; with
+    ``args.readme``, the same as the file's marked block."""
+    metrics = _metrics(args.replay) if args is not None else None
+    rows, text = table(records, arms, predictions(records, metrics, args.cost_model if args else "engine"))
     for arm in reversed(CALIB_ARMS):
         r = [row["ratio_to_best_vllm"].get(arm) for row in rows if arm in row["tok_s"]]
         s = [row["ratio_to_best_vllm_speculative"].get(arm) for row in rows if arm in row["tok_s"]]
@@ -270,10 +340,43 @@ def report(records: list, arms: list[str], ident: dict | None, reps: int) -> Non
                   f"{next(row['calib_off'][arm] for row in rows if arm in row['calib_off'])}")
     print(f"\nOutput tokens/s, median of {reps} (ratio to the best vLLM arm of the cell, no speculation included):")
     print(text)
+    ratios = speedup_table(rows, arms)
+    print("\nSpeed-up over no speculation, measured on the clock (in brackets the replay's prediction, "
+          f"{args.cost_model if args else 'engine'} cost model):")
+    print(ratios)
     if ident:
         print("\nfloat32 greedy outputs identical to no speculation:")
         for arm, o in ident.items():
             print(f"  {arm:<18} {o['identical']}/{o['prompts']}" + (f"  differ: {o['differ']}" if o["differ"] else ""))
+    if args is not None and args.readme and result is not None:
+        write_block(Path(args.readme), readme_block(result, text, ratios, reps, ident))
+        print(f"wrote the serve-bench block of {args.readme}")
+
+
+BEGIN, END = "<!-- serve-bench:begin -->", "<!-- serve-bench:end -->"
+
+
+def readme_block(result: dict, text: str, ratios: str, reps: int, ident: dict | None) -> str:
+    same = (", ".join(f"{a} {o['identical']}/{o['prompts']}" for a, o in ident.items()) if ident else "not run")
+    return (f"Measured on the clock by `{result['command']}` on {result.get('date', '?')} ({result.get('cpu', '?')}, "
+            f"{result['wall_s'] / 60:.0f} min, all arms in one run, output tokens/s, median of {reps}; in brackets "
+            "the ratio to the best vLLM arm of the cell, no speculation included):\n\n" + text +
+            "\n\nSpeed-up over no speculation, measured (in brackets the replay's prediction for the same cell, "
+            f"`python eval.py` ladder, {result.get('cost_model')} cost model; a prediction, not a clock):\n\n"
+            + ratios + f"\n\nfloat32 greedy outputs identical to no speculation (concurrency 4): {same}.")
+
+
+def write_block(path: Path, text: str) -> None:
+    """Replace the marked block of ``path`` with ``text`` (a temp name, then renamed)."""
+    doc = path.read_text()
+    if BEGIN not in doc or END not in doc:
+        raise SystemExit(f"{path}: no {BEGIN} ... {END} block to regenerate; add the two markers where the "
+                         "table goes")
+    head, rest = doc.split(BEGIN, 1)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".")
+    with os.fdopen(fd, "w") as fh:
+        fh.write(head + BEGIN + "\n" + text + "\n" + END + rest.split(END, 1)[1])
+    os.replace(tmp, path)
 
 
 if __name__ == "__main__":

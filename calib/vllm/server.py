@@ -349,7 +349,10 @@ class Server:
                 model_tokens.append(toks[: len(c)])  # a depth without its confidence is not offered
                 if c:
                     conf[b, : len(c)] = torch.tensor(c[:K])
-            offers[dec.engine_chain] = Offer(model_tokens, conf)
+            # a chain with no token anywhere cannot be chosen: beside the n-gram chain, leave it out and the
+            # (cheaper) one-chain rule decides the same
+            if any(model_tokens) or self.lookup not in dec.chains:
+                offers[dec.engine_chain] = Offer(model_tokens, conf)
         if self.lookup in dec.chains:
             ngram_tokens, ngram_feats = self.ngram_chains(batch, rows)
             if dec.engine_chain == self.lookup:

@@ -217,6 +217,24 @@ def test_given_ngram_probs_decide_as_the_lookup(seed):
     assert all(c != chain("ngram").id for c in decide_step(t, wrong, h, k_max=4, budget=5).chain.tolist())
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_a_chain_with_no_token_left_out_decides_the_same(seed):
+    """calib/vllm/server.py leaves the model chain out of a step where it drafted nothing (0 passes
+    planned): the one-chain rule on the n-gram chain decides what the two-chain rule decides."""
+    t = _tables(seed + 30)
+    inputs = _inputs(B=6, seed=seed)
+    h = _history(inputs.req_ids, seed)
+    B, K = 6, 5
+    empty = _step(inputs.req_ids, inputs.temperature, [[] for _ in range(B)], torch.full((B, K), NAN),
+                  _toks(inputs, "ngram"), inputs.offers["ngram"].signal)
+    alone = _step(inputs.req_ids, inputs.temperature, ngram_tokens=_toks(inputs, "ngram"),
+                  ngram_features=inputs.offers["ngram"].signal)
+    for mode in ({"cost": _cheap(B)}, {"cost": torch.linspace(1.0, 4.0, 60)}, {"budget": 5}):
+        two, one = decide_step(t, empty, h, k_max=4, **mode), decide_step(t, alone, h, k_max=4, **mode)
+        assert one.drafts == two.drafts and torch.equal(one.chain, two.chain)
+        assert torch.equal(one.expected_accepted, two.expected_accepted)
+
+
 def test_one_chain_tables_and_engines():
     inputs = _inputs(B=5, seed=3)
     h = _history(inputs.req_ids, 3)

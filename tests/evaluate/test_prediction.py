@@ -1,0 +1,36 @@
+"""The replay's prediction of a served arm (calib.evaluate.prediction) on a SYNTHETIC ladder: a hand-made
+metrics.json and two hand-made bank manifests."""
+
+import json
+
+import pytest
+
+from calib.evaluate.prediction import predicted_speedup, replay_row
+
+
+def _metrics(tmp_path):
+    banks = []
+    for name, method, temp in (("eagle-x-t0", "eagle", 0.0), ("ngram-x-t0.8", "ngram", 0.8)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "run_manifest.json").write_text(json.dumps(
+            {"method": method, "speculator": method, "sampling": {"temperature": temp}}))
+        banks.append({"name": name, "path": str(tmp_path / name)})
+    ladder = [{"bank": b, "batch_size": 4, "category": "chat", "cost_model": "engine", "policy": p, "goodput": g}
+              for b, rows in (("eagle-x-t0", {"no_spec": 2.0, "fixed_4": 1.5, "two_drafter": 3.0}),
+                              ("ngram-x-t0.8", {"no_spec": 2.0, "fixed_4": 2.5}))
+              for p, g in rows.items()]
+    return {"banks": banks, "ladder": ladder}
+
+
+def test_an_arm_is_predicted_from_its_banks_row(tmp_path):
+    m = _metrics(tmp_path)
+    cell = {"category": "chat", "batch": 4, "cost_model": "engine"}
+    assert predicted_speedup(m, row="two_drafter", method="eagle", temperature=0.0, **cell) == pytest.approx(1.5)
+    assert predicted_speedup(m, row=replay_row("fixed", True, 4), method="eagle", temperature=0.0,
+                             **cell) == pytest.approx(0.75)
+    assert predicted_speedup(m, row="fixed_4", method="ngram", temperature=0.8, **cell) == pytest.approx(1.25)
+    assert predicted_speedup(m, row="no_spec", method=None, temperature=0.8, **cell) == 1.0
+    # nothing replayed for that cell: no prediction rather than a wrong one
+    assert predicted_speedup(m, row="fixed_4", method="ngram", temperature=0.0, **cell) is None
+    assert predicted_speedup(m, row="two_drafter", method="eagle", temperature=0.0, category="chat", batch=16,
+                             cost_model="engine") is None
