@@ -224,8 +224,13 @@ def decide_step(tables, inputs: StepInputs, history: RequestHistory, *, k_max: i
     ``k_max`` an int ``>= 1`` (:data:`DECIDE_CONSTRAINTS`). Raises on anything off, a NaN, infinite or
     negative request temperature included (wrap it in :class:`SafeDecider` inside an engine); a
     temperature outside the tables' fitted range is decided and logged once (see the module docstring)."""
-    start = time.perf_counter()
     validate_params("decide_step", {"k_max": k_max, "budget": budget, "impl": impl}, DECIDE_CONSTRAINTS)
+    return _decide_step(tables, inputs, history, k_max=k_max, cost=cost, budget=budget, impl=impl)
+
+
+def _decide_step(tables, inputs: StepInputs, history: RequestHistory, *, k_max: int, cost, budget, impl: str):
+    """:func:`decide_step` on arguments already checked (:class:`SafeDecider` checks them once, at construction)."""
+    start = time.perf_counter()
     B = len(inputs.req_ids)
     if B == 0:
         return StepDecision([], [], torch.zeros(0, dtype=torch.int8), torch.zeros(0, dtype=torch.int32),
@@ -329,8 +334,8 @@ class SafeDecider:
             try:
                 picked = StepInputs(inputs.req_ids, inputs.temperature,
                                     {n: o for n, o in inputs.offers.items() if n in self.chains})
-                out = decide_step(self.tables, picked, self.history, k_max=self.k_max, cost=self.cost,
-                                  budget=self.budget, impl=self.impl)
+                out = _decide_step(self.tables, picked, self.history, k_max=self.k_max, cost=self.cost,
+                                   budget=self.budget, impl=self.impl)
                 self.consecutive_failures = 0
                 return out
             except Exception as exc:  # noqa: BLE001 - the serving rule: never raise into the engine

@@ -305,20 +305,20 @@ def test_safe_decider_passes_through_warns_once_and_disables(saved, monkeypatch,
     dec = _decider(saved, max_failures=3)
     inputs = _inputs(B=4, seed=4)
     calls = []
-    real = decide_mod.decide_step
+    real = decide_mod._decide_step  # what SafeDecider calls (its arguments were checked at construction)
 
     def boom(*a, **k):
         calls.append(1)
         raise RuntimeError("injected")
 
-    monkeypatch.setattr(decide_mod, "decide_step", boom)
+    monkeypatch.setattr(decide_mod, "_decide_step", boom)
     with caplog.at_level(logging.WARNING, logger="calib.serve"):
         for _ in range(2):
             out = dec.decide(inputs)
             assert out.passthrough and out.drafts == _toks(inputs, "model")
             assert out.depth.tolist() == [len(x) for x in _toks(inputs, "model")]
         assert len(caplog.records) == 1 and "injected" in caplog.text and caplog.records[0].exc_info
-        monkeypatch.setattr(decide_mod, "decide_step", real)  # a good step resets the run of failures
+        monkeypatch.setattr(decide_mod, "_decide_step", real)  # a good step resets the run of failures
         assert not dec.decide(inputs).passthrough and dec.consecutive_failures == 0
         bad = _step(inputs.req_ids, inputs.temperature, [[5, 6, 7, 8]] * 4, inputs.offers["model"].signal * 10,
                     _toks(inputs, "ngram"), inputs.offers["ngram"].signal)  # confidences > 1: allocate refuses
@@ -327,7 +327,7 @@ def test_safe_decider_passes_through_warns_once_and_disables(saved, monkeypatch,
             assert out.passthrough and out.drafts == _toks(bad, "model")
         assert dec.disabled and dec.failures == 5 and len(caplog.records) == 2
         assert "disabled" in caplog.records[1].getMessage()
-        monkeypatch.setattr(decide_mod, "decide_step", boom)
+        monkeypatch.setattr(decide_mod, "_decide_step", boom)
         n = len(calls)
         assert dec.decide(inputs).passthrough and len(calls) == n  # disabled: not even tried
         dec.observe("x", -1)  # a bad history update never raises either
@@ -336,7 +336,7 @@ def test_safe_decider_passes_through_warns_once_and_disables(saved, monkeypatch,
 
 def test_passthrough_of_an_ngram_engine(saved, monkeypatch):
     dec = _decider(saved, speculator="ngram", method="ngram")
-    monkeypatch.setattr(decide_mod, "decide_step", lambda *a, **k: 1 / 0)
+    monkeypatch.setattr(decide_mod, "_decide_step", lambda *a, **k: 1 / 0)
     inputs = _inputs(B=3, seed=1, model=False)
     out = dec.decide(inputs)
     assert out.passthrough and out.drafts == _toks(inputs, "ngram")

@@ -42,7 +42,7 @@ if mode == "fault":
     import calib.serve.decide as decide_mod
     def boom(*a, **k):
         raise RuntimeError("injected fault")
-    decide_mod.decide_step = boom
+    decide_mod._decide_step = boom  # what SafeDecider calls each step
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 llm = LLM(model=model_dir, dtype="float32", enforce_eager=True, max_model_len=2048, max_num_seqs=8, seed=0,

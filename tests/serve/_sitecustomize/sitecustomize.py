@@ -6,8 +6,8 @@ test sets ``CALIB_TEST_FAULT_AFTER=N`` (a variable of this test only; calib neve
 when ``calib.serve.decide`` is first imported (in the worker: by the plugin's serving hooks, lazily),
 ``decide_step`` is wrapped: the first ``N`` calls decide normally, every later call raises
 ``RuntimeError("injected fault ...")``: an allocator failure mid-run. ``SafeDecider.decide`` looks
-``decide_step`` up in its module's globals at call time, so patching the module attribute is what it
-calls. Nothing is imported at start (vLLM sets up the CPU runtime before torch is imported): an
+the step's decision (``_decide_step``, decide_step without its argument checks) up in its module's
+globals at call time, so patching that module attribute is what it calls. Nothing is imported at start (vLLM sets up the CPU runtime before torch is imported): an
 import hook patches the module right after it executes. Marker lines go to stderr (the server log).
 """
 
@@ -21,7 +21,7 @@ _TARGET = "calib.serve.decide"
 
 def _patch(module) -> None:
     after = int(os.environ["CALIB_TEST_FAULT_AFTER"])
-    orig = module.decide_step
+    orig = module._decide_step  # what SafeDecider calls each step
     calls = [0]
 
     def decide_step(*args, **kwargs):
@@ -33,7 +33,7 @@ def _patch(module) -> None:
             raise RuntimeError(f"injected fault (test): decide_step call {calls[0]}")
         return orig(*args, **kwargs)
 
-    module.decide_step = decide_step
+    module._decide_step = decide_step
     print(f"calib-test-fault: patched {_TARGET}.decide_step (pid {os.getpid()})", file=sys.stderr, flush=True)
 
 
