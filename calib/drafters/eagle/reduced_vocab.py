@@ -141,27 +141,47 @@ def train_reduced(cfg: dict, head: EagleHead, draft_lm_head: nn.Linear, draft_id
             "after": {k: round(float(after[k]), 4) for k in keys if k in after}}
 
 
-def _special_ids(model_dir: str, config) -> list[int]:
+def corpus_records(work_dir: Path, count_prompts: list[Path], model_dir: str) -> list[dict]:
+    """What the vocabulary is counted over: the recipe's answers (``work_dir/responses.jsonl``, prompt
+    and answer ids), then the prompts of ``count_prompts`` (corpus JSONL files: id, messages) not
+    answered there, as records with ``prompt_ids`` only."""
     from transformers import AutoTokenizer
 
-    ids = set(AutoTokenizer.from_pretrained(model_dir).all_special_ids)
-    ids |= {i for i in (config.bos_token_id, config.eos_token_id, config.pad_token_id) if isinstance(i, int)}
-    return sorted(ids)
+    from calib.prompts import encode_chat
 
-
-def _choose(cfg: dict, model_dir: str, target) -> tuple[torch.Tensor, dict]:
-    """The draft ids from the corpus answers of ``work_dir`` and what they cover."""
-    responses_path = Path(cfg["root"]) / cfg["work_dir"] / "responses.jsonl"
+    responses_path = work_dir / "responses.jsonl"
     if not responses_path.is_file():
         raise FileNotFoundError(f"{responses_path}: no corpus answers; run the recipe's stages first "
-                                f"(python -m calib.drafters.eagle work_dir={cfg['work_dir']} ...)")
-    responses = read_chunked_jsonl(responses_path)
-    r, vocab = cfg["reduced"], target.config.vocab_size
-    counts = token_counts(responses, vocab)
-    ids = choose_draft_vocab(counts, int(r["draft_vocab_size"]), _special_ids(model_dir, target.config) + list(r["keep_ids"]))
-    stats = {"corpus": str(responses_path.relative_to(cfg["root"])), "sequences": len(responses),
-             "tokens": int(counts.sum()), "coverage": round(coverage(counts, ids), 4),
-             "answer_coverage": round(coverage(token_counts(responses, vocab, answers_only=True), ids), 4)}
+                                f"(python -m calib.drafters.eagle work_dir={work_dir} ...)")
+    records = read_chunked_jsonl(responses_path)
+    have, tok = {r["id"] for r in records}, AutoTokenizer.from_pretrained(model_dir)
+    for path in count_prompts:
+        if not path.is_file():
+            raise FileNotFoundError(f"reduced.count_prompts: {path} does not exist (a corpus.jsonl of the recipe)")
+        for rec in read_chunked_jsonl(path):
+            if rec["id"] not in have:
+                have.add(rec["id"])
+                records.append({"id": rec["id"], "prompt_ids": encode_chat(tok, rec["messages"]), "output_ids": []})
+    return records
+
+
+def special_ids(model_dir: str) -> list[int]:
+    """The tokenizer's special tokens: always in the draft vocabulary (end of turn, padding)."""
+    from transformers import AutoTokenizer
+
+    return sorted(AutoTokenizer.from_pretrained(model_dir).all_special_ids)
+
+
+def _choose(cfg: dict, model_dir: str, vocab: int) -> tuple[torch.Tensor, dict]:
+    """The draft ids from the corpus of ``work_dir`` (and ``reduced.count_prompts``); what they cover."""
+    root, r = Path(cfg["root"]), cfg["reduced"]
+    count_prompts = list(r.get("count_prompts") or [])
+    records = corpus_records(root / cfg["work_dir"], [root / p for p in count_prompts], model_dir)
+    counts = token_counts(records, vocab)
+    ids = choose_draft_vocab(counts, int(r["draft_vocab_size"]), special_ids(model_dir) + list(r["keep_ids"]))
+    stats = {"corpus": f"{cfg['work_dir']}/responses.jsonl", "count_prompts": count_prompts,
+             "sequences": len(records), "tokens": int(counts.sum()), "coverage": round(coverage(counts, ids), 4),
+             "answer_coverage": round(coverage(token_counts(records, vocab, answers_only=True), ids), 4)}
     return ids, stats
 
 
@@ -174,7 +194,7 @@ def run(cfg: dict) -> Path:
     root, r = Path(cfg["root"]), cfg["reduced"]
     model_dir = str(prepare_target(cfg["model"].get("gguf"), cfg["model"].get("cache_dir"), cfg["model"]["name"]))
     target = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    ids, stats = _choose(cfg, model_dir, target)
+    ids, stats = _choose(cfg, model_dir, target.config.vocab_size)
     print(f"[reduced] {ids.numel()} draft ids cover {stats['coverage']:.4f} of the corpus tokens "
           f"({stats['answer_coverage']:.4f} of the answer tokens)")
     head = EagleHead(target.config)
@@ -196,7 +216,7 @@ def run(cfg: dict) -> Path:
                                  **train_reduced({**cfg, "train": t}, head, draft_lm_head, ids, target,
                                                  root / cfg["work_dir"] / "hidden.safetensors", trained.parent)}
             print(f"[reduced] training: {stats['training']}")
-        export_reduced(head, draft_lm_head, ids, trained, flops, extra={"calib_eagle_reduced": stats})
+            export_reduced(head, draft_lm_head, ids, trained, flops, extra={"calib_eagle_reduced": stats})
     cost = flops if r.get("draft_cost") is None else r["draft_cost"]
     out = export_reduced(head, draft_lm_head, ids, root / r["out_dir"], cost, extra={"calib_eagle_reduced": stats})
     print(f"[reduced] exported {out}: draft cost {cost} ({FLOPS_COST_KEY} {flops})")
