@@ -2,12 +2,16 @@
 
     python bench/draft_pass_cost.py --drafter data/drafters/eagle-smollm2-135m --out /tmp/full.json
     python bench/draft_pass_cost.py --drafter runs/eagle/reduced/eagle-smollm2-135m-v8192 --out /tmp/v8k.json
+    python bench/draft_pass_cost.py --drafter none --out /tmp/plain.json   # the target's pass over B positions
 
 The engine runs in-process (greedy, K = 4, concurrency 4, the prompts of --prompts); the target's and
 the drafter's ``forward`` and ``compute_logits`` are timed (perf_counter; CPU, so synchronous). A step's
 verify pass is the target's forward + logits; its draft passes are the drafter's forward + logits, the
-first (fed every verified position) apart from the later ones (a token per request). ``draft_cost`` is
-the median later pass over the median verify pass of the same steps: what calib_draft_cost records.
+first (fed every verified position) apart from the later ones (a token per request). calib prices a
+draft pass as a fraction of the target's pass over B positions, C(B) (calib/evaluate/README.md): with
+``--drafter none`` the engine decodes plainly and ``target_pass_ms`` is the median target pass of its
+steps of exactly ``--concurrency`` positions; ``draft_cost`` = later_pass_ms / that (the two runs'
+JSON, :func:`draft_cost_of`). ``later_over_verify`` is the later pass over the same steps' verify pass.
 """
 
 from __future__ import annotations
@@ -20,6 +24,13 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def _rows(args, kwargs) -> int:
+    """Positions in a call: the first tensor argument (input ids or hidden states), or ``positions``."""
+    first = next((a for a in (*args, kwargs.get("positions"), kwargs.get("hidden_states")) if hasattr(a, "shape")),
+                 None)
+    return int(first.shape[0]) if first is not None else -1
 
 
 def install_timers(events: list) -> None:
@@ -36,7 +47,7 @@ def install_timers(events: list) -> None:
             t = time.perf_counter()
             out = orig(self, *args, **kwargs)
             role = "draft" if isinstance(self, EagleLlamaForCausalLM) else "target"
-            events.append((f"{role}_{part}", int(args[0].shape[0]), time.perf_counter() - t))
+            events.append((f"{role}_{part}", _rows(args, kwargs), time.perf_counter() - t))
             return out
 
         setattr(cls, name, wrapper)
@@ -63,13 +74,36 @@ def steps_of(events: list) -> list[dict]:
     return [s for s in steps if len(s["draft"]) >= 2]
 
 
+def draft_cost_of(head: dict, plain: dict) -> float:
+    """One draft pass over the target's pass of B positions: two records of this script, same B."""
+    if head["concurrency"] != plain["concurrency"]:
+        raise ValueError(f"concurrency {head['concurrency']} vs {plain['concurrency']}: measure both at the same B")
+    return head["later_pass_ms"] / plain["target_pass_ms"]
+
+
+def summarize_plain(events: list, rows: int) -> dict:
+    """Plain decoding: the target's forward + logits per step, median over steps of ``rows`` positions."""
+    steps = [s for s in steps_of_plain(events) if s[1] == rows]
+    return {"steps": len(steps), "target_pass_ms": 1e3 * statistics.median(s[0] for s in steps)}
+
+
+def steps_of_plain(events: list) -> list[tuple[float, int]]:
+    out = []
+    for kind, rows, seconds in events:
+        if kind == "target_forward":
+            out.append([seconds, rows])
+        elif kind == "target_logits" and out:
+            out[-1][0] += seconds
+    return [tuple(s) for s in out]
+
+
 def summarize(steps: list[dict]) -> dict:
     verify = [s["verify"] for s in steps]
     first = [s["draft"][0][0] for s in steps]
     later = [d[0] for s in steps for d in s["draft"][1:]]
     med = statistics.median
     return {"steps": len(steps), "verify_ms": 1e3 * med(verify), "first_pass_ms": 1e3 * med(first),
-            "later_pass_ms": 1e3 * med(later), "draft_cost": med(later) / med(verify),
+            "later_pass_ms": 1e3 * med(later), "later_over_verify": med(later) / med(verify),
             "first_pass_cost": med(first) / med(verify),
             "mean_verify_rows": statistics.fmean(s["verify_rows"] for s in steps)}
 
@@ -93,9 +127,11 @@ def main() -> None:
 
     events: list = []
     install_timers(events)
+    plain = args.drafter == "none"
+    spec = None if plain else {"method": "eagle", "num_speculative_tokens": args.k,
+                               "model": str((ROOT / args.drafter).resolve())}
     llm = LLM(model=str(prepare_target()), enforce_eager=True, max_model_len=2048, max_num_seqs=args.concurrency,
-              seed=0, speculative_config={"method": "eagle", "num_speculative_tokens": args.k,
-                                          "model": str((ROOT / args.drafter).resolve())})
+              seed=0, speculative_config=spec)
     prompts = load_prompts([args.prompts], root=ROOT)[: args.limit]
     tok = llm.get_tokenizer()
     inputs = [{"prompt_token_ids": encode_chat(tok, p.messages)} for p in prompts]
@@ -105,7 +141,8 @@ def main() -> None:
     wall = time.perf_counter() - t
     record = {"drafter": args.drafter, "prompts": args.prompts, "n_prompts": len(prompts),
               "concurrency": args.concurrency, "k": args.k, "max_tokens": args.max_tokens, "wall_s": wall,
-              "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs), **summarize(steps_of(events))}
+              "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
+              **(summarize_plain(events, args.concurrency) if plain else summarize(steps_of(events)))}
     Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
     print(json.dumps(record, indent=2))
 

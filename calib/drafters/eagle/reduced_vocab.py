@@ -185,8 +185,37 @@ def _choose(cfg: dict, model_dir: str, vocab: int) -> tuple[torch.Tensor, dict]:
     return ids, stats
 
 
+def _head(cfg: dict, target, ids: torch.Tensor, stats: dict) -> tuple[EagleHead, nn.Linear]:
+    """The head warm-started from ``reduced.init_from`` (its lm_head the target's rows ``ids``), then
+    trained with ``train:`` updated by ``reduced.train`` unless that says ``max_epochs: 0``. A trained
+    head is cached in ``work_dir/reduced-head-v<size>`` (delete it to train again)."""
+    root, r = Path(cfg["root"]), cfg["reduced"]
+    t = {**cfg["train"], **(r.get("train") or {})}
+    head = EagleHead(target.config)
+    trained = root / cfg["work_dir"] / f"reduced-head-v{ids.numel()}"
+    if t["max_epochs"] > 0 and (trained / "model.safetensors").is_file():
+        draft_lm_head, cached_ids = load_reduced(head, trained)
+        if not torch.equal(cached_ids, ids):
+            raise ValueError(f"{trained}: its draft vocabulary is not the one chosen now; delete it to retrain")
+        from calib.sidefiles import read_json
+
+        stats["training"] = read_json(trained / "config.json")["calib_eagle_reduced"].get("training")
+        return head, draft_lm_head
+    load_exported(head, root / r["init_from"])
+    draft_lm_head = draft_lm_head_from_target(target.get_output_embeddings(), ids)
+    stats["training"] = None  # warm start only: the init head's layers, the target's lm_head rows
+    if t["max_epochs"] > 0:
+        stats["training"] = {"init_from": r["init_from"],
+                             **train_reduced({**cfg, "train": t}, head, draft_lm_head, ids, target,
+                                             root / cfg["work_dir"] / "hidden.safetensors", trained.parent)}
+        print(f"[reduced] training: {stats['training']}")
+        flops = round(reduced_cost_ratio(target.config, ids.numel()), 3)
+        export_reduced(head, draft_lm_head, ids, trained, flops, extra={"calib_eagle_reduced": stats})
+    return head, draft_lm_head
+
+
 def run(cfg: dict) -> Path:
-    """Choose the vocabulary, warm-start, train (cached in ``work_dir``), export to ``reduced.out_dir``."""
+    """Choose the vocabulary, warm-start, train (or not), export to ``reduced.out_dir``."""
     from transformers import AutoModelForCausalLM
 
     from calib.target import prepare_target
@@ -197,26 +226,9 @@ def run(cfg: dict) -> Path:
     ids, stats = _choose(cfg, model_dir, target.config.vocab_size)
     print(f"[reduced] {ids.numel()} draft ids cover {stats['coverage']:.4f} of the corpus tokens "
           f"({stats['answer_coverage']:.4f} of the answer tokens)")
-    head = EagleHead(target.config)
-    trained = root / cfg["work_dir"] / f"reduced-head-v{ids.numel()}"
+    stats["init_from"] = r["init_from"]
+    head, draft_lm_head = _head(cfg, target, ids, stats)
     flops = round(reduced_cost_ratio(target.config, ids.numel()), 3)
-    if (trained / "model.safetensors").is_file():  # cached stage: delete the folder to train again
-        draft_lm_head, cached_ids = load_reduced(head, trained)
-        if not torch.equal(cached_ids, ids):
-            raise ValueError(f"{trained}: its draft vocabulary is not the one chosen now; delete it to retrain")
-        from calib.sidefiles import read_json
-
-        stats["training"] = read_json(trained / "config.json")["calib_eagle_reduced"].get("training")
-    else:
-        load_exported(head, root / r["init_from"])
-        draft_lm_head = draft_lm_head_from_target(target.get_output_embeddings(), ids)
-        t = {**cfg["train"], **(r.get("train") or {})}
-        if t["max_epochs"] > 0:
-            stats["training"] = {"init_from": r["init_from"],
-                                 **train_reduced({**cfg, "train": t}, head, draft_lm_head, ids, target,
-                                                 root / cfg["work_dir"] / "hidden.safetensors", trained.parent)}
-            print(f"[reduced] training: {stats['training']}")
-            export_reduced(head, draft_lm_head, ids, trained, flops, extra={"calib_eagle_reduced": stats})
     cost = flops if r.get("draft_cost") is None else r["draft_cost"]
     out = export_reduced(head, draft_lm_head, ids, root / r["out_dir"], cost, extra={"calib_eagle_reduced": stats})
     print(f"[reduced] exported {out}: draft cost {cost} ({FLOPS_COST_KEY} {flops})")
