@@ -80,7 +80,8 @@ def export_reduced(head: EagleHead, draft_lm_head: nn.Linear, draft_ids: torch.T
                    extra: dict | None = None) -> Path:
     """Write the head as vLLM loads it for architecture ``EagleLlamaReducedVocabForCausalLM``."""
     vocab = int(draft_ids.numel())
-    config = {"architectures": [REDUCED_VOCAB_EAGLE], "draft_vocab_size": vocab,
+    # not tied: the lm_head is the head's own (fewer rows than the shared embeddings)
+    config = {"architectures": [REDUCED_VOCAB_EAGLE], "draft_vocab_size": vocab, "tie_word_embeddings": False,
               DRAFT_COST_KEY: check_draft_cost(draft_cost, "reduced.draft_cost"),
               FLOPS_COST_KEY: round(reduced_cost_ratio(head.config, vocab), 3), **(extra or {})}
     tensors = {"lm_head.weight": draft_lm_head.weight.detach().to(torch.bfloat16), D2T_KEY: d2t_offsets(draft_ids)}
