@@ -1,7 +1,8 @@
 """The verify cost as serving is given it: one text, the ``cost`` knob (``conf/serve.yaml`` ``serve.cost``).
 
-Either the parametric ``weight_read,per_position`` (conf/cost/parametric.yaml) or a measured CSV
-``PATH.csv[:column]`` (bench/verify_cost.py), turned into the allocator's price-mode curve.
+The parametric ``weight_read,per_position`` (conf/cost/parametric.yaml), a measured CSV
+``PATH.csv[:column]`` (bench/verify_cost.py), or an engine's step-cost model ``PATH.json``
+(:mod:`calib.cost.step`, the replay's cost kind ``engine``), turned into the allocator's price-mode curve.
 """
 
 from __future__ import annotations
@@ -26,6 +27,23 @@ def parse_cost(text: str) -> tuple[float, float]:
     return w, p
 
 
+def step_cost_path(text: str) -> str | None:
+    """The path when the ``cost`` knob names an engine step-cost model (``PATH.json``), else None."""
+    text = str(text)
+    return text if text.endswith(".json") else None
+
+
+def step_pass_price(text: str, batch: int, passes: int) -> float | None:
+    """An engine step-cost model's price of one model draft pass over ``batch`` rows (the mean over
+    ``passes`` passes, as the replay's plan weighs it); None for the other ``cost`` knobs."""
+    path = step_cost_path(text)
+    if path is None:
+        return None
+    from calib.cost.step import load_step_cost
+
+    return float(load_step_cost(path).draft(passes, batch)) / max(passes, 1)
+
+
 def measured_cost(text: str) -> tuple[str, str] | None:
     """``(path, column)`` when the ``cost`` knob names a measured CSV (``PATH.csv[:column]``; column
     default ``seconds_min``), None for the parametric ``weight_read,per_position``."""
@@ -36,10 +54,18 @@ def measured_cost(text: str) -> tuple[str, str] | None:
     return path + ".csv", column.lstrip(":") or "seconds_min"
 
 
-def cost_curve(text: str, t_max: int) -> torch.Tensor:
+def cost_curve(text: str, t_max: int, drafter_loaded: bool = False) -> torch.Tensor:
     """The ``cost`` knob as the allocator's price-mode curve, float32 ``[t_max + 1]``: parametric
-    ``weight_read,per_position`` or a measured CSV ``PATH[:column]`` (``T, seconds[, seconds_min]``,
-    bench/verify_cost.py; column default ``seconds_min``), read as conf/cost/measured.yaml reads it."""
+    ``weight_read,per_position``, a measured CSV ``PATH[:column]`` (``T, seconds[, seconds_min]``,
+    bench/verify_cost.py; column default ``seconds_min``), read as conf/cost/measured.yaml reads it, or
+    an engine step-cost model ``PATH.json``: a step's verify over ``T`` positions plus, with a model
+    drafter loaded, its idle forward (its per-request term is left out: the same for every plan of a step)."""
+    step = step_cost_path(text)
+    if step is not None:
+        from calib.cost.step import EngineStepCurve, load_step_cost
+
+        curve = EngineStepCurve("serve.cost", load_step_cost(step), t_max, batch=0, drafter=drafter_loaded)
+        return torch.from_numpy(np.ascontiguousarray(curve.values)).to(torch.float32)
     measured = measured_cost(text)
     if measured is not None:
         path, column = measured

@@ -14,15 +14,17 @@ from typing import ClassVar
 from calib.cost.draft import DEFAULT_DRAFT_COST, PROJECT_ROOT
 from calib.params import TEXT, Boolean, Each, Interval, NoneValue, Satisfies, validate_params
 
-# The verify-cost curve serve.py prices with by default (conf/serve.yaml serve.cost), for `vllm serve` too.
-DEFAULT_COST_CSV = "data/cost/smollm2-135m-cpu.csv"
-DEFAULT_COST = f"{PROJECT_ROOT / DEFAULT_COST_CSV}:seconds_min"
+# The cost serve.py prices with by default (conf/serve.yaml serve.cost), for `vllm serve` too: the engine's
+# step cost measured by bench/profile_step.py (calib/cost/step.py), what the replay's cost kind `engine` reads.
+DEFAULT_COST_FILE = "data/cost/smollm2-135m-cpu-step.json"
+DEFAULT_COST = str(PROJECT_ROOT / DEFAULT_COST_FILE)
 
 
 def _cost_text(text) -> bool:
-    from calib.cost.serving import measured_cost, parse_cost
+    from calib.cost.serving import measured_cost, parse_cost, step_cost_path
 
-    return isinstance(text, str) and (measured_cost(text) is not None or bool(parse_cost(text)))
+    return isinstance(text, str) and (measured_cost(text) is not None or step_cost_path(text) is not None
+                                      or bool(parse_cost(text)))
 
 
 @dataclass(frozen=True)
@@ -39,7 +41,8 @@ class ServeKnobs:
 
     _parameter_constraints: ClassVar[dict] = {
         "tables": [TEXT],
-        "cost": [Satisfies("a measured 'PATH.csv[:column]' or 'weight_read,per_position' (e.g. '1.0,0.01')",
+        "cost": [Satisfies("a measured 'PATH.csv[:column]', an engine step-cost model 'PATH.json' or "
+                           "'weight_read,per_position' (e.g. '1.0,0.01')",
                            _cost_text)],
         "model_id": [TEXT, NoneValue()],
         "ngram": [Satisfies("three integers min_n <= max_n, k >= 1", lambda v: len(v) == 3 and all(

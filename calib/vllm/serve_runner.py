@@ -181,7 +181,7 @@ def serve_knobs(cfg: dict, root: Path):
     """The serving knobs of a calib policy's ``cfg`` (:class:`calib.serve.knobs.ServeKnobs`), paths absolute
     for the engine's processes. Keys of ``cfg.serve`` other than ``cost`` and ``model_id`` are knobs as
     they are (a new knob needs no line here)."""
-    from calib.cost.serving import measured_cost
+    from calib.cost.serving import measured_cost, step_cost_path
     from calib.serve.knobs import ServeKnobs
 
     pol, spec_cfg = cfg["policy"], cfg["speculative"]
@@ -191,6 +191,8 @@ def serve_knobs(cfg: dict, root: Path):
     measured = measured_cost(cost)
     if measured is not None:  # a project-relative CSV: absolute for the engine's processes
         cost = f"{_path(root, measured[0])}:{measured[1]}"
+    elif step_cost_path(cost) is not None:  # an engine step-cost model, likewise
+        cost = str(_path(root, cost))
     ng = spec_cfg.get("ngram") or {}
     return ServeKnobs(**{**serve, "tables": str(_path(root, cfg["tables"])), "cost": cost,
                          "model_id": serve.get("model_id") or cfg["model"]["name"],

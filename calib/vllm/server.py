@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from calib.chains import chain_names
-from calib.cost.serving import cost_curve
+from calib.cost.serving import cost_curve, step_pass_price
 from calib.serve.knobs import ServeKnobs
 
 log = logging.getLogger("calib.serve")
@@ -89,6 +89,7 @@ class Server:
         self.last_take: float | None = None  # perf_counter at the previous decision (step_ms)
         self.matches: dict[str, tuple] = {}  # req_id -> ((req_id, context length, last token), chain, features)
         self.planned: dict[str, tuple] = {}  # req_id -> (match key, n-gram probs [L]) from this step's plan
+        self.pass_prices: dict[int, float] = {}  # batch size -> the price of one draft pass (plan_passes)
         self._error_logged = 0
 
     # -- construction ----------------------------------------------------------------------------
@@ -137,7 +138,8 @@ class Server:
         else:
             lo, hi, k = self.default_ngram
             self.ngram = (lo, hi, min(k, self.k))
-        cost = cost_curve(self.cost_text, int(runner.max_num_reqs) * (self.k + 1))
+        loaded = drafted.confidence is not None  # a model drafter: an engine step cost charges its idle forward
+        cost = cost_curve(self.cost_text, int(runner.max_num_reqs) * (self.k + 1), drafter_loaded=loaded)
         self.max_model_len = getattr(runner, "max_model_len", None)
         dec = SafeDecider(self.tables_dir, model_id=model_id, speculator=speculator, k_max=self.k,
                           method=method, chains=self.chains, cost=cost)
@@ -286,7 +288,11 @@ class Server:
         ctx = torch.from_numpy(context_columns(axes, inputs, dec.history))
         forecast = forecast_probs(tables, drafted, ctx, depths=k_sched)  # [B, k_sched]
         cost = dec.cost
-        pass_cost = self.draft_cost * float(cost[min(B, cost.numel() - 1)])
+        pass_cost = self.pass_prices.get(B)
+        if pass_cost is None:  # an engine step-cost model prices a pass itself; else a fraction of C(B)
+            step = step_pass_price(self.cost_text, B, self.k)
+            pass_cost = self.pass_prices[B] = (step if step is not None
+                                               else self.draft_cost * float(cost[min(B, cost.numel() - 1)]))
         plan = plan_draft(known, forecast, cost=cost, pass_cost=pass_cost, chain=drafted)
         passes = max(0, min(int(plan.passes), k_sched))
         scheduler_output.num_spec_tokens_to_schedule = passes

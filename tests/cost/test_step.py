@@ -108,3 +108,22 @@ def test_planned_once_per_step_the_passes_cannot_depend_on_what_they_draft(tmp_p
     assert passes["pass", "hopeless"] < passes["pass", "as banked"]
     with pytest.raises(ValueError, match="plan"):
         ReplayConfig(plan="request")
+
+
+def test_serving_prices_with_the_same_step_cost(tmp_path):
+    """serve.cost = PATH.json: serving's curve is the replay's (verify, plus the idle drafter on an EAGLE
+    engine) and a pass is priced as the replay's plan weighs it."""
+    import torch
+
+    from calib.cost.serving import cost_curve, step_pass_price
+    from calib.serve.knobs import ServeKnobs
+
+    path = tmp_path / "step.json"
+    save_step_cost(TRUE, path)
+    ServeKnobs(tables="t", cost=str(path))  # a valid knob
+    plain, loaded = cost_curve(str(path), 20), cost_curve(str(path), 20, drafter_loaded=True)
+    replay = make_curve("engine", {"kind": "engine", "path": str(path)}, 20).for_batch(0)
+    assert torch.allclose(plain, torch.from_numpy(replay.values).float())
+    assert torch.allclose(loaded - plain, torch.from_numpy(TRUE.idle(T=np.maximum(np.arange(21), 1))).float())
+    assert step_pass_price(str(path), 4, 4) == pytest.approx(float(TRUE.draft(4, 4)) / 4)
+    assert step_pass_price("data/cost/x.csv:seconds", 4, 4) is None

@@ -23,7 +23,7 @@ def test_eval_compose_run(tmp_path):
                                          f"out_dir={out}", "logger=csv", "metrics.n_boot=20",
                                          "replay.batch_sizes=[1,4]", "replay.max_steps=8", "replay.min_steps=4",
                                          "replay.progress=false"])
-    assert set(cfg.cost) == {"parametric", "measured"}  # both curves by default
+    assert set(cfg.cost) == {"engine", "parametric"}  # both curves by default
     run(cfg)
     m = json.loads((out / "metrics.json").read_text())
     cal = m["calibration"][0]
@@ -36,7 +36,7 @@ def test_eval_compose_run(tmp_path):
     lad = m["ladder"]
     assert {"policy", "batch_size", "category", "cost_model", "goodput", "vs_best_fixed",
             "headroom_captured"} <= set(lad[0])
-    assert {r["cost_model"] for r in lad} == {"parametric", "measured"}
+    assert {r["cost_model"] for r in lad} == {"engine", "parametric"}
     assert {r["policy"] for r in lad} >= {"no_spec", "fixed_1", "best_fixed", "homogeneous", "gated_uniform",
                                           "ragged_raw", "ragged_calibrated", "two_drafter", "oracle"}
     report = (out / "report.md").read_text()
@@ -50,7 +50,7 @@ def test_eval_compose_run(tmp_path):
     from calib.policies import camp_of, policy_of_row
 
     assert [(a["bank"], a["cost_model"]) for a in m["answer"]] == [(lad[0]["bank"], c)
-                                                                  for c in ("parametric", "measured")]
+                                                                  for c in ("engine", "parametric")]
     for a in m["answer"]:
         rows = [r for r in lad if r["bank"] == a["bank"] and r["cost_model"] == a["cost_model"]]
         at = {(r["category"], r["batch_size"], r["policy"]): r for r in rows}

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from calib import envs
-from calib.serve.knobs import DEFAULT_COST, DEFAULT_COST_CSV, PROJECT_ROOT, ServeKnobs
+from calib.serve.knobs import DEFAULT_COST, DEFAULT_COST_FILE, PROJECT_ROOT, ServeKnobs
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -36,9 +36,9 @@ def test_unknown_or_malformed_json_is_refused():
 
 def test_vllm_serve_prices_with_serve_py_default_curve():
     conf = yaml.safe_load((ROOT / "conf" / "serve.yaml").read_text())
-    assert conf["serve"]["cost"] == DEFAULT_COST_CSV
-    assert DEFAULT_COST == f"{PROJECT_ROOT / DEFAULT_COST_CSV}:seconds_min"
-    assert (PROJECT_ROOT / DEFAULT_COST_CSV).is_file()
+    assert conf["serve"]["cost"] == DEFAULT_COST_FILE
+    assert DEFAULT_COST == str(PROJECT_ROOT / DEFAULT_COST_FILE)
+    assert (PROJECT_ROOT / DEFAULT_COST_FILE).is_file()
 
 
 def test_stub_types_every_registered_variable():
