@@ -360,7 +360,7 @@ class Server:
             cut = Offer([[0] * min(j, len(t)) for t in tokens], conf[:, :j])
             d = dec.decide(StepInputs(inputs.req_ids, inputs.temperature, {**inputs.offers, model: cut}))
             ms += float(d.allocator_ms)
-            if d.passthrough:  # vLLM's own drafts with their own q rows: lossless as they are
+            if d.passthrough:  # Server.step then keeps vLLM's own drafts with their own q rows
                 return d
             first = d if first is None else first
             alive &= (d.chain == model_id) & (d.depth == j)
@@ -437,7 +437,7 @@ def verified_draft_probs(probs: torch.Tensor, prob_req_ids: list[str], req_ids: 
     its rows (vLLM reads ``[:num_draft]``), a substituted chain gets one-hot rows (q = 1 on its token:
     accepted with p(token), the residual p without it), an empty list needs none. In place where the
     substitutes fit ``W0`` columns and every request has a row; else a new tensor, rows by ``req_ids``."""
-    if probs.ndim != 3 or probs.shape[0] != len(prob_req_ids):
+    if probs.ndim != 3 or probs.shape[0] < len(prob_req_ids):  # vLLM indexes the first R rows by id
         raise ValueError(f"draft probs {tuple(probs.shape)} for {len(prob_req_ids)} requests: want [R, W, V]")
     if not len(req_ids) == len(drafts) == len(from_model):
         raise ValueError(f"{len(req_ids)} requests, {len(drafts)} draft lists, {len(from_model)} chain flags")
@@ -448,6 +448,14 @@ def verified_draft_probs(probs: torch.Tensor, prob_req_ids: list[str], req_ids: 
             raise ValueError(f"request {r}: {len(x)} model tokens but no q rows for them (width {W0})")
         if any(t < 0 or t >= V for t in x):
             raise ValueError(f"request {r}: a token id outside the drafter's vocabulary of {V}: {x}")
+    # vLLM drafts under inference mode: its tensor is written (or replaced) under the same mode
+    with torch.inference_mode(probs.is_inference()):
+        return _one_hot_substitutes(probs, prob_req_ids, req_ids, drafts, from_model, row_of)
+
+
+def _one_hot_substitutes(probs, prob_req_ids, req_ids, drafts, from_model, row_of):
+    """:func:`verified_draft_probs` once its inputs are checked."""
+    _, W0, V = probs.shape
     subs = [b for b, (x, m) in enumerate(zip(drafts, from_model)) if x and not m]
     ids = list(prob_req_ids)
     width = max([W0, *(len(drafts[b]) for b in subs)])

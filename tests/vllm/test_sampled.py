@@ -52,6 +52,15 @@ def test_rebuild_widens_when_a_substitute_outruns_the_draft_passes():
     assert out[1].argmax(dim=-1).tolist() == [0, 1, 2] and torch.equal(out[1].sum(dim=-1), torch.ones(3))
 
 
+def test_rebuild_writes_vllms_inference_mode_tensors_outside_inference_mode():
+    with torch.inference_mode():  # vLLM drafts under inference mode; take_draft_token_ids runs outside it
+        q = _probs(2, 2, 5)
+    out, _ = verified_draft_probs(q, ["a", "b"], ["a", "b"], [[1], [2, 3]], [True, False])
+    assert out[1].argmax(dim=-1).tolist() == [2, 3]
+    wide, _ = verified_draft_probs(q, ["a", "b"], ["a", "b"], [[1], [2, 3, 4]], [True, False])
+    assert wide.shape == (2, 3, 5) and wide.is_inference()
+
+
 def test_rebuild_refuses_model_tokens_without_rows_and_foreign_ids():
     q = _probs(1, 2, 5)
     with pytest.raises(ValueError, match="no q rows"):
