@@ -189,3 +189,32 @@ def test_causal_cut_with_one_hot_substitutes_keeps_the_target_distribution():
 @pytest.mark.parametrize("rule", ["drawn_q", "look_ahead", "model_rows"])
 def test_the_distribution_test_catches_each_wrong_rule(rule):
     assert _serve(rule, n=3000) < 1e-6
+
+
+def test_cut_with_the_real_decider_is_a_stopping_rule_on_real_tokens(tmp_path):
+    """SafeDecider on SYNTHETIC tables (tests/serve/test_decide.py): prefixes of the offered chains with
+    the drawn tokens (never the placeholders the cuts are decided on), and a stopping rule."""
+    from dataclasses import replace
+
+    from calib.tables.io import save
+    from tests.serve.test_decide import META, _decider, _inputs, _tables
+
+    dec = _decider(save(tmp_path / "tables", _tables(5), META))
+    inputs = _inputs(B=24, K=4, L=4, seed=3)
+    model = inputs.offers[MODEL.name]
+    d = _server().decide_sampled(dec, inputs)
+    assert not d.passthrough and dec.failures == 0
+    on_model = (d.chain == MODEL.id).tolist()
+    assert any(on_model) and not all(on_model)
+    for b, x in enumerate(d.drafts):
+        offered = inputs.offers[MODEL.name if on_model[b] else LOOKUP.name].tokens[b]
+        assert x == offered[: len(x)] and len(x) == int(d.depth[b])
+    g = torch.Generator().manual_seed(4)
+    base = torch.where(d.chain == MODEL.id, d.depth, 0)
+    for j in range(4):
+        conf = model.signal.clone()
+        conf[:, j:] = torch.rand(24, 4 - j, generator=g)
+        other = replace(inputs, offers={**inputs.offers, MODEL.name: Offer(model.tokens, conf)})
+        e = _server().decide_sampled(dec, other)
+        moved = torch.where(e.chain == MODEL.id, e.depth, 0)
+        assert torch.equal(moved.clamp(max=j), base.clamp(max=j)), j
