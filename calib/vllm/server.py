@@ -28,7 +28,7 @@ class ServeStats:
 
     steps: int = 0  # take_draft_token_ids calls with drafts
     decided: int = 0  # steps calib decided (not passed through)
-    passthrough: int = 0  # steps vLLM's own lists were kept (not ready, failed, disabled, probabilistic)
+    passthrough: int = 0  # steps vLLM's own lists were kept (not ready, failed, disabled)
     probabilistic: int = 0  # steps with probabilistic draft probs (runner._draft_probs), decided or not
     probabilistic_decided: int = 0  # ... of which calib decided (causal cut, draft probs rebuilt)
     requests: int = 0  # request-steps decided
@@ -58,7 +58,8 @@ class ServeStats:
         hk = self.hook_ms
         mean = (sum(ms) / len(ms)) if ms else math.nan
         return (f"calib serve: {self.steps} steps, {self.decided} decided, {self.passthrough} passed through "
-                f"({self.probabilistic} probabilistic steps, {self.probabilistic_decided} decided); {self.requests} request-steps, {self.replaced} replaced "
+                f"({self.probabilistic} probabilistic steps, {self.probabilistic_decided} decided); "
+                f"{self.requests} request-steps, {self.replaced} replaced "
                 f"({self.truncated} truncated, {self.substituted} substituted, {self.emptied} emptied); draft "
                 f"tokens {self.tokens_engine} -> {self.tokens_out}; allocator_ms mean {mean:.2f} max "
                 f"{max(ms, default=math.nan):.2f}; hook_ms mean {(sum(hk) / len(hk)) if hk else math.nan:.2f}; "
