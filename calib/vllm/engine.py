@@ -28,6 +28,8 @@ def speculative_config(spec: dict, model_dir: Path, cache_dir: Path | None) -> t
         out.update(prompt_lookup_min=int(spec["prompt_lookup_min"]),
                    prompt_lookup_max=int(spec["prompt_lookup_max"]))
         return out, "ngram"
+    if spec.get("draft_sample_method"):  # "probabilistic": drafts drawn from q, verified against q (T > 0)
+        out["draft_sample_method"] = str(spec["draft_sample_method"])
     if method == "draft_model":
         if spec.get("drafter_layers"):
             drafter = prepare_truncated_drafter(model_dir, int(spec["drafter_layers"]), cache_dir)

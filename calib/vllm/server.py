@@ -28,8 +28,9 @@ class ServeStats:
 
     steps: int = 0  # take_draft_token_ids calls with drafts
     decided: int = 0  # steps calib decided (not passed through)
-    passthrough: int = 0  # steps vLLM's own lists were kept (not ready, failed, disabled, probabilistic)
-    probabilistic: int = 0  # of which: probabilistic draft probs (passed through by rule)
+    passthrough: int = 0  # steps vLLM's own lists were kept (not ready, failed, disabled)
+    probabilistic: int = 0  # steps with probabilistic draft probs (runner._draft_probs), decided or not
+    probabilistic_decided: int = 0  # ... of which calib decided (causal cut, draft probs rebuilt)
     requests: int = 0  # request-steps decided
     replaced: int = 0  # request-steps whose list differs from vLLM's
     truncated: int = 0  # ... a strict non-empty prefix of vLLM's draft
@@ -57,7 +58,8 @@ class ServeStats:
         hk = self.hook_ms
         mean = (sum(ms) / len(ms)) if ms else math.nan
         return (f"calib serve: {self.steps} steps, {self.decided} decided, {self.passthrough} passed through "
-                f"({self.probabilistic} probabilistic); {self.requests} request-steps, {self.replaced} replaced "
+                f"({self.probabilistic} probabilistic steps, {self.probabilistic_decided} decided); "
+                f"{self.requests} request-steps, {self.replaced} replaced "
                 f"({self.truncated} truncated, {self.substituted} substituted, {self.emptied} emptied); draft "
                 f"tokens {self.tokens_engine} -> {self.tokens_out}; allocator_ms mean {mean:.2f} max "
                 f"{max(ms, default=math.nan):.2f}; hook_ms mean {(sum(hk) / len(hk)) if hk else math.nan:.2f}; "
@@ -313,10 +315,8 @@ class Server:
         if dec is None or not dec.enabled:
             self.stats.passthrough += 1
             return out
-        if getattr(runner, "_draft_probs", None) is not None:  # probabilistic drafting: not lossless to edit
-            self.stats.passthrough += 1
-            self.stats.probabilistic += 1
-            return out
+        sampled = getattr(runner, "_draft_probs", None) is not None  # probabilistic drafting: q kept
+        self.stats.probabilistic += sampled
         req_ids = list(out.req_ids)
         engine = [list(map(int, t)) for t in out.draft_token_ids]
         if len(engine) != len(req_ids):
@@ -327,7 +327,8 @@ class Server:
         temps = [float(batch.temperature_cpu[i]) for i in rows]
         from calib.chains import NO_CHAIN, chains
 
-        d = dec.decide(StepInputs(req_ids, temps, self.offers(dec, req_ids, engine, batch, rows)))
+        inputs = StepInputs(req_ids, temps, self.offers(dec, req_ids, engine, batch, rows))
+        d = self.decide_sampled(dec, inputs) if sampled else dec.decide(inputs)
         if d.passthrough:
             self.stats.passthrough += 1
             return out
@@ -337,10 +338,63 @@ class Server:
         names = {kind.id: kind.name for kind in chains()}  # one registry read per step, not per request
         for r, cid, x in zip(req_ids, d.chain.tolist(), drafts):
             self.chosen[r] = names[int(cid)] if (cid != NO_CHAIN and x) else None
+        if sampled:  # the rejection sampler's q rows must follow the lists handed back
+            self.rebuild_draft_probs(runner, req_ids, drafts, d.chain)
         self.count(drafts, engine)
         self.stats.allocator_ms.append(float(d.allocator_ms))
         self.stats.hook_ms.append((time.perf_counter() - start) * 1e3)
         return type(out)(req_ids, drafts)
+
+    # -- probabilistic drafting (docs/serving_hooks.md, "Sampled serving") ---------------------------
+    def decide_sampled(self, dec, inputs):
+        """The decision when the drafter sampled its chain from q: the model chain is verified to depth
+        ``>= j`` only where the decisions seeing depths ``<= j`` of every model draft (their max q, known
+        before the draw at ``j``; placeholder tokens, never the drawn ones) each took all of it, a
+        stopping rule; a request the first of them gives no model token takes that one's choice."""
+        from calib.chains import NO_CHAIN, Offer, chain
+        from calib.serve import StepDecision, StepInputs
+
+        model = dec.engine_chain
+        offer = inputs.offers.get(model)
+        if offer is None or chain(model).confidence is None:
+            return dec.decide(inputs)
+        tokens, conf = offer.tokens, offer.signal  # [B][<= K], float [B, K] (max q per depth)
+        B, model_id = len(tokens), chain(model).id
+        depth = torch.zeros(B, dtype=torch.int32)  # [B]: the model prefix verified
+        alive = torch.ones(B, dtype=torch.bool)  # [B]: every decision so far took the whole cut
+        first, ms = None, 0.0
+        for j in range(1, max((len(t) for t in tokens), default=0) + 1):
+            cut = Offer([[0] * min(j, len(t)) for t in tokens], conf[:, :j])
+            d = dec.decide(StepInputs(inputs.req_ids, inputs.temperature, {**inputs.offers, model: cut}))
+            ms += float(d.allocator_ms)
+            if d.passthrough:  # Server.step then keeps vLLM's own drafts with their own q rows
+                return d
+            first = d if first is None else first
+            alive &= (d.chain == model_id) & (d.depth == j)
+            depth[alive] = j
+            if not bool(alive.any()):
+                break
+        if first is None:  # no model token anywhere: nothing to cut
+            return dec.decide(inputs)
+        on_model = depth > 0  # [B]
+        drafts = [tokens[b][: int(depth[b])] if on_model[b] else list(first.drafts[b]) for b in range(B)]
+        ids = torch.where(on_model, torch.tensor(model_id, dtype=first.chain.dtype), first.chain)
+        ids = torch.where(torch.tensor([bool(x) for x in drafts]), ids, torch.tensor(NO_CHAIN, dtype=ids.dtype))
+        expected = torch.where(on_model, torch.tensor(math.nan), first.expected_accepted.to(torch.float32))
+        return StepDecision(list(inputs.req_ids), drafts, ids, torch.tensor([len(x) for x in drafts],
+                            dtype=torch.int32), expected, ms)
+
+    def rebuild_draft_probs(self, runner, req_ids: list[str], drafts: list[list[int]], chain_ids) -> None:
+        """Make the q rows vLLM's rejection sampler reads next step (``runner._draft_probs`` by
+        ``_draft_prob_req_ids``, ``[:num_draft]`` per request) follow ``drafts``: model prefixes keep
+        their rows, another chain's tokens get one-hot rows (:func:`verified_draft_probs`)."""
+        from calib.chains import chain
+
+        model_id = chain(self.decider.engine_chain).id
+        from_model = [int(c) == model_id for c in chain_ids.tolist()]
+        runner._draft_probs, runner._draft_prob_req_ids = verified_draft_probs(
+            runner._draft_probs, list(runner._draft_prob_req_ids), req_ids, drafts, from_model)
+        self.stats.probabilistic_decided += 1
 
     def offers(self, dec, req_ids: list[str], engine: list[list[int]], batch, rows: list[int]) -> dict:
         """``{chain: Offer}`` at this step: the engine's draft with its confidences (a model drafter), and
@@ -384,3 +438,44 @@ class Server:
                 s.truncated += 1
             else:
                 s.substituted += 1
+
+
+def verified_draft_probs(probs: torch.Tensor, prob_req_ids: list[str], req_ids: list[str],
+                         drafts: list[list[int]], from_model: list[bool]) -> tuple[torch.Tensor, list[str]]:
+    """The draft probabilities ``[R, W, V]`` (rows by the returned request ids) that verify ``drafts``
+    losslessly, from the drafter's ``probs [R, W0, V]`` (rows by ``prob_req_ids``): a model prefix keeps
+    its rows (vLLM reads ``[:num_draft]``), a substituted chain gets one-hot rows (q = 1 on its token:
+    accepted with p(token), the residual p without it), an empty list needs none. In place where the
+    substitutes fit ``W0`` columns and every request has a row; else a new tensor, rows by ``req_ids``."""
+    if probs.ndim != 3 or probs.shape[0] < len(prob_req_ids):  # vLLM indexes the first R rows by id
+        raise ValueError(f"draft probs {tuple(probs.shape)} for {len(prob_req_ids)} requests: want [R, W, V]")
+    if not len(req_ids) == len(drafts) == len(from_model):
+        raise ValueError(f"{len(req_ids)} requests, {len(drafts)} draft lists, {len(from_model)} chain flags")
+    _, W0, V = probs.shape
+    row_of = {r: i for i, r in enumerate(prob_req_ids)}
+    for r, x, m in zip(req_ids, drafts, from_model):
+        if m and x and (r not in row_of or len(x) > W0):
+            raise ValueError(f"request {r}: {len(x)} model tokens but no q rows for them (width {W0})")
+        if any(t < 0 or t >= V for t in x):
+            raise ValueError(f"request {r}: a token id outside the drafter's vocabulary of {V}: {x}")
+    # vLLM drafts under inference mode: its tensor is written (or replaced) under the same mode
+    with torch.inference_mode(probs.is_inference()):
+        return _one_hot_substitutes(probs, prob_req_ids, req_ids, drafts, from_model, row_of)
+
+
+def _one_hot_substitutes(probs, prob_req_ids, req_ids, drafts, from_model, row_of):
+    """:func:`verified_draft_probs` once its inputs are checked."""
+    _, W0, V = probs.shape
+    subs = [b for b, (x, m) in enumerate(zip(drafts, from_model)) if x and not m]
+    ids = list(prob_req_ids)
+    width = max([W0, *(len(drafts[b]) for b in subs)])
+    if width > W0 or any(req_ids[b] not in row_of for b in subs):
+        out = probs.new_zeros((len(req_ids), width, V))  # [B, W, V]
+        keep = [b for b, r in enumerate(req_ids) if r in row_of]
+        out[keep, :W0] = probs[[row_of[req_ids[b]] for b in keep]]
+        probs, ids, row_of = out, list(req_ids), {r: b for b, r in enumerate(req_ids)}
+    for b in subs:
+        row, x = row_of[req_ids[b]], drafts[b]
+        probs[row, : len(x)] = 0
+        probs[row, torch.arange(len(x)), torch.tensor(x, device=probs.device)] = 1
+    return probs, ids

@@ -68,8 +68,10 @@ class ServingSubscriber(RunnerSubscriber):
         return self.server.rows is not None
 
     def draft_depth(self, token_ids, probs) -> None:
+        # The offered confidence is max q: known before the draw (a sampled draft's own q is not, and
+        # cutting on it would bias what is verified); on the greedy path it is the argmax token's q.
         try:
-            self.server.record_depth(token_ids, probs.float().gather(-1, token_ids.view(-1, 1).long()).squeeze(-1))
+            self.server.record_depth(token_ids, probs.float().amax(dim=-1))
         except Exception as exc:  # noqa: BLE001
             self.server.error("_sample_draft_tokens", exc)
 
