@@ -163,7 +163,7 @@ class CaptureSubscriber(RunnerSubscriber):
     def wants_depths(self) -> bool:
         return self.rec.depth_rows() is not None
 
-    def draft_depth(self, token_ids, probs) -> None:
+    def draft_depth(self, token_ids, probs, max_q) -> None:
         try:
             self.rec.record_depth(token_ids, probs)
         except Exception as exc:  # noqa: BLE001

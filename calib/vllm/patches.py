@@ -46,8 +46,14 @@ class RunnerSubscriber:
         """Whether :meth:`draft_depth` should hear the depths of the drafting pass in progress."""
         return False
 
-    def draft_depth(self, token_ids: torch.Tensor, probs: torch.Tensor) -> None:
-        """One depth of a drafting pass: ``token_ids`` [rows], ``probs`` [rows, vocab] drawn from."""
+    def wants_distribution(self) -> bool:
+        """Whether :meth:`draft_depth` needs the whole draft distribution (``probs``), not only its max:
+        on vLLM's greedy path the patch set then computes a softmax over the vocabulary per depth."""
+        return True
+
+    def draft_depth(self, token_ids: torch.Tensor, probs: torch.Tensor | None, max_q: torch.Tensor) -> None:
+        """One depth of a drafting pass: ``token_ids`` [rows]; ``probs`` [rows, vocab] drawn from (None when
+        no listener :meth:`wants_distribution`); ``max_q`` [rows], the distribution's largest probability."""
 
     def before_update_states(self, runner, scheduler_output) -> None:
         """``_update_states`` is about to run (finished requests are in ``scheduler_output``)."""
@@ -60,6 +66,16 @@ def takes_plain_argmax(proposer, sampling_metadata, base) -> bool:
     return ((not proposer._enable_probabilistic_draft_probs or sampling_metadata.all_greedy)
             and not proposer.use_local_argmax_reduction and not proposer.use_heterogeneous_vocab
             and type(proposer)._greedy_sample is base._greedy_sample)
+
+
+def greedy_distribution(logits: torch.Tensor, full: bool) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """``(probs [rows, vocab] or None, max_q [rows])`` of the drafter's softmax over ``logits``; without
+    ``full`` only the max, ``exp(max - logsumexp)``, which writes no [rows, vocab] tensor."""
+    x = logits.float()
+    if full:
+        probs = torch.softmax(x, dim=-1)
+        return probs, probs.amax(dim=-1)
+    return None, torch.exp(x.amax(dim=-1) - torch.logsumexp(x, dim=-1))
 
 
 class PatchSet:
@@ -156,17 +172,18 @@ class PatchSet:
                 logits = proposer.model.compute_logits(hidden_states)
                 token_ids = logits.argmax(dim=-1)
                 try:
-                    probs = torch.softmax(logits.float(), dim=-1)  # [rows, vocab]
+                    probs, max_q = greedy_distribution(logits, any(s.wants_distribution() for s in listening))
                 except Exception as exc:  # noqa: BLE001 - the draft itself is already computed
                     log.warning("calib: drafter distribution lost (draft unaffected): %s", exc)
                     return token_ids, None
                 for s in listening:
-                    s.draft_depth(token_ids, probs)
+                    s.draft_depth(token_ids, probs, max_q)
                 return token_ids, None
             token_ids, probs = orig(proposer, hidden_states, sampling_metadata)
             if probs is not None:
+                max_q = probs.float().amax(dim=-1)
                 for s in listening:
-                    s.draft_depth(token_ids, probs)
+                    s.draft_depth(token_ids, probs, max_q)
             return token_ids, probs
 
         return _sample_draft_tokens

@@ -67,11 +67,14 @@ class ServingSubscriber(RunnerSubscriber):
     def wants_depths(self) -> bool:
         return self.server.rows is not None
 
-    def draft_depth(self, token_ids, probs) -> None:
+    def wants_distribution(self) -> bool:
+        return False  # max q only: the patch set skips the vocabulary-wide softmax for serving alone
+
+    def draft_depth(self, token_ids, probs, max_q) -> None:
         # The offered confidence is max q: known before the draw (a sampled draft's own q is not, and
         # cutting on it would bias what is verified); on the greedy path it is the argmax token's q.
         try:
-            self.server.record_depth(token_ids, probs.float().amax(dim=-1))
+            self.server.record_depth(token_ids, max_q)
         except Exception as exc:  # noqa: BLE001
             self.server.error("_sample_draft_tokens", exc)
 

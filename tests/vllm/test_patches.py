@@ -73,7 +73,7 @@ class Log(RunnerSubscriber):
     def wants_depths(self):
         return True
 
-    def draft_depth(self, token_ids, probs):
+    def draft_depth(self, token_ids, probs, max_q):
         self.log.append((self.name, "draft_depth", token_ids.tolist(), probs.shape))
 
     def before_update_states(self, runner, scheduler_output):
@@ -117,6 +117,34 @@ def test_greedy_depth_is_computed_once_for_every_listener(patched):
     token_ids, probs = proposer_cls(logits)._sample_draft_tokens(None, types.SimpleNamespace(all_greedy=True))
     assert token_ids.tolist() == [1, 0] and probs is None  # vLLM's own argmax, no draft probabilities
     assert log == [("serving", "draft_depth", [1, 0], (2, 3)), ("capture", "draft_depth", [1, 0], (2, 3))]
+
+
+def test_a_listener_of_max_q_alone_gets_no_vocabulary_softmax():
+    """Serving needs max q only: with no listener asking for the distribution the patch set passes
+    ``probs=None`` and max q = exp(max - logsumexp), the softmax's largest value."""
+    from calib.vllm.patches import greedy_distribution
+
+    heard = []
+
+    class MaxOnly(RunnerSubscriber):
+        def wants_depths(self):
+            return True
+
+        def wants_distribution(self):
+            return False
+
+        def draft_depth(self, token_ids, probs, max_q):
+            heard.append((probs, max_q))
+
+    proposer_cls = type("P", (Proposer,), {})
+    PatchSet([MaxOnly()]).install(type("R", (Runner,), {}), proposer_cls)
+    logits = torch.tensor([[0.0, 2.0, 1.0], [3.0, 0.0, 0.0]])
+    token_ids, _ = proposer_cls(logits)._sample_draft_tokens(None, types.SimpleNamespace(all_greedy=True))
+    (probs, max_q), = heard
+    assert probs is None and token_ids.tolist() == [1, 0]
+    assert torch.allclose(max_q, torch.softmax(logits, -1).amax(-1))
+    full, full_max = greedy_distribution(logits, True)
+    assert torch.allclose(full_max, max_q) and torch.allclose(full.sum(-1), torch.ones(2))
 
 
 def test_each_method_is_wrapped_once(patched):
