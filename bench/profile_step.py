@@ -4,12 +4,13 @@
     python bench/profile_step.py --arms none calib_two_drafter --concurrency 4 --sampling sampled
 
 Each arm (bench/serve.py's arms) runs in its own process with perf_counter wrappers on vLLM's V1 runner
-(installed once the engine has started): the target's forward and LM head,
-the verify/sampling, the drafter's first pass (the pass that keeps its KV cache right, run even when 0
-tokens are drafted), its further passes and its LM head, the n-gram proposer, bookkeeping and the
-scheduler; calib's hooks come from its serving statistics. One row per engine step is kept
-(batch, tokens, draft passes, the parts; "other" is the scheduler, output processing and the rest): ``--out`` (runs/bench/profile.json) holds them, and the table
-of medians per step is printed and, with ``--docs``, written into docs/profile.md's marked block.
+(installed once the engine has started): the target's forward and LM head, the verify/sampling, the
+drafter's first pass (it keeps the head's KV cache right and runs even when 0 tokens are drafted), its
+further passes and its LM head, the n-gram proposer and bookkeeping; calib's hooks come from its
+serving statistics, "other" is the scheduler, output processing and the rest. One row per engine step
+(batch, tokens, draft passes, the parts) goes to ``--out`` (runs/bench/profile.json); the table of
+medians is printed and, with ``--docs``, written into docs/profile.md's marked block; ``--step-cost``
+fits the replay's engine step cost (calib/cost/step.py) to the rows. Run it alone on the machine.
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ _spec.loader.exec_module(bench_serve)
 
 DEFAULT_ARMS = ["none", "vllm_ngram", "vllm_eagle", "calib_two_drafter"]
 # the parts of a step, in the order of the table (each a wrapper below, or calib's statistics)
-PARTS = ("prepare_inputs", "target_forward", "target_lm_head", "verify_sample", "drafter_first_pass", "drafter_more_passes",
-         "drafter_lm_head", "ngram_propose", "calib", "bookkeeping", "other")
+PARTS = ("prepare_inputs", "target_forward", "target_lm_head", "verify_sample", "drafter_first_pass",
+         "drafter_more_passes", "drafter_lm_head", "ngram_propose", "calib", "bookkeeping", "other")
 BEGIN, END = "<!-- profile:begin -->", "<!-- profile:end -->"
 
 
