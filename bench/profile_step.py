@@ -193,19 +193,6 @@ def table(summaries: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def write_docs(path: Path, text: str) -> None:
-    """Replace the marked block of ``path`` with ``text`` (written to a temp name, then renamed)."""
-    doc = path.read_text()
-    if BEGIN not in doc or END not in doc:
-        raise SystemExit(f"{path}: no {BEGIN} ... {END} block to regenerate")
-    head, rest = doc.split(BEGIN, 1)
-    new = head + BEGIN + "\n" + text + "\n" + END + rest.split(END, 1)[1]
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".")
-    with os.fdopen(fd, "w") as fh:
-        fh.write(new)
-    os.replace(tmp, path)
-
-
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--worker", help=argparse.SUPPRESS)
@@ -241,9 +228,9 @@ def main(argv=None) -> None:
                                             "steps": len(rows)}), args.step_cost)
         print(f"wrote {args.step_cost} (fitted on {len(rows)} decode steps)")
     if args.docs:
-        write_docs(Path(args.docs), f"Made by `{result['command']}` on {result['date']} "
-                   f"({result['prompts']} prompts, {result['sampling']}, {result['max_tokens']} tokens; medians per "
-                   f"steady decode step, ms):\n\n{text}")
+        bench_serve.write_block(Path(args.docs), f"Made by `{result['command']}` on {result['date']} "
+                                f"({result['prompts']} prompts, {result['sampling']}, {result['max_tokens']} "
+                                f"tokens; medians per steady decode step, ms):\n\n{text}", BEGIN, END)
         print(f"wrote {args.docs}")
 
 
@@ -288,11 +275,10 @@ def write_result(out: Path, args, argv, cells: list[dict]) -> dict:
     result = {"command": " ".join(["python bench/profile_step.py", *(argv or sys.argv[1:])]),
               "date": time.strftime("%Y-%m-%d"), "prompts": args.prompts, "sampling": args.sampling,
               "max_tokens": args.max_tokens, "summary": [summarise(c) for c in cells], "cells": cells}
+    from calib.atomic import write_text_atomic
+
     out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(dir=out.parent, prefix=out.name + ".")
-    with os.fdopen(fd, "w") as fh:
-        json.dump(result, fh)
-    os.replace(tmp_name, out)
+    write_text_atomic(out, json.dumps(result))
     return result
 
 

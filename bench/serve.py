@@ -298,12 +298,11 @@ def main(argv=None) -> None:
               "date": time.strftime("%Y-%m-%d"), "cpu": _cpu(), "replay": args.replay if metrics else None,
               "cost_model": args.cost_model, "arms": args.arms, "table": rows, "identity_float32_greedy": ident,
               "runs": records}
+    from calib.atomic import write_text_atomic
+
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(dir=out.parent, prefix=out.name + ".")
-    with os.fdopen(fd, "w") as fh:
-        json.dump(result, fh, indent=1)
-    os.replace(tmp_name, out)
+    write_text_atomic(out, json.dumps(result, indent=1))
     report(records, args.arms, ident, args.reps, args, result)
     print(f"\nwrote {out} ({result['wall_s'] / 60:.1f} min)")
 
@@ -366,17 +365,17 @@ def readme_block(result: dict, text: str, ratios: str, reps: int, ident: dict | 
             + ratios + f"\n\nfloat32 greedy outputs identical to no speculation (concurrency 4): {same}.")
 
 
-def write_block(path: Path, text: str) -> None:
-    """Replace the marked block of ``path`` with ``text`` (a temp name, then renamed)."""
+def write_block(path: Path, text: str, begin: str = BEGIN, end: str = END) -> None:
+    """Replace the block of ``path`` between the markers ``begin`` and ``end`` with ``text`` (written to
+    a temp name, then renamed)."""
+    from calib.atomic import write_text_atomic
+
     doc = path.read_text()
-    if BEGIN not in doc or END not in doc:
-        raise SystemExit(f"{path}: no {BEGIN} ... {END} block to regenerate; add the two markers where the "
+    if begin not in doc or end not in doc:
+        raise SystemExit(f"{path}: no {begin} ... {end} block to regenerate; add the two markers where the "
                          "table goes")
-    head, rest = doc.split(BEGIN, 1)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".")
-    with os.fdopen(fd, "w") as fh:
-        fh.write(head + BEGIN + "\n" + text + "\n" + END + rest.split(END, 1)[1])
-    os.replace(tmp, path)
+    head, rest = doc.split(begin, 1)
+    write_text_atomic(path, head + begin + "\n" + text + "\n" + end + rest.split(end, 1)[1])
 
 
 if __name__ == "__main__":

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -117,14 +115,11 @@ def fit_step_cost(rows: list[dict], source: dict) -> StepCost:
 
 def save_step_cost(cost: StepCost, path) -> None:
     """Write ``cost`` as JSON to ``path`` (a temp name, then renamed)."""
+    from calib.atomic import write_text_atomic
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    doc = {"version": STEP_COST_VERSION, "unit": "s", **asdict(cost)}
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".")
-    with os.fdopen(fd, "w") as fh:
-        json.dump(doc, fh, indent=1)
-        fh.write("\n")
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps({"version": STEP_COST_VERSION, "unit": "s", **asdict(cost)}, indent=1) + "\n")
 
 
 def load_step_cost(path) -> StepCost:
