@@ -7,6 +7,7 @@ The parametric ``weight_read,per_position`` (conf/cost/parametric.yaml), a measu
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -33,15 +34,21 @@ def step_cost_path(text: str) -> str | None:
     return text if text.endswith(".json") else None
 
 
+@functools.lru_cache(maxsize=4)
+def serving_step_cost(path: str):
+    """The step-cost model a serving process prices with, read and checked once per process."""
+    from calib.cost.step import load_step_cost
+
+    return load_step_cost(path)
+
+
 def step_pass_price(text: str, batch: int, passes: int) -> float | None:
     """An engine step-cost model's price of one model draft pass over ``batch`` rows (the mean over
     ``passes`` passes, as the replay's plan weighs it); None for the other ``cost`` knobs."""
     path = step_cost_path(text)
     if path is None:
         return None
-    from calib.cost.step import load_step_cost
-
-    return float(load_step_cost(path).draft(passes, batch)) / max(passes, 1)
+    return float(serving_step_cost(path).draft(passes, batch)) / max(passes, 1)
 
 
 def measured_cost(text: str) -> tuple[str, str] | None:
@@ -62,9 +69,9 @@ def cost_curve(text: str, t_max: int, drafter_loaded: bool = False) -> torch.Ten
     drafter loaded, its idle forward (its per-request term is left out: the same for every plan of a step)."""
     step = step_cost_path(text)
     if step is not None:
-        from calib.cost.step import EngineStepCurve, load_step_cost
+        from calib.cost.step import EngineStepCurve
 
-        curve = EngineStepCurve("serve.cost", load_step_cost(step), t_max, batch=0, drafter=drafter_loaded)
+        curve = EngineStepCurve("serve.cost", serving_step_cost(step), t_max, batch=0, drafter=drafter_loaded)
         return torch.from_numpy(np.ascontiguousarray(curve.values)).to(torch.float32)
     measured = measured_cost(text)
     if measured is not None:
