@@ -137,11 +137,12 @@ def cells_for(args) -> list:
 
 def predictions(records: list, metrics: dict | None, cost_model: str) -> dict:
     """{(category, sampling, concurrency, arm): the replay's predicted speed-up over no speculation}."""
-    from calib.evaluate.prediction import predicted_speedup, replay_row
+    from calib.evaluate.prediction import bank_kinds, predicted_speedup, replay_row
 
     out = {}
     if metrics is None:
         return out
+    kinds = bank_kinds(metrics)  # each bank's manifest read once
     for r in records:
         c = r["cell"]
         key = (c["category"], c["sampling"], c["concurrency"], r["arm"])
@@ -150,7 +151,7 @@ def predictions(records: list, metrics: dict | None, cost_model: str) -> dict:
         name, family, method = REPLAYED[r["arm"]]
         out[key] = predicted_speedup(metrics, row=replay_row(name, family, int(r["num_speculative_tokens"]) or 1),
                                      method=method, temperature=float(r["temperature"]), category=c["category"],
-                                     batch=c["concurrency"], cost_model=cost_model)
+                                     batch=c["concurrency"], cost_model=cost_model, kinds=kinds)
     return out
 
 

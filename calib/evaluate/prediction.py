@@ -35,13 +35,14 @@ def replay_row(policy_name: str, family: bool, k: int) -> str:
 
 
 def predicted_speedup(metrics: dict, *, row: str, method: str | None, temperature: float, category: str,
-                      batch: int, cost_model: str) -> float | None:
+                      batch: int, cost_model: str, kinds: dict | None = None) -> float | None:
     """The replay's goodput of ``row`` over ``no_spec``'s in one cell, or None where eval did not replay
     it (no bank drafted by ``method`` at ``temperature``, that ``batch`` or ``cost_model``). ``method``
-    None (no speculation) predicts 1."""
+    None (no speculation) predicts 1. ``kinds``: :func:`bank_kinds` of ``metrics``, when a caller
+    predicts many cells (read here otherwise)."""
     if method is None:
         return 1.0
-    kinds = bank_kinds(metrics)
+    kinds = bank_kinds(metrics) if kinds is None else kinds
     banks = [name for name, (m, t) in kinds.items() if m == method and abs(t - temperature) < 1e-9]
     for bank in banks:
         gp = {r["policy"]: r["goodput"] for r in metrics.get("ladder", [])
