@@ -225,11 +225,13 @@ def main(argv=None) -> None:
         rows = [r for c in result["cells"] for r in decode_rows(c)]
         save_step_cost(fit_step_cost(rows, {"command": result["command"], "date": result["date"],
                                             "arms": sorted({c["arm"] for c in result["cells"]}),
-                                            "steps": len(rows)}), args.step_cost)
+                                            "steps": len(rows), "cpu": result.get("cpu", "unknown"),
+                                            "dtype": result.get("dtype", "auto")}), args.step_cost)
         print(f"wrote {args.step_cost} (fitted on {len(rows)} decode steps)")
     if args.docs:
         bench_serve.write_block(Path(args.docs), f"Made by `{result['command']}` on {result['date']} "
-                                f"({result['prompts']} prompts, {result['sampling']}, {result['max_tokens']} "
+                                f"({result.get('cpu', 'CPU not recorded')}, dtype {result.get('dtype', 'auto')}; "
+                                f"{result['prompts']} prompts, {result['sampling']}, {result['max_tokens']} "
                                 f"tokens; medians per steady decode step, ms):\n\n{text}", BEGIN, END)
         print(f"wrote {args.docs}")
 
@@ -273,7 +275,9 @@ def profile_arm(arm: str, args, tmp: Path) -> list[dict]:
 
 def write_result(out: Path, args, argv, cells: list[dict]) -> dict:
     result = {"command": " ".join(["python bench/profile_step.py", *(argv or sys.argv[1:])]),
-              "date": time.strftime("%Y-%m-%d"), "prompts": args.prompts, "sampling": args.sampling,
+              "date": time.strftime("%Y-%m-%d"), "cpu": bench_serve._cpu(),
+              "dtype": next((o.split("=", 1)[1] for o in args.set if o.startswith("engine.dtype=")), "auto"),
+              "prompts": args.prompts, "sampling": args.sampling,
               "max_tokens": args.max_tokens, "summary": [summarise(c) for c in cells], "cells": cells}
     from calib.atomic import write_text_atomic
 

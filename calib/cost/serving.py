@@ -8,6 +8,7 @@ The parametric ``weight_read,per_position`` (conf/cost/parametric.yaml), a measu
 from __future__ import annotations
 
 import functools
+import logging
 import math
 
 import numpy as np
@@ -37,9 +38,13 @@ def step_cost_path(text: str) -> str | None:
 @functools.lru_cache(maxsize=4)
 def serving_step_cost(path: str):
     """The step-cost model a serving process prices with, read and checked once per process."""
-    from calib.cost.step import load_step_cost
+    from calib.cost.step import load_step_cost, other_machine
 
-    return load_step_cost(path)
+    cost = load_step_cost(path)
+    elsewhere = other_machine(cost)
+    if elsewhere:  # once per process (cached): serving still prices with it
+        logging.getLogger("calib.serve").warning("calib serve: %s: %s", path, elsewhere)
+    return cost
 
 
 def step_pass_price(text: str, batch: int, passes: int) -> float | None:

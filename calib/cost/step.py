@@ -142,6 +142,32 @@ def load_step_cost(path) -> StepCost:
     return StepCost(**terms, source=doc.get("source", {}))
 
 
+def this_machine() -> str:
+    """The CPU a step cost is measured on: its model name, its cores, and the vector extensions that decide
+    bf16 speed (one model name, "AMD EPYC", ran bf16 4x apart with and without AVX-512: docs/profile.md)."""
+    import os
+
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "unknown"
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")),
+                "unknown")
+    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
+    isa = [f for f in ("avx512f", "avx512_bf16", "amx_bf16") if f in flags] or ["no AVX-512"]
+    return f"{name}, {os.cpu_count()} cores, {' '.join(isa)}"
+
+
+def other_machine(cost: StepCost) -> str | None:
+    """A sentence when ``cost`` was fitted on another machine than this one (its prices may be far off), else None."""
+    fitted = cost.source.get("cpu")
+    here = this_machine()
+    if not fitted or fitted == here:
+        return None
+    return (f"the step cost was fitted on {fitted!r}, this machine is {here!r}: its prices may be far off "
+            "(re-run bench/profile_step.py --step-cost PATH here; docs/profile.md)")
+
+
 def _nonneg(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
 

@@ -42,6 +42,7 @@ class ServeStats:
     allocator_ms: list[float] = field(default_factory=list)  # per decided step: SafeDecider (inputs + allocate)
     hook_ms: list[float] = field(default_factory=list)  # per decided step: the whole hook (n-gram recompute too)
     planned: int = 0  # steps whose draft passes calib chose (plan_draft)
+    plan_decided: int = 0  # decided steps whose allocation was the plan's own (0 passes: no second allocation)
     passes_engine: int = 0  # draft passes vLLM would have run on those steps
     passes_planned: int = 0  # ... and the passes calib ran instead
     plan_ms: list[float] = field(default_factory=list)  # per planned step: n-gram chains + forecast + plan_draft
@@ -64,6 +65,7 @@ class ServeStats:
                 f"tokens {self.tokens_engine} -> {self.tokens_out}; allocator_ms mean {mean:.2f} max "
                 f"{max(ms, default=math.nan):.2f}; hook_ms mean {(sum(hk) / len(hk)) if hk else math.nan:.2f}; "
                 f"draft passes {self.passes_engine} -> {self.passes_planned} on {self.planned} planned steps "
+                f"({self.plan_decided} allocated by the plan) "
                 f"(plan_ms mean {(sum(self.plan_ms) / len(self.plan_ms)) if self.plan_ms else math.nan:.2f}); "
                 f"{self.errors} hook errors" + (f"; OFF: {self.disabled_reason}" if self.disabled_reason else ""))
 
@@ -90,7 +92,8 @@ class Server:
         self.chosen: dict[str, str] = {}  # req_id -> the chain handed back for its next verify (capture reads it)
         self.last_take: float | None = None  # perf_counter at the previous decision (step_ms)
         self.matches: dict[str, tuple] = {}  # req_id -> ((req_id, context length, last token), chain, features)
-        self.planned: dict[str, tuple] = {}  # req_id -> (match key, n-gram probs [L]) from this step's plan
+        # req_id -> (match key, n-gram probs [L], n-gram depth the plan verifies or None) from this step's plan
+        self.planned: dict[str, tuple] = {}
         self.pass_prices: dict[int, float] = {}  # batch size -> the price of one draft pass (plan_passes)
         self._error_logged = 0
 
@@ -281,9 +284,6 @@ class Server:
             inputs = StepInputs(req_ids, temps, {lookup: Offer(toks, feats)})
             signals, _ = chain_inputs(tables, inputs, dec.history, k_max=self.k)
             known[lookup] = calibrated_probs(tables, {lookup: signals[lookup]})[lookup].to(torch.float32)
-            # the decision after drafting sees the same chains and history: it reuses these
-            self.planned = {r: (self.matches[r][0], known[lookup][b]) for b, r in enumerate(req_ids)
-                            if r in self.matches}
         else:
             inputs = StepInputs(req_ids, temps)
         axes = [a["name"] for a in tables.forecast(drafted)["axes"]]
@@ -297,6 +297,11 @@ class Server:
                                                else self.draft_cost * float(cost[min(B, cost.numel() - 1)]))
         plan = plan_draft(known, forecast, cost=cost, pass_cost=pass_cost, chain=drafted)
         passes = max(0, min(int(plan.passes), k_sched))
+        if lookup in known:  # the decision after drafting sees the same chains and history: it reuses these
+            # no pass: the model drafts nothing and the plan's allocation of the n-gram chain is the step's
+            depth = plan.free_depth.tolist() if passes == 0 and plan.free_depth is not None else None
+            self.planned = {r: (self.matches[r][0], known[lookup][b], None if depth is None else depth[b])
+                            for b, r in enumerate(req_ids) if r in self.matches}
         scheduler_output.num_spec_tokens_to_schedule = passes
         s = self.stats
         s.planned += 1
@@ -327,8 +332,10 @@ class Server:
         temps = [float(batch.temperature_cpu[i]) for i in rows]
         from calib.chains import NO_CHAIN, chains
 
+        planned = self.planned  # offers() clears it
         inputs = StepInputs(req_ids, temps, self.offers(dec, req_ids, engine, batch, rows))
-        d = self.decide_sampled(dec, inputs) if sampled else dec.decide(inputs)
+        d = self.decide_sampled(dec, inputs) if sampled else (self.planned_decision(inputs, planned)
+                                                               or dec.decide(inputs))
         if d.passthrough:
             self.stats.passthrough += 1
             return out
@@ -344,6 +351,33 @@ class Server:
         self.stats.allocator_ms.append(float(d.allocator_ms))
         self.stats.hook_ms.append((time.perf_counter() - start) * 1e3)
         return type(out)(req_ids, drafts)
+
+    def planned_decision(self, inputs, planned: dict):
+        """The plan's own allocation when it ran no draft pass (:attr:`calib.allocate.DraftPlan.free_depth`):
+        the step then offers the recomputed chain alone, on the match the plan saw for every request, and
+        the allocator on it would decide the same; None when any of that does not hold (decide as usual)."""
+        from calib.chains import NO_CHAIN, chain
+        from calib.serve import StepDecision
+
+        offer = inputs.offers.get(self.lookup)
+        if offer is None or len(inputs.offers) != 1 or not self.decider.enabled:
+            return None
+        start = time.perf_counter()
+        drafts, expected = [], []
+        for b, r in enumerate(inputs.req_ids):
+            hit, match = planned.get(r), self.matches.get(r)
+            if hit is None or hit[2] is None or match is None or hit[0] != match[0]:
+                return None
+            depth, toks = int(hit[2]), offer.tokens[b]
+            if depth > len(toks):  # the allocator verifies only tokens it was given: a bug if not
+                raise RuntimeError(f"request {r}: planned depth {depth} but the chain has {len(toks)} tokens")
+            drafts.append(list(toks[:depth]))
+            expected.append(float(torch.cumprod(hit[1][:depth].clamp(0, 1), 0).sum()))
+        depth = torch.tensor([len(x) for x in drafts], dtype=torch.int32)
+        ids = torch.where(depth > 0, chain(self.lookup).id, NO_CHAIN).to(torch.int8)
+        self.stats.plan_decided += 1
+        return StepDecision(list(inputs.req_ids), drafts, ids, depth, torch.tensor(expected, dtype=torch.float32),
+                            (time.perf_counter() - start) * 1e3)
 
     # -- probabilistic drafting (docs/serving_hooks.md, "Sampled serving") ---------------------------
     def decide_sampled(self, dec, inputs):

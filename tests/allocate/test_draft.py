@@ -170,7 +170,35 @@ def _random_case(rng):
 def _same_plan(a, b) -> bool:
     # goodput compared exactly (tolerance 0): the same float64 operations on the same exact integers
     return ((a.run_pass, a.passes, a.goodput) == (b.run_pass, b.passes, b.goodput)
-            and a.drafting.dtype == b.drafting.dtype and torch.equal(a.drafting, b.drafting))
+            and a.drafting.dtype == b.drafting.dtype and torch.equal(a.drafting, b.drafting)
+            and (a.free_depth is None) == (b.free_depth is None)
+            and (a.free_depth is None or torch.equal(a.free_depth, b.free_depth)))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_plan_that_stops_before_the_first_pass_is_the_free_chains_allocation(seed):
+    """SYNTHETIC: when the plan runs no pass the model drafts nothing, and the free chain's depths it
+    returns are what the allocator decides on that chain alone (serving then skips the second call)."""
+    from calib.allocate import allocate_probs
+
+    rng = np.random.default_rng(500 + seed)
+    stopped = 0
+    for _ in range(40):
+        B, K, L = int(rng.integers(1, 9)), int(rng.integers(1, 6)), int(rng.integers(1, 6))
+        ngram = rng.uniform(0, 1, (B, L)).astype(np.float32)
+        ngram[rng.uniform(size=(B, L)) < 0.2] = np.nan  # chains that end early
+        ngram = torch.from_numpy(np.where(np.isnan(ngram).cumsum(axis=1) > 0, np.float32(np.nan), ngram))
+        cost = _curve(B, max(K, L), float(rng.choice([0.005, 0.05, 0.3])))
+        plan = plan_draft({"model": torch.zeros(B, 0), "ngram": ngram},
+                          torch.from_numpy(rng.uniform(0, 1, (B, K)).astype(np.float32)), cost=cost,
+                          pass_cost=float(rng.choice([0.1, 1.0, 100.0])))
+        assert plan.free_depth is not None and plan.free_depth.dtype == torch.int64
+        if plan.passes:
+            continue
+        stopped += 1
+        alone = allocate_probs({"ngram": ngram}, cost=cost)
+        assert torch.equal(plan.free_depth, alone.depth.to(torch.int64)), (ngram, plan, alone)
+    assert stopped >= 10
 
 
 @pytest.mark.parametrize("seed", range(8))

