@@ -53,14 +53,15 @@ def _arms() -> tuple[dict, list, tuple, tuple]:
         for arm in p.serving.arms:
             arms[arm.name] = [f"policy={p.name}"] + ([f"speculative={arm.speculative}"] if arm.speculative else [])
             # conf/speculative/<name>.yaml is named after its vLLM method (eagle, ngram)
-            REPLAYED[arm.name] = (p.name, p.family, arm.speculative if p.serving.speculate else None)
+            REPLAYED[arm.name] = (p.name, p.family, arm.speculative if p.serving.speculate else None,
+                                  p.serving.dynamic)
             default += [arm.name] if arm.default else []
             vllm += [arm.name] if not p.serving.calib else []
             vllm_spec += [arm.name] if not p.serving.calib and p.serving.speculate else []
     return arms, default, tuple(vllm), tuple(vllm_spec)
 
 
-REPLAYED: dict[str, tuple] = {}  # arm -> (policy name, family, speculative method or None)
+REPLAYED: dict[str, tuple] = {}  # arm -> (policy name, family, speculative method or None, Dynamic SD schedule)
 ARMS, DEFAULT_ARMS, VLLM_ARMS, VLLM_SPEC_ARMS = _arms()  # VLLM_ARMS: what vLLM offers, not speculating too
 CALIB_ARMS = tuple(a for a in ARMS if a not in VLLM_ARMS)
 SAMPLING = {"greedy": "greedy", "sampled": "sampled"}
@@ -169,8 +170,9 @@ def predictions(records: list, metrics: dict | None, cost_model: str) -> dict:
         key = (c["category"], c["sampling"], c["concurrency"], r["arm"])
         if key in out:
             continue
-        name, family, method = REPLAYED[r["arm"]]
-        out[key] = predicted_speedup(metrics, row=replay_row(name, family, int(r["num_speculative_tokens"]) or 1),
+        name, family, method, dynamic = REPLAYED[r["arm"]]
+        row = replay_row(name, family, int(r["num_speculative_tokens"]) or 1, dynamic, c["concurrency"])
+        out[key] = predicted_speedup(metrics, row=row,
                                      method=method, temperature=float(r["temperature"]), category=c["category"],
                                      batch=c["concurrency"], cost_model=cost_model, kinds=kinds)
     return out

@@ -29,8 +29,14 @@ def bank_kinds(metrics: dict) -> dict[str, tuple[str, float]]:
     return out
 
 
-def replay_row(policy_name: str, family: bool, k: int) -> str:
-    """The ladder row a served policy is replayed as (a family serves its ``_<K>`` member)."""
+def replay_row(policy_name: str, family: bool, k: int, dynamic=None, batch: int | None = None) -> str:
+    """The ladder row a served policy is replayed as: a family serves its ``_<K>`` member; a policy served
+    with a Dynamic SD schedule (``dynamic``: ``((first batch, last batch, K), ...)``, K capped at ``k``, what
+    the engine is given) serves ``fixed_<K>`` of the schedule's K at ``batch`` (``no_spec`` where it is 0),
+    not the policy's own row (``vllm_dsd``'s is the best table in hindsight, which the engine does not run)."""
+    if dynamic:
+        kb = next((min(int(g), k) for a, b, g in dynamic if int(a) <= int(batch) <= int(b)), k)
+        return f"fixed_{kb}" if kb else "no_spec"
     return f"{policy_name}_{k}" if family else policy_name
 
 

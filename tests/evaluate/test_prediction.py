@@ -34,3 +34,15 @@ def test_an_arm_is_predicted_from_its_banks_row(tmp_path):
     assert predicted_speedup(m, row="fixed_4", method="ngram", temperature=0.0, **cell) is None
     assert predicted_speedup(m, row="two_drafter", method="eagle", temperature=0.0, category="chat", batch=16,
                              cost_model="engine") is None
+
+
+def test_a_dynamic_sd_arm_is_predicted_as_the_schedule_it_is_served():
+    """vLLM's Dynamic SD arm runs the schedule the engine is given, not the best table in hindsight."""
+    from calib.policies import policy
+
+    schedule = policy("vllm_dsd").serving.dynamic
+    assert replay_row("vllm_dsd", False, 4, schedule, 1) == "fixed_4"
+    assert replay_row("vllm_dsd", False, 4, ((1, 4, 4), (5, 16, 2), (17, 1024, 0)), 16) == "fixed_2"
+    assert replay_row("vllm_dsd", False, 4, ((1, 4, 4), (5, 16, 2), (17, 1024, 0)), 64) == "no_spec"
+    assert replay_row("vllm_dsd", False, 2, ((1, 4, 4),), 4) == "fixed_2"  # capped at the engine's K
+    assert replay_row("vllm_dsd", False, 4) == "vllm_dsd"  # no schedule: the policy's own row
