@@ -362,6 +362,8 @@ class Server:
         offer = inputs.offers.get(self.lookup)
         if offer is None or len(inputs.offers) != 1 or not self.decider.enabled:
             return None
+        if len(planned) != len(inputs.req_ids):  # another batch prices every slot differently (cost[B + m])
+            return None
         start = time.perf_counter()
         drafts, expected = [], []
         for b, r in enumerate(inputs.req_ids):

@@ -51,6 +51,8 @@ def test_anything_the_plan_did_not_see_is_decided_as_usual():
     ran = dict(planned, a=(*planned["a"][:2], None))  # the plan ran a pass: its depths are not the step's
     assert srv.planned_decision(inputs, ran) is None
     assert srv.planned_decision(inputs, {k: v for k, v in planned.items() if k != "c"}) is None
+    bigger = {**planned, "d": (("d", 7, 1), torch.tensor([0.9]), 1)}  # planned for a batch the step is not
+    assert srv.planned_decision(inputs, bigger) is None
     both = StepInputs(inputs.req_ids, inputs.temperature,
                       {**inputs.offers, MODEL.name: Offer([[1], [], []], torch.full((3, 1), 0.5))})
     assert srv.planned_decision(both, planned) is None  # the model drafted: decide on both chains
