@@ -178,8 +178,18 @@ def predictions(records: list, metrics: dict | None, cost_model: str) -> dict:
     return out
 
 
+def _decode_ratios(by_arm: dict[str, list]) -> dict:
+    """{arm: no speculation's median TPOT / the arm's} over the repetitions (records without TPOT: none)."""
+    tpot = {a: statistics.median(x["tpot_ms_median"] for x in rs) for a, rs in by_arm.items()
+            if rs and all(x.get("tpot_ms_median") is not None for x in rs)}
+    if not tpot.get("none"):
+        return {}
+    return {a: tpot["none"] / t for a, t in tpot.items() if t}
+
+
 def speedup_table(rows: list[dict], arms: list[str]) -> str:
-    """Measured tok/s over no speculation's per cell and arm, beside the replay's prediction."""
+    """Measured tok/s over no speculation's per cell and arm (and its decode speed-up by TPOT where recorded),
+    beside the replay's prediction."""
     head = "| category | sampling | c | " + " | ".join(a for a in arms if a != "none") + " |"
     lines = [head, "|" + "---|" * (len(arms) + 2)]
     for row in rows:
@@ -188,7 +198,9 @@ def speedup_table(rows: list[dict], arms: list[str]) -> str:
             if a == "none":
                 continue
             m, p = row["ratio_to_none"].get(a), row["predicted_vs_none"].get(a)
-            cells.append(("–" if m is None else f"{m:.2f}×") + ("" if p is None else f" ({p:.2f}×)"))
+            d = (row.get("decode_ratio_to_none") or {}).get(a)
+            cells.append(("–" if m is None else f"{m:.2f}×") + ("" if d is None else f" / {d:.2f}×")
+                         + ("" if p is None else f" ({p:.2f}×)"))
         lines.append(f"| {row['category']} | {row['sampling']} | {row['concurrency']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -223,6 +235,8 @@ def table(records: list, arms: list[str], predicted: dict | None = None) -> tupl
                "calib_overhead_pct": {a: statistics.median(x["overhead_pct"] for x in rs)
                                       for a, rs in cells[key].items() if rs[0].get("overhead_pct") is not None},
                "ratio_to_none": {a: med[a] / med["none"] for a in med} if med.get("none") else {},
+               # decode speed over no speculation's, prefill excluded: median TPOT of none / of the arm
+               "decode_ratio_to_none": _decode_ratios(cells[key]),
                "predicted_vs_none": {a: (predicted or {}).get((*key, a)) for a in med},
                "tok_s_spread": {a: [min(x["tok_s"] for x in rs), max(x["tok_s"] for x in rs)]
                                 for a, rs in cells[key].items()}}
@@ -369,8 +383,9 @@ def report(records: list, arms: list[str], ident: dict | None, reps: int, args=N
     print(f"\nOutput tokens/s, median of {reps} (ratio to the best vLLM arm of the cell, no speculation included):")
     print(text)
     ratios = speedup_table(rows, arms)
-    print("\nSpeed-up over no speculation, measured on the clock (in brackets the replay's prediction, "
-          f"{args.cost_model if args else 'engine'} cost model):")
+    print("\nSpeed-up over no speculation, measured on the clock: output tok/s (prefill included) / decode by "
+          f"TPOT where recorded (in brackets the replay's prediction, {args.cost_model if args else 'engine'} cost "
+          "model):")
     print(ratios)
     if ident:
         print("\nfloat32 greedy outputs identical to no speculation:")
@@ -389,7 +404,8 @@ def readme_block(result: dict, text: str, ratios: str, reps: int, ident: dict | 
     return (f"Measured on the clock by `{result['command']}` on {result.get('date', '?')} ({result.get('cpu', '?')}, "
             f"{result['wall_s'] / 60:.0f} min, all arms in one run, output tokens/s, median of {reps}; in brackets "
             "the ratio to the best vLLM arm of the cell, no speculation included):\n\n" + text +
-            "\n\nSpeed-up over no speculation, measured (in brackets the replay's prediction for the same cell, "
+            "\n\nSpeed-up over no speculation, measured: output tok/s (prefill included) / decode speed by TPOT "
+            "where recorded (in brackets the replay's prediction for the same cell, "
             f"`python eval.py` ladder, {result.get('cost_model')} cost model; a prediction, not a clock):\n\n"
             + ratios + f"\n\nfloat32 greedy outputs identical to no speculation (concurrency 4): {same}.")
 

@@ -17,7 +17,8 @@ Every prompt is submitted at once and vLLM keeps ``concurrency`` requests in fli
 The clock covers ``LLM.generate`` only (engine start excluded). Writes, as one unit (staged, then
 renamed; an existing out_dir is replaced only with ``overwrite=true``):
 
-* ``serve.json`` — {policy, policy_alias, speculative, concurrency, n_prompts, output_tokens, wall_s, tok_s, steps,
+* ``serve.json`` — {policy, policy_alias, speculative, concurrency, n_prompts, output_tokens, wall_s, tok_s,
+  ttft_ms_*, tpot_ms_* (vLLM's ``bench serve`` definitions; ``tok_s`` includes prefill, TPOT does not), steps,
   mean_verified_per_step, mean_accepted_per_step, allocator_ms_per_step, ...}: ``steps`` are engine
   steps with a verify (vLLM's spec-decode counter, ``num_drafts`` = request-steps with drafts), the
   per-step means are draft tokens verified / accepted per engine step; ``calib`` holds the serving
@@ -29,6 +30,8 @@ from __future__ import annotations
 
 import json
 import logging
+import math
+import statistics
 import time
 from pathlib import Path
 
@@ -204,27 +207,55 @@ def serve_knobs(cfg: dict, root: Path):
 _REQUESTS = iter(range(1 << 62))  # request ids unique across the cells one engine serves
 
 
-def generate(llm, inputs: list, params: list, concurrency: int, on_done=None) -> list:
+def generate(llm, inputs: list, params: list, concurrency: int, on_done=None, times: list | None = None) -> list:
     """Serve ``inputs`` keeping at most ``concurrency`` requests in flight (as ``concurrency`` clients
-    that each send their next request when the last one returns); outputs in input order."""
+    that each send their next request when the last one returns); outputs in input order. ``times``
+    (a list) receives per input ``(sent, first token, finished)`` perf_counter seconds (the engine
+    streams every step's tokens: ``RequestOutputKind.CUMULATIVE``, vLLM's default)."""
     engine = llm.llm_engine
     out = [None] * len(inputs)
+    clock = [[math.nan] * 3 for _ in inputs]  # [len(inputs)][sent, first token, finished]
     ids: dict[str, int] = {}
     nxt = inflight = 0
     while nxt < len(inputs) or inflight:
         while nxt < len(inputs) and inflight < concurrency:
             rid = f"calib-{next(_REQUESTS)}"
             ids[rid] = nxt
+            clock[nxt][0] = time.perf_counter()
             engine.add_request(rid, inputs[nxt], params[nxt])
             nxt += 1
             inflight += 1
         for o in engine.step():
-            if o.finished and o.request_id in ids:
+            i = ids.get(o.request_id)
+            if i is None:
+                continue
+            now = time.perf_counter()
+            if math.isnan(clock[i][1]) and o.outputs and o.outputs[0].token_ids:
+                clock[i][1] = now
+            if o.finished:
+                clock[i][2] = now
                 out[ids.pop(o.request_id)] = o
                 inflight -= 1
                 if on_done is not None:
                     on_done()
+    if times is not None:
+        times[:] = [tuple(c) for c in clock]
     return out
+
+
+def latency_figures(times: list, outputs: list) -> dict:
+    """vLLM's ``bench serve`` latencies from :func:`generate`'s ``times``: mean / median TTFT (sent to first
+    token) and TPOT (first token to finished, per output token after the first; requests of one token have
+    none), milliseconds; and the decode speed they imply, requests in flight aside: ``1000 / median TPOT``
+    tokens/s per request (prefill excluded, unlike ``tok_s``)."""
+    ttft = [(f - s) * 1e3 for (s, f, _), o in zip(times, outputs) if o is not None and not math.isnan(f)]
+    tpot = [(d - f) * 1e3 / (len(o.outputs[0].token_ids) - 1) for (_, f, d), o in zip(times, outputs)
+            if o is not None and not math.isnan(f + d) and len(o.outputs[0].token_ids) > 1]
+    med = statistics.median(tpot) if tpot else math.nan
+    return {"ttft_ms_mean": statistics.fmean(ttft) if ttft else math.nan,
+            "ttft_ms_median": statistics.median(ttft) if ttft else math.nan,
+            "tpot_ms_mean": statistics.fmean(tpot) if tpot else math.nan, "tpot_ms_median": med,
+            "decode_tok_s_per_request": 1e3 / med if tpot and med > 0 else math.nan}
 
 
 def serve_cell(llm, cfg: dict, prompts: list, sampling: dict, concurrency: int, prompts_name: str | None,
@@ -248,7 +279,8 @@ def serve_cell(llm, cfg: dict, prompts: list, sampling: dict, concurrency: int, 
     with tqdm(total=len(prompts), desc=f"serve {pol['name']} {prompts_name} c{concurrency}", unit="prompt",
               disable=not progress, leave=False) as bar:
         t0 = time.perf_counter()
-        outputs = generate(llm, inputs, params, concurrency, on_done=bar.update)
+        times: list = []
+        outputs = generate(llm, inputs, params, concurrency, on_done=bar.update, times=times)
         wall = time.perf_counter() - t0
     after = _spec_counters(llm)
     texts = {str(p.id): o.outputs[0].text for p, o in zip(prompts, outputs)}
@@ -261,6 +293,7 @@ def serve_cell(llm, cfg: dict, prompts: list, sampling: dict, concurrency: int, 
         "max_tokens": int(sampling["max_tokens"]),
         "concurrency": concurrency, "n_prompts": len(prompts), "output_tokens": n_out, "wall_s": wall,
         "tok_s": n_out / wall if wall > 0 else float("nan"), "dtype": str(cfg["engine"].get("dtype", "auto")),
+        **latency_figures(times, outputs),
         **_step_figures(counters),
         "vllm_spec_decode": counters,
     }
@@ -341,7 +374,9 @@ def summary(r: dict) -> str:
     """One screen: the answer first (tokens/s), then what speculation and calib did."""
     lines = [(f"{r['policy']} ({r['speculative']}, K={r['num_speculative_tokens']}) on {r['n_prompts']} "
               f"{r['prompts']} prompts, concurrency {r['concurrency']}, {r['sampling']}: "
-              f"{r['tok_s']:.1f} tok/s ({r['output_tokens']} tokens in {r['wall_s']:.1f} s)")]
+              f"{r['tok_s']:.1f} tok/s ({r['output_tokens']} tokens in {r['wall_s']:.1f} s; TTFT "
+              f"{r.get('ttft_ms_median', float('nan')):.0f} ms, TPOT {r.get('tpot_ms_median', float('nan')):.1f} ms, "
+              "medians)")]
     if r["steps"]:
         lines.append(f"  {r['steps']} engine steps; per step {r['mean_verified_per_step']:.2f} draft tokens verified, "
                      f"{r['mean_accepted_per_step']:.2f} accepted")
