@@ -20,8 +20,8 @@ concurrency 4, and counts prompts whose text equals no speculation's (tests/engi
 why float32: bf16 greedy parts at near-ties that differ between CPUs).
 
 Resumable: each finished (arm, repetition) is kept in ``--work`` (default runs/bench/serve-work/) under a
-digest of what it served (cells, overrides, the tables' bytes); the same command run again serves only what
-is missing, so an interrupted run of hours loses one arm at most. ``--set KEY=VALUE`` passes serve.py
+digest of what it served (cells, overrides, the tables' bytes, and the code: git HEAD plus its uncommitted
+diff); the same command run again on the same code serves only what is missing, so an interrupted run of hours loses one arm at most. ``--set KEY=VALUE`` passes serve.py
 overrides to every arm (e.g. ``engine.dtype=float32``).
 
 Writes ``--out`` (default runs/bench/serve.json, staged then renamed) and prints the table.
@@ -30,6 +30,7 @@ Writes ``--out`` (default runs/bench/serve.json, staged then renamed) and prints
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import os
@@ -119,7 +120,7 @@ def run_arm(arm: str, rep: int, cells: list, args, extra: list[str], work: Path)
     served (a finished (arm, rep) with the same digest is read back, not served again)."""
     spec = {"arm": arm, "rep": rep, "seed": rep, "cells": cells,
             "overrides": [*ARMS[arm], f"tables={args.tables}", *args.set, *extra]}
-    key = hashlib.sha256(json.dumps({**spec, "tables_sha": _tables_digest(args.tables)},
+    key = hashlib.sha256(json.dumps({**spec, "tables_sha": _tables_digest(args.tables), "code": _code_digest()},
                                     sort_keys=True).encode()).hexdigest()[:12]
     done = work / f"{arm}-{rep}-{key}.json"
     if done.is_file():
@@ -144,6 +145,17 @@ def run_arm(arm: str, rep: int, cells: list, args, extra: list[str], work: Path)
         raise RuntimeError(f"arm {arm} rep {rep} failed (exit {proc.returncode}); log {log}:\n{tail}")
     os.replace(spec["out"], done)  # only a finished (arm, rep) is ever kept
     return json.loads(done.read_text())
+
+
+@functools.cache
+def _code_digest() -> str:
+    """git HEAD and its uncommitted diff, digested: a kept arm is never reused after the code changed."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, check=True).stdout
+        diff = subprocess.run(["git", "diff", "HEAD"], cwd=ROOT, capture_output=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return "no git"
+    return hashlib.sha256(head + diff).hexdigest()
 
 
 def _tables_digest(tables: str) -> str:
