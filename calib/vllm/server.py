@@ -357,6 +357,7 @@ class Server:
         the step then offers the recomputed chain alone, on the match the plan saw for every request, and
         the allocator on it would decide the same; None when any of that does not hold (decide as usual)."""
         from calib.chains import NO_CHAIN, chain
+        from calib.metrics import expected_accepted_length
         from calib.serve import StepDecision
 
         offer = inputs.offers.get(self.lookup)
@@ -365,7 +366,7 @@ class Server:
         if len(planned) != len(inputs.req_ids):  # another batch prices every slot differently (cost[B + m])
             return None
         start = time.perf_counter()
-        drafts, expected = [], []
+        drafts, probs = [], []
         for b, r in enumerate(inputs.req_ids):
             hit, match = planned.get(r), self.matches.get(r)
             if hit is None or hit[2] is None or match is None or hit[0] != match[0]:
@@ -374,11 +375,15 @@ class Server:
             if depth > len(toks):  # the allocator verifies only tokens it was given: a bug if not
                 raise RuntimeError(f"request {r}: planned depth {depth} but the chain has {len(toks)} tokens")
             drafts.append(list(toks[:depth]))
-            expected.append(float(torch.cumprod(hit[1][:depth].clamp(0, 1), 0).sum()))
+            probs.append(hit[1][:depth].tolist())
         depth = torch.tensor([len(x) for x in drafts], dtype=torch.int32)
+        taken = np.full((len(drafts), max([1, *map(len, drafts)])), np.nan)  # [B, W]: the verified prefixes
+        for b, p in enumerate(probs):
+            taken[b, : len(p)] = p
         ids = torch.where(depth > 0, chain(self.lookup).id, NO_CHAIN).to(torch.int8)
         self.stats.plan_decided += 1
-        return StepDecision(list(inputs.req_ids), drafts, ids, depth, torch.tensor(expected, dtype=torch.float32),
+        return StepDecision(list(inputs.req_ids), drafts, ids, depth,
+                            torch.from_numpy(expected_accepted_length(taken)).to(torch.float32),
                             (time.perf_counter() - start) * 1e3)
 
     # -- probabilistic drafting (docs/serving_hooks.md, "Sampled serving") ---------------------------
