@@ -274,8 +274,10 @@ def profile_arm(arm: str, args, tmp: Path) -> list[dict]:
 
 
 def write_result(out: Path, args, argv, cells: list[dict]) -> dict:
+    from calib.cost.step import this_machine
+
     result = {"command": " ".join(["python bench/profile_step.py", *(argv or sys.argv[1:])]),
-              "date": time.strftime("%Y-%m-%d"), "cpu": bench_serve._cpu(),
+              "date": time.strftime("%Y-%m-%d"), "cpu": this_machine(),
               "dtype": next((o.split("=", 1)[1] for o in args.set if o.startswith("engine.dtype=")), "auto"),
               "prompts": args.prompts, "sampling": args.sampling,
               "max_tokens": args.max_tokens, "summary": [summarise(c) for c in cells], "cells": cells}

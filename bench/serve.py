@@ -350,8 +350,10 @@ def main(argv=None) -> None:
     rows, _ = table(records, args.arms, predictions(records, metrics, args.cost_model))
     for r in records:
         r.pop("texts", None)
+    from calib.cost.step import this_machine
+
     result = {"command": " ".join(["python bench/serve.py", *(argv or sys.argv[1:])]), "wall_s": time.time() - t_start,
-              "date": time.strftime("%Y-%m-%d"), "cpu": _cpu(), "replay": args.replay if metrics else None,
+              "date": time.strftime("%Y-%m-%d"), "cpu": this_machine(), "replay": args.replay if metrics else None,
               "cost_model": args.cost_model, "arms": args.arms, "table": rows, "identity_float32_greedy": ident,
               "runs": records}
     from calib.atomic import write_text_atomic
@@ -368,12 +370,6 @@ def _metrics(path: str | None) -> dict | None:
         print(f"(no replay prediction: {path} not found; run `python eval.py` first)", flush=True)
         return None
     return json.loads(Path(path).read_text())
-
-
-def _cpu() -> str:
-    from calib.cost.step import this_machine
-
-    return this_machine()
 
 
 def report(records: list, arms: list[str], ident: dict | None, reps: int, args=None, result=None) -> None:
