@@ -72,9 +72,19 @@ def _train_constraints() -> dict:
         "context.max_bins": [INT_1],
         "context.min_cell_samples": [INT_1],
         "context.trial_samples": [INT_1],
+        **{f"{group}.selection.{k}": v for group in ("calibrator", "ngram_model") for k, v in _selection().items()},
+        "ngram_model.transfer.max_samples": [INT_1],
         "logger.kind": [Options(LOGGERS)],
         "overwrite": [Boolean()],
     }
+
+
+def _selection() -> dict:
+    """The grouped cross-validation's settings (calib.calibrators.selection.GroupedCVSelection's declaration)."""
+    from calib.calibrators.selection import GroupedCVSelection
+
+    c = GroupedCVSelection._parameter_constraints
+    return {k: c[k] for k in ("n_splits", "rule", "max_cv_samples", "ece_guard", "n_jobs", "seed")}
 
 
 def _serve_constraints() -> dict:

@@ -62,7 +62,10 @@ def _ece_from_bins(p, y, bins, n_bins, weight=None) -> tuple[float, float]:
     return float(np.sum(count[nz] * gap) / np.sum(count[nz])), float(gap.max())
 
 
-def ece(p, y, n_bins: int = 15, weight=None) -> float:
+ECE_BINS = 15  # one binning convention: tables, report and figures (equal-width bins)
+
+
+def ece(p, y, n_bins: int = ECE_BINS, weight=None) -> float:
     """Expected calibration error, equal-width bins (L1, sample-weighted)."""
     p, y = _arrays(p, y)
     return _ece_from_bins(p, y, equal_width_bins(p, n_bins), n_bins, weight)[0]

@@ -23,11 +23,25 @@ import numpy as np
 import pandas as pd
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
+from sklearn.base import clone
+from sklearn.model_selection import GroupKFold, cross_validate
 
 from calib.atomic import staged_output, write_text_atomic
 from calib.bank import load, schema
+from calib.calibrators.base import DEPTH, with_depth
 from calib.calibrators.context import PerContextCell
-from calib.chains import ChainKind, chain, chains, context_axes, context_spec, resolve_edges, round_inputs
+from calib.calibrators.identity import Identity
+from calib.calibrators.selection import GroupedCVSelection
+from calib.chains import (
+    CONTEXT,
+    ChainKind,
+    chain,
+    chains,
+    context_axes,
+    context_spec,
+    resolve_edges,
+    round_inputs,
+)
 from calib.config_checks import check_train
 from calib.labels import prompt_split
 from calib.metrics import auroc, brier, ece, nll
@@ -46,135 +60,252 @@ def _metrics(p, y) -> dict:
             "auroc": None if np.isnan(a) else a}
 
 
-def _select(kind: str, candidates: dict, fit_one) -> dict:
-    """Fit every candidate (``fit_one(estimator) -> (val_nll, info)``), keep the lowest validation NLL.
-    ``info["wrapped"]``, where given, is the estimator as fitted (the caller swaps it in)."""
-    fits = {}
-    for name, spec in candidates.items():
-        t0 = time.time()
-        estimator = instantiate(spec)
-        val_nll, info = fit_one(estimator)
-        fits[name] = {"estimator": estimator, "val_nll": val_nll, "fit_s": round(time.time() - t0, 2), **info}
-        log.info("%s %-12s val NLL %.5f (%.1fs)", kind, name, val_nll, fits[name]["fit_s"])
-    return {"best": min(fits, key=lambda n: fits[n]["val_nll"]), "fits": fits}
+SELECTION_DEFAULTS = {"n_splits": 5, "rule": "one_se", "max_cv_samples": 30_000, "ece_guard": False}
 
 
 def fit_chain(kind: ChainKind, samples: pd.DataFrame, chain_cfg: dict) -> dict:
-    """Fit every candidate estimator of ``chain_cfg["candidates"]`` on the train split of ``samples``
-    (the chain's feature matrix, :meth:`ChainKind.X`) and keep the lowest validation NLL.
+    """Fit a chain's calibrator on the train and val prompts of ``samples`` (the chain's feature matrix,
+    :meth:`ChainKind.X`), chosen per depth by grouped cross-validation
+    (:class:`calib.calibrators.selection.GroupedCVSelection`: folds by prompt, the one-SE rule, the
+    first of ``chain_cfg["candidates"]`` being the baseline).
 
-    With a ``context`` block (:func:`calib.chains.context_spec`) every candidate is fitted per context
-    cell of the ``axes`` (:class:`calib.calibrators.context.PerContextCell`; edges resolved on the train
-    split, :func:`calib.chains.resolve_edges`), or, for an estimator reading named ``features`` (the
-    n-gram models), once with the context axes added to its features; then each optional ``candidates`` axis is added to the
-    selected estimator's cells, in order, and kept where it lowers the validation NLL.
+    With a ``context`` block (:func:`calib.chains.context_spec`) a model chain is fitted per context cell
+    of the ``axes`` (:class:`calib.calibrators.context.PerContextCell`, the choice made per cell; thin
+    cells take the pooled fit), a chain of models reading named ``features`` (the n-gram chain) once with
+    the context axes added to its features. Each optional ``candidates`` axis is then tried on the
+    candidate the selection chose most often (on ``context.trial_samples`` rows of whole prompts) and
+    kept only where grouped CV says it pays by more than one standard error; with an axis kept, the
+    choice per depth (and cell) is then made again between the baseline and that candidate. With a ``transfer`` block, a candidate that loses to the transfer baseline (Brier)
+    when fitted on some categories and scored on the others, in either direction, is not a candidate.
 
-    Returns ``{"best": name, "fits": {name: {"estimator", "val_nll", "fit_s", "uses_context"}},
-    "chain_cfg": the config with the context resolved (``context.selected``, numeric edges)}``.
+    Returns ``{"estimator": fitted, "chain_cfg": the config with the context resolved
+    (``context.selected``, numeric edges), "uses_context", "choice" (the candidate per depth, per context
+    cell), "cv_nll" (mean held-out NLL per candidate), "transfer_guard", "context_trials"}``.
     """
-    tr, va = samples[samples.split == "train"], samples[samples.split == "val"]
-    if tr.empty or va.empty:
-        raise ValueError(f"the {kind.name} chain's samples need train and val prompts; add prompts or banks")
+    rows = samples[samples.split.isin(["train", "val"])]
+    if rows.empty or rows.label.nunique() < 2:
+        raise ValueError(f"the {kind.name} chain's samples need train/val prompts with both labels; add prompts or banks")
     axes, optional, edge_specs = context_spec(chain_cfg)
-    cfg = _resolve_context(chain_cfg, tr, axes, optional, edge_specs)
-    ctx_cfg = cfg.get("context") or {}
-    fitter = _chain_fitter(kind, cfg, tr, va)
-    res = _select(f"{kind.name} chain", chain_cfg["candidates"], fitter(axes))
-    for f in res["fits"].values():
-        f["estimator"] = f.pop("wrapped")
-    selected = _add_optional_axes(kind, res, chain_cfg, ctx_cfg, list(axes), optional, fitter, tr, va)
-    res["chain_cfg"] = _with_selected(cfg, selected) if ctx_cfg else cfg
-    return res
-
-
-def _chain_fitter(kind: ChainKind, cfg: dict, tr: pd.DataFrame, va: pd.DataFrame):
-    """``fitter(selected, tr, va)``: a ``fit_one(estimator)`` for :func:`_select` that fits on ``tr`` with
-    the context axes ``selected`` and scores on ``va`` (``(val NLL, {"uses_context", "wrapped"})``)."""
-    n_own = len(kind.feature_names(cfg))
-    ctx_cfg = cfg.get("context") or {}
-    min_cell = int(ctx_cfg.get("min_cell_samples", 500))
-
-    def fitter(selected, tr=tr, va=va):
-        c = _with_selected(cfg, selected)
-        edges = [list(a.edges) for a in context_axes(c)]
-
-        def fit_one(est):
-            reads = _named_features(kind, est, tr)
-            if reads is not None:
-                # a model reading named features takes the context as features (one pooled fit that
-                # learns how much the context matters; its table is distilled per table cell)
-                est = type(est)(**{**est.get_params(), "features": (*reads, *selected)})
-            elif ctx_cfg:
-                est = PerContextCell(est, n_own, edges, min_cell)
-            X_tr, X_va = kind.X(tr, c, reads=reads or ()), kind.X(va, c, reads=reads or ())
-            est.fit(X_tr, tr.depth, tr.label, val=(X_va, va.depth, va.label))
-            uses_context = (bool(kind.confidence) and getattr(est, "uses_context", False)
-                            and (n_own > 1 or reads is not None))
-            return nll(est.predict_proba(X_va, va.depth), va.label), {"uses_context": uses_context,
-                                                                      "wrapped": est}
-        return fit_one
-    return fitter
-
-
-def _add_optional_axes(kind: ChainKind, res: dict, chain_cfg: dict, ctx_cfg: dict, selected: list, optional,
-                       fitter, tr: pd.DataFrame, va: pd.DataFrame) -> list:
-    """Try each optional context axis on the selected estimator, in order: kept (``res``'s fit replaced)
-    where it lowers the validation NLL; large banks decide on a row sample (both variants fitted on
-    it) and refit only a kept axis. Records ``res["context_trials"]``; returns the axes kept."""
-    best_spec = {res["best"]: chain_cfg["candidates"][res["best"]]}
-    trial_n = int(ctx_cfg.get("trial_samples") or 0)
-    sampled = bool(trial_n) and len(tr) > trial_n
-    if sampled:  # large banks: decide on a row sample (both variants fitted on it), refit only a kept axis
-        rng = np.random.default_rng(0)
-        sub_tr = tr.iloc[np.sort(rng.choice(len(tr), trial_n, replace=False))]
-        sub_va = va.iloc[np.sort(rng.choice(len(va), min(len(va), trial_n), replace=False))]
-        sample_nll = None  # the selected axes' NLL on the sample, refitted only when the selection changes
-    for name in optional:  # an optional context axis stays where it pays on validation NLL
-        if sampled:
-            if sample_nll is None:
-                before = _select(f"{kind.name} chain (sample)", best_spec, fitter(selected, sub_tr, sub_va))
-                sample_nll = before["fits"][res["best"]]["val_nll"]
-            after = _select(f"{kind.name} chain +{name} (sample)", best_spec,
-                            fitter([*selected, name], sub_tr, sub_va))
-            old_nll, new_nll = sample_nll, after["fits"][res["best"]]["val_nll"]
-        else:
-            old_nll = res["fits"][res["best"]]["val_nll"]
-            after = _select(f"{kind.name} chain +{name}", best_spec, fitter([*selected, name]))
-            new_nll = after["fits"][res["best"]]["val_nll"]
-        keep = new_nll < old_nll
-        log.info("%s chain: context axis %s: val NLL %.5f -> %.5f (%s)", kind.name, name, old_nll, new_nll,
+    cfg = _resolve_context(chain_cfg, rows, axes, optional, edge_specs)
+    sel_cfg = {**SELECTION_DEFAULTS, **(chain_cfg.get("selection") or {})}
+    candidates = {n: instantiate(s) for n, s in candidate_specs(chain_cfg).items()}
+    groups = prompt_groups(rows)
+    selected = list(axes)
+    guard = _transfer_guard(kind, rows, cfg, candidates, selected, chain_cfg.get("transfer"))
+    eligible = {n: c for i, (n, c) in enumerate(candidates.items()) if i == 0 or guard.get(n, {}).get("eligible", True)}
+    est = _selection(kind, cfg, eligible, selected, sel_cfg, rows).fit(
+        _chain_X(kind, rows, _with_selected(cfg, selected), eligible), rows.label.to_numpy(), groups=groups)
+    trials, baseline_scores = {}, None
+    probe = _probe_choice(est, eligible)
+    trial_rows = _prompt_sample(rows, int((cfg.get("context") or {}).get("trial_samples") or 0), sel_cfg.get("seed", 0))
+    for name in optional if probe is not None else ():
+        keep, trials[name], baseline_scores = _try_axis(kind, trial_rows, cfg, {probe: eligible[probe]}, selected,
+                                                        name, sel_cfg, chain_cfg.get("transfer"), baseline_scores)
+        log.info("%s chain: context axis %s on %s: grouped-CV NLL %.5f -> %.5f (SE %.5f): %s", kind.name, name,
+                 probe, trials[name]["cv_nll_without"], trials[name]["cv_nll_with"], trials[name]["se"],
                  "kept" if keep else "dropped")
-        res.setdefault("context_trials", {})[name] = {"val_nll_without": old_nll, "val_nll_with": new_nll}
         if keep:
-            if sampled:
-                sample_nll = new_nll
-                after = _select(f"{kind.name} chain +{name}", best_spec, fitter([*selected, name]))
-            fit = after["fits"][res["best"]]
-            fit["estimator"] = fit.pop("wrapped")
-            res["fits"][res["best"]] = fit
             selected.append(name)
-    return selected
+    if len(selected) > len(axes):  # refit with the kept axes, choosing between the baseline and the probe
+        eligible = {n: c for i, (n, c) in enumerate(eligible.items()) if i == 0 or n == probe}  # they paid on
+        est = _selection(kind, cfg, eligible, selected, sel_cfg, rows).fit(
+            _chain_X(kind, rows, _with_selected(cfg, selected), eligible), rows.label.to_numpy(), groups=groups)
+    return {"estimator": est, "chain_cfg": _with_selected(cfg, selected), "uses_context": _uses_context(kind, est),
+            "choice": _choices(est), "choice_why": _why(est), "cv_nll": _cv_nll(est), "transfer_guard": guard,
+            "context_trials": trials, "eligible": list(eligible)}
 
 
-def _named_features(kind: ChainKind, est, samples: pd.DataFrame) -> list[str] | None:
-    """The features a model reading named ones (``features`` parameter) takes from ``samples``, or None
-    for an estimator on the chain's X. Features the banks do not record (a bank without entropy) are
-    left out with a warning; for a chain with a raw confidence it must be the first feature (the
-    table's interpolated axis)."""
-    if "features" not in est.get_params():
-        return None
-    reads = [f for f in est.features if f in samples.columns]
-    missing = [f for f in est.features if f not in samples.columns]
-    if missing:
+def candidate_specs(chain_cfg: dict) -> dict:
+    """A chain config's candidates, its ``baseline`` first (always a candidate; without one, the first
+    listed candidate is the baseline)."""
+    base = dict(chain_cfg.get("baseline") or {})
+    return {**base, **{n: s for n, s in chain_cfg["candidates"].items() if n not in base}}
+
+
+def prompt_groups(samples: pd.DataFrame) -> np.ndarray:
+    """One group id per row: its prompt (category and index), the unit no fold may split."""
+    return (samples.category.astype(str) + "/" + samples.prompt_idx.astype(str)).to_numpy()
+
+
+def _with_axes(kind: ChainKind, est, selected) -> object:
+    """A candidate as the chain fits it: a model reading named features of a chain without a raw
+    confidence reads the selected context axes as features too."""
+    feats = est.get_params(deep=False).get("features")
+    if feats is None or kind.confidence:
+        return est
+    return clone(est).set_params(features=(*[f for f in feats if f not in CONTEXT], *selected))
+
+
+def _selection(kind: ChainKind, cfg: dict, candidates: dict, selected, sel_cfg: dict, rows: pd.DataFrame):
+    """The unfitted estimator of a chain: grouped-CV selection over ``candidates`` (per context cell of
+    ``selected`` for a chain with a raw confidence)."""
+    c = _with_selected(cfg, selected)
+    n_own = len(kind.feature_names(c))
+    cands = {n: _with_axes(kind, _readable(kind, e, rows), selected) for n, e in candidates.items()}
+    sel = GroupedCVSelection(cands, n_own=n_own, **sel_cfg)
+    ctx_cfg = c.get("context") or {}
+    if kind.confidence and selected:
+        edges = [list(a.edges) for a in context_axes(c)]
+        return PerContextCell(sel, n_own, edges, int(ctx_cfg.get("min_cell_samples", 500)))
+    return sel
+
+
+_WARNED_MISSING: set[tuple[str, str]] = set()  # (chain, candidate) already warned about features the banks lack
+
+
+def _readable(kind: ChainKind, est, rows: pd.DataFrame):
+    """``est`` reading only the named features the banks record (a warning for the others); for a chain
+    with a raw confidence, that confidence must be its first feature (the table's interpolated axis)."""
+    feats = est.get_params(deep=False).get("features")
+    if feats is None:
+        return est
+    reads = [f for f in feats if f in rows.columns]
+    missing = [f for f in feats if f not in rows.columns]
+    if missing and (kind.name, est.name) not in _WARNED_MISSING:
+        _WARNED_MISSING.add((kind.name, est.name))
         log.warning("%s chain %s: the banks record no %s; fitted without them", kind.name, est.name, missing)
     if kind.confidence and (not reads or reads[0] != kind.confidence):
-        raise ValueError(f"{kind.name} chain {est.name}: features {list(est.features)} must start with "
+        raise ValueError(f"{kind.name} chain {est.name}: features {list(feats)} must start with "
                          f"{kind.confidence!r} (the table's interpolated axis)")
-    return reads
+    return clone(est).set_params(features=tuple(reads)) if missing else est
+
+
+def _chain_X(kind: ChainKind, rows: pd.DataFrame, cfg: dict, candidates: dict) -> pd.DataFrame:
+    """The chain's X with its depth: own features, selected context axes, then every named feature a
+    candidate reads."""
+    reads = [f for e in candidates.values() for f in (e.get_params(deep=False).get("features") or ())
+             if f in rows.columns]
+    return with_depth(kind.X(rows, cfg, reads=list(dict.fromkeys(reads))), rows.depth.to_numpy())
+
+
+def _selections(est) -> list:
+    return list(est.cells_.values()) + ([est.pooled_] if est.pooled_ is not None else []) \
+        if isinstance(est, PerContextCell) else [est]
+
+
+def _choices(est) -> dict:
+    """tables.json's ``choice``: the candidate per depth (per context cell for an estimator per cell)."""
+    if isinstance(est, PerContextCell):
+        out = {f"cell {c}": {int(d): n for d, n in s.choice_.items()} for c, s in sorted(est.cells_.items())}
+        if est.pooled_ is not None:
+            out["pooled (thin cells)"] = {int(d): n for d, n in est.pooled_.choice_.items()}
+        return out
+    return {int(d): n for d, n in est.choice_.items()}
+
+
+def _why(est) -> dict:
+    """tables.json's ``choice_why``: per depth (per context cell), each richer candidate's held-out NLL and
+    ECE gain over the choice before it, their standard errors, and whether it won."""
+    if isinstance(est, PerContextCell):
+        out = {f"cell {c}": {int(d): w for d, w in s.why_.items()} for c, s in sorted(est.cells_.items())}
+        if est.pooled_ is not None:
+            out["pooled (thin cells)"] = {int(d): w for d, w in est.pooled_.why_.items()}
+        return out
+    return {int(d): w for d, w in est.why_.items()}
+
+
+def _cv_nll(est) -> dict:
+    """Mean held-out NLL per candidate over folds and depths (pooled over cells, weighted equally)."""
+    out: dict[str, list] = {}
+    for s in _selections(est):
+        for n, sc in s.cv_scores_.items():
+            if np.isfinite(sc).any():
+                out.setdefault(n, []).append(float(np.nanmean(sc)))
+    return {n: float(np.mean(v)) for n, v in out.items()}
+
+
+def _uses_context(kind: ChainKind, est) -> bool:
+    """Whether the table must average the estimator over inputs other than its axes (a model chain
+    estimator reading more than the confidence)."""
+    return bool(kind.confidence) and any(s.uses_context for s in _selections(est))
+
+
+def _probe_choice(est, candidates: dict) -> str | None:
+    """The candidate an optional context axis is tried on: the one chosen at the most (cell, depth) slots,
+    the richer on a tie; the baseline where only it was, unless it is the raw confidence
+    (:class:`Identity`, a fixed map: None, nothing for an axis to refine)."""
+    votes: dict[str, int] = {}
+    for s in _selections(est):
+        for n in s.choice_.values():
+            votes[n] = votes.get(n, 0) + 1
+    order = list(candidates)
+    if any(n != order[0] for n in votes):
+        return max((n for n in votes if n != order[0]), key=lambda n: (votes[n], order.index(n)))
+    return None if isinstance(candidates[order[0]], Identity) else order[0]
+
+
+def _prompt_sample(rows: pd.DataFrame, n: int, seed: int = 0) -> pd.DataFrame:
+    """Whole prompts of ``rows`` drawn at random until about ``n`` rows (all of them when ``n`` is 0 or
+    they hold fewer): a decision taken on a sample, as the optional axes are."""
+    if not n or len(rows) <= n:
+        return rows
+    g = prompt_groups(rows)
+    uniq, inv = np.unique(g, return_inverse=True)
+    perm = np.random.default_rng(seed).permutation(len(uniq))
+    sizes = np.bincount(inv)[perm]
+    keep = perm[: int(np.searchsorted(np.cumsum(sizes), n)) + 1]
+    return rows[np.isin(inv, keep)]
+
+
+def _try_axis(kind: ChainKind, rows: pd.DataFrame, cfg: dict, probe: dict, selected: list, name: str,
+              sel_cfg: dict, transfer: dict | None, without=None) -> tuple[bool, dict, np.ndarray]:
+    """Whether optional context axis ``name`` pays on the ``probe`` candidate: held-out NLL per fold
+    (grouped CV, whole prompts) with and without it; kept when the gain exceeds one standard error of
+    the paired difference and (with a ``transfer`` block) the probe with it still beats the transfer
+    baseline. ``without``: the scores without it when already known; returns ``(keep, info, the
+    scores of the axes kept)``."""
+    groups = prompt_groups(rows)
+    scores = {"without": without}
+    for label, axes in (("without", selected), ("with", [*selected, name])):
+        if scores.get(label) is not None:
+            continue
+        est = _selection(kind, cfg, probe, axes, {**sel_cfg, "n_splits": 2}, rows)  # one candidate: no inner CV
+        X = _chain_X(kind, rows, _with_selected(cfg, axes), probe)
+        folds = min(sel_cfg["n_splits"], len(np.unique(groups)))
+        res = cross_validate(est, X, rows.label.to_numpy(), groups=groups, scoring="neg_log_loss",
+                             cv=GroupKFold(folds), error_score="raise")
+        scores[label] = -res["test_score"]
+    diff = scores["with"] - scores["without"]
+    se = float(diff.std(ddof=1) / np.sqrt(diff.size)) if diff.size > 1 else np.inf
+    keep = -float(diff.mean()) > se
+    info = {"cv_nll_without": float(scores["without"].mean()), "cv_nll_with": float(scores["with"].mean()), "se": se,
+            "n_rows": len(rows)}
+    if keep and transfer:
+        guard = _transfer_guard(kind, rows, cfg, probe, [*selected, name], transfer)
+        info["transfer_guard"] = guard
+        keep = all(g["eligible"] for g in guard.values())
+    return keep, info, scores["with"] if keep else scores["without"]
+
+
+def _transfer_guard(kind: ChainKind, rows: pd.DataFrame, cfg: dict, candidates: dict, selected, transfer) -> dict:
+    """``{candidate: {"eligible", "<fit> -> <eval>": {"brier", "baseline_brier"}}}``: each candidate fitted on
+    the ``transfer`` block's ``fit_on`` categories and scored on ``eval_on``, and the reverse, against the
+    transfer baseline; eligible when it is not worse in either direction ({} without a transfer block or
+    without both categories)."""
+    if not transfer or not candidates:
+        return {}
+    out = {}
+    rows = _prompt_sample(rows, int(transfer.get("max_samples") or 0))  # a decision: on a sample of prompts
+    for name, est in candidates.items():
+        est = _with_axes(kind, _readable(kind, est, rows), selected)
+        entry = {"eligible": True}
+        for src, dst in ((transfer["fit_on"], transfer["eval_on"]), (transfer["eval_on"], transfer["fit_on"])):
+            r = transfer_check(kind, rows.assign(split="train"), _with_selected(cfg, selected), est,
+                               transfer["baseline"], src, dst, context=True)
+            if r is None:
+                return {}
+            entry[f"{'+'.join(src)} -> {'+'.join(dst)}"] = {"brier": r["model"]["brier"],
+                                                             "baseline_brier": r["baseline"]["brier"]}
+            entry["eligible"] &= r["model"]["brier"] <= r["baseline"]["brier"]
+        out[name] = entry
+        log.info("%s chain %s: transfer guard %s", kind.name, name,
+                 {k: (round(v["brier"], 4), round(v["baseline_brier"], 4)) for k, v in entry.items() if k != "eligible"}
+                 | {"eligible": entry["eligible"]})
+    return out
 
 
 def _resolve_context(chain_cfg: dict, tr: pd.DataFrame, axes, optional, edge_specs) -> dict:
-    """``chain_cfg`` with every context axis' edges resolved on the train split."""
+    """``chain_cfg`` with every context axis' edges resolved on the rows it is fitted on."""
     ctx = (chain_cfg or {}).get("context")
     if not ctx:
         return chain_cfg
@@ -201,25 +332,33 @@ def fit_model_calibrator(samples: pd.DataFrame, candidates: dict, extra_names=()
 
 
 TRANSFER_MAX_EVAL = 500_000  # rows the transfer check scores (a random sample of larger sets)
+TRANSFER_MAX_FIT = 100_000  # rows (whole prompts) the transfer check fits on
 
 
-def transfer_check(kind: ChainKind, samples: pd.DataFrame, chain_cfg: dict, spec: dict, baseline: dict, fit_on,
-                   eval_on) -> dict | None:
-    """Fit on some categories (e.g. chat), score on others (e.g. code edits) against a baseline."""
-    src = samples[samples.category.isin(fit_on) & samples.split.isin(["train", "val"])]
+def transfer_check(kind: ChainKind, samples: pd.DataFrame, chain_cfg: dict, model, baseline, fit_on,
+                   eval_on, context: bool = False) -> dict | None:
+    """Fit ``model`` (an estimator or its config) on some categories (e.g. chat), score it on others
+    (e.g. code edits) against ``baseline``; None when either side has no rows (or one label only)."""
+    src = _prompt_sample(samples[samples.category.isin(fit_on) & samples.split.isin(["train", "val"])],
+                         TRANSFER_MAX_FIT)  # a score, not the tables: fitted on whole prompts up to this many rows
     dst = samples[samples.category.isin(eval_on)]
-    if src.empty or dst.empty or dst.label.nunique() < 2:
+    if src.empty or dst.empty or dst.label.nunique() < 2 or src.label.nunique() < 2:
         return None
     if len(dst) > TRANSFER_MAX_EVAL:  # a score, not a fit: a random sample of the rows estimates it
         dst = dst.iloc[np.sort(np.random.default_rng(0).choice(len(dst), TRANSFER_MAX_EVAL, replace=False))]
     out = {"fit_on": list(fit_on), "eval_on": list(eval_on), "n_fit": len(src), "n_eval": len(dst)}
-    X_src, X_dst = kind.X(src, chain_cfg, context=False), kind.X(dst, chain_cfg, context=False)
-    for name, s in (("model", spec), ("baseline", baseline)):
-        m = instantiate(s).fit(X_src, src.depth, src.label.to_numpy())
-        p = m.predict_proba(X_dst, dst.depth)
-        out[name] = {"kind": getattr(m, "name", name), "features": list(getattr(m, "features", X_src.columns)),
-                     "brier": brier(p, dst.label), "auroc": auroc(p, dst.label),
-                     "nll": nll(p, dst.label)}
+    for name, s in (("model", model), ("baseline", baseline)):
+        m = clone(s) if hasattr(s, "fit") else instantiate(s)
+        if name == "baseline" or not context:
+            X_src, X_dst = kind.X(src, chain_cfg, context=False), kind.X(dst, chain_cfg, context=False)
+        else:
+            cands = m.candidates if isinstance(m, GroupedCVSelection) else {"m": m}
+            X_src, X_dst = (_chain_X(kind, d, chain_cfg, cands).drop(columns=DEPTH) for d in (src, dst))
+        kw = {"groups": prompt_groups(src)} if isinstance(m, (GroupedCVSelection, PerContextCell)) else {}
+        m.fit(with_depth(X_src, src.depth.to_numpy()), src.label.to_numpy(), **kw)
+        p = m.accept_proba(with_depth(X_dst, dst.depth.to_numpy()))
+        out[name] = {"kind": getattr(m, "name", name), "features": list(getattr(m, "features", None) or X_src.columns),
+                     "brier": brier(p, dst.label), "auroc": auroc(p, dst.label), "nll": nll(p, dst.label)}
     return out
 
 
@@ -327,9 +466,8 @@ def _fit_and_export_tracked(cfg: dict, bank, tracker, stage: Path, out_dir: Path
             summary_rows = per_depth
             reports[kind.name] = samples
         meta["chains"][kind.name] = chain_meta
-        for n, f in res["fits"].items():
-            fit_rows.append({"drafter": kind.name, "candidate": n, "val_nll": f["val_nll"], "fit_s": f["fit_s"],
-                             "selected": n == res["best"]})
+        for n, v in res["cv_nll"].items():
+            fit_rows.append({"drafter": kind.name, "candidate": n, "cv_nll": v, "chosen": n in _chosen_names(res)})
     if not meta["chains"]:
         raise ValueError(f"{cfg['data']['train']}: no model-based confidences and no labelled n-gram chains "
                          "to fit; check the banks (python -m calib.bank stats PATH)")
@@ -353,18 +491,23 @@ def _train_chain(kind: ChainKind, samples: pd.DataFrame, chain_cfg: dict, bank, 
     tables.json's chain entry, per-depth test rows or None for a chain without confidences)``."""
     res = fit_chain(kind, samples, chain_cfg)
     chain_cfg = res["chain_cfg"]  # context axes selected, edges resolved
-    chosen = res["fits"][res["best"]]
-    best = chosen["estimator"]
+    best = res["estimator"]
     n_depths = int(samples.depth.max()) + 1
     tr, va, te = (samples[samples.split == s] for s in ("train", "val", "test"))
-    table, info = encode_chain(kind, best, tr, chain_cfg, n_depths, chosen["uses_context"], seed)
+    fitted_on = pd.concat([tr, va])  # grouped CV chose on these prompts; test stays held out
+    table, info = encode_chain(kind, best, fitted_on, chain_cfg, n_depths, res["uses_context"], seed)
     axes = [a.name for a in table.axes]
     chain_meta = {"id": kind.id, **_chain_ids(kind, samples), "depths": n_depths,
-                  "k": max(width, n_depths), "estimator": res["best"], "params": _params(best), **_context_cells(best),
+                  "k": max(width, n_depths), "estimator": _describe_choice(res), "choice": res["choice"],
+                  "choice_why": res["choice_why"],
+                  "selection": {**SELECTION_DEFAULTS, **(chain_cfg.get("selection") or {}),
+                                "groups": "prompt", "baseline": next(iter(candidate_specs(chain_cfg)))},
+                  "params": _params(best), **_context_cells(best),
                   **({"context_trials": res["context_trials"]} if res.get("context_trials") else {}),
-                  "features": list(getattr(best, "features", kind.feature_names(chain_cfg))), **info,
+                  **({"transfer_guard": res["transfer_guard"]} if res.get("transfer_guard") else {}),
+                  "features": list(_features(kind, best, chain_cfg)), **info,
                   "n_samples": {s: int((samples.split == s).sum()) for s in ("train", "val", "test")},
-                  "val_nll": {n: f["val_nll"] for n, f in res["fits"].items()}}
+                  "cv_nll": res["cv_nll"]}
     per_depth = None
     if kind.confidence:  # raw vs calibrated per depth, and the accepted length per round
         per_depth = _per_depth(te, table_predict(table, te[axes], te.depth), n_depths, kind.confidence)
@@ -377,21 +520,58 @@ def _train_chain(kind: ChainKind, samples: pd.DataFrame, chain_cfg: dict, bank, 
             "calibrated_predicted_mean": float(rounds.calibrated.mean()), "n_rounds": len(rounds)}
     else:  # the estimator itself vs its table on the test split
         table_p = table_predict(table, te[axes], te.depth) if len(te) else None
-        chain_meta["test"] = ({"model": _metrics(best.predict_proba(kind.X(te, chain_cfg), te.depth), te.label),
+        chain_meta["test"] = ({"model": _metrics(best.accept_proba(_chain_X(kind, te, chain_cfg, _candidates(best))), te.label),
                                "table": _metrics(table_p, te.label)} if len(te) else {})
     tcfg = chain_cfg.get("transfer")
-    if tcfg:
-        chain_meta["transfer"] = transfer_check(kind, samples, chain_cfg, chain_cfg["candidates"][res["best"]],
-                                                tcfg["baseline"], tcfg["fit_on"], tcfg["eval_on"])
+    if tcfg:  # both ways: the chosen candidates, chosen again on the one side, scored on the other
+        chosen = {n: c for n, c in ((n, instantiate(candidate_specs(chain_cfg)[n])) for n in res["eligible"])
+                  if n in _chosen_names(res)}
+        cands = {n: _with_axes(kind, _readable(kind, c, samples), _selected_axes(chain_cfg)) for n, c in chosen.items()}
+        model = GroupedCVSelection(cands, n_own=len(kind.feature_names(chain_cfg)),
+                                   **{**SELECTION_DEFAULTS, **(chain_cfg.get("selection") or {})})
+        chain_meta["transfer"] = [t for t in (
+            transfer_check(kind, samples, chain_cfg, model, tcfg["baseline"], src, dst, context=True)
+            for src, dst in ((tcfg["fit_on"], tcfg["eval_on"]), (tcfg["eval_on"], tcfg["fit_on"]))) if t]
     if "counterfactual" in samples.columns:
         chain_meta["label_sources"] = samples.groupby("counterfactual").size().rename(
             lambda c: "counterfactual" if c else "verified").to_dict()
     return res, table, chain_meta, per_depth
 
 
+def _selected_axes(chain_cfg: dict) -> list[str]:
+    return [a.name for a in context_axes(chain_cfg)] if chain_cfg.get("context") else []
+
+
+def _chosen_names(res: dict) -> set[str]:
+    """Every candidate chosen at some depth (of some context cell)."""
+    ch = res["choice"]
+    per = ch.values() if ch and isinstance(next(iter(ch.values())), dict) else [ch]
+    return {n for c in per for n in c.values()}
+
+
+def _describe_choice(res: dict) -> str:
+    """tables.json's ``estimator``: the candidate chosen, or ``a|b`` where depths (or cells) differ."""
+    return "|".join(n for n in res["eligible"] if n in _chosen_names(res))
+
+
+def _features(kind: ChainKind, est, chain_cfg: dict) -> list[str]:
+    sel = est.estimator if isinstance(est, PerContextCell) else est
+    own = list(kind.feature_names(chain_cfg))
+    cells = _selections(est) if isinstance(est, PerContextCell) else [sel]
+    named = [f for s in cells for f in (s.features_read(own) or own)]
+    return list(dict.fromkeys(named)) or own
+
+
+def _candidates(est) -> dict:
+    return (est.estimator if isinstance(est, PerContextCell) else est).candidates
+
+
 def _params(est) -> dict:
-    """tables.json's ``params``: the estimator's (the wrapped one's for an estimator per context cell)."""
-    return (est.estimator if isinstance(est, PerContextCell) else est).get_params()
+    """tables.json's ``params``: each candidate's parameters (of the wrapped selection for an estimator
+    per context cell)."""
+    sel = est.estimator if isinstance(est, PerContextCell) else est
+    return {n: {k: (list(v) if isinstance(v, tuple) else v) for k, v in c.get_params(deep=False).items()}
+            for n, c in sel.candidates.items()}
 
 
 def _context_cells(est) -> dict:
@@ -464,12 +644,24 @@ def _write_summary(stage: Path, out_dir: Path, meta: dict) -> str:
     return text
 
 
+def _choice_text(m: dict) -> str:
+    """How the calibrator was chosen, and what, in one phrase."""
+    sel = m.get("selection") or {}
+    ch = m.get("choice") or {}
+    if ch and isinstance(next(iter(ch.values())), dict):
+        per = "; ".join(f"{c}: " + ", ".join(f"d{d} {n}" for d, n in v.items()) for c, v in ch.items())
+    else:
+        per = ", ".join(f"d{d} {n}" for d, n in ch.items())
+    return (f"chosen per depth by {sel.get('n_splits', '?')}-fold CV grouped by prompt "
+            f"({sel.get('rule', '?')} rule, baseline {sel.get('baseline', '?')}): {per}")
+
+
 def _summary_lines(name: str, m: dict) -> list[str]:
     """One chain's part of summary.txt: per-depth raw vs calibrated for a chain with raw confidences,
     estimator vs table otherwise, and the transfer check where one ran."""
     lines = []
     if isinstance(m.get("test"), list):
-        lines.append(f"{name} drafter {m['ids']}: selected {m['estimator']} (val NLL); test split:")
+        lines.append(f"{name} drafter {m['ids']}: {_choice_text(m)}; test split:")
         lines.append(f"  {'depth':>5} {'n':>7} {'ECE raw':>8} {'ECE cal':>8} {'NLL raw':>8} {'NLL cal':>8}")
         for r in m["test"]:
             lines.append(f"  {r['depth']!s:>5} {r['n']:>7} {r['raw_ece']:>8.4f} {r['cal_ece']:>8.4f} "
@@ -479,12 +671,11 @@ def _summary_lines(name: str, m: dict) -> list[str]:
                      f"{L['raw_predicted_mean']:.3f}, calibrated {L['calibrated_predicted_mean']:.3f} "
                      f"({L['n_rounds']} test rounds)")
     else:
-        lines.append(f"{name} drafter: selected {m['estimator']}; test "
+        lines.append(f"{name} drafter: {_choice_text(m)}; test "
                      + ", ".join(f"{k} Brier {v['brier']:.4f} AUROC {v['auroc']:.3f}" for k, v in m["test"].items()
                                  if v.get("auroc") is not None))
-    t = m.get("transfer")
-    if t:
-        lines.append(f"  transfer {'+'.join(t['fit_on'])} -> {'+'.join(t['eval_on'])}: {t['model']['kind']} "
+    for t in m.get("transfer") or []:
+        lines.append(f"  transfer {'+'.join(t['fit_on'])} -> {'+'.join(t['eval_on'])}: {m['estimator']} "
                      f"Brier {t['model']['brier']:.4f} AUROC {t['model']['auroc']:.3f} | baseline "
                      f"({'+'.join(t['baseline']['features'])}) Brier {t['baseline']['brier']:.4f} "
                      f"AUROC {t['baseline']['auroc']:.3f}")

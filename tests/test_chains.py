@@ -84,7 +84,10 @@ def test_a_third_chain_is_one_registration(tmp_path, suffix_chain):
     assert entry["id"] == 3 and entry["estimator"] == "histogram" and entry["k"] == 4
     assert entry["axes"] == [{"name": SCORE, "kind": "bins", "edges": list(EDGES)}]
     assert tables.feature_names("suffix") == [SCORE]
-    assert "suffix drafter: selected histogram" in (tmp_path / "out" / "summary.txt").read_text()
+    # one candidate and no baseline: it is the baseline, chosen at every depth
+    assert entry["choice"] == {str(d): "histogram" for d in range(entry["depths"])}
+    assert ("suffix drafter: chosen per depth by 5-fold CV grouped by prompt (one_se rule, baseline histogram): "
+            "d0 histogram") in (tmp_path / "out" / "summary.txt").read_text()
     # check_bank reads the chain's own bank file: a bank whose suffix.parquet lacks the score is refused
     import shutil
 

@@ -1,5 +1,6 @@
 """train.py through Hydra's compose API on a tiny SYNTHETIC bank (fast candidates only)."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -22,19 +23,30 @@ def test_train_entry_point(tmp_path):
     out = run(OmegaConf.to_container(cfg, resolve=True))
     tables = load(out)
     assert tables.has_chain("model") and tables.has_chain("ngram")
-    assert tables.meta["chains"]["model"]["estimator"] == "isotonic"
+    model = tables.meta["chains"]["model"]
+    # identity (the raw confidence) is always the baseline; the synthetic confidences carry no signal, so
+    # isotonic pays by far more than one SE wherever a cell and depth hold enough prompts
+    assert model["selection"]["baseline"] == "identity" and model["selection"]["groups"] == "prompt"
+    assert "isotonic" in model["estimator"].split("|") and set(model["estimator"].split("|")) <= {"identity", "isotonic"}
+    assert all(per_depth["0"] == "isotonic" for per_depth in model["choice"].values())  # depth 0: most rows
+    assert model["cv_nll"]["isotonic"] < model["cv_nll"]["identity"] - 0.1
+    assert set(model["params"]) == {"identity", "isotonic"} and "val_nll" not in model
     # the configured match features, then the context axes (conf/context/default.yaml: temperature always,
-    # the optional ones where validation NLL kept them)
+    # the optional ones where grouped CV kept them)
     n_feats = len(cfg.ngram_model.table.features)
     assert tables.feature_names("ngram")[:n_feats + 1] == [*cfg.ngram_model.table.features, "temperature"]
-    optional = list(cfg.context.candidates)  # kept (in this order) where validation NLL drops
+    optional = list(cfg.context.candidates)  # kept (in this order) where grouped-CV NLL drops by > one SE
     assert tables.feature_names("ngram")[n_feats + 1:] == [n for n in optional if n in tables.feature_names("ngram")]
     assert tables.feature_names("model")[:2] == ["conf", "temperature"]
-    trials = tables.meta["chains"]["model"]["context_trials"]  # each optional axis' validation NLLs
-    assert set(trials) == set(optional) and set(trials["mean_accept"]) == {"val_nll_without",
-                                                                                            "val_nll_with"}
+    trials = model["context_trials"]  # each optional axis' grouped-CV NLLs, tried on isotonic
+    assert set(trials) == set(optional) and {"cv_nll_without", "cv_nll_with", "se"} <= set(trials["mean_accept"])
+    for name, t in trials.items():  # kept exactly where the gain exceeds one SE
+        assert (name in tables.feature_names("model")) == (t["cv_nll_without"] - t["cv_nll_with"] > t["se"])
     assert (out / "reliability_test.png").exists() and (out / "csv" / "fit.csv").exists()
-    assert "ECE raw" in (out / "summary.txt").read_text()
+    fit_rows = (out / "csv" / "fit.csv").read_text().splitlines()
+    assert fit_rows[0] == "drafter,candidate,cv_nll,chosen" and "model,isotonic," in (out / "csv" / "fit.csv").read_text()
+    summary = (out / "summary.txt").read_text()
+    assert "ECE raw" in summary and "5-fold CV grouped by prompt (one_se rule, baseline identity)" in summary
 
 
 def test_train_config_groups_compose():
@@ -86,9 +98,9 @@ def test_existing_tables_are_replaced_only_with_overwrite(tmp_path, small_bank):
         run(_compose(small_bank, out, "calibrator=histogram"))
     assert _snapshot(out) == before
     run(_compose(small_bank, out, "calibrator=histogram", "overwrite=true"))
-    assert load(out).meta["chains"]["model"]["estimator"] == "histogram"
-    assert "histogram" in (out / "config.yaml").read_text() and "model chain histogram" in (
-        out / "train.log").read_text()
+    assert "histogram" in load(out).meta["chains"]["model"]["estimator"].split("|")
+    assert "histogram" in (out / "config.yaml").read_text() and re.search(
+        r"grouped CV \(5 folds, one_se\): chosen per depth .*'histogram'", (out / "train.log").read_text())
     # A folder that is not a train.py output is never replaced as a whole, overwrite or not.
     foreign = tmp_path / "mine"
     foreign.mkdir()
@@ -168,10 +180,12 @@ def test_kill_during_save_leaves_old_or_new_set(tmp_path, small_bank, point, exp
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 9, proc.stderr[-2000:]
     tables = load(out)  # a consistent pair (was: new tensors beside the old JSON -> checksum error)
-    chosen = tables.meta["chains"]["model"]["estimator"]
-    assert chosen == expect
-    assert f"selected {chosen}" in (out / "summary.txt").read_text()
-    assert f"name: {chosen}" in (out / "config.yaml").read_text()
+    other = {"isotonic": "histogram", "histogram": "isotonic"}[expect]
+    chosen = tables.meta["chains"]["model"]["estimator"].split("|")  # beside the identity baseline
+    assert expect in chosen and other not in chosen
+    summary = (out / "summary.txt").read_text()
+    assert f"d0 {expect}" in summary and other not in summary
+    assert f"name: {expect}" in (out / "config.yaml").read_text()
     assert (out / "reliability_test.png").exists()
     assert not list(out.glob(".tables*"))
 
@@ -191,7 +205,7 @@ def test_train_py_writes_only_into_its_out_dir(tmp_path, small_bank):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert {"tables.json", "tables.safetensors", "summary.txt", "reliability_test.png", "config.yaml",
             "train.log"} <= {p.name for p in out.iterdir()}
-    assert "model chain isotonic" in (out / "train.log").read_text()
+    assert re.search(r"grouped CV \(5 folds, one_se\): chosen per depth .*'isotonic'", (out / "train.log").read_text())
     assert "calibrator" in (out / "config.yaml").read_text()
     assert not list(tmp_path.rglob(".hydra")) and not list(tmp_path.rglob("*.tmp-*"))
     assert not [p for p in tmp_path.rglob("train.log") if p.parent != out]  # was: runs/train/default/train.log

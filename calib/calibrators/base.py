@@ -1,35 +1,81 @@
-"""Base class and input checks shared by the calibrators (scikit-learn conventions).
+"""Base class and input checks shared by the calibrators: scikit-learn estimators.
 
-Constructors store parameters only; ``fit`` validates its parameters (against the class's
-declarative ``_parameter_constraints``) and its inputs, learns state in attributes ending in ``_``
-and returns ``self``; ``predict_proba`` returns P(accept at depth | reached depth).
+Every calibrator is a scikit-learn binary classifier of "accepted at this depth | depth reached"::
 
-One protocol for every chain kind (:mod:`calib.chains`)::
+    est.fit(X, y, *, val=None, groups=None) -> est   # val = (X_val, y_val); groups: one id per row (prompt)
+    est.predict_proba(X) -> float64 [n, 2]            # columns: rejected, accepted (classes_ = [0, 1])
+    est.accept_proba(X) -> float64 [n]                 # predict_proba(X)[:, 1]
 
-    est.fit(X, depth, y, *, val=None) -> est        # val = (X_val, depth_val, y_val)
-    est.predict_proba(X, depth) -> float64 [n]
+so ``sklearn.base.clone``, ``GroupKFold``, ``cross_validate`` and the ``neg_log_loss`` scorer work on
+them as they are (:mod:`calib.calibrators.selection` selects candidates that way).
 
-``X`` is the chain's feature matrix ``[n, F]`` (a DataFrame with the chain's feature names, or an
-array in that column order). For a chain with a raw confidence (the model chain) it is column 0,
-then context features (netcal's convention); a 1-D ``X`` is the confidence alone.
+``X`` is the chain's feature matrix ``[n, 1 + F]`` plus the draft depth of each row: a DataFrame with
+the chain's feature names and a ``depth`` column, or an array whose last column is the depth
+(:func:`with_depth` adds it). For a chain with a raw confidence (the model chain) the confidence is
+column 0, then context features (netcal's convention); a calibrator on the confidence alone reads a
+1-column X. Constructors store parameters only; ``fit`` validates them (against the class's declarative
+``_parameter_constraints``) and its inputs, learns state in attributes ending in ``_`` and returns
+``self``. A subclass implements ``_fit(X, depth, y, *, val=None, groups=None)`` and ``_predict(X, depth)``
+on X without the depth column.
 """
 
 from __future__ import annotations
 
-import inspect
 from typing import ClassVar
 
 import numpy as np
+import pandas as pd
+from sklearn.base import BaseEstimator, ClassifierMixin
 
 from calib.params import Boolean, Interval, Options, Subset, validate_params  # noqa: F401 - re-exported
+
+DEPTH = "depth"  # X's column holding each row's draft depth (0 = the first drafted token)
 
 
 class NotFittedError(RuntimeError):
     pass
 
 
-class Calibrator:
-    """A per-depth map from a drafter's raw confidence to a calibrated acceptance probability.
+def with_depth(X, depth):
+    """``X`` (a DataFrame, an array ``[n, F]`` or 1-D confidences ``[n]``) with each row's ``depth`` added:
+    a DataFrame gets (or has replaced) its ``depth`` column, an array gets it as its last column."""
+    depth = np.asarray(depth).ravel()
+    if isinstance(X, pd.DataFrame):
+        if len(X) != depth.size:
+            raise ValueError(f"X has {len(X)} rows but depth has {depth.size} values")
+        return X.assign(**{DEPTH: depth})
+    X = np.asarray(X, dtype=np.float64)
+    if X.ndim == 1:
+        X = X[:, None]
+    if X.shape[0] != depth.size:
+        raise ValueError(f"X has {X.shape[0]} rows but depth has {depth.size} values")
+    return np.column_stack([X, depth.astype(np.float64)])
+
+
+def split_depth(X):
+    """``(X without its depth, depth [n] int64)``: the ``depth`` column of a DataFrame, or an array's last
+    column; a clear error when there is none, or when a depth is negative or fractional."""
+    if isinstance(X, pd.DataFrame):
+        if DEPTH not in X.columns:
+            raise ValueError(f"X has no {DEPTH!r} column (columns: {list(map(str, X.columns))}); "
+                             "add it with calib.calibrators.base.with_depth(X, depth)")
+        depth, X = X[DEPTH].to_numpy(), X.drop(columns=DEPTH)
+    else:
+        X = np.asarray(X, dtype=np.float64)
+        if X.ndim != 2 or X.shape[1] < 2:
+            raise ValueError(f"X must be [n, F + 1] with the depth in its last column, got shape {X.shape}; "
+                             "build it with calib.calibrators.base.with_depth(X, depth)")
+        depth, X = X[:, -1], X[:, :-1]
+    depth = np.asarray(depth, dtype=np.float64)
+    if not np.all(np.isfinite(depth)) or not np.all(np.equal(np.mod(depth, 1), 0)):
+        raise ValueError("depth must hold integers")
+    if np.any(depth < 0):
+        raise ValueError("depth must be >= 0")
+    return X, depth.astype(np.int64)
+
+
+class Calibrator(ClassifierMixin, BaseEstimator):
+    """A per-depth map from a chain's features to a calibrated acceptance probability.
 
     ``_parameter_constraints`` maps every constructor parameter to the constraints it may satisfy
     (:class:`Options`, :class:`Interval`, :class:`Subset`, :class:`Boolean`); ``fit`` checks them
@@ -42,37 +88,48 @@ class Calibrator:
     # are functions of the confidence alone, and their table needs no marginalising over context.
     uses_context: ClassVar[bool] = False
 
-    @classmethod
-    def _get_param_names(cls) -> list[str]:
-        """The constructor's parameters (none for a class without its own ``__init__``)."""
-        init = cls.__init__
-        if init is object.__init__:
-            return []
-        params = [p for p in inspect.signature(init).parameters.values() if p.name != "self"]
-        varargs = [p.name for p in params if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
-        if varargs:
-            raise TypeError(f"{cls.__name__}.__init__ takes *{varargs[0]}: calibrators list their "
-                            "parameters explicitly (scikit-learn convention)")
-        return [p.name for p in params]
-
-    def get_params(self) -> dict:
-        return {k: getattr(self, k) for k in self._get_param_names()}
-
     def _validate_params(self) -> None:
         names = set(self._get_param_names())
         unconstrained = names - set(self._parameter_constraints)
         if unconstrained:
             raise TypeError(f"{type(self).__name__}._parameter_constraints lacks {sorted(unconstrained)}")
-        validate_params(type(self).__name__, self.get_params(), self._parameter_constraints)
+        checked = {k: v for k, v in self._parameter_constraints.items() if v}  # []: checked where it is used
+        validate_params(type(self).__name__, {k: v for k, v in self.get_params(deep=False).items() if k in checked},
+                        checked)
 
-    def __repr__(self) -> str:
-        args = ", ".join(f"{k}={v!r}" for k, v in self.get_params().items())
-        return f"{type(self).__name__}({args})"
+    def fit(self, X, y, *, val=None, groups=None) -> Calibrator:
+        """Fit on ``X`` (with its depth column, :func:`with_depth`) and labels ``y`` (1 = accepted).
+        ``val = (X_val, y_val)`` is for early stopping where an estimator uses it; ``groups`` (one id per
+        row: the prompt) for those that cross-validate (:mod:`calib.calibrators.selection`)."""
+        self._validate_params()
+        X, depth = split_depth(X)
+        if val is not None:
+            vX, vd = split_depth(val[0])
+            val = (vX, vd, np.asarray(val[1]))
+        if groups is not None and len(groups) != len(depth):
+            raise ValueError(f"groups has {len(groups)} values, X has {len(depth)} rows")
+        self._fit(X, depth, np.asarray(y), val=val, groups=None if groups is None else np.asarray(groups))
+        self.classes_ = np.array([0, 1])
+        return self
 
-    def fit(self, X, depth, y, *, val=None) -> Calibrator:
+    def accept_proba(self, X) -> np.ndarray:
+        """P(accepted at the row's depth | depth reached) ``[n]`` for ``X`` with its depth column."""
+        self._check_fitted()
+        X, depth = split_depth(X)
+        return self._predict(X, depth)
+
+    def predict_proba(self, X) -> np.ndarray:
+        """scikit-learn's ``[n, 2]``: P(rejected), P(accepted)."""
+        p = self.accept_proba(X)
+        return np.column_stack([1.0 - p, p])
+
+    def predict(self, X) -> np.ndarray:
+        return (self.accept_proba(X) >= 0.5).astype(np.int64)
+
+    def _fit(self, X, depth, y, *, val=None, groups=None) -> None:
         raise NotImplementedError
 
-    def predict_proba(self, X, depth) -> np.ndarray:
+    def _predict(self, X, depth) -> np.ndarray:
         raise NotImplementedError
 
     def _check_fitted(self) -> None:
@@ -136,8 +193,7 @@ class PerDepthCalibrator(Calibrator):
     def _predict_one(self, model, conf: np.ndarray) -> np.ndarray:
         raise NotImplementedError
 
-    def fit(self, X, depth, y, *, val=None):
-        self._validate_params()
+    def _fit(self, X, depth, y, *, val=None, groups=None) -> None:
         conf, depth, y, _ = check_inputs(X, depth, y)  # a function of the confidence alone
         if conf.size == 0:
             raise ValueError("no samples to fit")
@@ -148,10 +204,8 @@ class PerDepthCalibrator(Calibrator):
             m = depth == d
             if m.sum() >= self.min_samples:
                 self.per_depth_[d] = self._fit_one(conf[m], y[m])
-        return self
 
-    def predict_proba(self, X, depth) -> np.ndarray:
-        self._check_fitted()
+    def _predict(self, X, depth) -> np.ndarray:
         conf, depth, _, _ = check_inputs(X, depth)
         out = np.empty_like(conf)
         for d in np.unique(depth):

@@ -1,8 +1,8 @@
 """One estimator per context cell: what a table cut by context axes (temperature, ...) holds.
 
 :class:`PerContextCell` wraps any estimator of the one protocol (:mod:`calib.calibrators.base`). ``X``
-holds the chain's own features (its first ``n_own`` columns, what the wrapped estimator reads) then
-one column per context axis; a sample's *cell* is the mixed-radix number of its context buckets
+holds the chain's own features (its first ``n_own`` columns), then one column per context axis, then
+any other named feature; the wrapped estimator reads every column but the context ones; a sample's *cell* is the mixed-radix number of its context buckets
 (bucket = number of edges <= value, NaN -> 0: the table lookup's rule, so the fit and the exported
 table agree on every sample's cell). A clone of the estimator is fitted per cell holding at least
 ``min_samples`` training samples of both labels; thinner cells, and cells no training sample
@@ -17,8 +17,9 @@ import numbers
 from typing import ClassVar
 
 import numpy as np
+from sklearn.base import clone
 
-from calib.calibrators.base import Calibrator, Interval
+from calib.calibrators.base import Calibrator, Interval, with_depth
 
 
 def context_cells(ctx: np.ndarray, edges) -> np.ndarray:
@@ -32,24 +33,22 @@ def context_cells(ctx: np.ndarray, edges) -> np.ndarray:
     return cell
 
 
-def _clone(est):
-    return type(est)(**est.get_params())
-
-
 def _rows(X, m):
     return X[m] if not hasattr(X, "iloc") else X.iloc[np.flatnonzero(m)]
 
 
-def _own(X, n_own: int):
+def _own(X, n_own: int, n_ctx: int):
+    """X without its context columns (``n_ctx`` of them after the first ``n_own``): what the wrapped
+    estimator reads (the chain's own features, then any named feature read after the context)."""
     if hasattr(X, "iloc"):
-        return X.iloc[:, :n_own]
+        return X.drop(columns=X.columns[n_own: n_own + n_ctx])
     X = np.asarray(X)
-    return X[:, :n_own] if X.ndim == 2 else X
+    return np.delete(X, np.s_[n_own: n_own + n_ctx], axis=1) if X.ndim == 2 else X
 
 
-def _ctx(X, n_own: int) -> np.ndarray:
+def _ctx(X, n_own: int, n_ctx: int) -> np.ndarray:
     a = X.to_numpy(np.float64) if hasattr(X, "to_numpy") else np.asarray(X, dtype=np.float64)
-    return a[:, n_own:] if a.ndim == 2 else np.zeros((len(a), 0))
+    return a[:, n_own: n_own + n_ctx] if a.ndim == 2 else np.zeros((len(a), 0))
 
 
 class PerContextCell(Calibrator):
@@ -85,21 +84,21 @@ class PerContextCell(Calibrator):
         if not (hasattr(self.estimator, "fit") and hasattr(self.estimator, "predict_proba")):
             raise ValueError(f"PerContextCell: estimator {self.estimator!r} has no fit/predict_proba")
 
-    def fit(self, X, depth, y, *, val=None) -> PerContextCell:
+    def _fit(self, X, depth, y, *, val=None, groups=None) -> None:
         self._validate()
         depth, y = np.asarray(depth), np.asarray(y)
-        cell = context_cells(_ctx(X, self.n_own), self.edges)
+        cell = context_cells(_ctx(X, self.n_own, len(self.edges)), self.edges)
         if val is not None:
             vX, vd, vy = val
-            vcell = context_cells(_ctx(vX, self.n_own), self.edges)
+            vcell = context_cells(_ctx(vX, self.n_own, len(self.edges)), self.edges)
         self.cells_ = {}
         self.cell_samples_ = np.bincount(cell, minlength=self.n_cells).tolist()
         thin = [c for c in range(self.n_cells)
                 if self.cell_samples_[c] < self.min_samples or len(np.unique(y[cell == c])) < 2]
         # The pooled fit is only needed where a cell has none of its own (it costs a full fit).
-        self.pooled_ = None if not thin else _clone(self.estimator).fit(
-            _own(X, self.n_own), depth, y,
-            val=None if val is None else (_own(vX, self.n_own), np.asarray(vd), np.asarray(vy)))
+        self.pooled_ = None if not thin else clone(self.estimator).fit(
+            with_depth(_own(X, self.n_own, len(self.edges)), depth), y, groups=groups,
+            val=None if val is None else (with_depth(_own(vX, self.n_own, len(self.edges)), vd), np.asarray(vy)))
         for c in range(self.n_cells):
             m = cell == c
             if c in thin:
@@ -108,21 +107,21 @@ class PerContextCell(Calibrator):
             if val is not None:
                 vm = vcell == c
                 if vm.any():
-                    cv = (_own(_rows(vX, vm), self.n_own), np.asarray(vd)[vm], np.asarray(vy)[vm])
-            self.cells_[c] = _clone(self.estimator).fit(_own(_rows(X, m), self.n_own), depth[m], y[m], val=cv)
-        return self
+                    cv = (with_depth(_own(_rows(vX, vm), self.n_own, len(self.edges)), np.asarray(vd)[vm]), np.asarray(vy)[vm])
+            self.cells_[c] = clone(self.estimator).fit(
+                with_depth(_own(_rows(X, m), self.n_own, len(self.edges)), depth[m]), y[m], val=cv,
+                groups=None if groups is None else groups[m])
 
     def cell_estimator(self, c: int):
         """The estimator standing for context cell ``c`` (its own, or the pooled one)."""
         self._check_fitted()
         return self.cells_.get(int(c), self.pooled_)
 
-    def predict_proba(self, X, depth) -> np.ndarray:
-        self._check_fitted()
+    def _predict(self, X, depth) -> np.ndarray:
         depth = np.asarray(depth)
-        cell = context_cells(_ctx(X, self.n_own), self.edges)
+        cell = context_cells(_ctx(X, self.n_own, len(self.edges)), self.edges)
         out = np.empty(len(depth), dtype=np.float64)
         for c in np.unique(cell):
             m = cell == c
-            out[m] = self.cell_estimator(c).predict_proba(_own(_rows(X, m), self.n_own), depth[m])
+            out[m] = self.cell_estimator(c).accept_proba(with_depth(_own(_rows(X, m), self.n_own, len(self.edges)), depth[m]))
         return out

@@ -10,12 +10,10 @@ from calib.calibrators.base import Calibrator, check_inputs
 class Identity(Calibrator):
     name = "identity"
 
-    def fit(self, X, depth, y, *, val=None) -> Identity:
-        self._validate_params()
+    def _fit(self, X, depth, y, *, val=None, groups=None) -> None:
         check_inputs(X, depth, y)
         self.fitted_ = True
-        return self
 
-    def predict_proba(self, X, depth) -> np.ndarray:
+    def _predict(self, X, depth) -> np.ndarray:
         conf, _, _, _ = check_inputs(X, depth)
         return conf

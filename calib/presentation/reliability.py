@@ -19,7 +19,7 @@ COLORS = {"raw": "tab:red", "calibrated": "tab:blue"}
 
 
 def reliability_figure(panels: dict[str, dict[str, tuple]], path: str | os.PathLike, title: str,
-                       n_bins: int = 10) -> Path:
+                       n_bins: int = M.ECE_BINS) -> Path:
     """One column per panel (e.g. per depth, then pooled); each overlays variants (raw, calibrated).
 
     ``panels[name][variant] = (p, y)``. Top row: observed accept rate per equal-width bin against

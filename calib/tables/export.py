@@ -19,6 +19,7 @@ import pandas as pd
 import torch
 from sklearn.isotonic import IsotonicRegression
 
+from calib.calibrators.base import with_depth
 from calib.tables.layout import ChainTable
 
 MARGINAL_ROWS = 256  # training rows per depth (and context cell) a model's other inputs are averaged over
@@ -123,8 +124,12 @@ def _encode_own(kind, estimator, train_samples, chain_cfg, axes, n_depths, uses_
     if len(axes) == 1 and axes[0].interpolated:
         context_by_depth = None
         names = None
+        named = getattr(estimator, "features", None)  # a model on named features reads them by name
+        if hasattr(estimator, "features_read"):  # a selection: what its chosen candidates read
+            named = estimator.features_read(kind.feature_names(chain_cfg))
+        if not uses_context and named is not None:  # the confidence alone, handed by name (a selection
+            names = list(named[:1])                 # finds a candidate's named features only by name)
         if uses_context:  # tabulate E[p | conf, depth] over the (cell's) training rows of the other inputs
-            named = getattr(estimator, "features", None)  # a model on named features reads them by name
             if named is not None:
                 if named[0] != axes[0].name:
                     raise ValueError(f"chain {kind.name!r}: {estimator.name} reads {list(named)}; its first "
@@ -162,20 +167,22 @@ def model_grid(calibrator, n_depths: int, grid_points: int = 1025,
     table holds E[p | conf, depth] under the training distribution of the context: the model distilled
     into the grid. That average is taken at :data:`MARGINAL_POINTS` confidences and interpolated
     linearly between them (the model is smooth in the confidence; every grid point would cost
-    ``grid_points`` x rows predictions per depth).
+    ``grid_points`` x rows predictions per depth). Without ``extra_by_depth``, ``names[0]`` (where given)
+    names the confidence column (a selection finds a candidate's named features by name only).
     """
     conf = np.linspace(0.0, 1.0, grid_points)
     rows, change = [], 0.0
     for d in range(n_depths):
         if extra_by_depth is None:
-            p = calibrator.predict_proba(conf, np.full(grid_points, d))
+            X = conf if names is None else pd.DataFrame({names[0]: conf})
+            p = calibrator.accept_proba(with_depth(X, np.full(grid_points, d)))
         else:
             ex = extra_by_depth[min(d, max(extra_by_depth))]
             at = np.linspace(0.0, 1.0, min(grid_points, MARGINAL_POINTS))
             X = np.column_stack([np.repeat(at, len(ex)), np.tile(ex, (len(at), 1))])
             if names is not None:
                 X = pd.DataFrame(X, columns=list(names))
-            p = calibrator.predict_proba(X, np.full(len(at) * len(ex), d)).reshape(len(at), len(ex)).mean(1)
+            p = calibrator.accept_proba(with_depth(X, np.full(len(at) * len(ex), d))).reshape(len(at), len(ex)).mean(1)
             p = np.interp(conf, at, p)
         p = np.clip(p, 0.0, 1.0)
         mono = IsotonicRegression(increasing=True).fit_transform(conf, p)
@@ -212,7 +219,7 @@ def ngram_grid(model, samples: pd.DataFrame, table_features: list[str], edges: l
               else np.sort(np.random.default_rng(0).choice(len(samples), GRID_MAX_ROWS, replace=False)))
     sub = samples.iloc[scored] if len(scored) < len(samples) else samples
     cell = (b[scored] * strides).sum(axis=1)
-    pred = model.predict_proba(design(sub), sub["depth"].to_numpy())
+    pred = model.accept_proba(with_depth(design(sub), sub["depth"].to_numpy()))
     depth = np.minimum(sub["depth"].to_numpy(), n_depths - 1)
 
     # Representative point of every cell: per feature, the median training value in its bucket
@@ -240,7 +247,7 @@ def ngram_grid(model, samples: pd.DataFrame, table_features: list[str], edges: l
         for f, name in enumerate(table_features):
             synth[name] = np.asarray(reps[f])[idx[:, f]]
         synth["depth"] = d
-        grid[d] = model.predict_proba(design(synth), np.full(n_cells, d))
+        grid[d] = model.accept_proba(with_depth(design(synth), np.full(n_cells, d)))
         m = depth == d
         n = np.bincount(cell[m], minlength=n_cells)
         s = np.bincount(cell[m], weights=pred[m], minlength=n_cells)

@@ -34,12 +34,15 @@ def _samples(n=12000, temps=(0.0, 1.0), prev_effect=False, seed=0) -> pd.DataFra
                          "split": np.where(prompt % 5 == 0, "val", np.where(prompt % 5 == 1, "test", "train"))})
 
 
-def _fit(samples, ctx=CTX):
+def _fit(samples, ctx=CTX, candidates=ISO, baseline=None, out=None):
     kind = chain("model")
-    res = fit_chain(kind, samples, {"candidates": ISO, "grid_points": 65, "context": ctx})
+    res = fit_chain(kind, samples, {"candidates": candidates, "grid_points": 65, "context": ctx,
+                                    **({"baseline": baseline} if baseline else {})})
     cfg = res["chain_cfg"]
-    table, info = encode_chain(kind, res["fits"][res["best"]]["estimator"], samples[samples.split == "train"],
-                               cfg, 2)
+    fitted_on = samples[samples.split.isin(["train", "val"])]  # grouped CV fits on train + val; test held out
+    table, info = encode_chain(kind, res["estimator"], fitted_on, cfg, 2, res["uses_context"])
+    if out is not None:
+        out.update(res)
     return cfg, table, info
 
 
@@ -64,10 +67,26 @@ def test_single_temperature_gives_a_one_bin_axis():
 
 
 def test_previous_accept_axis_kept_only_where_it_pays():
-    cfg, _, _ = _fit(_samples(prev_effect=True))
+    # isotonic is the only candidate (so the baseline): the optional axis is tried on it
+    res = {}
+    cfg, _, _ = _fit(_samples(prev_effect=True), out=res)
     assert cfg["context"]["selected"] == ["temperature", "prev_accept"]
-    cfg, _, _ = _fit(_samples(prev_effect=False, seed=3))
+    t = res["context_trials"]["prev_accept"]
+    assert t["cv_nll_without"] - t["cv_nll_with"] > t["se"]  # kept by the one-SE rule
+    cfg, _, _ = _fit(_samples(prev_effect=False, seed=3), out=res)
     assert cfg["context"]["selected"] == ["temperature"]
+    assert "prev_accept" in res["context_trials"]  # tried, and dropped
+
+
+def test_optional_axis_tried_on_the_calibrator_chosen_over_the_raw_confidence():
+    # the production set-up: identity (the raw confidence) is the baseline, isotonic a richer candidate;
+    # the planted effects make the raw confidence miscalibrated, so isotonic is chosen and the axis tried on it
+    identity = {"identity": {"_target_": "calib.calibrators.identity.Identity"}}
+    res = {}
+    cfg, _, _ = _fit(_samples(prev_effect=True), baseline=identity, out=res)
+    assert cfg["context"]["selected"] == ["temperature", "prev_accept"]
+    assert "isotonic" in {n for cell in res["choice"].values() for n in cell.values()}
+    assert set(res["cv_nll"]) == {"identity", "isotonic"}
 
 
 def test_resolve_edges():
@@ -114,9 +133,10 @@ def test_planted_temperature_effect_on_the_ngram_chain():
            "table": {"features": ["match_n"], "edges": [[1.5, 2.5, 3.5, 4.5]]},
            "context": {"axes": {"temperature": {"edges": "auto"}}}}
     res = fit_chain(kind, s, cfg)
-    est = res["fits"][res["best"]]["estimator"]
-    assert "temperature" in est.features
-    table, _ = encode_chain(kind, est, s[s.split == "train"], res["chain_cfg"], 1)
+    est = res["estimator"]
+    assert res["choice"] == {0: "logistic"}
+    assert "temperature" in est.chosen_estimators_["logistic"].features  # the context axes join its features
+    table, _ = encode_chain(kind, est, s[s.split.isin(["train", "val"])], res["chain_cfg"], 1)
     assert [a.name for a in table.axes] == ["match_n", "temperature"] and table.grid.shape == (1, 10)
     g = table.grid.numpy()[0].reshape(2, 5)  # [temperature bucket, match_n bucket]
     assert (g[1] < g[0]).all() and np.abs(g[1] / g[0] - 0.5).max() < 0.25
@@ -124,6 +144,10 @@ def test_planted_temperature_effect_on_the_ngram_chain():
 
 def test_optional_axis_decided_on_a_sample_of_a_large_split():
     # context.trial_samples: both variants fitted on a row sample; a kept axis is refitted on all rows
-    cfg, table, _ = _fit(_samples(prev_effect=True), {**CTX, "trial_samples": 3000})
+    s, res = _samples(prev_effect=True), {}
+    cfg, table, _ = _fit(s, {**CTX, "trial_samples": 3000}, out=res)
     assert cfg["context"]["selected"] == ["temperature", "prev_accept"]
     assert [a.name for a in table.axes] == ["conf", "temperature", "prev_accept"]
+    # decided on whole prompts up to 3000 rows (one prompt holds ~40), the kept axis fitted on every row
+    assert 3000 <= res["context_trials"]["prev_accept"]["n_rows"] < 3200
+    assert sum(res["estimator"].cell_samples_) == int(s.split.isin(["train", "val"]).sum())

@@ -1,6 +1,6 @@
 """Item 3 of issue 13 on SYNTHETIC model-chain samples with planted effects: a small model on the chain's
-features (confidence, entropy, + context) is one more candidate, selected on validation NLL and distilled
-into the confidence grid per context cell."""
+features (confidence, entropy, + context) is one more candidate, chosen per depth (per context cell) by
+grouped cross-validation (one-SE rule) and distilled into the confidence grid per context cell."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from calib.calibrators.base import with_depth
+from calib.calibrators.context import PerContextCell
 from calib.chains import chain
 from calib.tables.export import encode_chain, table_predict
 from calib.training import fit_chain
@@ -37,25 +39,39 @@ def _samples(n=20000, seed=0, entropy_effect=True) -> pd.DataFrame:
 def _fit(s, candidates):
     kind = chain("model")
     res = fit_chain(kind, s, {"candidates": candidates, "grid_points": 65, "context": CTX})
-    best = res["fits"][res["best"]]
-    table, info = encode_chain(kind, best["estimator"], s[s.split == "train"], res["chain_cfg"], 2,
-                               best["uses_context"])
+    table, info = encode_chain(kind, res["estimator"], s[s.split.isin(["train", "val"])], res["chain_cfg"], 2,
+                               res["uses_context"])
     return res, table, info
+
+
+def _chosen(res) -> set:
+    """Every candidate chosen at some depth of some context cell."""
+    return {n for cell in res["choice"].values() for n in cell.values()}
 
 
 def test_feature_model_selected_where_the_features_pay_and_distilled_per_cell():
     s = _samples()
     res, table, _ = _fit(s, {"isotonic": ISO, "logistic": LOGISTIC})
-    assert res["best"] == "logistic" and res["fits"]["logistic"]["val_nll"] < res["fits"]["isotonic"]["val_nll"]
-    est = res["fits"]["logistic"]["estimator"]
-    assert est.features == ("conf", "entropy", "temperature")  # the context axes join its features
+    # isotonic (first listed) is the baseline; logistic reads the entropy that carries the planted effect and
+    # wins at every depth of every temperature cell, by more than the fold-to-fold SE
+    est = res["estimator"]
+    assert isinstance(est, PerContextCell) and set(est.cells_) == {0, 1}
+    assert res["choice"] == {"cell 0": {0: "logistic", 1: "logistic"}, "cell 1": {0: "logistic", 1: "logistic"}}
+    assert res["cv_nll"]["logistic"] < res["cv_nll"]["isotonic"] - 0.02
+    for cell in res["choice_why"].values():
+        for why in cell.values():
+            (step,) = why["steps"]
+            assert step["candidate"] == "logistic" and step["won"] and step["nll_gain"] > step["se"]
+    # per cell, each cell's model reads the confidence and the entropy (the cell stands for the temperature)
+    assert all(c.chosen_estimators_["logistic"].features == ("conf", "entropy") for c in est.cells_.values())
+    assert res["uses_context"]
     assert [a.name for a in table.axes] == ["conf", "temperature"]
     g = table.grid.numpy().reshape(2, 2, -1)  # [depth, temperature cell, conf]
     assert (np.diff(g, axis=2) >= 0).all()  # monotone in confidence in every cell
     # the grid is the model averaged over each cell's entropy: it matches the model's mean prediction
     te = s[s.split == "test"]
     p_table = table_predict(table, te[["conf", "temperature"]], te.depth)
-    p_model = est.predict_proba(te[["conf", "entropy", "temperature"]], te.depth)
+    p_model = est.accept_proba(with_depth(te[["conf", "temperature", "entropy"]], te.depth))
     for temp in (0.0, 1.0):
         m = (te.temperature == temp).to_numpy()
         assert abs(p_table[m].mean() - p_model[m].mean()) < 0.02
@@ -64,16 +80,24 @@ def test_feature_model_selected_where_the_features_pay_and_distilled_per_cell():
 
 
 def test_no_gain_where_the_extra_feature_carries_nothing():
-    res, _, _ = _fit(_samples(entropy_effect=False, seed=1), {"isotonic": ISO, "logistic": LOGISTIC})
+    s = _samples(entropy_effect=False, seed=4)
+    res, _, _ = _fit(s, {"isotonic": ISO, "logistic": LOGISTIC})
     # both fit the truth (logistic in logit(conf) is the planted form); neither may be far off
-    assert abs(res["fits"]["logistic"]["val_nll"] - res["fits"]["isotonic"]["val_nll"]) < 0.01
+    assert abs(res["cv_nll"]["logistic"] - res["cv_nll"]["isotonic"]) < 0.01
+    # against a baseline on the confidence alone (the planted form), reading the entropy buys nothing: the
+    # baseline stays at every depth of every cell (the one-SE rule), and the table reads no entropy
+    res, _, _ = _fit(s, {"logistic_conf": {**LOGISTIC, "features": ["conf"]}, "logistic": LOGISTIC})
+    assert res["choice"] == {"cell 0": {0: "logistic_conf", 1: "logistic_conf"},
+                             "cell 1": {0: "logistic_conf", 1: "logistic_conf"}}
+    assert not res["uses_context"]
+    assert abs(res["cv_nll"]["logistic"] - res["cv_nll"]["logistic_conf"]) < 0.001
 
 
 def test_features_the_banks_lack_are_left_out_with_a_warning(caplog):
     s = _samples().drop(columns=["entropy"])
     with caplog.at_level(logging.WARNING, logger="calib.train"):
         res, _, _ = _fit(s, {"logistic": {**LOGISTIC, "features": ["conf", "entropy", "margin"]}})
-    assert res["fits"]["logistic"]["estimator"].features == ("conf", "temperature")
+    assert all(c.chosen_estimators_["logistic"].features == ("conf",) for c in res["estimator"].cells_.values())
     assert any("record no ['entropy', 'margin']" in r.getMessage() for r in caplog.records)
 
 

@@ -3,6 +3,7 @@
 import numpy as np
 import torch
 
+from calib.calibrators.base import with_depth
 from calib.calibrators.lightning_fit import torch_threads
 
 
@@ -29,12 +30,12 @@ def test_fit_restores_threads_and_is_thread_count_independent(monkeypatch):
     depth = rng.integers(0, 4, 5000)
     y = (rng.uniform(size=5000) < conf ** 1.5).astype(int)
     before = torch.get_num_threads()
-    fits = [TemperatureScaling(progress=False, max_epochs=5).fit(conf, depth, y)]
+    fits = [TemperatureScaling(progress=False, max_epochs=5).fit(with_depth(conf, depth), y)]
     assert torch.get_num_threads() == before
     from calib.calibrators import lightning_fit
 
     monkeypatch.setattr(lightning_fit, "FIT_THREADS", None)  # torch's own count
-    fits.append(TemperatureScaling(progress=False, max_epochs=5).fit(conf, depth, y))
+    fits.append(TemperatureScaling(progress=False, max_epochs=5).fit(with_depth(conf, depth), y))
     assert np.array_equal(fits[0].a_, fits[1].a_) and np.array_equal(fits[0].b_, fits[1].b_)
 
 
@@ -51,6 +52,6 @@ def test_lightning_start_up_lines_are_shown_at_the_first_fit_only(caplog, monkey
     monkeypatch.setattr(lightning_fit, "_FITS_RUN", 0)
     with caplog.at_level(logging.INFO):
         for _ in range(3):
-            TemperatureScaling(progress=False, max_epochs=2).fit(conf, depth, y)
+            TemperatureScaling(progress=False, max_epochs=2).fit(with_depth(conf, depth), y)
     assert sum("GPU available" in r.getMessage() for r in caplog.records) == 1
     assert logging.getLogger(lightning_fit.LIGHTNING_BANNER).level == logging.NOTSET  # restored

@@ -11,6 +11,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from calib.calibrators.base import with_depth
 from calib.calibrators.binning import HistogramBinning, IsotonicPerDepth
 from calib.calibrators.features import GradientBoostingAcceptance, LogisticAcceptance, MLPAcceptance
 from calib.calibrators.scaling import TemperatureScaling
@@ -23,7 +24,8 @@ def model_samples(n=600, seed=0):
     conf = rng.uniform(size=n)
     return pd.DataFrame({"conf": conf, "depth": rng.integers(0, 3, n),
                          "label": (rng.uniform(size=n) < conf).astype(int),
-                         "split": np.where(np.arange(n) % 4 == 0, "val", "train")})
+                         "split": np.where(np.arange(n) % 4 == 0, "val", "train"),
+                         "category": "chat", "prompt_idx": np.arange(n) // 10})  # 10 rows per prompt
 
 
 def ngram_frame(n=400, seed=0):
@@ -39,8 +41,10 @@ def test_identity_wins_selection_and_reports_params():
 
     candidates = {"identity": {"_target_": "calib.calibrators.identity.Identity"}}
     res = fit_model_calibrator(model_samples(), candidates)
-    best = res["fits"][res["best"]]["estimator"]
-    assert res["best"] == "identity" and best.get_params() == {} and repr(best) == "Identity()"
+    assert res["choice"] == {0: "identity", 1: "identity", 2: "identity"}
+    best = res["estimator"].chosen_estimators_["identity"]
+    assert best.get_params() == {} and repr(best) == "Identity()"
+    assert res["estimator"].get_params(deep=False)["candidates"]["identity"].get_params() == {}
 
 
 def test_get_params_of_every_estimator():
@@ -61,7 +65,7 @@ def test_model_calibrator_params_are_validated_in_fit(make, param, value, allowe
     c = np.array([0.2, 0.8, 0.5, 0.9])
     message = f"parameter {param}={value} is invalid; it must be {allowed}"
     with pytest.raises(ValueError, match=re.escape(message)):
-        make().fit(c, [0, 0, 1, 1], [0, 1, 0, 1])
+        make().fit(with_depth(c, [0, 0, 1, 1]), [0, 1, 0, 1])
 
 
 @pytest.mark.parametrize("make, param", [
@@ -73,7 +77,7 @@ def test_model_calibrator_params_are_validated_in_fit(make, param, value, allowe
 def test_ngram_params_are_validated_in_fit(make, param):
     df, y = ngram_frame()
     with pytest.raises(ValueError, match=rf"parameter {param}=.* is invalid; it must be") as err:
-        make().fit(df, df.depth, y)
+        make().fit(df, y)
     if param == "features":
         assert "'match_n'" in str(err.value) and "'context_len'" in str(err.value)  # the valid names
 
@@ -83,7 +87,7 @@ def test_hgb_fit_reports_progress_through_logging(caplog, capsys):
     df, y = ngram_frame(n=2000)
     with caplog.at_level(logging.INFO, logger="calib.calibrators.features.models"):
         model = GradientBoostingAcceptance(features=["match_n", "occurrences", "agreement"], max_iter=30)
-        model.fit(df, df.depth, y)
+        model.fit(df, y)
     lines = [r.getMessage() for r in caplog.records if r.name == "calib.calibrators.features.models"]
     assert any(m.startswith("hgb: fitting up to 30 boosting iterations") for m in lines)
     assert any(m.startswith("hgb [1/30]") for m in lines)  # the first iteration is always shown
@@ -97,10 +101,11 @@ def test_lightning_lines_are_printed_once_under_a_configured_root_logger():
         "import logging, sys\n"
         "logging.basicConfig(level=logging.INFO, stream=sys.stderr, format='ROOT %(name)s %(message)s')\n"
         "import numpy as np\n"
+        "from calib.calibrators.base import with_depth\n"
         "from calib.calibrators.scaling import TemperatureScaling\n"
         "rng = np.random.default_rng(0); c = rng.uniform(size=200)\n"
         "y = rng.uniform(size=200) < c\n"
-        "TemperatureScaling(progress=False, max_epochs=1).fit(c, rng.integers(0, 2, 200), y)\n"
+        "TemperatureScaling(progress=False, max_epochs=1).fit(with_depth(c, rng.integers(0, 2, 200)), y)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, cwd=ROOT,
                          timeout=300)

@@ -21,4 +21,7 @@ def test_train_with_the_identity_calibrator(tmp_path):
                                           "calibrator=identity", "ngram_model=logistic", "trainer.progress=false"])
     tables = load(run(OmegaConf.to_container(cfg, resolve=True)))
     model = tables.meta["chains"]["model"]
-    assert model["estimator"] == "identity" and model["params"] == {}
+    # params: per candidate (identity is the baseline and the only one here), chosen at every depth
+    assert model["estimator"] == "identity" and model["params"] == {"identity": {}}
+    for per_depth in model["choice"].values():  # per context cell (temperature axis)
+        assert per_depth == {str(d): "identity" for d in range(model["depths"])}

@@ -7,6 +7,7 @@ import pandas as pd
 import pytest
 import torch
 
+from calib.calibrators.base import with_depth
 from calib.calibrators.binning import IsotonicPerDepth
 from calib.calibrators.features import LogisticAcceptance
 from calib.tables import ChainTable, GridTables, TablesError, load, save
@@ -23,16 +24,16 @@ def tables():
     c = rng.uniform(size=5000)
     d = rng.integers(0, 3, 5000)
     y = (rng.uniform(size=5000) < c**2).astype(int)
-    grid, change = model_grid(IsotonicPerDepth().fit(c, d, y), 3, 65)
+    grid, change = model_grid(IsotonicPerDepth().fit(with_depth(c, d), y), 3, 65)
     assert (np.diff(grid, axis=1) >= 0).all() and change < 1e-9  # isotonic is already monotone
     df = pd.DataFrame({"match_n": rng.integers(1, 5, 5000), "agreement": rng.uniform(size=5000),
                        "depth": rng.integers(0, 3, 5000)})
     yy = (rng.uniform(size=5000) < 0.2 * df.match_n).astype(int)
-    model = LogisticAcceptance(features=["match_n", "agreement"]).fit(df, df.depth, yy)
+    model = LogisticAcceptance(features=["match_n", "agreement"]).fit(df, yy)
     edges, strides, ngrid, info = ngram_grid(model, df, ["match_n", "agreement"], [[1.5, 2.5, 3.5], [0.5]], 3)
     assert info["cells"] == 8 and strides.tolist() == [2, 1]
     # A cell's value is the mean prediction of the samples in it.
-    pred = model.predict_proba(df, df.depth)
+    pred = model.accept_proba(df)
     m = (df.depth == 1) & (df.match_n == 2) & (df.agreement >= 0.5)
     assert ngrid[1, 1 * 2 + 1] == pytest.approx(pred[m.to_numpy()].mean(), rel=1e-5)
     t = two_chain_tables(grid, edges, strides, ngrid, features=FEATS)
@@ -326,7 +327,7 @@ def test_encode_chain_records_the_temperatures(tmp_path):
     df = pd.DataFrame({"conf": rng.uniform(size=n), "depth": rng.integers(0, 2, n),
                        "temperature": rng.choice([0.0, 0.8], n)})
     df["label"] = (rng.uniform(size=n) < df.conf).astype(int)
-    est = IsotonicPerDepth().fit(df.conf.to_numpy(), df.depth.to_numpy(), df.label.to_numpy())
+    est = IsotonicPerDepth().fit(with_depth(df.conf.to_numpy(), df.depth.to_numpy()), df.label.to_numpy())
     for ctx in ({"axes": {"temperature": {"edges": [0.4]}}}, {}):
         table, info = encode_chain(chain("model"), est, df, {"grid_points": 9, "context": ctx}, 2)
         assert info["temperatures"]["values"] == [0.0, 0.8]

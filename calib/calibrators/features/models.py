@@ -1,9 +1,9 @@
 """Small models on named features (logistic, gradient boosting, MLP): P(accept at depth | reached).
 
-Every model follows the calibrators' protocol (:mod:`calib.calibrators.base`):
-``fit(X, depth, y, *, val=None)`` / ``predict_proba(X, depth)`` -> P(accept at depth | reached depth).
-``X`` is a chain's feature matrix: a DataFrame, from which the model reads its ``features`` by name,
-or an array holding exactly those columns in that order. The features are the n-gram chain's match
+Every model is a scikit-learn estimator of the calibrators' protocol (:mod:`calib.calibrators.base`):
+``fit(X, y)`` / ``accept_proba(X)`` -> P(accept at depth | reached depth). ``X`` is a chain's feature
+matrix with its ``depth`` column: a DataFrame, from which the model reads its ``features`` by name,
+or an array holding exactly those columns in that order, then the depth. The features are the n-gram chain's match
 features (:data:`calib.bank.schema.NGRAM_FEATURES`), the model chain's per-depth drafter outputs
 (:data:`DRAFTER_FEATURES`, the confidence first) and the context axes (:data:`calib.chains.CONTEXT`).
 Counts and distances enter the linear and MLP models as log1p (their effect is multiplicative), the
@@ -135,21 +135,18 @@ class LogisticAcceptance(FeatureModel):
         self.max_train_samples = max_train_samples
         self.seed = seed
 
-    def fit(self, X, depth, y, *, val=None) -> LogisticAcceptance:
+    def _fit(self, X, depth, y, *, val=None, groups=None) -> None:
         from sklearn.linear_model import LogisticRegression
         from sklearn.pipeline import make_pipeline
         from sklearn.preprocessing import StandardScaler
 
-        self._validate_params()
         X, depth, y = _check_frame(X, depth, self.features, y)
         self.n_depths_ = int(depth.max()) + 1
         X, depth, y = self._subsample(X, depth, y)
         self.pipeline_ = make_pipeline(StandardScaler(), LogisticRegression(C=self.C, max_iter=self.max_iter))
         self.pipeline_.fit(self._design(X, depth), y)
-        return self
 
-    def predict_proba(self, X, depth) -> np.ndarray:
-        self._check_fitted()
+    def _predict(self, X, depth) -> np.ndarray:
         X, depth, _ = _check_frame(X, depth, self.features)
         return self.pipeline_.predict_proba(self._design(X, depth))[:, 1]
 
@@ -174,10 +171,9 @@ class GradientBoostingAcceptance(FeatureModel):
         self.max_train_samples = max_train_samples
         self.seed = seed
 
-    def fit(self, X, depth, y, *, val=None) -> GradientBoostingAcceptance:
+    def _fit(self, X, depth, y, *, val=None, groups=None) -> None:
         from sklearn.ensemble import HistGradientBoostingClassifier
 
-        self._validate_params()
         X, depth, y = _check_frame(X, depth, self.features, y)
         self.n_depths_ = int(depth.max()) + 1
         X, depth, y = self._subsample(X, depth, y)
@@ -195,10 +191,8 @@ class GradientBoostingAcceptance(FeatureModel):
             self.model_.fit(np.column_stack([X, depth]), y)
         log.info("hgb: %d boosting iterations (early stopping) in %.1f s", self.model_.n_iter_,
                  time.perf_counter() - t0)
-        return self
 
-    def predict_proba(self, X, depth) -> np.ndarray:
-        self._check_fitted()
+    def _predict(self, X, depth) -> np.ndarray:
         X, depth, _ = _check_frame(X, depth, self.features)
         # rows are independent: prediction keeps every thread (the fit's sums are what one thread fixes)
         return self.model_.predict_proba(np.column_stack([X, depth]))[:, 1]
@@ -266,12 +260,11 @@ class MLPAcceptance(FeatureModel):
         Z = (self._design(X, depth) - self.mean_) / self.std_
         return torch.from_numpy(Z.astype(np.float32))
 
-    def fit(self, X, depth, y, *, val=None) -> MLPAcceptance:
+    def _fit(self, X, depth, y, *, val=None, groups=None) -> None:
         from torch.utils.data import BatchSampler, DataLoader, RandomSampler, SequentialSampler, TensorDataset
 
         from calib.calibrators.lightning_fit import fit_module
 
-        self._validate_params()
         X, depth, y = _check_frame(X, depth, self.features, y)
         self.n_depths_ = int(depth.max()) + 1
         D = self._design(X, depth)
@@ -289,7 +282,6 @@ class MLPAcceptance(FeatureModel):
                                   DataLoader(valset, sampler=val_batches, batch_size=None), max_epochs=self.max_epochs,
                                   patience=self.patience, progress=self.progress, seed=self.seed)
         self.net_ = net.eval()
-        return self
 
     def _train_and_early_stopping_rows(self, X, depth, y, val):
         """``(X, depth, y)`` to train on and ``(vX, vd, vy)`` to stop early on: ``val`` (at most a quarter
@@ -310,8 +302,7 @@ class MLPAcceptance(FeatureModel):
             X, depth, y = X[keep], depth[keep], y[keep]
         return X, depth, y, vX, vd, vy
 
-    def predict_proba(self, X, depth) -> np.ndarray:
-        self._check_fitted()
+    def _predict(self, X, depth) -> np.ndarray:
         X, depth, _ = _check_frame(X, depth, self.features)
         with torch.no_grad():
             return torch.sigmoid(self.net_(self._tensor(X, depth))).double().numpy()

@@ -98,12 +98,11 @@ class TemperatureScaling(Calibrator):
             out.append(torch.from_numpy(y))
         return out
 
-    def fit(self, X, depth, y, *, val=None) -> TemperatureScaling:
+    def _fit(self, X, depth, y, *, val=None, groups=None) -> None:
         from torch.utils.data import DataLoader
 
         from calib.calibrators.lightning_fit import fit_module
 
-        self._validate_params()
         conf, depth, y, extra = check_inputs(X, depth, y)
         if conf.size == 0:
             raise ValueError("no samples to fit")
@@ -128,10 +127,8 @@ class TemperatureScaling(Calibrator):
         self.a_ = module.a.detach().numpy().copy()
         self.b_ = module.b.detach().numpy().copy()
         self.w_ = module.w.detach().numpy().copy()
-        return self
 
-    def predict_proba(self, X, depth) -> np.ndarray:
-        self._check_fitted()
+    def _predict(self, X, depth) -> np.ndarray:
         conf, depth, _, extra = check_inputs(X, depth)
         d = np.minimum(depth, self.n_depths_ - 1)
         a = self.a_[d] if self.per_depth else self.a_[0]
