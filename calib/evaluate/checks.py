@@ -36,6 +36,10 @@ def _eval_constraints() -> dict:
         "metrics.length_n_boot": [INT_1],
         "metrics.seed": [INT_0],
         "plots.reliability_bins": [INT_1],
+        "online.enabled": [Boolean()],
+        "online.decay": [Interval(numbers.Real, 0, 1, closed="right")],
+        "online.prior": [Interval(numbers.Real, 0, None, closed="neither")],
+        "online.warmup_rounds": [INT_0],
         **{f"replay.{k}": v for k, v in ReplayConfig._constraints.items()},  # the replay's own declaration
         "replay.batch_sizes": [Each(INT_1)],
         "replay.progress": [Boolean()],

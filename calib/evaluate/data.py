@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from calib.bank import Bank, load, schema
-from calib.chains import chains, round_inputs
+from calib.chains import chains, round_inputs, split_context
 from calib.labels import prompt_split
 from calib.tables.io import bank_fingerprint
 
@@ -42,6 +42,9 @@ class Chain:
     # [R, K] the tables' forecast of P(accept | reached) per depth in the round's context cell, known
     # before the chain is drafted (calib.allocate.draft.forecast_probs); None where the tables hold none
     p_forecast: np.ndarray | None = None
+    # [R, A_ctx] each round's values of the table's context axes (the tables' order; None without tables):
+    # the online correction's context cell (calib.tables.online.context_cells)
+    context: np.ndarray | None = None
 
     @property
     def labelled(self) -> np.ndarray:
@@ -82,7 +85,8 @@ class EvalBank:
     def subset(self, mask: np.ndarray) -> EvalBank:
         chains = {k: Chain(c.drafter, c.acc[mask], None if c.p_cal is None else c.p_cal[mask],
                            None if c.p_raw is None else c.p_raw[mask],
-                           None if c.p_forecast is None else c.p_forecast[mask]) for k, c in self.chains.items()}
+                           None if c.p_forecast is None else c.p_forecast[mask],
+                           None if c.context is None else c.context[mask]) for k, c in self.chains.items()}
         return EvalBank(self.name, self.path, self.category[mask], self.prompt_idx[mask], self.split[mask],
                         chains, self.primary, self.temperature, self.seen, self.scope, list(self.notes),
                         None if self.round_temperature is None else self.round_temperature[mask])
@@ -164,19 +168,22 @@ def load_eval_bank(path, tables, fractions=(0.7, 0.15, 0.15), seed: int = 0, nam
         data = round_inputs(kind, t, tables.feature_names(kind.name) if calibrated else None)
         if data is None:
             continue
-        p_cal = p_forecast = None
+        p_cal = p_forecast = context = None
         if calibrated:
             p_cal = tables.accept_prob(kind.name, torch.from_numpy(data.inputs)).numpy().astype(np.float64)
             p_cal[np.isnan(data.acc)] = np.nan  # nothing to score or verify there
             p_forecast = _forecast(tables, kind.name, data.inputs)
-        found[kind.name] = Chain(kind.name, data.acc, p_cal, data.raw, p_forecast)
+            names = tables.feature_names(kind.name)
+            _, ctx = split_context(names, kind.name)
+            context = data.inputs[:, 0, [names.index(n) for n in ctx]].astype(np.float64)
+        found[kind.name] = Chain(kind.name, data.acc, p_cal, data.raw, p_forecast, context)
     if not found:
         raise ValueError(f"{path}: no confidences and no ngram.parquet: nothing to calibrate")
     primary = _primary(bank, found)
     # The verified chain's labels are acceptance.parquet's; the other chains' (the counterfactual
     # n-gram chain of a model-drafter bank) exist only beside a chain with raw confidences.
     verified = found[primary]
-    chain_set = {primary: Chain(primary, acc, verified.p_cal, verified.p_raw, verified.p_forecast)}
+    chain_set = {primary: Chain(primary, acc, verified.p_cal, verified.p_raw, verified.p_forecast, verified.context)}
     if verified.p_raw is not None:
         chain_set = {n: (chain_set[primary] if n == primary else c) for n, c in found.items()}
     if name is None:  # runs/banks/<name>/bank -> <name>

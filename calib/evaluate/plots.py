@@ -32,7 +32,7 @@ def _save(fig, path) -> Path:
     return path
 
 
-def reliability(bank, drafter: str, path, n_bins: int = 10, split: str = "test") -> Path:
+def reliability(bank, drafter: str, path, n_bins: int = M.ECE_BINS, split: str = "test") -> Path:
     """One column per depth plus pooled; raw and calibrated overlaid; sample counts beneath."""
     chain = bank.chains[drafter]
     panels: dict[str, dict[str, tuple]] = {}
@@ -54,7 +54,7 @@ def temperature_label(temperature: float | None) -> str:
     return "T unknown" if temperature is None else f"T={temperature:g}"
 
 
-def reliability_by_temperature(banks, temperature: float | None, path, n_bins: int = 10,
+def reliability_by_temperature(banks, temperature: float | None, path, n_bins: int = M.ECE_BINS,
                                split: str = "test") -> Path | None:
     """One panel per chain of every bank with rounds at ``temperature`` (all depths pooled), raw and
     calibrated overlaid: how calibration holds across drafters at one sampling temperature, the setting
@@ -191,4 +191,25 @@ def answer(answer_rows, path) -> Path | None:
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=7, loc="lower right")
     ax.set_title("Answer: calib's best policy against the best peer", fontsize=10)
+    return _save(fig, path)
+
+
+def warmup_curve(curve: list[dict], path) -> Path:
+    """The online correction's warm-up: relative error of the predicted mean accepted length per window of
+    rounds against rounds seen, tables alone (dashed) vs corrected online (solid), one colour per (bank, chain)."""
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    keys = list(dict.fromkeys((r["bank"], r["chain"]) for r in curve))
+    colours = plt.get_cmap("tab10")
+    for i, (bank, chain) in enumerate(keys):
+        pts = [r for r in curve if (r["bank"], r["chain"]) == (bank, chain)]
+        x = [r["rounds_seen"] for r in pts]
+        for v, style in (("tables", "--"), ("online", "-")):
+            y = [np.nan if r[f"error_{v}"] is None else r[f"error_{v}"] for r in pts]
+            ax.plot(x, y, style, color=colours(i % 10), label=f"{bank} · {chain} · {v}")
+    ax.axhline(0.05, color="grey", lw=0.8)
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("rounds seen (each point: the window of rounds ending there)")
+    ax.set_ylabel("|predicted − actual| / actual mean accepted length")
+    ax.set_title("Online correction warm-up (replay; dashed = tables alone, solid = corrected)")
+    ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return _save(fig, path)

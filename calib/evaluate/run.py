@@ -104,7 +104,8 @@ def _evaluate(cfg: DictConfig, out: Path) -> dict:
     notes = ladder_notes(ladder)
     elapsed = time.perf_counter() - t0
     slices = length_slices(length, noise=noise)
-    metrics = {"calibration": cal, "accept_length": length, "ladder": ladder, "notes": notes,
+    online = _online(cfg, banks, tables, out)
+    metrics = {"calibration": cal, "accept_length": length, "ladder": ladder, "notes": notes, "online": online,
                "length_slices": slices, "calibration_pooled": pooled, "ece_ci_method": ECE_CI_DESCRIPTION,
                "config": OmegaConf.to_container(cfg, resolve=True),
                "tables": {"dir": str(_path(root, cfg.tables)), "meta": {k: tables.meta.get(k) for k in
@@ -116,9 +117,26 @@ def _evaluate(cfg: DictConfig, out: Path) -> dict:
     write_metrics(out / "metrics.json", metrics)
     write_text_atomic(out / "report.md", render_report(banks, cal, length, ladder, notes, curves, rcfg, pics, out,
                                                   tables, elapsed, slices=slices, pooled=pooled, answer=answer,
-                                                  answer_pic=answer_pic))
+                                                  answer_pic=answer_pic, online=online))
     _track(cfg, out, metrics, pics + ([answer_pic] if answer_pic else []))
     return metrics
+
+
+def _online(cfg: DictConfig, banks: list, tables, out: Path) -> dict:
+    """metrics.json's ``online``: the tables alone vs corrected online, per slice, and the warm-up curve
+    (with its figure)."""
+    from calib.evaluate.online import WARMUP_ROUNDS, online_rows
+    from calib.tables.online import OnlineSettings
+
+    o = cfg.get("online") or {}
+    settings = OnlineSettings(bool(o.get("enabled", True)), float(o.get("decay", 0.999)), float(o.get("prior", 50.0)))
+    warmup = int(o.get("warmup_rounds", WARMUP_ROUNDS))
+    rows, curve = online_rows(banks, tables, settings, split=cfg.split.get("name", "test"), warmup=warmup,
+                              n_bins=int(cfg.metrics.n_bins))
+    pic = plots.warmup_curve(curve, out / "online_warmup.png") if curve else None
+    return {"settings": {"enabled": settings.enabled, "decay": settings.decay, "prior": settings.prior,
+                         "warmup_rounds": warmup, "cells": "the table's context cell"},
+            "slices": rows, "warmup_curve": curve, "figure": pic and str(Path(pic).relative_to(out))}
 
 
 def _load_banks(cfg: DictConfig, tables, root) -> list:
@@ -277,8 +295,36 @@ def _pooled_section(pooled) -> list[str]:
     return L
 
 
+ONLINE_COLS = ["bank", "chain", "temperature", "category", "rounds", "actual_mean", "predicted_tables", "error_tables",
+               "predicted_online", "error_online", "ece_tables", "ece_online"]
+
+
+def _online_section(online) -> list[str]:
+    """Report lines: the tables alone vs corrected online, per slice, after the warm-up."""
+    if not online or not online.get("slices"):
+        return []
+    s = online["settings"]
+    rows = online["slices"]
+    better = sum((r["error_online"] or 0) <= (r["error_tables"] or 0) for r in rows)
+    big = [r for r in rows if r["rounds"] >= SLICE_MIN_ROUNDS]
+    L = ["## Online correction (replay of the banks' rounds in collection order)", "",
+         (f"With the online correction ({'on' if s['enabled'] else 'off'}: decay {s['decay']:g}, prior "
+         f"{s['prior']:g} pseudo-positions, keyed per chain, depth and {s['cells']}) the predicted mean accepted "
+         f"length is at least as close to the actual as the tables alone in {better} of {len(rows)} slices; "
+         f"{sum((r['error_online'] or 0) > SLICE_MAX_ERROR for r in big)} of {len(big)} slices with ≥ "
+         f"{SLICE_MIN_ROUNDS:,} rounds miss the {SLICE_MAX_ERROR:.0%} target. Measured after the first "
+         f"{s['warmup_rounds']} rounds of each bank's stream (a prediction: the replay, not a clock). The engine "
+         "does not know a request's category, so a correction shared by a mixed stream cannot fix a per-category "
+         "bias; it follows the stream's mix."), ""]
+    L += [table([{**r, "temperature": "?" if r["temperature"] is None else f"{r['temperature']:g}"} for r in rows],
+                ONLINE_COLS), ""]
+    if online.get("figure"):
+        L += [f"![online warm-up]({online['figure']})", ""]
+    return L
+
+
 def render_report(banks, cal, length, ladder, notes, curves, rcfg, pics, out, tables, elapsed, slices=None,
-                  pooled=None, answer=None, answer_pic=None) -> str:
+                  pooled=None, answer=None, answer_pic=None, online=None) -> str:
     L = ["# Evaluation report", ""]
     # the answer first: calib's best policy against the best peer per (bank, cost curve)
     L += answer_lines(answer_rows(ladder) if answer is None else answer,
@@ -288,6 +334,7 @@ def render_report(banks, cal, length, ladder, notes, curves, rcfg, pics, out, ta
     L += _banks_section(banks, tables, elapsed)
     L += _slice_section(slices, pics, out)
     L += _pooled_section(pooled)
+    L += _online_section(online)
     L += _calibration_section(cal, length, pics, out)
     L += _ladder_section(ladder, notes, curves, rcfg)
     for b in banks:

@@ -126,6 +126,9 @@ class StepDecision:
     expected_accepted: torch.Tensor  # float32 [B]: calibrated expected accepted tokens (NaN: pass-through)
     allocator_ms: float  # wall time of the decision (inputs built + allocate), milliseconds
     passthrough: bool = False  # True: the engine's own drafts, unchanged (SafeDecider after an error)
+    # float32 [B, W]: the chosen chain's P(accept | reached) per drafted token as decided (NaN beyond a
+    # request's draft); None where the path did not expose them (the Triton kernel looks them up itself)
+    probs: torch.Tensor | None = None
 
 
 def feature_names(tables, chain_name: str) -> list[str]:
@@ -242,7 +245,8 @@ def _decide_step(tables, inputs: StepInputs, history: RequestHistory, *, k_max: 
     skip = [n for n in offered if inputs.offers[n].probs is not None] if impl == "reference" else []
     signals, tokens = chain_inputs(tables, inputs, history, k_max=k_max, skip=skip, temperatures=temps)
     given = _given_probs(inputs.offers, {n: tokens[n] for n in skip}, B)
-    if given:
+    probs = None
+    if given or impl == "reference":  # the probabilities are kept: the online correction learns from them
         probs = {**calibrated_probs(tables, signals), **given} if signals else given
         out = allocate_probs(probs, cost=cost, budget=budget, impl=impl)
     else:
@@ -259,8 +263,15 @@ def _decide_step(tables, inputs: StepInputs, history: RequestHistory, *, k_max: 
         if len(d) != depths[i]:  # the allocator verifies only tokens it was given: a bug if not
             raise RuntimeError(f"request {inputs.req_ids[i]}: depth {depths[i]} but the chain has {len(d)} tokens")
         drafts.append(d)
+    chosen = None
+    if probs is not None:  # [B, W]: each request's verified prefix of its chosen chain
+        chosen = torch.full((B, max([1, *map(len, drafts)])), math.nan)
+        by_name = {chain(n).id: p for n, p in probs.items()}
+        for i, d in enumerate(drafts):
+            if d:
+                chosen[i, : len(d)] = by_name[ids[i]][i, : len(d)].to(torch.float32)
     return StepDecision(list(inputs.req_ids), drafts, out.drafter.cpu(), out.depth.cpu(),
-                        out.expected_accepted.cpu(), (time.perf_counter() - start) * 1e3)
+                        out.expected_accepted.cpu(), (time.perf_counter() - start) * 1e3, probs=chosen)
 
 
 class SafeDecider:
@@ -285,19 +296,23 @@ class SafeDecider:
         "model_id": [TEXT], "speculator": [TEXT], "method": [NoneValue(), TEXT], "chains": [CHAIN_NAMES],
         "max_failures": [Interval(numbers.Integral, 1, None)],
         "history": [NoneValue(), Satisfies("a RequestHistory", lambda v: isinstance(v, RequestHistory))],
+        "online": [NoneValue(), Satisfies("calib.tables.online.OnlineSettings",
+                                          lambda v: type(v).__name__ == "OnlineSettings")],
         **DECIDE_CONSTRAINTS,
     }
 
     def __init__(self, tables, *, model_id: str, speculator: str, k_max: int, method: str | None = None,
                  chains: Sequence[str] | None = None, cost: torch.Tensor | None = None,
                  budget: int | None = None, impl: str = "reference", max_failures: int = 3,
-                 history: RequestHistory | None = None) -> None:
+                 history: RequestHistory | None = None, online=None) -> None:
         from calib.tables import load
+        from calib.tables.online import OnlineTables
 
         chains = chain_names() if chains is None else chains  # default: every registered chain kind
         validate_params("SafeDecider", {"model_id": model_id, "speculator": speculator, "method": method,
                                         "chains": chains, "max_failures": max_failures, "history": history,
-                                        "k_max": k_max, "budget": budget, "impl": impl}, self._parameter_constraints)
+                                        "k_max": k_max, "budget": budget, "impl": impl, "online": online},
+                        self._parameter_constraints)
         if (cost is None) == (budget is None):
             raise ValueError("give exactly one of `cost` (verify-cost curve) and `budget`")
         if cost is not None:
@@ -322,6 +337,10 @@ class SafeDecider:
         self.consecutive_failures = 0
         self.disabled = False
         self._warned = False
+        # the online correction (calib/tables/online.py): the tables as a prior, corrected in place by the
+        # verified outcomes of what this decider chose; None: the tables alone
+        self.online = OnlineTables(self.tables, online) if online is not None and online.enabled else None
+        self._pending: dict[str, tuple[str, int, np.ndarray]] = {}  # req id -> (chain, cell, probs [depth])
 
     @property
     def enabled(self) -> bool:
@@ -342,15 +361,53 @@ class SafeDecider:
                 self._fail(exc, "decide")
         return self._passthrough(inputs, start)
 
+    def remember(self, inputs: StepInputs, decision: StepDecision) -> None:
+        """Keep what this step decided with (per drafted request: its chain, context cell and probabilities)
+        for the online correction to learn from when :meth:`observe` reports the outcome. Never raising."""
+        if self.online is None or decision.passthrough or decision.probs is None:
+            return
+        try:
+            names = {chain(n).id: n for n in self.online.chains}
+            ids, depth = decision.chain.tolist(), decision.depth.tolist()
+            temps = None
+            for name in {names[i] for i, d in zip(ids, depth) if d and i in names}:
+                rows = [b for b, (i, d) in enumerate(zip(ids, depth)) if d and names.get(i) == name]
+                ctx = self.online.chains[name]["context"]
+                if temps is None and ctx:
+                    temps = request_temperatures(inputs)
+                values = context_columns(ctx, inputs, self.history, temps)[rows]
+                cells = self.online.cells(name, values)
+                for b, cell in zip(rows, cells.tolist()):
+                    self._pending[inputs.req_ids[b]] = (name, cell, decision.probs[b, : depth[b]].double().numpy())
+        except Exception as exc:  # noqa: BLE001
+            self._fail(exc, "remember")
+
     def observe(self, req_id: str, accepted: int, drafted: int | None = None) -> None:
-        """:meth:`RequestHistory.observe`, never raising (a failure counts as one)."""
+        """:meth:`RequestHistory.observe`, and the online correction's update from the round this decider
+        chose for ``req_id`` (when it knows it and ``drafted`` matches it); never raising."""
         try:
             self.history.observe(req_id, accepted, drafted)
+            pending = self._pending.pop(req_id, None) if self.online is not None else None
+            if pending is not None and (drafted is None or drafted == len(pending[2])):
+                from calib.tables.online import outcome_row
+
+                name, cell, q = pending
+                self.online.observe(name, q[None, :], outcome_row(min(accepted, len(q)), len(q))[None, :], [cell])
         except Exception as exc:  # noqa: BLE001
             self._fail(exc, "observe")
 
+    def refresh(self) -> None:
+        """Rewrite the tables' cells the online correction learnt from (once per step, before deciding)."""
+        if self.online is None:
+            return
+        try:
+            self.online.refresh()
+        except Exception as exc:  # noqa: BLE001
+            self._fail(exc, "refresh")
+
     def finish(self, req_id: str) -> None:
         try:
+            self._pending.pop(req_id, None)
             self.history.finish(req_id)
         except Exception as exc:  # noqa: BLE001
             self._fail(exc, "finish")

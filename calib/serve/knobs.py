@@ -38,6 +38,10 @@ class ServeKnobs:
     chains: tuple[str, ...] | None = None  # the chains calib may verify (None: every registered chain)
     plan: bool = True  # with a model drafter: choose each step's number of draft passes (plan_draft)
     draft_cost: float = DEFAULT_DRAFT_COST  # one model-drafter pass / the verify pass C(B) (the drafter's export)
+    # the online correction of the tables by verified outcomes (calib/tables/online.py); off: the tables alone
+    online: bool = True
+    online_decay: float = 0.999  # per observed position of a (chain, depth, context cell): ~1,000 remembered
+    online_prior: float = 50.0  # pseudo-positions holding a cell at the table until it has its own
 
     _parameter_constraints: ClassVar[dict] = {
         "tables": [TEXT],
@@ -50,7 +54,16 @@ class ServeKnobs:
         "chains": [Each(TEXT), NoneValue()],
         "plan": [Boolean()],
         "draft_cost": [Interval(numbers.Real, 0, None)],
+        "online": [Boolean()],
+        "online_decay": [Interval(numbers.Real, 0, 1, closed="right")],
+        "online_prior": [Interval(numbers.Real, 0, None, closed="neither")],
     }
+
+    def online_settings(self):
+        """The online correction's settings, or None when switched off."""
+        from calib.tables.online import OnlineSettings
+
+        return OnlineSettings(True, float(self.online_decay), float(self.online_prior)) if self.online else None
 
     def __post_init__(self):
         object.__setattr__(self, "ngram", tuple(self.ngram) if isinstance(self.ngram, (list, tuple)) else self.ngram)

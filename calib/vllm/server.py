@@ -147,7 +147,7 @@ class Server:
         cost = cost_curve(self.cost_text, int(runner.max_num_reqs) * (self.k + 1), drafter_loaded=loaded)
         self.max_model_len = getattr(runner, "max_model_len", None)
         dec = SafeDecider(self.tables_dir, model_id=model_id, speculator=speculator, k_max=self.k,
-                          method=method, chains=self.chains, cost=cost)
+                          method=method, chains=self.chains, cost=cost, online=self.knobs.online_settings())
         self.ngram_own = []
         if self.lookup in dec.chains:
             from calib.chains import split_context
@@ -192,6 +192,7 @@ class Server:
             d = int(num_draft[i])
             if d:
                 dec.observe(req_id, max(0, min(int(accepted[i]), d)), d)
+        dec.refresh()  # the online correction's learnt cells, rewritten once per step before the next lookup
 
     def finished(self, req_ids) -> None:
         for r in req_ids:
@@ -345,6 +346,7 @@ class Server:
         names = {kind.id: kind.name for kind in chains()}  # one registry read per step, not per request
         for r, cid, x in zip(req_ids, d.chain.tolist(), drafts):
             self.chosen[r] = names[int(cid)] if (cid != NO_CHAIN and x) else None
+        dec.remember(inputs, d)  # what the online correction learns from once the step is verified
         if sampled:  # the rejection sampler's q rows must follow the lists handed back
             self.rebuild_draft_probs(runner, req_ids, drafts, d.chain)
         self.count(drafts, engine)
@@ -384,7 +386,7 @@ class Server:
         self.stats.plan_decided += 1
         return StepDecision(list(inputs.req_ids), drafts, ids, depth,
                             torch.from_numpy(expected_accepted_length(taken)).to(torch.float32),
-                            (time.perf_counter() - start) * 1e3)
+                            (time.perf_counter() - start) * 1e3, probs=torch.from_numpy(taken).to(torch.float32))
 
     # -- probabilistic drafting (docs/serving_hooks.md, "Sampled serving") ---------------------------
     def decide_sampled(self, dec, inputs):
@@ -404,6 +406,7 @@ class Server:
         depth = torch.zeros(B, dtype=torch.int32)  # [B]: the model prefix verified
         alive = torch.ones(B, dtype=torch.bool)  # [B]: every decision so far took the whole cut
         first, ms = None, 0.0
+        model_probs: dict[int, torch.Tensor] = {}  # row -> the model prefix's probabilities as decided
         for j in range(1, max((len(t) for t in tokens), default=0) + 1):
             cut = Offer([[0] * min(j, len(t)) for t in tokens], conf[:, :j])
             d = dec.decide(StepInputs(inputs.req_ids, inputs.temperature, {**inputs.offers, model: cut}))
@@ -413,6 +416,9 @@ class Server:
             first = d if first is None else first
             alive &= (d.chain == model_id) & (d.depth == j)
             depth[alive] = j
+            if d.probs is not None:
+                for b in torch.nonzero(alive).flatten().tolist():
+                    model_probs[b] = d.probs[b, :j]
             if not bool(alive.any()):
                 break
         if first is None:  # no model token anywhere: nothing to cut
@@ -422,8 +428,14 @@ class Server:
         ids = torch.where(on_model, torch.tensor(model_id, dtype=first.chain.dtype), first.chain)
         ids = torch.where(torch.tensor([bool(x) for x in drafts]), ids, torch.tensor(NO_CHAIN, dtype=ids.dtype))
         expected = torch.where(on_model, torch.tensor(math.nan), first.expected_accepted.to(torch.float32))
+        probs = None
+        if first.probs is not None and all(b in model_probs for b in torch.nonzero(on_model).flatten().tolist()):
+            probs = torch.full((B, max([1, *map(len, drafts)])), math.nan)
+            for b, x in enumerate(drafts):
+                row = model_probs[b] if on_model[b] else first.probs[b, : len(x)]
+                probs[b, : len(x)] = row[: len(x)]
         return StepDecision(list(inputs.req_ids), drafts, ids, torch.tensor([len(x) for x in drafts],
-                            dtype=torch.int32), expected, ms)
+                            dtype=torch.int32), expected, ms, probs=probs)
 
     def rebuild_draft_probs(self, runner, req_ids: list[str], drafts: list[list[int]], chain_ids) -> None:
         """Make the q rows vLLM's rejection sampler reads next step (``runner._draft_probs`` by

@@ -19,7 +19,7 @@ def test_eval_compose_run(tmp_path):
     fit_tables([bank], tmp_path / "tables", split="train")
     out = tmp_path / "out"
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose("eval", overrides=[f"root={ROOT}", f"data.test=[{bank}]", f"tables={tmp_path / 'tables'}",
+        cfg = compose("eval", overrides=[f"root={ROOT}", f"data.test=[{bank}]", f"tables={tmp_path / 'tables'}", "online.warmup_rounds=0",
                                          f"out_dir={out}", "logger=csv", "metrics.n_boot=20",
                                          "replay.batch_sizes=[1,4]", "replay.max_steps=8", "replay.min_steps=4",
                                          "replay.progress=false"])
@@ -41,6 +41,12 @@ def test_eval_compose_run(tmp_path):
                                           "ragged_raw", "ragged_calibrated", "two_drafter", "oracle"}
     report = (out / "report.md").read_text()
     assert "Policy ladder" in report and "reliability_" in report
+    # the online correction, replayed: tables alone vs corrected per slice, same keys as served
+    on = m["online"]
+    assert on["settings"]["enabled"] and on["slices"]
+    assert {"predicted_tables", "predicted_online", "error_tables", "error_online", "ece_tables",
+            "ece_online", "rounds", "actual_mean"} <= set(on["slices"][0])
+    assert "## Online correction" in report
     # the report leads with its answer: right after the title, before the headline and every other table
     assert report.splitlines()[:3] == ["# Evaluation report", "", "## Answer"]
     sections = [ln for ln in report.splitlines() if ln.startswith("## ")]

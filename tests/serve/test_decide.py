@@ -417,3 +417,47 @@ def test_a_temperature_outside_the_fitted_range_is_decided_and_logged_once(tmp_p
     with caplog.at_level(logging.WARNING, logger="calib.serve"):
         decide_step(t, inputs, h, k_max=4, cost=_cheap(4))
     assert len(caplog.records) == 2 and "request temperature 2 outside" in caplog.records[1].getMessage()
+
+
+# --- the online correction in serving (calib/tables/online.py) --------------------------------------
+
+def test_online_correction_learns_from_what_it_decided_and_rewrites_only_that_cell(saved):
+    from calib.tables.online import OnlineSettings
+
+    on = _decider(saved, online=OnlineSettings(decay=1.0, prior=4.0))
+    off = _decider(saved)
+    inputs = _inputs(B=6, seed=3)
+    first_on, first_off = on.decide(inputs), off.decide(inputs)
+    assert first_on.drafts == first_off.drafts  # a cold start is the tables alone
+    assert first_on.probs is not None and first_on.probs.shape[0] == 6
+    before = {n: t.grid.clone() for n, t in on.tables.chains.items()}
+    on.remember(inputs, first_on)
+    drafted = [(r, len(d)) for r, d in zip(inputs.req_ids, first_on.drafts) if d]
+    assert drafted, "the synthetic step should verify something"
+    for _ in range(5):  # the same step, every drafted token rejected at once, five times
+        on.remember(inputs, first_on)
+        for r, n in drafted:
+            on.observe(r, 0, n)
+        on.refresh()
+    changed = {n: ~torch.isclose(on.tables.chains[n].grid, before[n]) for n in before}
+    chosen = {chain(int(c)).name for c, d in zip(first_on.chain.tolist(), first_on.drafts) if d}
+    for name, diff in changed.items():
+        assert bool(diff.any()) == (name in chosen)
+        if name in chosen:  # lowered where it learnt (depth 0: every round was rejected there), never raised
+            assert bool((on.tables.chains[name].grid[0] <= before[name][0] + 1e-7).all())
+            assert bool((on.tables.chains[name].grid[0] < before[name][0] - 1e-4).any())
+    assert all(torch.equal(t.grid, _decider(saved).tables.chains[n].grid) for n, t in off.tables.chains.items())
+
+
+def test_online_positions_after_the_first_rejection_are_not_rejections(saved):
+    from calib.tables.online import OnlineSettings
+
+    dec = _decider(saved, online=OnlineSettings(decay=1.0, prior=4.0))
+    inputs = _inputs(B=6, seed=3)
+    out = dec.decide(inputs)
+    dec.remember(inputs, out)
+    r, n = next((r, len(d)) for r, d in zip(inputs.req_ids, out.drafts) if len(d) >= 2)
+    name = chain(int(out.chain[inputs.req_ids.index(r)])).name
+    dec.observe(r, 0, n)  # rejected at depth 0: depths 1.. were never judged
+    seen = dec.online.state()[name]
+    assert all(s["n"][0] == 1 and not any(s["n"][1:]) for s in seen.values())

@@ -1,0 +1,75 @@
+"""The online correction (calib/tables/online.py). Synthetic data, unit tests: labels drawn from known
+probabilities so that the right answer is known."""
+
+import numpy as np
+import pytest
+
+from calib.metrics import expected_accepted_length
+from calib.tables.online import OnlineCorrection, OnlineSettings, replay_online, verified_mask
+
+
+def _rounds(rng, n, k, p_true):
+    """Rounds of ``k`` depths whose depth-d acceptance is Bernoulli(p_true[r, d]); NaN after the first
+    rejection's depth + 1 (a chain is drafted whole, but only its verified prefix is labelled here)."""
+    acc = (rng.uniform(size=(n, k)) < p_true).astype(np.float64)
+    return acc
+
+
+def test_cold_start_is_the_tables_alone():
+    p = np.array([[0.2, 0.5, np.nan], [0.9, 0.7, 0.1]])
+    corr = OnlineCorrection(3)
+    assert np.array_equal(corr.apply(p, [0, 1]), p, equal_nan=True)
+    assert np.array_equal(replay_online(p, np.ones_like(p), [0, 0])[0], p[0], equal_nan=True)
+
+
+def test_only_verified_positions_count():
+    acc = np.array([[1.0, 0.0, 0.0, np.nan], [0.0, 0.0, 1.0, 1.0], [1.0, 1.0, 1.0, 1.0]])
+    assert verified_mask(acc).tolist() == [[True, True, False, False], [True, False, False, False],
+                                           [True, True, True, True]]
+    corr = OnlineCorrection(4, OnlineSettings(decay=1.0))
+    added = corr.update(np.full((3, 4), 0.5), acc, [0, 0, 0])
+    st = corr.state()[0]
+    assert added == 7
+    assert st["n"] == [3.0, 2.0, 1.0, 1.0]  # the rejections after a first one are not counted
+    # depth 1 saw one accept and one reject at p = 0.5: no evidence either way; depth 2 one accept
+    assert st["offset"][1] == 0.0 and st["offset"][2] > 0.0
+
+
+def test_a_calibrated_stream_leaves_the_tables_alone():
+    rng = np.random.default_rng(0)
+    p = rng.uniform(0.1, 0.9, size=(5000, 4))
+    acc = _rounds(rng, 5000, 4, p)
+    out = replay_online(p, acc, np.zeros(5000), OnlineSettings(decay=0.999, prior=50))
+    assert np.abs(out[2000:] - p[2000:]).mean() < 0.03
+
+
+def test_a_shifted_stream_is_followed():
+    rng = np.random.default_rng(1)
+    p = rng.uniform(0.3, 0.9, size=(4000, 4))
+    shifted = 1 / (1 + np.exp(-(np.log(p / (1 - p)) - 1.2)))  # the workload accepts less than the tables say
+    acc = _rounds(rng, 4000, 4, shifted)
+    out = replay_online(p, acc, np.zeros(4000), OnlineSettings(decay=0.999, prior=50))
+    actual = np.cumprod(acc == 1, axis=1).sum(axis=1)[1000:].mean()
+    alone = expected_accepted_length(p[1000:]).mean()
+    online = expected_accepted_length(out[1000:]).mean()
+    assert abs(alone - actual) / actual > 0.5  # the tables alone are far off
+    # the deeper depths see few positions (a round reaches them only after accepts), so they learn slowly
+    assert abs(online - actual) / actual < 0.1
+    assert abs(online - actual) < abs(alone - actual) / 5
+
+
+def test_cells_are_kept_apart_and_it_can_be_switched_off():
+    corr = OnlineCorrection(1, OnlineSettings(decay=1.0, prior=1.0))
+    for _ in range(10):  # ten engine steps of ten rounds, every one rejected
+        corr.update(np.full((10, 1), 0.5), np.zeros((10, 1)), np.zeros(10))
+    assert corr.apply(np.array([[0.5]]), [0])[0, 0] < 0.05
+    assert corr.apply(np.array([[0.5]]), [80])[0, 0] == 0.5  # another temperature: untouched
+    off = OnlineCorrection(1, OnlineSettings(enabled=False))
+    assert off.update(np.full((5, 1), 0.5), np.zeros((5, 1)), np.zeros(5)) == 0
+    assert off.apply(np.array([[0.5]]), [0])[0, 0] == 0.5
+
+
+@pytest.mark.parametrize("kw", [{"decay": 0.0}, {"decay": 1.5}, {"prior": 0.0}, {"prior": float("inf")}])
+def test_bad_settings_are_refused(kw):
+    with pytest.raises(ValueError, match="online"):
+        OnlineSettings(**kw)
