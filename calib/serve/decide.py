@@ -272,8 +272,10 @@ class SafeDecider:
     :func:`calib.tables.load`, or a loaded :class:`calib.tables.io.Tables`) and checks them against what
     the engine reports with :meth:`Tables.check_bank` on an engine manifest (target ``model_id``,
     ``speculator`` e.g. ``"eagle:<head dir name>"`` or ``"ngram"``, ``k_max`` = num_speculative_tokens,
-    and the depth of every other chain it offers that a manifest records, e.g. the n-gram chain's): a mismatch is a :class:`calib.tables.io.TablesError`
-    naming both sides. Also checks ``k_max`` and the cost curve (for one request).
+    and the depth of every other chain it offers that a manifest records, e.g. the n-gram chain's; with
+    ``identity`` (:func:`calib.fingerprint.identity` of the engine's target and drafter folders) target and
+    drafter are compared by content, the ids serving only in messages): a mismatch is a
+    :class:`calib.tables.io.TablesError` naming both sides. Also checks ``k_max`` and the cost curve (for one request).
 
     :meth:`decide` never raises: on an exception it logs one warning (with the exception) the first
     time, counts it, and returns the engine's own drafts unchanged for that step; after
@@ -285,19 +287,22 @@ class SafeDecider:
         "model_id": [TEXT], "speculator": [TEXT], "method": [NoneValue(), TEXT], "chains": [CHAIN_NAMES],
         "max_failures": [Interval(numbers.Integral, 1, None)],
         "history": [NoneValue(), Satisfies("a RequestHistory", lambda v: isinstance(v, RequestHistory))],
+        "identity": [NoneValue(), Satisfies("an identity dict (calib.fingerprint.identity)",
+                                            lambda v: isinstance(v, dict))],
         **DECIDE_CONSTRAINTS,
     }
 
     def __init__(self, tables, *, model_id: str, speculator: str, k_max: int, method: str | None = None,
                  chains: Sequence[str] | None = None, cost: torch.Tensor | None = None,
                  budget: int | None = None, impl: str = "reference", max_failures: int = 3,
-                 history: RequestHistory | None = None) -> None:
+                 history: RequestHistory | None = None, identity: dict | None = None) -> None:
         from calib.tables import load
 
         chains = chain_names() if chains is None else chains  # default: every registered chain kind
         validate_params("SafeDecider", {"model_id": model_id, "speculator": speculator, "method": method,
                                         "chains": chains, "max_failures": max_failures, "history": history,
-                                        "k_max": k_max, "budget": budget, "impl": impl}, self._parameter_constraints)
+                                        "k_max": k_max, "budget": budget, "impl": impl, "identity": identity},
+                        self._parameter_constraints)
         if (cost is None) == (budget is None):
             raise ValueError("give exactly one of `cost` (verify-cost curve) and `budget`")
         if cost is not None:
@@ -309,7 +314,7 @@ class SafeDecider:
             chain(c)  # a KeyError lists the registered chains
         self.chains = [c for c in offered if c in self.tables.chains]
         manifest = {"model": model_id, "speculator": speculator, "method": method,
-                    "num_speculative_tokens": k_max}
+                    "num_speculative_tokens": k_max, **({"identity": identity} if identity else {})}
         for c in self.chains:  # the other chains are cut to k_max too
             if c != self.engine_chain and chain(c).manifest_key is not None:
                 manifest[chain(c).manifest_key] = {"width": k_max}

@@ -70,6 +70,23 @@ class ServeStats:
                 f"{self.errors} hook errors" + (f"; OFF: {self.disabled_reason}" if self.disabled_reason else ""))
 
 
+def engine_identity(runner, sc) -> dict:
+    """The engine's target and drafter by content (:func:`calib.fingerprint.identity`): what the tables'
+    fingerprints are compared with; the drafter is the speculative config's model folder (None for n-gram)."""
+    from calib.chains import chain_of_method
+    from calib.fingerprint import identity
+
+    method = getattr(sc, "method", None)
+    try:
+        model_free = chain_of_method(method).confidence is None  # n-gram: vLLM sets its draft config to the target's
+    except KeyError:
+        model_free = False
+    draft = getattr(sc, "draft_model_config", None)
+    drafter = None if model_free else (getattr(draft, "model", None) or getattr(sc, "model", None))
+    return identity(runner.model_config.model, drafter, method,
+                    getattr(sc, "num_speculative_tokens", None))
+
+
 class Server:
     """Per-process serving state: the lazily built decider, drafter confidences, statistics."""
 
@@ -147,7 +164,7 @@ class Server:
         cost = cost_curve(self.cost_text, int(runner.max_num_reqs) * (self.k + 1), drafter_loaded=loaded)
         self.max_model_len = getattr(runner, "max_model_len", None)
         dec = SafeDecider(self.tables_dir, model_id=model_id, speculator=speculator, k_max=self.k,
-                          method=method, chains=self.chains, cost=cost)
+                          method=method, chains=self.chains, cost=cost, identity=engine_identity(runner, sc))
         self.ngram_own = []
         if self.lookup in dec.chains:
             from calib.chains import split_context
