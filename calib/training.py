@@ -297,7 +297,11 @@ def wandb_note(out_dir: Path) -> str:
 
 def _fit_and_export(cfg: dict, stage: Path, out_dir: Path) -> str:
     """Fit, export and log into ``stage`` (published later as ``out_dir``); returns the summary text."""
-    bank = load(cfg["data"]["train"])
+    # rounds of requests with target-only logit transforms accept differently: left out unless asked (calib/transforms.py)
+    bank = load(cfg["data"]["train"], judged_only=not bool(cfg["data"].get("keep_logit_transforms", False)))
+    if bank.judged_only and (n_out := bank.transformed_keys().num_rows):
+        log.info("left out %d rounds of requests with target-only logit transforms "
+                 "(data.keep_logit_transforms=true keeps them)", n_out)
     tracker = make_tracker(cfg.get("logger"), stage, cfg, job_type="train")
     try:
         return _fit_and_export_tracked(cfg, bank, tracker, stage, out_dir)

@@ -207,6 +207,13 @@ class _Checker:
         if "batch_size" in table.column_names:
             bs = _floats(table.column("batch_size"))
             self.first_bad(file, "batch_size", bs < 1, table, "batch_size below 1")
+        if "logit_transforms" in table.column_names:  # null: not recorded; else known names, comma-joined
+            from calib.transforms import NAMES, decode
+
+            vals = table.column("logit_transforms").to_pylist()
+            bad = np.array([v is not None and any(n not in NAMES for n in decode(v)) for v in vals], dtype=bool)
+            self.first_bad(file, "logit_transforms", bad, table,
+                           f"names other than {', '.join(NAMES)} (comma-joined; '' for none)")
         if "temperature" in table.column_names:  # null: not recorded; a value must be a temperature
             v = table.column("temperature")
             raw, valid = _floats(v, nulls_as_nan=False), _valid_mask(v)
