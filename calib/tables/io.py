@@ -437,7 +437,9 @@ class Tables(GridTables):
             spec = entry.get("speculator")
             if role == "drafter":
                 method = entry.get("method") or ident.get("method")
-                if not isinstance(spec, str) or verified_chain(spec, method if isinstance(method, str) else None) != chain:
+                method = method if isinstance(method, str) else None
+                spec = spec if isinstance(spec, str) else method  # a manifest without `speculator`: its method
+                if spec is None or verified_chain(spec, method) != chain:
                     continue
             fp = ident.get(role)
             if is_fingerprint(fp):
