@@ -22,6 +22,8 @@ from dataclasses import dataclass
 V1_FIX = "VLLM_USE_V2_MODEL_RUNNER=0"
 SYNC_FIX = "--no-async-scheduling (LLM(async_scheduling=False))"
 SPEC_FIX = "--speculative-config (calib needs speculative decoding)"
+TABLES_FIX = ("CALIB_SERVE tables fitted on banks of this target and drafter (python train.py data.train=[BANK,...]), "
+              "or its model_id")
 ADAPTIVE_FIX = ("--speculative-config '{..., \"enable_adaptive_verification\": true}' (a model drafter), or "
                 f"{V1_FIX} with {SYNC_FIX}")
 
@@ -110,12 +112,17 @@ def decide(f: EngineFacts) -> tuple[dict[str, ModeState], str | None]:
     is not switched on: it says nothing)."""
     modes = [m for m, asked in (("capture", f.capture), ("serve", f.serve)) if asked]
     states = {m: decide_mode(m, f) for m in modes}
+    return states, line(states)
+
+
+def line(states: dict[str, ModeState]) -> str | None:
+    """The one line for ``states`` (None for none)."""
     if not states:
-        return states, None
+        return None
     if len(states) == 1:
         (m, s), = states.items()
-        return states, f"calib {m}: {s.text()}"
-    return states, "calib: " + " | ".join(f"{m} {s.text()}" for m, s in states.items())
+        return f"calib {m}: {s.text()}"
+    return "calib: " + " | ".join(f"{m} {s.text()}" for m, s in states.items())
 
 
 def facts_from_config(vllm_config, capture: bool, serve: bool) -> EngineFacts:

@@ -98,10 +98,22 @@ def ensure_log_handler(logger: logging.Logger) -> None:
 def engine_start(vllm_config, rank: int = 0):
     """At a worker's start: decide each asked mode from ``vllm_config``, stand down those that cannot act,
     wire the V2 estimator where serving acts through it, and log the one line (rank 0). Returns the states."""
-    from calib.vllm.engine_line import decide, facts_from_config
+    from calib.vllm.engine_line import TABLES_FIX, ModeState, decide, facts_from_config
+    from calib.vllm.engine_line import line as line_of
 
     states, line = decide(facts_from_config(vllm_config, capture=bool(envs.CALIB_COLLECT_DIR),
                                             serve=bool(envs.CALIB_SERVE)))
+    serve = states.get("serve")
+    server = getattr(_MODES.get("serve"), "server", None)
+    if serve is not None and serve.on and not serve.via.startswith("V2") and server is not None:
+        # the tables are checked against this engine now (target, drafter, K), so the line can say so
+        server.ensure(runner_view(vllm_config), log_failure=False)
+        if server.failed:
+            states["serve"] = ModeState("serve", False, reason=f"tables refused: {server.stats.disabled_reason}",
+                                        fix=TABLES_FIX)
+        else:
+            states["serve"] = ModeState("serve", True, via=f"{serve.via}, tables {server.tables_dir}")
+        line = line_of(states)
     for mode, state in states.items():
         sub = _MODES.get(mode)
         v1_acts = state.on and not state.via.startswith("V2")
@@ -122,6 +134,17 @@ def engine_start(vllm_config, rank: int = 0):
         ensure_log_handler(log)
         (log.info if all(s.on for s in states.values()) else log.warning)(line)
     return states
+
+
+def runner_view(vllm_config):
+    """What :meth:`calib.vllm.server.Server.ensure` reads of a V1 runner, from the engine's config (as
+    ``GPUModelRunner.__init__`` sets it), so that the tables are checked at engine start."""
+    from types import SimpleNamespace
+
+    sched, model = vllm_config.scheduler_config, vllm_config.model_config
+    return SimpleNamespace(speculative_config=vllm_config.speculative_config, model_config=model,
+                           max_num_reqs=sched.max_num_seqs, max_model_len=model.max_model_len,
+                           use_async_scheduling=bool(sched.async_scheduling))
 
 
 _WORKER_HOOKED = False

@@ -133,20 +133,23 @@ class Server:
         self._error_logged = 0
 
     # -- construction ----------------------------------------------------------------------------
-    def ensure(self, runner):
-        """The decider, built at first use from the runner's config; None (pass-through) if it cannot be."""
+    def ensure(self, runner, log_failure: bool = True):
+        """The decider, built at first use from the runner's config (at engine start by the plugin, from
+        the engine's config: :func:`calib.vllm.plugin.runner_view`); None (pass-through) if it cannot be.
+        ``log_failure=False``: the caller reports it (the plugin's engine line)."""
         if self.decider is not None or self.failed:
             return self.decider
         try:
             self.decider = self._build(runner)
-            log.info("calib serve: deciding drafts with tables %s (engine chain %s, chains %s, K=%d, "
+            log.debug("calib serve: deciding drafts with tables %s (engine chain %s, chains %s, K=%d, "
                      "ngram %s)", self.tables_dir, self.decider.engine_chain, self.decider.chains,
                      self.k, self.ngram)
         except Exception as exc:  # noqa: BLE001 - never raise into the engine
             self.failed = True
             self.stats.disabled_reason = f"{type(exc).__name__}: {exc}"
-            log.error("calib serve: OFF for this run, vLLM drafts on its own: cannot serve with tables %s: %s",
-                      self.tables_dir, self.stats.disabled_reason)
+            if log_failure:
+                log.error("calib serve: OFF for this run, vLLM drafts on its own: cannot serve with tables %s: %s",
+                          self.tables_dir, self.stats.disabled_reason)
         return self.decider
 
     def _build(self, runner):

@@ -79,7 +79,7 @@ def test_one_line_and_a_bad_words_request_left_to_vllm(setup):
     calib_lines = [m for m in out["lines"] if m.startswith("calib")]
     head = [m for m in calib_lines if m.startswith(("calib:", "calib capture:", "calib serve:"))]
     assert head[0] == ("calib: capture ON (V1 runner, sync scheduling, ngram K=4) | "
-                       "serve ON (V1 runner, sync scheduling, ngram K=4)"), calib_lines
+                       f"serve ON (V1 runner, sync scheduling, ngram K=4, tables {tables})"), calib_lines
     assert len(head) == 1, calib_lines
     st = out["stats"]
     assert st["disabled_reason"] is None and st["decided"] > 0 and st["left_to_vllm"] > 0, st

@@ -96,7 +96,15 @@ def plugin(monkeypatch):
     from calib.vllm.patches import PatchSet, RunnerSubscriber
 
     serve_sub = RunnerSubscriber()
-    serve_sub.server = NS(failed=False, stats=NS(disabled_reason=None))
+
+    def ensure(runner, log_failure=True):  # Server.ensure: the tables checked against the engine's config
+        srv = serve_sub.server
+        srv.seen.append(runner)
+        if srv.refuse:
+            srv.failed, srv.stats.disabled_reason = True, "TablesError: target model: tables t were fitted for ..."
+
+    serve_sub.server = NS(failed=False, stats=NS(disabled_reason=None), tables_dir="somewhere", seen=[],
+                          refuse=False, ensure=ensure)
     capture_sub = RunnerSubscriber()
     ps = PatchSet([serve_sub, capture_sub])  # not installed on vLLM's classes
     monkeypatch.setattr(patches, "_INSTALLED", ps)
@@ -109,7 +117,8 @@ def plugin(monkeypatch):
 
 
 def _config(v2, async_, adaptive=False, method="eagle"):
-    return NS(use_v2_model_runner=v2, scheduler_config=NS(async_scheduling=async_),
+    return NS(use_v2_model_runner=v2, scheduler_config=NS(async_scheduling=async_, max_num_seqs=8),
+              model_config=NS(model="/m", max_model_len=2048),
               speculative_config=NS(method=method, num_speculative_tokens=4, enable_adaptive_verification=adaptive,
                                     rejection_sample_method="standard"))
 
@@ -121,9 +130,22 @@ def _calib_lines(caplog):
 def test_v1_sync_engine_keeps_both_modes_and_logs_one_line(plugin, caplog):
     with caplog.at_level(logging.INFO, logger="calib.vllm"):
         plugin.mod.engine_start(_config(False, False))
-    want = "calib: capture ON (V1 runner, sync scheduling, eagle K=4) | serve ON (V1 runner, sync scheduling, eagle K=4)"
+    want = ("calib: capture ON (V1 runner, sync scheduling, eagle K=4) | serve ON (V1 runner, sync scheduling, "
+            "eagle K=4, tables somewhere)")
     assert _calib_lines(caplog) == [want]
     assert plugin.ps.subscribers == (plugin.serve, plugin.capture) and not plugin.serve.server.failed
+    (view,) = plugin.serve.server.seen  # the tables were checked at engine start, on the engine's config
+    assert (view.max_num_reqs, view.max_model_len, view.model_config.model) == (8, 2048, "/m")
+
+
+def test_tables_refused_at_engine_start_are_in_the_line(plugin, caplog):
+    plugin.serve.server.refuse = True
+    with caplog.at_level(logging.INFO, logger="calib.vllm"):
+        plugin.mod.engine_start(_config(False, False))
+    (line,) = _calib_lines(caplog)
+    assert line.startswith("calib: capture ON (V1 runner, sync scheduling, eagle K=4) | serve OFF — tables refused: "
+                           "TablesError: target model") and "python train.py" in line
+    assert plugin.ps.subscribers == (plugin.capture,) and caplog.records[-1].levelno == logging.WARNING
 
 
 def test_v2_engine_stands_the_v1_modes_down_and_says_why(plugin, caplog):
