@@ -109,8 +109,8 @@ def engine_start(vllm_config, rank: int = 0):
         # the tables are checked against this engine now (target, drafter, K), so the line can say so
         server.ensure(runner_view(vllm_config), log_failure=False)
         if server.failed:
-            states["serve"] = ModeState("serve", False, reason=f"tables refused: {server.stats.disabled_reason}",
-                                        fix=TABLES_FIX)
+            why = " ".join(str(server.stats.disabled_reason).split())  # one line, whatever the error's layout
+            states["serve"] = ModeState("serve", False, reason=f"tables refused: {why}", fix=TABLES_FIX)
         else:
             states["serve"] = ModeState("serve", True, via=f"{serve.via}, tables {server.tables_dir}")
         line = line_of(states)
