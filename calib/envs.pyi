@@ -24,6 +24,7 @@ TRITON_INTERPRET: bool
 WANDB_MODE: str
 VLLM_ENABLE_V1_MULTIPROCESSING: bool
 VLLM_CPU_KVCACHE_SPACE: str | None
+VLLM_USE_V2_MODEL_RUNNER: bool | None
 VLLM_CPU_NUM_OF_RESERVED_CPU: str | None
 
 def export(values: Mapping[str, Any]) -> dict[str, str]: ...

@@ -368,7 +368,9 @@ def _bank_identity(bank) -> list[dict]:
         digest = bank_fingerprint(path)  # eval tells training banks from unseen ones by it
         out.append({"path": str(path), "acceptance_sha256": digest,
                     **{k: man.get(k) for k in ("model", "speculator", "config", "n_rounds", "engine",
-                                               "engine_version")}})
+                                               "engine_version", "method")},
+                    # target/drafter fingerprints (calib/fingerprint.py): what check_bank and serving compare
+                    **({"identity": man["identity"]} if isinstance(man.get("identity"), dict) else {})})
     return out
 
 
@@ -434,7 +436,11 @@ def wandb_note(out_dir: Path) -> str:
 
 def _fit_and_export(cfg: dict, stage: Path, out_dir: Path) -> str:
     """Fit, export and log into ``stage`` (published later as ``out_dir``); returns the summary text."""
-    bank = load(cfg["data"]["train"])
+    # rounds of requests with target-only logit transforms accept differently: left out unless asked (calib/transforms.py)
+    bank = load(cfg["data"]["train"], judged_only=not bool(cfg["data"].get("keep_logit_transforms", False)))
+    if bank.judged_only and (n_out := bank.transformed_keys().num_rows):
+        log.info("left out %d rounds of requests with target-only logit transforms "
+                 "(data.keep_logit_transforms=true keeps them)", n_out)
     tracker = make_tracker(cfg.get("logger"), stage, cfg, job_type="train")
     try:
         return _fit_and_export_tracked(cfg, bank, tracker, stage, out_dir)

@@ -250,9 +250,14 @@ class Bank:
 
     Banks of different widths D are null-padded to the widest; column subsets may be asked for so
     that a million rounds fit in a few GB.
+
+    With ``judged_only`` every table leaves out the rounds whose request carried target-only logit
+    transforms (speculator.parquet ``logit_transforms`` non-empty, calib/transforms.py): they accept
+    differently from what calib's tables describe. Banks without the column lose nothing.
     """
 
-    def __init__(self, paths, validate_on_open: bool = True):
+    def __init__(self, paths, validate_on_open: bool = True, judged_only: bool = False):
+        self.judged_only = bool(judged_only)
         self.paths = find_banks(paths)  # deduplicated: a bank listed twice (or a copy) counts once
         if validate_on_open:
             for p in self.paths:
@@ -287,7 +292,38 @@ class Bank:
             for c in columns:
                 if c not in table.column_names:
                     raise KeyError(f"column {c!r} is in none of {[str(p / file) for p in self.paths]}")
-        return table
+        return self._judged(table)
+
+    def transformed_keys(self) -> pa.Table:
+        """The keys of the rounds whose request carried target-only logit transforms (empty without any)."""
+        import pyarrow.compute as pc
+
+        from calib.transforms import COLUMN
+
+        parts = []
+        for p in self.paths:
+            path = p / schema.SPECULATOR
+            if COLUMN not in pq.read_schema(path).names:
+                continue
+            t = pq.read_table(path, columns=[*schema.KEYS, COLUMN])
+            v = t.column(COLUMN)
+            keep = pc.and_(pc.is_valid(v), pc.not_equal(pc.fill_null(v, ""), ""))
+            parts.append(t.filter(keep).select(list(schema.KEYS)))
+        if not parts:
+            return pa.table({k: pa.array([], type=schema.KEY_TYPES[k]) for k in schema.KEYS})
+        return pa.concat_tables(parts, promote_options="default")
+
+    def _judged(self, table: pa.Table) -> pa.Table:
+        """``table`` without the transformed rounds when ``judged_only`` (rows in their order)."""
+        if not self.judged_only or not all(k in table.column_names for k in schema.KEYS):
+            return table
+        excluded = self.transformed_keys()
+        if excluded.num_rows == 0:
+            return table
+        from calib.bank.validate import _key_ids
+
+        ids, bad = _key_ids(table.select(list(schema.KEYS)), excluded)
+        return table.filter(pa.array(~np.isin(ids, bad)))
 
     def rounds(self, columns: Sequence[str] | None = None, chains: Iterable = ()) -> pa.Table:
         """acceptance ⋈ speculator (⋈ each of ``chains``' own bank file) on the bank keys.
@@ -313,12 +349,16 @@ class Bank:
             cached = self._cached_rounds()
             if cached is not None:
                 if columns is None:
-                    return cached
+                    return self._judged(cached)
                 names = acc_cols + [c for c in spec_cols if c not in keys]
                 if all(c in cached.column_names for c in names):
-                    return cached.select(names)
-        acc = self.table(schema.ACCEPTANCE, acc_cols)
-        spec = self.table(schema.SPECULATOR, spec_cols)
+                    return self._judged(cached.select(names))
+        judged, self.judged_only = self.judged_only, False  # the whole join is cached; filtered on return
+        try:
+            acc = self.table(schema.ACCEPTANCE, acc_cols)
+            spec = self.table(schema.SPECULATOR, spec_cols)
+        finally:
+            self.judged_only = judged
         out = acc.join(spec, keys=keys, join_type="inner")
         for file, prefix in joins:
             own = self.table(file)
@@ -327,7 +367,7 @@ class Bank:
         out = out.sort_by([(k, "ascending") for k in keys])
         if columns is None and not joins:
             self._rounds_cache = (self._rounds_stamp(), out)
-        return out
+        return self._judged(out)
 
     def _rounds_stamp(self) -> tuple:
         return tuple((str(p / f), (p / f).stat().st_size, (p / f).stat().st_mtime_ns)
@@ -357,5 +397,5 @@ class Bank:
         return datasets.Dataset(self.rounds(columns, chains))
 
 
-def load(paths, validate_on_open: bool = True) -> Bank:
-    return Bank(paths, validate_on_open)
+def load(paths, validate_on_open: bool = True, judged_only: bool = False) -> Bank:
+    return Bank(paths, validate_on_open, judged_only)

@@ -14,7 +14,8 @@ additively (a reader that knows only the public layout sees nothing new):
 
 * speculator.parquet may carry ``tok{k}`` (int64 drafted token id), ``entropy{k}`` (float64, nats,
   of the drafter's distribution at depth k), ``margin{k}`` (float64, top-1 minus top-2 probability),
-  ``batch_size`` (int64, requests in the verify step) and ``temperature`` (float64).
+  ``batch_size`` (int64, requests in the verify step), ``temperature`` (float64) and ``logit_transforms``
+  (string: the request's target-only logit transforms, calib/transforms.py).
 * ngram.parquet (same keys) holds the n-gram (prompt-lookup) chain that the context offered at that
   round, its match features and, when known, its accept mask — see :data:`NGRAM_FEATURES`.
 
@@ -76,6 +77,11 @@ ROUND_COLUMNS: dict[str, tuple[pa.DataType, str, bool]] = {
     # round's acc/conf/tok columns are then empty, since the speculator's draft was not verified, and
     # ngram.parquet labels the chain as verified). Absent when serving was off.
     "verified_chain": (pa.string(), SPECULATOR, False),
+    # The round's request carried target-only logit transforms (calib/transforms.py): their names
+    # comma-joined ("allowed_token_ids", "logit_bias", "bad_words", "presence_penalty", "frequency_penalty",
+    # "repetition_penalty", "structured_output"); "" none. Such rounds accept differently from what the
+    # tables describe: train.py leaves them out by default. Absent (or null) in banks made before it.
+    "logit_transforms": (pa.string(), SPECULATOR, False),
 }
 
 # ngram.parquet: the prompt-lookup chain of each round.

@@ -21,7 +21,10 @@ from calib.sidefiles import SideFileError, field, read_json
 _SIDE_HINT = "fix or delete the file (it is optional), or recollect the bank"
 # run_manifest.json fields the validator compares with the data, and their JSON types.
 MANIFEST_FIELDS: dict[str, type] = {"n_rounds": int, "model": str, "speculator": str, "config": str,
-                                    "categories": list, "num_speculative_tokens": int, "routing": dict}
+                                    "categories": list, "num_speculative_tokens": int, "routing": dict,
+                                    "identity": dict}
+# run_manifest.json "identity" (calib/fingerprint.py): the target's and drafter's fingerprints, method, K.
+IDENTITY_ROLES = ("target", "drafter")
 
 
 @dataclass(frozen=True)
@@ -204,6 +207,13 @@ class _Checker:
         if "batch_size" in table.column_names:
             bs = _floats(table.column("batch_size"))
             self.first_bad(file, "batch_size", bs < 1, table, "batch_size below 1")
+        if "logit_transforms" in table.column_names:  # null: not recorded; else known names, comma-joined
+            from calib.transforms import NAMES, decode
+
+            vals = table.column("logit_transforms").to_pylist()
+            bad = np.array([v is not None and any(n not in NAMES for n in decode(v)) for v in vals], dtype=bool)
+            self.first_bad(file, "logit_transforms", bad, table,
+                           f"names other than {', '.join(NAMES)} (comma-joined; '' for none)")
         if "temperature" in table.column_names:  # null: not recorded; a value must be a temperature
             v = table.column("temperature")
             raw, valid = _floats(v, nulls_as_nan=False), _valid_mask(v)
@@ -416,6 +426,7 @@ class _Checker:
                 continue
             if kind is int and value is not None and value < 1:
                 self.add(schema.MANIFEST, f"routing.{key}", None, f"is {value}, expected an integer >= 1")
+        self.identity(typed.get("identity"), typed.get("num_speculative_tokens"))
         n = typed.get("n_rounds")
         if n is not None and n != acceptance.num_rows:
             self.add(schema.MANIFEST, "n_rounds", None,
@@ -439,6 +450,26 @@ class _Checker:
             elif k > d:
                 self.add(schema.MANIFEST, "num_speculative_tokens", None,
                          f"says {k}, the bank has {d} acc columns")
+
+    def identity(self, ident: dict | None, k: int | None):
+        """The manifest's ``identity``: each role a fingerprint (``calib.fingerprint``) or null, K as the manifest's."""
+        from calib.fingerprint import IDENTITY_KEYS
+
+        if ident is None:  # banks collected before fingerprints: check_bank compares names instead
+            return
+        for role in IDENTITY_ROLES:
+            fp = ident.get(role)
+            if fp is None:
+                continue
+            if not isinstance(fp, dict) or not isinstance(fp.get("config_sha256"), str) or any(
+                    key not in fp for key in IDENTITY_KEYS):
+                self.add(schema.MANIFEST, f"identity.{role}", None,
+                         f"is {str(fp)[:80]!r}; expected null or a fingerprint object with {', '.join(IDENTITY_KEYS)} "
+                         f"(calib/fingerprint.py); {_SIDE_HINT}")
+        n = ident.get("num_speculative_tokens")
+        if n is not None and k is not None and n != k:
+            self.add(schema.MANIFEST, "identity.num_speculative_tokens", None,
+                     f"says {n}, num_speculative_tokens says {k}")
 
     def stats(self, acceptance: pa.Table):
         claimed = self.read_json(schema.STATS)

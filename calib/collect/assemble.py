@@ -134,6 +134,8 @@ def build_tables(rounds: dict[int, list[dict]], categories: dict[int, str],
             spec_cols["batch_size"].append(rec["batch_size"])
             spec_cols["temperature"].append(keys.temperature)
             spec_cols["verified_chain"].append(rec.get("verified_chain"))
+            lt = rec.get("logit_transforms")  # names (calib/transforms.py); absent: not recorded
+            spec_cols["logit_transforms"].append(None if lt is None else ",".join(lt))
             _ngram_row(ng_cols, rec, idx, r_idx, final_tokens[idx], keys, verified=keys.ngram_verified or substituted)
     order = list(schema.KEYS)
     acceptance = pa.table({c: acc_cols[c] for c in order + ["accept"] + [f"acc{k}" for k in range(D)]})
@@ -141,6 +143,8 @@ def build_tables(rounds: dict[int, list[dict]], categories: dict[int, str],
     round_names = ["batch_size", "temperature"]
     if any(v is not None for v in spec_cols["verified_chain"]):  # only banks collected with serving on
         round_names.append("verified_chain")
+    if any(v is not None for v in spec_cols["logit_transforms"]):  # captures that record the requests' transforms
+        round_names.append("logit_transforms")
     speculator = pa.table({c: spec_cols[c] for c in spec_names + round_names},
                           schema=_schema(spec_names + round_names, schema.SPECULATOR))
     ng_names = (order + list(schema.NGRAM_ROUND) + [f"{schema.NGRAM_TOK}{j}" for j in range(L)]

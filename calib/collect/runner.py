@@ -35,6 +35,7 @@ from tqdm.std import tqdm as plain_tqdm
 from calib.atomic import write_json_atomic
 from calib.bank import load, write_bank
 from calib.collect.assemble import RunKeys, build_tables, engine_request_prefix, read_capture, reconcile
+from calib.fingerprint import identity
 from calib.prompts import encode_chat, load_prompts
 from calib.sidefiles import field, read_json
 from calib.vllm.engine import build_engine, speculative_config
@@ -63,6 +64,7 @@ class RunFolder:
         self.parts = self.dir / "parts"
         self.cfg = cfg
         self.hash = config_hash(cfg)
+        self.identity: dict | None = None  # the run's target/drafter fingerprints (calib.fingerprint.identity)
 
     # What a collect run writes in its out_dir (``capture/`` is emptied at each start).
     OWN = ("collect_config.json", "parts", "capture", "bank", "outputs.json", "timing.json")
@@ -99,7 +101,8 @@ class RunFolder:
         final = self.part_dir(i)
         tmp_parent = Path(tempfile.mkdtemp(prefix=f".part-{i:05d}.", dir=self.parts))
         try:
-            bank = write_bank(tmp_parent / "bank", *tables, manifest={"part": i, **info})
+            manifest = {"part": i, **info, **({"identity": self.identity} if self.identity else {})}
+            bank = write_bank(tmp_parent / "bank", *tables, manifest=manifest)
             (bank / SUCCESS).write_text(json.dumps(info))
             os.replace(bank, final)
         finally:
@@ -223,6 +226,8 @@ def _collect(cfg: dict, prompts: list, folder: RunFolder) -> Path | None:
     if spec is None:
         cfg = {**cfg, "capture": False}
     k = int(spec_cfg["num_speculative_tokens"])
+    # by content, not by folder name: what check_bank and serving compare (calib/fingerprint.py)
+    folder.identity = identity(model_dir, (spec or {}).get("model"), spec_cfg["method"], k)
     ng = spec_cfg.get("ngram") or {}
     ngram_params = (int((spec or {}).get("prompt_lookup_min", ng.get("min_n", 1))),
                     int((spec or {}).get("prompt_lookup_max", ng.get("max_n", 4))), int(ng.get("k", k)))
@@ -269,9 +274,18 @@ def _collect(cfg: dict, prompts: list, folder: RunFolder) -> Path | None:
     return _merge(folder, cfg, keys, spec, model_dir, time.time() - t_start)
 
 
+# Capture hooks vLLM's V1 model runner with synchronous scheduling (calib/vllm/engine_line.py); vLLM 0.32
+# picks Model Runner V2 and async scheduling wherever Triton is present (every GPU build), so collect asks
+# for V1 and sync scheduling explicitly, on every platform.
+V1_RUNNER = {"VLLM_USE_V2_MODEL_RUNNER": False}
+SYNC_SCHEDULING = {"async_scheduling": False}
+
+
 def _engine(cfg, model_dir, spec, capture_dir, ngram_params):
     capture = bool(cfg.get("capture", True))
     routing = capture and bool((cfg.get("routing") or {}).get("capture", False))
+    log.info("collect: vLLM's V1 model runner with sync scheduling (VLLM_USE_V2_MODEL_RUNNER=0, "
+             "async_scheduling=False): the runner calib's capture hooks")
     llm = build_engine(
         model_dir, {"dtype": "auto", **cfg["engine"]}, max_num_seqs=int(cfg["concurrency"]), seed=int(cfg["seed"]),
         env={  # the config wins over inherited variables (vLLM's processes read these)
@@ -282,8 +296,9 @@ def _engine(cfg, model_dir, spec, capture_dir, ngram_params):
             "CALIB_ROUTING": routing,
             "CALIB_SHADOW_ROUTER": _shadow_router_dir(cfg) if routing else None,
             "CALIB_CPU_SAMPLING_FIX": True,  # the plugin applies it on CPU builds only
+            **V1_RUNNER,
         },
-        config_of_env=_CONFIG_OF_ENV, speculative_config=spec,
+        config_of_env=_CONFIG_OF_ENV, speculative_config=spec, **SYNC_SCHEDULING,
         **({"per_request_spec_decode_metrics": "detailed"} if spec else {}))
     return llm, llm.get_tokenizer()
 
@@ -338,9 +353,11 @@ def _merge(folder: RunFolder, cfg: dict, keys: RunKeys, spec: dict, model_dir: P
     manifest = {
         "model": keys.model, "speculator": keys.speculator, "config": keys.config,
         "engine": "vllm-cpu" if _is_cpu() else "vllm", "engine_version": vllm.__version__,
+        "model_runner": "V1", "async_scheduling": False,  # what capture hooks (V1_RUNNER, SYNC_SCHEDULING)
         "method": spec["method"], "num_speculative_tokens": keys.width,
         "speculative_config": {k: v for k, v in spec.items() if k != "model"},
         "drafter": Path(spec["model"]).name if "model" in spec else None,
+        "identity": folder.identity,  # target/drafter fingerprints, method, K (calib/fingerprint.py)
         "ngram_chain": {"width": keys.ngram_width, "verified": keys.ngram_verified,
                         "labels": "verified" if keys.ngram_verified else "counterfactual"},
         "sampling": dict(cfg["sampling"]), "seed": cfg["seed"], "concurrency": cfg["concurrency"],

@@ -283,8 +283,10 @@ class SafeDecider:
     :func:`calib.tables.load`, or a loaded :class:`calib.tables.io.Tables`) and checks them against what
     the engine reports with :meth:`Tables.check_bank` on an engine manifest (target ``model_id``,
     ``speculator`` e.g. ``"eagle:<head dir name>"`` or ``"ngram"``, ``k_max`` = num_speculative_tokens,
-    and the depth of every other chain it offers that a manifest records, e.g. the n-gram chain's): a mismatch is a :class:`calib.tables.io.TablesError`
-    naming both sides. Also checks ``k_max`` and the cost curve (for one request).
+    and the depth of every other chain it offers that a manifest records, e.g. the n-gram chain's; with
+    ``identity`` (:func:`calib.fingerprint.identity` of the engine's target and drafter folders) target and
+    drafter are compared by content, the ids serving only in messages): a mismatch is a
+    :class:`calib.tables.io.TablesError` naming both sides. Also checks ``k_max`` and the cost curve (for one request).
 
     :meth:`decide` never raises: on an exception it logs one warning (with the exception) the first
     time, counts it, and returns the engine's own drafts unchanged for that step; after
@@ -298,20 +300,23 @@ class SafeDecider:
         "history": [NoneValue(), Satisfies("a RequestHistory", lambda v: isinstance(v, RequestHistory))],
         "online": [NoneValue(), Satisfies("calib.tables.online.OnlineSettings",
                                           lambda v: type(v).__name__ == "OnlineSettings")],
+        "identity": [NoneValue(), Satisfies("an identity dict (calib.fingerprint.identity)",
+                                            lambda v: isinstance(v, dict))],
         **DECIDE_CONSTRAINTS,
     }
 
     def __init__(self, tables, *, model_id: str, speculator: str, k_max: int, method: str | None = None,
                  chains: Sequence[str] | None = None, cost: torch.Tensor | None = None,
                  budget: int | None = None, impl: str = "reference", max_failures: int = 3,
-                 history: RequestHistory | None = None, online=None) -> None:
+                 history: RequestHistory | None = None, identity: dict | None = None, online=None) -> None:
         from calib.tables import load
         from calib.tables.online import OnlineTables
 
         chains = chain_names() if chains is None else chains  # default: every registered chain kind
         validate_params("SafeDecider", {"model_id": model_id, "speculator": speculator, "method": method,
                                         "chains": chains, "max_failures": max_failures, "history": history,
-                                        "k_max": k_max, "budget": budget, "impl": impl, "online": online},
+                                        "k_max": k_max, "budget": budget, "impl": impl, "identity": identity,
+                                        "online": online},
                         self._parameter_constraints)
         if (cost is None) == (budget is None):
             raise ValueError("give exactly one of `cost` (verify-cost curve) and `budget`")
@@ -324,7 +329,7 @@ class SafeDecider:
             chain(c)  # a KeyError lists the registered chains
         self.chains = [c for c in offered if c in self.tables.chains]
         manifest = {"model": model_id, "speculator": speculator, "method": method,
-                    "num_speculative_tokens": k_max}
+                    "num_speculative_tokens": k_max, **({"identity": identity} if identity else {})}
         for c in self.chains:  # the other chains are cut to k_max too
             if c != self.engine_chain and chain(c).manifest_key is not None:
                 manifest[chain(c).manifest_key] = {"width": k_max}
@@ -361,14 +366,16 @@ class SafeDecider:
                 self._fail(exc, "decide")
         return self._passthrough(inputs, start)
 
-    def remember(self, inputs: StepInputs, decision: StepDecision) -> None:
+    def remember(self, inputs: StepInputs, decision: StepDecision, skip: Sequence[bool] = ()) -> None:
         """Keep what this step decided with (per drafted request: its chain, context cell and probabilities)
-        for the online correction to learn from when :meth:`observe` reports the outcome. Never raising."""
+        for the online correction to learn from when :meth:`observe` reports the outcome; rows where
+        ``skip`` is true (requests left to the engine) are not kept. Never raising."""
         if self.online is None or decision.passthrough or decision.probs is None:
             return
         try:
             names = {chain(n).id: n for n in self.online.chains}
             ids, depth = decision.chain.tolist(), decision.depth.tolist()
+            depth = [0 if (b < len(skip) and skip[b]) else d for b, d in enumerate(depth)]
             temps = None
             for name in {names[i] for i, d in zip(ids, depth) if d and i in names}:
                 rows = [b for b, (i, d) in enumerate(zip(ids, depth)) if d and names.get(i) == name]

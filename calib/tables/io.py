@@ -33,7 +33,10 @@ never the grid's), edges that are NaN, -inf, unsorted or finite after the +inf p
 the axes tables.json lists, and negative strides (or a zero stride on an axis that has edges).
 :meth:`Tables.check_bank` refuses a bank the tables do not fit (target model, drafter, depth, n-gram
 features, sampling temperature), naming both sides; :meth:`Tables.check_temperature` does the same for
-an engine's temperature.
+an engine's temperature. Target and model drafter are compared by content where both sides record
+fingerprints (``banks[].identity`` here, ``identity`` in a bank's run_manifest.json or an engine's manifest;
+:mod:`calib.fingerprint`): a renamed folder passes, another model under the same name is refused. Where one
+side records none (banks and tables made before fingerprints) the names are compared, with a warning.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ from safetensors.torch import load_file, save_file
 from calib.atomic import atomic_path, sha256_file, write_text_atomic
 from calib.chains import CONTEXT, Axis, chain_names, chains, verified_chain
 from calib.chains import chain as chain_kind
+from calib.fingerprint import describe, is_fingerprint, same_model
 from calib.params import TEXT, Boolean, Fractions, Interval, NoneValue, Options, Satisfies, finite_number
 from calib.sidefiles import SideFileError, read_json
 from calib.tables.layout import ChainTable, GridTables
@@ -125,7 +129,8 @@ TEMPERATURE_CONSTRAINTS = {"values": [TEMPERATURES], "min": [NoneValue(), Interv
                            "max": [NoneValue(), Interval(numbers.Real, 0, None)]}
 FORECAST_CONSTRAINTS = {"axes": [Satisfies("a list of axis objects", lambda v: isinstance(v, list)
                                            and all(isinstance(a, dict) for a in v))], "values": [ROWS]}
-BANK_CONSTRAINTS = {"path": [NoneValue(), TEXT], "acceptance_sha256": [NoneValue(), TEXT]}
+BANK_CONSTRAINTS = {"path": [NoneValue(), TEXT], "acceptance_sha256": [NoneValue(), TEXT],
+                    "identity": [NoneValue(), OBJECT]}
 SPLIT_CONSTRAINTS = {"fractions": [NoneValue(), Fractions(3)],
                      "seed": [NoneValue(), Interval(numbers.Integral, 0, None)]}
 
@@ -371,10 +376,14 @@ class Tables(GridTables):
         ``bank`` is a bank folder, a :class:`calib.bank.Bank` (each of its folders is checked) or a
         bank's ``run_manifest.json`` content as a dict (then ``path`` names it in messages). Checked:
 
-        - the bank's target model (manifest ``model``) is one the tables were fitted for;
+        - the bank's target model is one the tables were fitted for: by fingerprint where both sides
+          record one (manifest ``identity.target``, tables.json ``banks[].identity``; a renamed folder
+          passes, another model of the same name is refused), else by the manifest's ``model`` name (with
+          a :class:`TablesWarning` where only one side records fingerprints);
         - the tables calibrate the bank's verified chain (the n-gram chain for ``speculator: ngram``,
           else the model drafter), and for the model drafter the bank's ``speculator`` is one of the
-          tables' drafter ids (EAGLE tables on a draft_model bank are refused);
+          tables' drafter ids (EAGLE tables on a draft_model bank are refused) — by the drafter's
+          fingerprint instead where both sides record one, as for the target;
         - the bank's drafted depth K (acceptance.parquet width; manifest ``num_speculative_tokens``
           for a dict) is at most the tables' K for that chain: a deeper bank would read its extra
           depths from the last row, fitted on another depth. A shallower bank is fine (its depths
@@ -416,8 +425,62 @@ class Tables(GridTables):
             warnings.warn(n, TablesWarning, stacklevel=2)
         return notes
 
+    def fitted_fingerprints(self, role: str, chain: str | None = None) -> tuple[list[dict], list[str]]:
+        """The fingerprints of the ``role`` (``"target"`` or ``"drafter"``) of the banks these tables were
+        fitted on (tables.json ``banks[].identity``), for ``"drafter"`` only the banks whose verified chain
+        is ``chain``; and the names of those banks' ``role`` that record none (banks collected before
+        fingerprints; their name is all that can be compared). Distinct fingerprints, in bank order."""
+        fps, legacy = [], []
+        for entry in self.meta.get("banks") or []:
+            entry = entry if isinstance(entry, dict) else {}
+            ident = entry.get("identity") if isinstance(entry.get("identity"), dict) else {}
+            spec = entry.get("speculator")
+            if role == "drafter":
+                method = entry.get("method") or ident.get("method")
+                method = method if isinstance(method, str) else None
+                spec = spec if isinstance(spec, str) else method  # a manifest without `speculator`: its method
+                if spec is None or verified_chain(spec, method) != chain:
+                    continue
+            fp = ident.get(role)
+            if is_fingerprint(fp):
+                if not any(same_model(fp, f) for f in fps):
+                    fps.append(fp)
+            else:
+                legacy.append(str(entry.get("model" if role == "target" else "speculator")))
+        return fps, legacy
+
+    def _by_content(self, role: str, what: str, theirs: dict | None, chain: str | None, tdir, bdir,
+                    fallback: str) -> tuple[bool | None, list[str], list[str]]:
+        """Compare ``theirs`` (the bank's or engine's ``role`` fingerprint) with the fitted ones:
+        ``(decided, problems, notes)``; ``decided`` None: by name instead (``notes`` says so where one
+        side has fingerprints)."""
+        fitted, legacy = self.fitted_fingerprints(role, chain)
+        if is_fingerprint(theirs) and fitted:
+            if any(same_model(theirs, f) for f in fitted):
+                return True, [], []
+            if not legacy:
+                same_name = any(f.get("name") == theirs.get("name") for f in fitted)
+                return False, [(f"{what}: tables {tdir} were fitted for {', '.join(describe(f) for f in fitted)}, "
+                                f"{bdir} has {describe(theirs)}: another model by content"
+                                + (" under the same name" if same_name else ""))], []
+        if is_fingerprint(theirs) or fitted:
+            side = f"tables {tdir}" if not fitted else bdir
+            return None, [], [(f"{what}: {side} records no fingerprint (made before calib recorded them); "
+                               f"compared by name only ({fallback}); {'re-export the tables' if not fitted else 'recollect the bank'} "
+                               "to compare by content")]
+        return None, [], []
+
     def _check_target(self, facts: dict) -> tuple[list[str], list[str]]:
         """:meth:`check_bank`'s target model check: ``(problems, notes)``."""
+        tdir, bdir, model, targets = facts["tables"], facts["path"], facts["model"], self.target_models
+        decided, problems, notes = self._by_content("target", "target model", facts["identity"].get("target"),
+                                                    None, tdir, f"bank {bdir}", f"{model!r} vs {targets}")
+        if decided is not None:
+            return problems, notes
+        found, unchecked = self._check_target_name(facts)
+        return found, notes + unchecked
+
+    def _check_target_name(self, facts: dict) -> tuple[list[str], list[str]]:
         tdir, bdir, model, targets = facts["tables"], facts["path"], facts["model"], self.target_models
         if model is None:
             return [], [(f"bank {bdir}: run_manifest.json records no `model`; cannot check that it was "
@@ -443,7 +506,14 @@ class Tables(GridTables):
             return [(f"drafter: tables {tdir} calibrate {sorted(drafters) or 'no drafter'}, bank {bdir}'s "
                     f"verified chain is the {chain} drafter ({spec!r})")], []
         ids = drafters[chain].get("ids")
-        if _has_confidence(chain):  # a model drafter: its speculator name must be one fitted on
+        by_content = None
+        if _has_confidence(chain):  # a model drafter: by fingerprint where both sides record one
+            by_content, found, unchecked = self._by_content(
+                "drafter", "drafter", facts["identity"].get("drafter"), chain, tdir, f"bank {bdir}",
+                f"{spec!r} vs {list(ids) if ids is not None else 'not recorded'}")
+            problems += found
+            notes += unchecked
+        if _has_confidence(chain) and by_content is None:  # else its speculator name must be one fitted on
             if ids is None:
                 notes.append(f"tables {tdir}: tables.json records no model drafter ids; cannot check the "
                              f"bank {bdir}'s speculator {spec!r}")
@@ -599,7 +669,8 @@ def _bank_facts(bank, path=None) -> dict:
              "chain": None if spec is None else verified_chain(spec, method), "k": k if _count(k) else None,
              "chain_k": _manifest_depths(man),  # drafted depth per chain the bank records
              "bank_columns": {},  # chain -> (its own bank file, that file's columns or None: not read)
-             "temperatures": _manifest_temperature(man), "unrecorded_temperatures": 0}
+             "temperatures": _manifest_temperature(man), "unrecorded_temperatures": 0,
+             "identity": man.get("identity") if isinstance(man.get("identity"), dict) else {}}
     if facts["temperatures"] is not None:
         facts["temperatures"] = [facts["temperatures"]]
     if folder is not None:  # the data's own widths beat the manifest's

@@ -18,6 +18,7 @@ import torch
 
 from calib.ngram import find_match
 from calib.sidefiles import field, read_json
+from calib.transforms import target_only_transforms
 from calib.vllm.patches import RunnerSubscriber
 
 log = logging.getLogger("calib.collect")
@@ -93,6 +94,7 @@ class Recorder:
         min_n, max_n, k = self.ngram
         max_model_len = getattr(runner, "max_model_len", None)
         serving = self.serving if self.serving is not None and self.serving.decider is not None else None
+        requests = getattr(runner, "requests", None)  # req_id -> CachedRequestState (its sampling_params)
         for i, req_id in enumerate(batch.req_ids[:n_active]):
             d = int(num_draft[i])
             signals = self.pending.pop(req_id, None)
@@ -112,6 +114,9 @@ class Recorder:
             }
             if signals is not None:
                 rec.update({name: v[:d] for name, v in signals.items()})
+            # target-only logit transforms of the request (calib/transforms.py): the bank marks the round
+            state = requests.get(req_id) if requests is not None else None
+            rec["logit_transforms"] = list(target_only_transforms(getattr(state, "sampling_params", None)))
             if serving is not None:  # calib chose what was verified: say which chain (labels per chain)
                 rec["verified_chain"] = serving.chosen.pop(req_id, None)
             if routing is not None:

@@ -99,6 +99,10 @@ class PatchSet:
         for cls in owners.values():
             cls._calib_patch_set = self
 
+    def stand_down(self, subscriber: RunnerSubscriber) -> None:
+        """Stop calling ``subscriber`` (its mode cannot act in this engine: calib.vllm.engine_line)."""
+        self.subscribers = tuple(s for s in self.subscribers if s is not subscriber)
+
     def uninstall(self, runner_cls, proposer_cls) -> None:
         """Put the original methods back (tests)."""
         owners = {"runner": runner_cls, "proposer": proposer_cls}
@@ -109,62 +113,62 @@ class PatchSet:
 
     # -- the wrappers -----------------------------------------------------------------------------
     def _wrap_take_draft_token_ids(self, orig, proposer_cls):
-        subs = self.subscribers
+        patch_set = self  # subscribers read at each call: a mode stood down at engine start leaves it
 
         def take_draft_token_ids(runner):
-            for s in subs:
+            for s in patch_set.subscribers:
                 s.before_take(runner)
             out = orig(runner)
             if out is None:
                 return out
-            for s in reversed(subs):
+            for s in reversed(patch_set.subscribers):
                 out = s.take_drafts(runner, out)
             return out
 
         return take_draft_token_ids
 
     def _wrap_sample(self, orig, proposer_cls):
-        subs = self.subscribers
+        patch_set = self  # subscribers read at each call: a mode stood down at engine start leaves it
 
         def _sample(runner, logits, spec_decode_metadata):
-            for s in subs:
+            for s in patch_set.subscribers:
                 s.before_verify(runner)
             out = orig(runner, logits, spec_decode_metadata)
-            for s in reversed(subs):
+            for s in reversed(patch_set.subscribers):
                 s.after_verify(runner, spec_decode_metadata, out)
             return out
 
         return _sample
 
     def _wrap_propose_draft_token_ids(self, orig, proposer_cls):
-        subs = self.subscribers
+        patch_set = self  # subscribers read at each call: a mode stood down at engine start leaves it
 
         def propose_draft_token_ids(runner, scheduler_output, sampled_token_ids, *args, **kwargs):
-            for s in subs:
+            for s in patch_set.subscribers:
                 s.before_propose(runner, scheduler_output, sampled_token_ids)
             try:
                 return orig(runner, scheduler_output, sampled_token_ids, *args, **kwargs)
             finally:
-                for s in reversed(subs):
+                for s in reversed(patch_set.subscribers):
                     s.after_propose(runner)
 
         return propose_draft_token_ids
 
     def _wrap_update_states(self, orig, proposer_cls):
-        subs = self.subscribers
+        patch_set = self  # subscribers read at each call: a mode stood down at engine start leaves it
 
         def _update_states(runner, scheduler_output):
-            for s in subs:
+            for s in patch_set.subscribers:
                 s.before_update_states(runner, scheduler_output)
             return orig(runner, scheduler_output)
 
         return _update_states
 
     def _wrap_sample_draft_tokens(self, orig, proposer_cls):
-        subs = self.subscribers
+        patch_set = self  # subscribers read at each call: a mode stood down at engine start leaves it
 
         def _sample_draft_tokens(proposer, hidden_states, sampling_metadata):
-            listening = [s for s in subs if s.wants_depths()]
+            listening = [s for s in patch_set.subscribers if s.wants_depths()]
             if not listening:
                 return orig(proposer, hidden_states, sampling_metadata)
             if takes_plain_argmax(proposer, sampling_metadata, proposer_cls):

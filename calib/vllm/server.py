@@ -48,6 +48,7 @@ class ServeStats:
     plan_ms: list[float] = field(default_factory=list)  # per planned step: n-gram chains + forecast + plan_draft
     draft_ms: list[float] = field(default_factory=list)  # per step: vLLM's drafting (propose_draft_token_ids)
     step_ms: list[float] = field(default_factory=list)  # wall time between consecutive decisions (one engine step)
+    left_to_vllm: int = 0  # request-steps left to vLLM: target-only logit transforms (calib/transforms.py)
     errors: int = 0  # exceptions caught in the hooks themselves
     disabled_reason: str | None = None  # why the decider was not built (None: built, or not reached)
 
@@ -67,7 +68,40 @@ class ServeStats:
                 f"draft passes {self.passes_engine} -> {self.passes_planned} on {self.planned} planned steps "
                 f"({self.plan_decided} allocated by the plan) "
                 f"(plan_ms mean {(sum(self.plan_ms) / len(self.plan_ms)) if self.plan_ms else math.nan:.2f}); "
+                f"{self.left_to_vllm} request-steps left to vLLM (logit transforms); "
                 f"{self.errors} hook errors" + (f"; OFF: {self.disabled_reason}" if self.disabled_reason else ""))
+
+
+def keep_engine_rows(drafts: list[list[int]], chain_ids: torch.Tensor, engine: list[list[int]], left: list[bool],
+                     engine_chain: str) -> tuple[list[list[int]], torch.Tensor]:
+    """A step's decision with the rows ``left`` to vLLM put back to vLLM's own drafts: ``(drafts [B][<= K],
+    chain ids int8 [B])``, those rows' chain the engine's (or none where vLLM drafted nothing)."""
+    from calib.chains import NO_CHAIN, chain
+
+    out = [list(e) if keep else list(x) for x, e, keep in zip(drafts, engine, left)]
+    ids = chain_ids.clone()
+    engine_id = chain(engine_chain).id
+    for b, keep in enumerate(left):
+        if keep:
+            ids[b] = engine_id if engine[b] else NO_CHAIN
+    return out, ids
+
+
+def engine_identity(runner, sc) -> dict:
+    """The engine's target and drafter by content (:func:`calib.fingerprint.identity`): what the tables'
+    fingerprints are compared with; the drafter is the speculative config's model folder (None for n-gram)."""
+    from calib.chains import chain_of_method
+    from calib.fingerprint import identity
+
+    method = getattr(sc, "method", None)
+    try:
+        model_free = chain_of_method(method).confidence is None  # n-gram: vLLM sets its draft config to the target's
+    except KeyError:
+        model_free = False
+    draft = getattr(sc, "draft_model_config", None)
+    drafter = None if model_free else (getattr(draft, "model", None) or getattr(sc, "model", None))
+    return identity(runner.model_config.model, drafter, method,
+                    getattr(sc, "num_speculative_tokens", None))
 
 
 class Server:
@@ -95,23 +129,27 @@ class Server:
         # req_id -> (match key, n-gram probs [L], n-gram depth the plan verifies or None) from this step's plan
         self.planned: dict[str, tuple] = {}
         self.pass_prices: dict[int, float] = {}  # batch size -> the price of one draft pass (plan_passes)
+        self.transformed: dict[str, bool] = {}  # req_id -> carries target-only logit transforms (left to vLLM)
         self._error_logged = 0
 
     # -- construction ----------------------------------------------------------------------------
-    def ensure(self, runner):
-        """The decider, built at first use from the runner's config; None (pass-through) if it cannot be."""
+    def ensure(self, runner, log_failure: bool = True):
+        """The decider, built at first use from the runner's config (at engine start by the plugin, from
+        the engine's config: :func:`calib.vllm.plugin.runner_view`); None (pass-through) if it cannot be.
+        ``log_failure=False``: the caller reports it (the plugin's engine line)."""
         if self.decider is not None or self.failed:
             return self.decider
         try:
             self.decider = self._build(runner)
-            log.info("calib serve: deciding drafts with tables %s (engine chain %s, chains %s, K=%d, "
+            log.debug("calib serve: deciding drafts with tables %s (engine chain %s, chains %s, K=%d, "
                      "ngram %s)", self.tables_dir, self.decider.engine_chain, self.decider.chains,
                      self.k, self.ngram)
         except Exception as exc:  # noqa: BLE001 - never raise into the engine
             self.failed = True
             self.stats.disabled_reason = f"{type(exc).__name__}: {exc}"
-            log.error("calib serve: OFF for this run, vLLM drafts on its own: cannot serve with tables %s: %s",
-                      self.tables_dir, self.stats.disabled_reason)
+            if log_failure:
+                log.error("calib serve: OFF for this run, vLLM drafts on its own: cannot serve with tables %s: %s",
+                          self.tables_dir, self.stats.disabled_reason)
         return self.decider
 
     def _build(self, runner):
@@ -147,7 +185,8 @@ class Server:
         cost = cost_curve(self.cost_text, int(runner.max_num_reqs) * (self.k + 1), drafter_loaded=loaded)
         self.max_model_len = getattr(runner, "max_model_len", None)
         dec = SafeDecider(self.tables_dir, model_id=model_id, speculator=speculator, k_max=self.k,
-                          method=method, chains=self.chains, cost=cost, online=self.knobs.online_settings())
+                          method=method, chains=self.chains, cost=cost, identity=engine_identity(runner, sc),
+                          online=self.knobs.online_settings())
         self.ngram_own = []
         if self.lookup in dec.chains:
             from calib.chains import split_context
@@ -194,8 +233,25 @@ class Server:
                 dec.observe(req_id, max(0, min(int(accepted[i]), d)), d)
         dec.refresh()  # the online correction's learnt cells, rewritten once per step before the next lookup
 
+    def left_to_vllm(self, runner, req_ids) -> list[bool]:
+        """Per request: whether its sampling parameters apply target-only logit transforms
+        (:func:`calib.transforms.target_only_transforms`), so that calib leaves its drafts to vLLM.
+        Read once per request from the runner's request states."""
+        from calib.transforms import target_only_transforms
+
+        requests = getattr(runner, "requests", None) or {}
+        out = []
+        for r in req_ids:
+            hit = self.transformed.get(r)
+            if hit is None:
+                state = requests.get(r)
+                hit = self.transformed[r] = bool(target_only_transforms(getattr(state, "sampling_params", None)))
+            out.append(hit)
+        return out
+
     def finished(self, req_ids) -> None:
         for r in req_ids:
+            self.transformed.pop(r, None)
             self.conf.pop(r, None)
             self.matches.pop(r, None)
             self.chosen.pop(r, None)
@@ -268,7 +324,7 @@ class Server:
         batch = runner.input_batch
         req_ids = list(batch.req_ids)
         B = len(req_ids)
-        if B == 0:
+        if B == 0 or any(self.left_to_vllm(runner, req_ids)):  # a request left to vLLM keeps vLLM's K
             return
         rows = list(range(B))
         temps = [float(batch.temperature_cpu[i]) for i in rows]
@@ -327,6 +383,11 @@ class Server:
         engine = [list(map(int, t)) for t in out.draft_token_ids]
         if len(engine) != len(req_ids):
             raise RuntimeError(f"vLLM handed {len(engine)} draft lists for {len(req_ids)} requests")
+        left = self.left_to_vllm(runner, req_ids)
+        self.stats.left_to_vllm += sum(left)
+        if left and all(left):
+            self.stats.passthrough += 1
+            return out
         K = self.k
         batch = runner.input_batch
         rows = [batch.req_id_to_index[r] for r in req_ids]
@@ -340,15 +401,18 @@ class Server:
         if d.passthrough:
             self.stats.passthrough += 1
             return out
-        drafts = d.drafts
+        drafts, chain_ids = d.drafts, d.chain
+        if any(left):
+            drafts, chain_ids = keep_engine_rows(drafts, chain_ids, engine, left, dec.engine_chain)
         if len(drafts) != len(req_ids) or any(len(x) > K or any(t < 0 for t in x) for x in drafts):
             raise RuntimeError("decision out of bounds (more than K tokens, or a negative id)")
         names = {kind.id: kind.name for kind in chains()}  # one registry read per step, not per request
-        for r, cid, x in zip(req_ids, d.chain.tolist(), drafts):
+        for r, cid, x in zip(req_ids, chain_ids.tolist(), drafts):
             self.chosen[r] = names[int(cid)] if (cid != NO_CHAIN and x) else None
-        dec.remember(inputs, d)  # what the online correction learns from once the step is verified
+        # what the online correction learns from once the step is verified (never the requests left to vLLM)
+        dec.remember(inputs, d, skip=left)
         if sampled:  # the rejection sampler's q rows must follow the lists handed back
-            self.rebuild_draft_probs(runner, req_ids, drafts, d.chain)
+            self.rebuild_draft_probs(runner, req_ids, drafts, chain_ids)
         self.count(drafts, engine)
         self.stats.allocator_ms.append(float(d.allocator_ms))
         self.stats.hook_ms.append((time.perf_counter() - start) * 1e3)

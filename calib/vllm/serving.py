@@ -105,7 +105,8 @@ def start_serving(knobs: ServeKnobs) -> ServingSubscriber:
         _SERVER = Server(knobs)
         _ensure_log_handler()
         atexit.register(_log_summary)
-        log.info("calib serving hooks installed (pid %d), tables %s", os.getpid(), knobs.tables)
+        # debug only: whether the hooks act in this engine is the engine line's to say (calib.vllm.engine_line)
+        log.debug("calib serving hooks installed (pid %d), tables %s", os.getpid(), knobs.tables)
     return ServingSubscriber(_SERVER)
 
 

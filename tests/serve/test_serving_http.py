@@ -11,7 +11,8 @@ bench's client); every request must complete with text, and the server's log mus
     every later one raises (``CALIB_TEST_FAULT_AFTER``, read by that test helper only): one warning,
     then disabled after 3 in a row (SafeDecider), and the server keeps answering;
 (a) tables that fail their check (SYNTHETIC n-gram tables fitted for "Other-7B"): the decider is never
-    built, one error ("OFF for this run"), vLLM's own n-gram drafts are verified (/metrics).
+    built, one error (the engine line "calib serve: OFF — tables refused: ..."), vLLM's own n-gram drafts are
+    verified (/metrics).
 
 Plus fast tests without an engine: the hooks' construction path for (a) on a stand-in runner
 (``step`` hands vLLM's lists back every step, one error), and the bench's ``vllm bench serve`` command
@@ -121,8 +122,9 @@ def test_tables_for_another_model_on_the_server(tmp_path):
         before = bench.spec_metrics(port)
         _load(bench, port, tmp_path, model)
         after = bench.spec_metrics(port)
-        lines = _log_lines(log_path, "calib serve: OFF for this run")
-    off = [line for line in lines if "calib serve: OFF for this run" in line]
+        lines = _log_lines(log_path, "calib serve: OFF — tables refused")
+    # refused at engine start, in calib's one engine line (calib/vllm/engine_line.py)
+    off = [line for line in lines if "calib serve: OFF — tables refused" in line]
     message = "\n".join(bench.calib_log_lines(log_path))  # the error with its continuation lines
     assert len(off) == 1 and "Other-7B" in message and "SmolLM2-135M-Instruct" in message, message
     assert not [line for line in lines if "calib serve: decide failed" in line]

@@ -100,4 +100,5 @@ def test_collect_engine_kwargs(started, tmp_path):
         "model": str(tmp_path), "speculative_config": spec, "dtype": str(e.get("dtype", "auto")),
         "enforce_eager": bool(e["enforce_eager"]), "max_model_len": int(e["max_model_len"]),
         "max_num_seqs": int(cfg["concurrency"]), "seed": int(cfg["seed"]),
-        "per_request_spec_decode_metrics": "detailed"}
+        "per_request_spec_decode_metrics": "detailed",
+        "async_scheduling": False}  # capture hooks V1 with sync scheduling (issue 29; VLLM_USE_V2_MODEL_RUNNER=0 too)

