@@ -3,6 +3,8 @@
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+import calib  # noqa: F401 - registers the resolvers conf/ uses (--help's config groups)
+
 
 @hydra.main(config_path="conf", config_name="collect", version_base="1.3")
 def main(cfg: DictConfig) -> None:

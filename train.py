@@ -10,6 +10,8 @@ tracker's files) lands in out_dir as one unit when the run succeeds; Hydra itsel
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+import calib  # noqa: F401 - registers the resolvers conf/ uses (--help's config groups)
+
 
 @hydra.main(config_path="conf", config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> None:

@@ -9,6 +9,13 @@ def _draft_cost(drafter_dir=None) -> float:
     return draft_cost(drafter_dir)
 
 
+def _help_groups() -> str:
+    """``${calib.help_groups:}`` in conf/hydra/help/calib.yaml: the config groups an entry point reads."""
+    from calib.cli import help_groups
+
+    return help_groups()
+
+
 def _register_config_resolvers() -> None:
     """The resolvers conf/ uses, registered before any config is composed or loaded (a calib import)."""
     try:
@@ -17,6 +24,8 @@ def _register_config_resolvers() -> None:
         return
     if not OmegaConf.has_resolver("calib.draft_cost"):
         OmegaConf.register_new_resolver("calib.draft_cost", _draft_cost)
+    if not OmegaConf.has_resolver("calib.help_groups"):
+        OmegaConf.register_new_resolver("calib.help_groups", _help_groups)
 
 
 _register_config_resolvers()
