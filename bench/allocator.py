@@ -9,11 +9,13 @@ both chains at once, which ignores the one-chain-per-request rule): it is the sp
 budget allocator, not a correct two-drafter one. Inputs are synthetic: confidences ~ U(0,1)^0.3, an
 n-gram chain for half of the requests, a budget of a quarter of the drafted tokens, and a
 verify-cost curve that is flat up to 256 positions and then linear.
+
+Why argparse, not Hydra like train.py/eval.py: a micro-benchmark on synthetic inputs; its settings are two
+flags, not a config tree from conf/.
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 from functools import partial
@@ -21,6 +23,7 @@ from functools import partial
 import torch
 
 from calib.allocate import allocate_probs, plan_draft
+from calib.cli import parser as plain_parser
 
 BATCHES = (1, 4, 64, 256, 1024)
 WIDTHS = (4, 8, 16)
@@ -126,7 +129,7 @@ def _graph_us(fn) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = plain_parser(__doc__)
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     parser.add_argument("--skip-cpu", action="store_true", help="only the GPU table")
     args = parser.parse_args()

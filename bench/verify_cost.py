@@ -13,11 +13,13 @@ grid (every value to 16, then sparser); ``seconds`` is the median of ``--repeats
 is kept too, as ``seconds_min``: the least disturbed by other load); eval.py
 interpolates linearly between grid points. The grid reaches past 128 because a batch of 128
 requests verifies at least 128 positions (up to 128·(K+1) = 640 at K = 4).
+
+Why argparse, not Hydra like train.py/eval.py: a timing of the target's forward pass with a few flags, not a
+config tree from conf/.
 """
 
 from __future__ import annotations
 
-import argparse
 import csv
 import os
 import platform
@@ -27,6 +29,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from calib.cli import parser as plain_parser
 
 DEFAULT_GRID = (list(range(1, 17)) + list(range(20, 65, 4)) + list(range(72, 129, 8))
                 + [160, 192, 256, 320, 384, 448, 512, 576, 640])
@@ -88,7 +92,7 @@ def write_csv(path: Path, rows) -> None:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = plain_parser(__doc__)
     ap.add_argument("--out", default="data/cost/smollm2-135m-cpu.csv")
     ap.add_argument("--context", type=int, default=256, help="tokens already in the KV cache")
     ap.add_argument("--repeats", type=int, default=5)

@@ -17,6 +17,7 @@ import warnings
 
 from calib.bank.io import DuplicateBankWarning, find_banks, load, unique_banks
 from calib.bank.validate import validate
+from calib.cli import parser as plain_parser
 
 log = logging.getLogger("calib.bank")
 
@@ -33,8 +34,7 @@ def _at_least_one(text: str) -> int:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m calib.bank", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = plain_parser(__doc__, prog="python -m calib.bank")
     sub = ap.add_subparsers(dest="cmd", required=True)
     v = sub.add_parser("validate", help="check banks; exit 1 naming file, column and row if invalid")
     v.add_argument("paths", nargs="+", help="bank folders, or folders holding bank folders")

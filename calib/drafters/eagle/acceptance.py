@@ -9,7 +9,6 @@ Calibrating those confidences is train.py's job; this is the drafter's report ca
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +16,7 @@ import numpy as np
 from calib.atomic import write_json_atomic
 from calib.bank import load, schema
 from calib.chains.model import model_samples
+from calib.cli import parser as plain_parser
 from calib.metrics import ece, expected_accepted_length
 
 
@@ -47,7 +47,7 @@ def report(paths) -> dict:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = plain_parser(__doc__)
     ap.add_argument("banks", nargs="+")
     ap.add_argument("--json", type=Path, help="also write the report here")
     args = ap.parse_args(argv)
