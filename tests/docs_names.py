@@ -70,7 +70,8 @@ def commands(code: str):
     validate X``, ``python bench/serve.py --tables T``; a comment, pipe, ``&&`` or ``;`` ends a command."""
     code = code.split(" #", 1)[0]
     for part in re.split(r"&&|\|\||;|\|", code):
-        m = re.search(rf"{_PY}\s+(-m\s+[\w.]+|[\w./-]+\.py)\b(.*)", part)
+        m = re.search(rf"{_PY}\s+(-m\s+[\w.]+|[\w./-]+\.py)\b(.*)", part) or \
+            re.search(r"(?:^|\s)(vllm\s+(?:bench\s+)?serve)\b(.*)", part)
         if not m:
             continue
         entry = m.group(1).replace("-m ", "-m ").strip()

@@ -189,12 +189,32 @@ def defines_flag(source: str, flag: str) -> bool:
     return flag.startswith("--no-") and "BooleanOptionalAction" in source and f'"{positive}"' in source
 
 
+FRONTEND_ARGS = "vllm/entrypoints/launchers/cli_args.py"  # FrontendArgs of vLLM's OpenAI server (--port, ...)
+# vLLM's own command lines in the docs: the installed files whose argument dataclasses define their flags
+# (``--a-b`` is field ``a_b``; ``--no-a-b`` its boolean negation).
+VLLM_COMMANDS = {
+    "-m vllm.entrypoints.openai.api_server": ("vllm/engine/arg_utils.py", FRONTEND_ARGS),
+    "vllm serve": ("vllm/engine/arg_utils.py", FRONTEND_ARGS),
+    "vllm bench serve": ("vllm/benchmarks/serve.py",),
+}
+
+
+def vllm_defines(files, flag: str) -> bool:
+    field = flag.removeprefix("--").removeprefix("no-").replace("-", "_")
+    return any(defines(f, field) or defines(f, flag) for f in files)
+
+
 def flag_problems(names) -> list[str]:
     bad = []
     for n in (n for n in names if n.kind == "flag"):
         if is_hydra(n.entry):
             if n.name not in HYDRA_FLAGS:
                 bad.append(f"{n.where}: {n.entry} is a Hydra entry point; {n.name} is not one of Hydra's flags")
+            continue
+        entry = re.sub(r"\s+", " ", n.entry)
+        if entry in VLLM_COMMANDS:
+            if not vllm_defines(VLLM_COMMANDS[entry], n.name):
+                bad.append(f"{n.where}: {entry} (vLLM) has no {n.name}")
             continue
         path = script_file(n.entry)
         if path is None:  # another tool's command (vLLM's server), not calib's to define
@@ -220,6 +240,7 @@ CALIB_SERVES='{}' .venv/bin/python serve.py policy=nonesuch speculative=eagle sp
 .venv/bin/python train.py calibrator=isotonic,nonesuch trainer.max_epoch=3 +extra.key=1 \\
     speculative=ngram
 python bench/serve.py --tables DIR --turbo
+python -m vllm.entrypoints.openai.api_server --model M --enforce-eager --no-async-scheduling --warp-speed
 python -m calib.bank validate --max-problem 3 data/banks/x
 ```
 """
@@ -239,9 +260,9 @@ def test_drift_is_caught(tmp_path):
         assert wrong in keys, (wrong, keys)
     assert "extra.key" not in keys and "isotonic" not in keys
     flags = "\n".join(flag_problems(names))
-    for wrong in ("--fast", "--turbo", "--max-problem"):
+    for wrong in ("--fast", "--turbo", "--max-problem", "--warp-speed"):
         assert wrong in flags, (wrong, flags)
-    assert "--tables" not in flags
+    assert "--tables" not in flags and "--enforce-eager" not in flags and "async" not in flags
 
 
 def run(*cmd: str, timeout: int = 60) -> subprocess.CompletedProcess:
@@ -265,3 +286,13 @@ def test_readme_validate_command_runs():
 def test_readme_help_commands_run(entry):
     p = run(entry, "--help")
     assert p.returncode == 0 and "== Config groups" in p.stdout, p.stderr[-2000:]
+
+
+def test_allocate_readme_example_builds_every_context_axis():
+    """calib/allocate/README.md's example input builds a column for each context axis a table may have
+    (calib.chains.CONTEXT), so it runs on any exported tables."""
+    from calib.chains import CONTEXT
+
+    text = (ROOT / "calib" / "allocate" / "README.md").read_text()
+    block = text.split("ctx = {", 1)[1].split("}", 1)[0]
+    assert set(re.findall(r'"(\w+)":', block)) == set(CONTEXT)
