@@ -171,7 +171,8 @@ def pooled_calibration_rows(banks, n_bins: int, split: str = "test", max_ece: fl
     Same samples (censored per-depth, ``split``) and the same equal-width ECE and binning as the
     calibration rows; one chain (the n-gram chain) can come from several banks at one temperature.
     Row: ``temperature`` (None: not recorded), ``chain``, ``banks``, ``n`` (calibrated samples),
-    ``ece_calibrated``, and where the chain has a raw confidence ``n_raw`` / ``ece_raw`` (else None);
+    ``ece_calibrated`` / ``nll_calibrated``, and where the chain has a raw confidence ``n_raw`` / ``ece_raw`` /
+    ``nll_raw`` (else None);
     ``target_met``: calibrated ECE ≤ ``max_ece`` and ≤ the raw ECE where there is one;
     ``ece_if_calibrated`` / ``_q95``: the mean and 95th percentile ECE a perfectly calibrated predictor
     with the same predictions shows at this sample size (:func:`calib.metrics.ece_if_calibrated`), and
@@ -192,12 +193,13 @@ def pooled_calibration_rows(banks, n_bins: int, split: str = "test", max_ece: fl
                     pool[variant].append((p[r[m], depth[m]], y[m]))
     rows = []
     for (temp, drafter), pool in pools.items():
-        ece = {}
+        ece, nll = {}, {}
         for variant in ("raw", "calibrated"):
             if pool[variant]:
                 p = np.concatenate([a for a, _ in pool[variant]])
                 y = np.concatenate([b for _, b in pool[variant]])
                 ece[variant] = (int(p.size), M.ece(p, y, n_bins) if p.size else float("nan"))
+                nll[variant] = M.nll(p, y) if p.size else float("nan")
         n, e_cal = ece.get("calibrated", (0, float("nan")))
         n_raw, e_raw = ece.get("raw", (None, None))
         met = bool(np.isfinite(e_cal) and e_cal <= max_ece
@@ -206,6 +208,7 @@ def pooled_calibration_rows(banks, n_bins: int, split: str = "test", max_ece: fl
                                if pool["calibrated"] else (float("nan"), float("nan")))
         rows.append({"temperature": temp, "chain": drafter, "banks": pool["banks"], "n": n,
                      "ece_calibrated": e_cal, "n_raw": n_raw, "ece_raw": e_raw, "target_met": met,
+                     "nll_calibrated": nll.get("calibrated"), "nll_raw": nll.get("raw"),
                      "ece_if_calibrated": null_mean, "ece_if_calibrated_q95": null_q95,
                      "within_noise": bool(np.isfinite(e_cal) and e_cal <= null_q95)})
     return sorted(rows, key=lambda r: (r["temperature"] is None, r["temperature"] or 0.0, r["chain"]))

@@ -274,13 +274,30 @@ def _slice_section(slices, pics, out) -> list[str]:
     return L
 
 
+def _beats_raw_lines(pooled) -> list[str]:
+    """One plain sentence per chain with a raw confidence: does calibration beat it, per temperature?"""
+    out = []
+    for chain in dict.fromkeys(r["chain"] for r in pooled if r.get("ece_raw") is not None):
+        parts = []
+        for r in (r for r in pooled if r["chain"] == chain and r.get("ece_raw") is not None):
+            t = "T = ?" if r["temperature"] is None else f"T = {r['temperature']:g}"
+            e_ok = r["ece_calibrated"] <= r["ece_raw"]
+            n_ok = r.get("nll_raw") is None or r["nll_calibrated"] <= r["nll_raw"]
+            verdict = "yes" if e_ok and n_ok else ("no" if not e_ok and not n_ok else "partly")
+            parts.append(f"{t}: **{verdict}** (ECE {r['ece_calibrated']:.4f} vs raw {r['ece_raw']:.4f}"
+                         + (f", NLL {r['nll_calibrated']:.4f} vs raw {r['nll_raw']:.4f}" if r.get("nll_raw") is not None
+                            else "") + f"; a calibrated predictor shows ECE ≈ {r['ece_if_calibrated']:.4f} at this size)")
+        out += [f"**Does calibration beat the {chain} drafter's raw confidence?** " + "; ".join(parts) + ".", ""]
+    return out
+
+
 def _pooled_section(pooled) -> list[str]:
     """Report lines: calibrated (and raw) ECE per (temperature, chain), every bank's samples pooled."""
     if not pooled:
         return []
     met = sum(r["target_met"] for r in pooled)
     noise = sum(bool(r.get("within_noise")) for r in pooled)
-    L = ["## Calibration pooled per (temperature, chain)", "",
+    L = ["## Calibration pooled per (temperature, chain)", "", *_beats_raw_lines(pooled),
          (f"{met} of {len(pooled)} (temperature, chain) pools meet the target (calibrated ECE ≤ "
           f"{POOLED_ECE_MAX:g} and not above raw where the chain has a raw confidence). Every bank's scored test "
           "samples of that temperature and chain are pooled (the n-gram chain of a model-drafter bank is its "

@@ -47,6 +47,7 @@ def test_eval_compose_run(tmp_path):
     assert {"predicted_tables", "predicted_online", "error_tables", "error_online", "ece_tables",
             "ece_online", "rounds", "actual_mean"} <= set(on["slices"][0])
     assert "## Online correction" in report
+    assert "Does calibration beat the model drafter's raw confidence?" in report  # said plainly, per chain
     # the report leads with its answer: right after the title, before the headline and every other table
     assert report.splitlines()[:3] == ["# Evaluation report", "", "## Answer"]
     sections = [ln for ln in report.splitlines() if ln.startswith("## ")]
