@@ -103,6 +103,7 @@ def _serve_constraints() -> dict:
         "serve.cost": [TEXT, Satisfies("a list [weight_read, per_position] of two finite numbers >= 0",
                                        lambda v: _list(v) and len(v) == 2 and all(finite_number(x) and x >= 0 for x in v))],
         "serve.model_id": [NoneValue(), TEXT],
+        "model.path": [NoneValue(), TEXT],   # an HF folder or a cached hub id (calib.target.resolve_target)
         "engine.max_model_len": [INT_1],
         "engine.kv_cache_gb": [Interval(numbers.Real, 0, None, closed="neither")],
         "engine.enforce_eager": [Boolean()],

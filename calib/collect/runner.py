@@ -131,6 +131,17 @@ def check_config(cfg: dict) -> None:
         fail(f"sampling.top_p={sampling.get('top_p')!r}: expected a number in (0, 1]")
     if not isinstance(sampling.get("max_tokens"), int) or sampling["max_tokens"] < 1:
         fail(f"sampling.max_tokens={sampling.get('max_tokens')!r}: expected a whole number >= 1")
+    path = (cfg.get("model") or {}).get("path")
+    if path is not None:
+        if not isinstance(path, str) or not path.strip():
+            fail(f"model.path={path!r}: expected an HF model folder or a hub id (org/name) cached locally, or null "
+                 "for the embedded SmolLM2-135M-Instruct")
+        from calib.target import resolve_target
+
+        try:  # before the prompts and the engine: a target that is not there is the first thing said
+            resolve_target(path, cfg.get("root", "."))
+        except (FileNotFoundError, ValueError) as exc:
+            fail(str(exc))
     routing = cfg.get("routing") or {}
     unknown = sorted(set(routing) - {"capture", "shadow_router"})
     if unknown:
@@ -213,27 +224,29 @@ def _per_request_progress(bar):
 
 
 def _collect(cfg: dict, prompts: list, folder: RunFolder) -> Path | None:
-    from calib.target import prepare_target
+    from calib.target import target_dir
 
     t_start = time.time()
     spec_cfg, sampling = cfg["speculative"], cfg["sampling"]
     folder.open()
 
     cache_dir = Path(cfg["model"]["cache_dir"]) if cfg["model"].get("cache_dir") else None
-    model_dir = prepare_target(cfg["model"].get("gguf"), cache_dir, cfg["model"]["name"],
-                               cfg["model"].get("dtype", "bfloat16"))
+    # model.path (a folder or a cached hub id) or the embedded SmolLM2 GGUF; its name is for messages only
+    model_dir, model_name = target_dir(cfg["model"], cfg.get("root", "."))
     spec, speculator = speculative_config(spec_cfg, model_dir, cache_dir)
     if spec is None:
         cfg = {**cfg, "capture": False}
     k = int(spec_cfg["num_speculative_tokens"])
     # by content, not by folder name: what check_bank and serving compare (calib/fingerprint.py)
     folder.identity = identity(model_dir, (spec or {}).get("model"), spec_cfg["method"], k)
+    if folder.identity["target"] is not None:
+        folder.identity["target"]["name"] = model_name  # a hub id's snapshot folder is a commit hash
     ng = spec_cfg.get("ngram") or {}
     ngram_params = (int((spec or {}).get("prompt_lookup_min", ng.get("min_n", 1))),
                     int((spec or {}).get("prompt_lookup_max", ng.get("max_n", 4))), int(ng.get("k", k)))
     capture_dir = Path(cfg["out_dir"]) / "capture"
     temperature = float(sampling["temperature"])
-    keys = RunKeys(model=cfg["model"]["name"], speculator=speculator,
+    keys = RunKeys(model=model_name, speculator=speculator,
                    config=f"{spec_cfg['name']}-k{k}-t{temperature:g}", width=k,
                    ngram_width=ngram_params[2], ngram_verified=spec_cfg["method"] == "ngram",
                    temperature=temperature)

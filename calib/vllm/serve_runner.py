@@ -154,14 +154,13 @@ def _serve(cfg: dict, root: Path) -> tuple[dict, dict]:
 def build_engine(cfg: dict, root: Path, max_num_seqs: int):
     """vLLM's ``LLM`` for ``cfg``'s policy and speculative config, with calib's serving mode switched on
     (``CALIB_SERVE``, before the engine starts) for the calib policies. One per process."""
-    from calib.target import prepare_target
+    from calib.target import target_dir
     from calib.vllm.engine import build_engine as start_engine
     from calib.vllm.engine import speculative_config
 
     pol, spec_cfg = cfg["policy"], cfg["speculative"]
     cache_dir = Path(cfg["model"]["cache_dir"]) if cfg["model"].get("cache_dir") else None
-    model_dir = prepare_target(cfg["model"].get("gguf"), cache_dir, cfg["model"]["name"],
-                               cfg["model"].get("dtype", "bfloat16"))
+    model_dir, model_name = target_dir(cfg["model"], root)  # model.path, or the embedded SmolLM2 GGUF
     spec = None
     if pol["speculate"]:
         spec, _ = speculative_config({**spec_cfg, "model": str(_path(root, spec_cfg.get("model")))
@@ -170,7 +169,7 @@ def build_engine(cfg: dict, root: Path, max_num_seqs: int):
             k = int(spec["num_speculative_tokens"])
             spec["num_speculative_tokens_per_batch_size"] = [[int(a), int(b), min(int(g), k)]
                                                              for a, b, g in pol["dynamic"]]
-    knobs = serve_knobs(cfg, root) if pol.get("calib") else None
+    knobs = serve_knobs(cfg, root, model_name) if pol.get("calib") else None
     llm = start_engine(model_dir, {"dtype": "auto", **cfg["engine"]}, max_num_seqs=max_num_seqs, seed=int(cfg["seed"]),
                        env={"VLLM_ENABLE_V1_MULTIPROCESSING": not cfg["engine"]["in_process"],
                             "VLLM_CPU_KVCACHE_SPACE": cfg["engine"]["kv_cache_gb"], "CALIB_COLLECT_DIR": None,
@@ -180,10 +179,11 @@ def build_engine(cfg: dict, root: Path, max_num_seqs: int):
     return llm
 
 
-def serve_knobs(cfg: dict, root: Path):
+def serve_knobs(cfg: dict, root: Path, model_name: str | None = None):
     """The serving knobs of a calib policy's ``cfg`` (:class:`calib.serve.knobs.ServeKnobs`), paths absolute
     for the engine's processes. Keys of ``cfg.serve`` other than ``cost`` and ``model_id`` are knobs as
-    they are (a new knob needs no line here)."""
+    they are (a new knob needs no line here). ``model_id`` defaults to ``model_name`` (the target's name,
+    :func:`calib.target.target_dir`), else ``model.name``."""
     from calib.cost.serving import measured_cost, step_cost_path
     from calib.serve.knobs import ServeKnobs
 
@@ -198,7 +198,7 @@ def serve_knobs(cfg: dict, root: Path):
         cost = str(_path(root, cost))
     ng = spec_cfg.get("ngram") or {}
     return ServeKnobs(**{**serve, "tables": str(_path(root, cfg["tables"])), "cost": cost,
-                         "model_id": serve.get("model_id") or cfg["model"]["name"],
+                         "model_id": serve.get("model_id") or model_name or cfg["model"]["name"],
                          "ngram": (int(ng.get("min_n", 1)), int(ng.get("max_n", 4)),
                                    int(ng.get("k", spec_cfg["num_speculative_tokens"]))),
                          "chains": tuple(pol["chains"]), "plan": bool(pol.get("plan", True))})

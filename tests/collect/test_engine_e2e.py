@@ -82,6 +82,19 @@ def test_resume_redoes_only_missing_parts(ngram_run, tmp_path):
     assert after.equals(before), proc.stdout[-2000:]
 
 
+def test_the_shipped_target_by_path_gives_the_same_bank(ngram_run, tmp_path):
+    """``model.path=<the converted SmolLM2 folder>`` instead of the default: the same target (fingerprint and name)
+    and, in the same dtype and batches, the same bank rows."""
+    from calib.target import prepare_target
+
+    collect(tmp_path / "by-path", FLOAT32, f"model.path={prepare_target()}")
+    default, by_path = (json.loads((run / "bank" / "run_manifest.json").read_text())["identity"]
+                        for run in (ngram_run, tmp_path / "by-path"))
+    assert by_path == default and by_path["target"]["name"] == "SmolLM2-135M-Instruct"
+    for table in ("acceptance.parquet", "speculator.parquet", "ngram.parquet"):
+        assert load(tmp_path / "by-path" / "bank").table(table).equals(load(ngram_run / "bank").table(table)), table
+
+
 def test_refuses_to_mix_configs(ngram_run):
     proc = collect(ngram_run, "sampling.max_tokens=16", FLOAT32, check=False)  # only max_tokens differs
     assert proc.returncode != 0

@@ -1,0 +1,90 @@
+"""``model.path=``: the target resolver (calib.target.resolve_target / target_dir), no engine.
+
+A folder holding config.json is used as it is; a hub id is looked up in the local HF cache offline (a fake
+cache built here, SYNTHETIC); what is not there is one clear error naming the key and what to do. The shipped
+SmolLM2 given by path has the same fingerprint (and name) as the embedded default.
+"""
+
+import json
+
+import pytest
+
+from calib.config_checks import check_serve
+from calib.fingerprint import fingerprint, same_model
+from calib.target import resolve_target, target_dir
+
+
+def _folder(path, **config):
+    path.mkdir(parents=True)
+    (path / "config.json").write_text(json.dumps({"architectures": ["Qwen2ForCausalLM"], **config}))
+    return path
+
+
+def test_a_folder_is_used_as_it_is(tmp_path):
+    model = _folder(tmp_path / "models" / "tiny-qwen2")
+    assert resolve_target(str(model)) == model.resolve()
+    assert resolve_target("models/tiny-qwen2", root=tmp_path) == model.resolve()  # relative to the project
+    assert target_dir({"name": "SmolLM2-135M-Instruct", "path": str(model)}) == (model.resolve(), "tiny-qwen2")
+
+
+def test_a_folder_without_config_json_is_refused(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match=r"model\.path=.*holds no config\.json.*save_pretrained"):
+        resolve_target(str(tmp_path / "empty"))
+
+
+@pytest.mark.parametrize("given", ["./no/such/model", "/no/such/model", "~/no-such-calib-model"])
+def test_a_missing_folder_is_refused(given):
+    with pytest.raises(FileNotFoundError, match=r"model\.path=.*no such folder.*config\.json"):
+        resolve_target(given)
+
+
+def test_an_uncached_hub_id_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError) as err:
+        resolve_target("calib-nobody/not-cached-model", root=tmp_path, hub_cache=tmp_path / "hub")
+    msg = str(err.value)
+    assert "model.path='calib-nobody/not-cached-model'" in msg and "not in the local Hugging Face cache" in msg
+    assert "hf download calib-nobody/not-cached-model" in msg and "never downloads" in msg
+
+
+def test_a_cached_hub_id_resolves_offline(tmp_path):
+    hub = tmp_path / "hub"
+    repo = hub / "models--calib-org--tiny-llama"
+    snap = _folder(repo / "snapshots" / ("a" * 40), model_type="llama")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("a" * 40)
+    assert resolve_target("calib-org/tiny-llama", root=tmp_path, hub_cache=hub) == snap
+    from calib.target import target_name
+
+    assert target_name("calib-org/tiny-llama", snap, "SmolLM2-135M-Instruct") == "tiny-llama"  # not the commit
+
+
+def test_collect_refuses_a_missing_target_before_anything_loads(tmp_path):
+    from calib.collect.runner import check_config
+
+    cfg = {"capture": True, "part_size": 1, "concurrency": 1, "root": str(tmp_path),
+           "sampling": {"temperature": 0.0, "max_tokens": 8}, "model": {"name": "x", "path": "./nope"}}
+    with pytest.raises(ValueError, match=r"collect config: model\.path='\./nope': no such folder"):
+        check_config(cfg)
+    with pytest.raises(ValueError, match=r"model\.path=7"):
+        check_config({**cfg, "model": {"name": "x", "path": 7}})
+    _folder(tmp_path / "nope")
+    check_config(cfg)  # the folder is there now
+
+
+def test_serve_declares_model_path():
+    with pytest.raises(ValueError, match=r"serve\.py config: parameter model\.path=7"):
+        check_serve({"model": {"path": 7}})
+    check_serve({"model": {"path": None}})
+    check_serve({"model": {"path": "org/name"}})
+
+
+def test_the_shipped_smollm2_by_path_is_the_default_target():
+    """``model.path=<the converted folder>`` names the same target as the default: same fingerprint (what a bank's
+    manifest records and serving compares) and the same name (the folder's)."""
+    default_dir, default_name = target_dir({"name": "SmolLM2-135M-Instruct", "path": None})
+    by_path_dir, by_path_name = target_dir({"name": "ignored", "path": str(default_dir)})
+    assert by_path_name == default_name == "SmolLM2-135M-Instruct"
+    a, b = fingerprint(default_dir), fingerprint(by_path_dir)
+    assert a is not None and same_model(a, b) and a == b
+    assert a["architecture"] == "LlamaForCausalLM" and a["weights_sha256"]
