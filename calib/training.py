@@ -290,8 +290,14 @@ def _transfer_guard(kind: ChainKind, rows: pd.DataFrame, cfg: dict, candidates: 
         est = _with_axes(kind, _readable(kind, est, rows), selected)
         entry = {"eligible": True}
         for src, dst in ((transfer["fit_on"], transfer["eval_on"]), (transfer["eval_on"], transfer["fit_on"])):
-            r = transfer_check(kind, rows.assign(split="train"), _with_selected(cfg, selected), est,
-                               transfer["baseline"], src, dst, context=True)
+            try:
+                r = transfer_check(kind, rows.assign(split="train"), _with_selected(cfg, selected), est,
+                                   transfer["baseline"], src, dst, context=True)
+            except (ValueError, RuntimeError) as exc:  # cannot be fitted on one side: not a candidate
+                log.warning("%s chain %s: transfer guard %s -> %s cannot fit it (%s: %s); left out", kind.name,
+                            name, "+".join(src), "+".join(dst), type(exc).__name__, exc)
+                entry["eligible"] = False
+                continue
             if r is None:
                 return {}
             entry[f"{'+'.join(src)} -> {'+'.join(dst)}"] = {"brier": r["model"]["brier"],
@@ -535,9 +541,16 @@ def _train_chain(kind: ChainKind, samples: pd.DataFrame, chain_cfg: dict, bank, 
         cands = {n: _with_axes(kind, _readable(kind, c, samples), _selected_axes(chain_cfg)) for n, c in chosen.items()}
         model = GroupedCVSelection(cands, n_own=len(kind.feature_names(chain_cfg)),
                                    **{**SELECTION_DEFAULTS, **(chain_cfg.get("selection") or {})})
-        chain_meta["transfer"] = [t for t in (
-            transfer_check(kind, samples, chain_cfg, model, tcfg["baseline"], src, dst, context=True)
-            for src, dst in ((tcfg["fit_on"], tcfg["eval_on"]), (tcfg["eval_on"], tcfg["fit_on"]))) if t]
+        chain_meta["transfer"] = []
+        for src, dst in ((tcfg["fit_on"], tcfg["eval_on"]), (tcfg["eval_on"], tcfg["fit_on"])):
+            try:
+                t = transfer_check(kind, samples, chain_cfg, model, tcfg["baseline"], src, dst, context=True)
+            except (ValueError, RuntimeError) as exc:  # a report, not the tables: say so and go on
+                log.warning("%s chain: transfer check %s -> %s could not be fitted (%s: %s)", kind.name,
+                            "+".join(src), "+".join(dst), type(exc).__name__, exc)
+                t = None
+            if t:
+                chain_meta["transfer"].append(t)
     if "counterfactual" in samples.columns:
         chain_meta["label_sources"] = samples.groupby("counterfactual").size().rename(
             lambda c: "counterfactual" if c else "verified").to_dict()

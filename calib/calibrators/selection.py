@@ -167,8 +167,18 @@ features is judged on NLL alone, as its sharper predictions can cost a little EC
         for name in order:
             est = self.candidates[name]
             Xc = with_depth(candidate_columns(est, X, self.n_own).iloc[rows], dr)
-            res = cross_validate(est, Xc, yr, groups=groups[rows], cv=GroupKFold(n_splits), scoring="neg_log_loss",
-                                 return_estimator=True, return_indices=True, error_score="raise", n_jobs=self.n_jobs)
+            try:
+                res = cross_validate(est, Xc, yr, groups=groups[rows], cv=GroupKFold(n_splits),
+                                     scoring="neg_log_loss", return_estimator=True, return_indices=True,
+                                     error_score="raise", n_jobs=self.n_jobs)
+            except (ValueError, RuntimeError) as exc:
+                if name == order[0]:  # the baseline must fit: there is nothing to fall back on
+                    raise
+                # a richer candidate that cannot fit these rows (e.g. too few of a label for its own
+                # validation split) is not a candidate here; its scores stay NaN, never chosen
+                log.warning("grouped CV: candidate %r cannot be fitted on these rows (%s: %s); left out",
+                            name, type(exc).__name__, exc)
+                continue
             for f, (fitted, test) in enumerate(zip(res["estimator"], res["indices"]["test"], strict=True)):
                 p = fitted.accept_proba(Xc.iloc[test])
                 for d in np.unique(dr[test]):

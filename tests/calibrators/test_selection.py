@@ -206,3 +206,23 @@ def test_folds_without_rows_at_a_depth_are_skipped():
     one = BASE.copy()
     one[1:] = np.nan  # one fold holds the depth: no SE, the baseline stands
     assert one_se_choice({"a": one, "b": richer}, ["a", "b"])[0] == "a"
+
+
+class _CannotFit(Calibrator):
+    """A candidate that cannot be fitted on these rows (as gradient boosting's own stratified validation
+    split cannot on a tiny bank with one sample of a label)."""
+
+    def _fit(self, X, depth, y, *, val=None, groups=None):
+        raise ValueError("the least populated class in y has only 1 member")
+
+    def _predict(self, X, depth):
+        raise AssertionError("never chosen, never asked")
+
+
+def test_a_candidate_that_cannot_be_fitted_is_left_out_not_fatal():
+    c, d, y, g = draw(lambda c: c ** 3)  # badly miscalibrated: a richer candidate would win if it could fit
+    sel = GroupedCVSelection({"identity": Identity(), "broken": _CannotFit()}).fit(with_depth(c, d), y, groups=g)
+    assert set(sel.choice_.values()) == {"identity"}
+    assert np.isnan(sel.cv_scores_["broken"]).all()
+    with pytest.raises(ValueError, match="least populated"):  # the baseline must fit: nothing to fall back on
+        GroupedCVSelection({"broken": _CannotFit(), "identity": Identity()}).fit(with_depth(c, d), y, groups=g)
