@@ -151,6 +151,11 @@ def _load_banks(cfg: DictConfig, tables, root) -> list:
             log.warning("bank %s: %s", b.name, n)
         if split != "test" and b.seen:  # an unseen bank is evaluated whole whatever split is named
             b.split = np.where(b.split == split, "test", "other")  # replay and metrics read "test"
+        if not (b.split == "test").any():
+            n_prompts = len(set(zip(b.category.tolist(), b.prompt_idx.tolist())))
+            raise ValueError(f"eval.py: bank {b.path} holds no {split!r} prompts to score ({b.scope}; "
+                             f"{n_prompts} prompts, split fractions {list(fractions)}): collect more prompts, or "
+                             "evaluate tables that did not train on this bank (then it is scored whole)")
     return banks
 
 

@@ -3,6 +3,7 @@
 import json
 from pathlib import Path
 
+import pytest
 from hydra import compose, initialize_config_dir
 
 from calib.bank import write_bank
@@ -19,8 +20,8 @@ def test_eval_compose_run(tmp_path):
     fit_tables([bank], tmp_path / "tables", split="train")
     out = tmp_path / "out"
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose("eval", overrides=[f"root={ROOT}", f"data.test=[{bank}]", f"tables={tmp_path / 'tables'}", "online.warmup_rounds=0",
-                                         f"out_dir={out}", "logger=csv", "metrics.n_boot=20",
+        cfg = compose("eval", overrides=[f"root={ROOT}", f"data.test=[{bank}]", f"tables={tmp_path / 'tables'}",
+                                         "online.warmup_rounds=0", f"out_dir={out}", "logger=csv", "metrics.n_boot=20",
                                          "replay.batch_sizes=[1,4]", "replay.max_steps=8", "replay.min_steps=4",
                                          "replay.progress=false"])
     assert set(cfg.cost) == {"engine", "parametric"}  # both curves by default
@@ -170,3 +171,17 @@ def test_eval_out_dir_is_one_unit(tmp_path):
     with pytest.raises(FileExistsError, match="holds files calib did not write: tables.json, tables.safetensors"):
         run(_cfg([bank], tmp_path / "tables", foreign, "overwrite=true"))
     assert calib.tables.load(foreign)
+
+
+def test_a_bank_with_no_prompts_to_score_is_refused_by_name(tmp_path):
+    # 2 prompts, both in the training part of the split the tables record: nothing held out to score
+    bank = write_bank(tmp_path / "bank", *synthetic_tables(n_prompts=2, rounds_per_prompt=12, width=4, seed=3),
+                      manifest={"model": "synthetic-model", "speculator": "synthetic"})
+    fit_tables([bank], tmp_path / "tables", split="train")
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("eval", overrides=[f"root={ROOT}", f"data.test=[{bank}]", f"tables={tmp_path / 'tables'}",
+                                         f"out_dir={tmp_path / 'out'}", "logger=none", "split.name=val",
+                                         "split.fractions=[1.0,0.0,0.0]"])
+    with pytest.raises(ValueError, match=r"bank .*bank holds no 'val' prompts to score"):
+        run(cfg)
+    assert not (tmp_path / "out").exists()  # nothing published
