@@ -82,7 +82,6 @@ def test_eval_compose_run(tmp_path):
 import os
 
 import pyarrow.parquet as pq
-import pytest
 
 import calib.tables
 from calib.tables import TablesError
