@@ -98,7 +98,7 @@ def test_recipe_adds_kept_requests_to_the_corpus_and_samples_once(tmp_path, monk
     def stop(*args, **kwargs):
         raise Stop
 
-    monkeypatch.setattr(recipe, "prepare_target", lambda *a: "target")
+    monkeypatch.setattr(recipe, "target_dir", lambda *a, **k: ("target", "m"))
     monkeypatch.setattr(recipe.magpie, "generate", fake_generate)
     monkeypatch.setattr(recipe, "generate_responses", stop)
     cfg = {"root": str(ROOT), "work_dir": str(tmp_path / "work"), "seed": 0, "model": {"name": "m"},

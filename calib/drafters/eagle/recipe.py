@@ -30,7 +30,7 @@ from calib.drafters.eagle.export import export_head, load_exported
 from calib.drafters.eagle.model import EagleHead, head_cost_ratio
 from calib.drafters.eagle.training import EagleTrainingModule
 from calib.sidefiles import read_json
-from calib.target import prepare_target
+from calib.target import target_dir
 
 
 def _lightning_logger(cfg: dict, out: Path):
@@ -68,7 +68,7 @@ def run(cfg: dict) -> Path:
     work.mkdir(parents=True, exist_ok=True)
     timings_path = work / "timings.json"
     timings = _read_timings(timings_path)
-    model_dir = str(prepare_target(cfg["model"].get("gguf"), cfg["model"].get("cache_dir"), cfg["model"]["name"]))
+    model_dir = str(target_dir(cfg["model"], root)[0])  # model.path= or the embedded GGUF (calib.target)
     records = _corpus(cfg, root, work, model_dir, timings, timings_path)
 
     responses_path = work / "responses.jsonl"

@@ -219,10 +219,10 @@ def run(cfg: dict) -> Path:
     """Choose the vocabulary, warm-start, train (or not), export to ``reduced.out_dir``."""
     from transformers import AutoModelForCausalLM
 
-    from calib.target import prepare_target
+    from calib.target import target_dir
 
     root, r = Path(cfg["root"]), cfg["reduced"]
-    model_dir = str(prepare_target(cfg["model"].get("gguf"), cfg["model"].get("cache_dir"), cfg["model"]["name"]))
+    model_dir = str(target_dir(cfg["model"], root)[0])  # model.path= or the embedded GGUF (calib.target)
     target = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     ids, stats = _choose(cfg, model_dir, target.config.vocab_size)
     print(f"[reduced] {ids.numel()} draft ids cover {stats['coverage']:.4f} of the corpus tokens "
