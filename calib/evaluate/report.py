@@ -271,8 +271,9 @@ def answer_verdict(answer) -> str:
     wins = sum(a["calib_beats_peer"] for a in scored)
     everywhere = sum(a["ratio_min"] is not None and a["ratio_min"] >= 1 for a in scored)
     w = min((a for a in scored if a["ratio_min"] is not None), key=lambda a: a["ratio_min"], default=None)
-    s = (f"**calib beats the best peer in {wins} of {len(scored)} (bank, cost) pairs** (mean over B of the goodput "
-         f"ratio on category `all`); it is at least the peer in every (category, B) in {everywhere} of them")
+    s = (f"**Replayed (a prediction from the banks, not a clock): calib beats the best peer in {wins} of "
+         f"{len(scored)} (bank, cost) pairs** (mean over B of the goodput ratio on category `all`); it is at "
+         f"least the peer in every (category, B) in {everywhere} of them")
     if w is not None:
         s += (f"; worst setting: calib / peer = {w['ratio_min']:.3f} (`{w['calib_policy']}` vs `{w['peer_policy']}`, "
               f"`{w['bank']}`, cost `{w['cost_model']}`, {w['ratio_min_category']}, B={w['ratio_min_batch_size']})")

@@ -96,7 +96,8 @@ def test_a_synthetic_calib_policy_with_higher_goodput_becomes_the_answer(bank2, 
         assert all(a["calib_beats_peer"] and a["ratio_min"] > 1 for a in answer)
         assert all(SUPER in a["calib_camp"] and SUPER not in a["peer_camp"] for a in answer)
         verdict = report.answer_verdict(answer)
-        assert verdict.startswith(f"**calib beats the best peer in {len(answer)} of {len(answer)} (bank, cost) pairs")
+        assert verdict.startswith(f"**Replayed (a prediction from the banks, not a clock): calib beats the best peer "
+                                  f"in {len(answer)} of {len(answer)} (bank, cost) pairs")
         assert plots.answer(answer, tmp_path / "answer.png").exists()
         # the same policy registered as a peer is the best peer instead, and calib loses every pair
         unregister_policy(SUPER)
