@@ -315,7 +315,7 @@ def main(argv=None) -> None:
     ap.add_argument("--replay", default="runs/eval/default/metrics.json",
                     help="eval.py's metrics.json whose ladder predicts each cell (the replay's speed-up over none)")
     ap.add_argument("--cost-model", default="engine", help="the ladder's cost model the prediction reads")
-    ap.add_argument("--readme", help="regenerate this markdown file's serve-bench block (README.md)")
+    ap.add_argument("--readme", help="regenerate this markdown file's serve-bench block (docs/serving.md)")
     args = ap.parse_args(argv)
     if args.worker:
         return worker(args.worker)

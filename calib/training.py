@@ -688,7 +688,8 @@ def _summary_lines(name: str, m: dict) -> list[str]:
         L = m["accept_length_test"]
         lines.append(f"  accepted length per round: actual {L['actual_mean']:.3f}, predicted raw "
                      f"{L['raw_predicted_mean']:.3f}, calibrated {L['calibrated_predicted_mean']:.3f} "
-                     f"({L['n_rounds']} test rounds)")
+                     f"({L['n_rounds']} test rounds; vLLM's mean acceptance length = 1 + these: actual "
+                     f"{1 + L['actual_mean']:.3f})")
     else:
         lines.append(f"{name} drafter: {_choice_text(m)}; test "
                      + ", ".join(f"{k} Brier {v['brier']:.4f} AUROC {v['auroc']:.3f}" for k, v in m["test"].items()

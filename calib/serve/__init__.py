@@ -9,7 +9,7 @@
 >>> decider.observe(req_id, accepted, drafted)   # after each verify step; decider.finish(req_id) at the end
 
 The vLLM wing's serving subscriber (:mod:`calib.vllm.serving`, installed by the plugin when ``CALIB_SERVE``
-holds the knobs, :class:`calib.serve.knobs.ServeKnobs`; docs/serving_hooks.md) calls these; see README.md.
+holds the knobs, :class:`calib.serve.knobs.ServeKnobs`; docs/serving_hooks.md) calls these; see docs/serving.md.
 """
 
 from calib.serve.decide import (
