@@ -1,7 +1,12 @@
 """Experiment tracking behind one small interface: W&B (offline by default), CSV files, or nothing.
 
 Entry points pick one with the ``logger`` config group (``logger=wandb|csv|none``). W&B runs are
-offline unless WANDB_MODE says otherwise, so nothing leaves the machine by default.
+offline unless WANDB_MODE says otherwise, so nothing leaves the machine by default (``wandb sync <run
+folder>`` uploads one later; ``WANDB_MODE=online`` logs live). This is calib's one logging path: Lightning's
+own loggers stay off (``calib.calibrators.lightning_fit``). Runs are named ``<job>:<output folder>`` unless
+``logger.name`` says otherwise, and grouped by ``logger.group`` (the experiment). Lineage: train.py logs
+the tables as an artifact; eval.py declares the tables it evaluates as its input (:meth:`use_artifact`; an
+offline run, which W&B does not let use artifacts, records their digest in its config instead).
 """
 
 from __future__ import annotations
@@ -26,6 +31,9 @@ class Tracker:
     def log_table(self, key: str, rows: list[dict]) -> None: ...
 
     def log_artifact(self, name: str, kind: str, paths: list[str | os.PathLike], metadata: dict | None = None) -> None: ...
+
+    def use_artifact(self, name: str, kind: str, paths: list[str | os.PathLike], metadata: dict | None = None) -> None:
+        """Declare files this run reads (e.g. the tables eval evaluates) as its input artifact."""
 
     def finish(self) -> None: ...
 
@@ -55,13 +63,13 @@ class CSVTracker(Tracker):
 
 class WandbTracker(Tracker):
     def __init__(self, project: str, out_dir: str | os.PathLike, config: dict, job_type: str,
-                 mode: str | None = None, name: str | None = None, tags=None):
+                 mode: str | None = None, name: str | None = None, tags=None, group: str | None = None):
         import wandb
 
         self.wandb = wandb
         self.run = wandb.init(project=project, dir=str(out_dir), config=config, job_type=job_type,
-                              mode=mode or envs.WANDB_MODE, name=name,
-                              tags=list(tags or []), reinit="finish_previous")
+                              mode=mode or envs.WANDB_MODE, name=name or run_name(job_type, out_dir),
+                              group=group, tags=list(tags or []), reinit="finish_previous")
 
     def log(self, scalars, step=None):
         self.run.log(scalars, step=step)
@@ -78,11 +86,31 @@ class WandbTracker(Tracker):
             data = [[str(r.get(c)) if c in mixed else _plain(r.get(c)) for c in cols] for r in rows]
             self.run.log({key: self.wandb.Table(columns=cols, data=data)})
 
-    def log_artifact(self, name, kind, paths, metadata=None):
+    def _artifact(self, name, kind, paths, metadata):
         art = self.wandb.Artifact(name, type=kind, metadata=metadata or {})
         for p in paths:
             art.add_file(str(p))
-        self.run.log_artifact(art)
+        return art
+
+    def log_artifact(self, name, kind, paths, metadata=None):
+        self.run.log_artifact(self._artifact(name, kind, paths, metadata))
+
+    def use_artifact(self, name, kind, paths, metadata=None):
+        # the same name and content as train.py logged: W&B matches it by digest, so the lineage
+        # bank -> tables -> eval is an edge of the online run graph. W&B refuses use_artifact offline
+        # ("Cannot use artifact when in offline mode"): an offline run records its input's name, type and
+        # content digest in its config instead (the same files train.py's artifact holds).
+        if self.run.offline:
+            import hashlib
+
+            digest = hashlib.sha256()
+            for p in sorted(map(str, paths)):
+                digest.update(Path(p).read_bytes())
+            self.run.config.update({"input_artifacts": {name: {"type": kind, "sha256": digest.hexdigest(),
+                                                                "files": [str(p) for p in paths]}}},
+                                   allow_val_change=True)
+            return
+        self.run.use_artifact(self._artifact(name, kind, paths, metadata))
 
     def finish(self):
         self.run.finish()
@@ -94,12 +122,20 @@ def make_tracker(cfg: dict | None, out_dir: str | os.PathLike, config: dict, job
     kind = cfg.pop("kind", "none")
     if kind == "wandb":
         return WandbTracker(cfg.get("project", "calib"), out_dir, config, job_type, cfg.get("mode"),
-                            cfg.get("name"), cfg.get("tags"))
+                            cfg.get("name"), cfg.get("tags"), cfg.get("group"))
     if kind == "csv":
         return CSVTracker(Path(out_dir) / "csv")
     if kind == "none":
         return Tracker()
     raise ValueError(f"logger.kind={kind!r}: expected wandb, csv or none")
+
+
+def run_name(job_type: str, out_dir: str | os.PathLike) -> str:
+    """A run's default name: ``<job>:<output folder>`` (a staging folder ``.NAME.tmp-*`` counts as NAME)."""
+    folder = Path(out_dir).name
+    if folder.startswith(".") and ".tmp-" in folder:
+        folder = folder[1:folder.index(".tmp-")]
+    return f"{job_type}:{folder}"
 
 
 def _plain(v):

@@ -626,10 +626,12 @@ def _log(tracker, out_dir: Path, meta: dict, per_depth: list[dict], fit_rows: li
          reports: dict[str, pd.DataFrame]) -> None:
     """Per-depth metrics, the fit table, the reliability picture of the chain with raw confidences
     (``reports``: its samples, by chain name) and the tables as an artifact."""
-    for name in reports:
+    for name in reports:  # headline scalars: each split pooled over depths (per depth: the tables below)
         for split in ("val", "test"):
             for row in meta["chains"][name].get(split, []):
-                tracker.log({f"{split}/depth_{row['depth']}/{k}": v for k, v in row.items() if k != "depth"})
+                if row["depth"] == "all":
+                    tracker.log({f"{name}/{split}/{k}": v for k, v in row.items() if k != "depth"})
+                    tracker.log_table(f"{name}_{split}_per_depth", meta["chains"][name][split])
     tracker.log_table("fit", fit_rows)
     if per_depth and reports:
         tracker.log_table("test_per_depth", per_depth)

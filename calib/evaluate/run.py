@@ -37,6 +37,7 @@ from calib.evaluate.report import (
     write_metrics,
 )
 from calib.metrics import ECE_CI_DESCRIPTION
+from calib.tables.io import META, TENSORS
 
 CAL_COLS = ["bank", "drafter", "variant", "category", "n", "ece", "ece_ci", "ece_equal_mass", "ece_debiased",
             "mce", "brier", "nll", "auroc", "mean_conf", "accept_rate"]
@@ -192,34 +193,45 @@ def _pictures(cfg: DictConfig, banks: list, curves: dict, ladder: list, out: Pat
     return pics
 
 
+MAX_SUMMARY_KEYS = 50  # headline scalars per run; everything else is a wandb.Table
+
+
 def _scalars(metrics: dict) -> dict:
-    """The tracker's scalars: headline ECEs, accepted-length errors, ladder goodputs and the answer's ratios."""
-    scalars = {}
-    for r in metrics["calibration"]:
-        if r["depth"] == "all":
-            scalars[f"calibration/{r['bank']}/{r['drafter']}/{r['variant']}/{r['category']}/ece"] = r["ece"]
-            scalars[f"calibration/{r['bank']}/{r['drafter']}/{r['variant']}/{r['category']}/ece_debiased"] = \
-                r["ece_debiased"]
-    for r in metrics["accept_length"]:
-        scalars[f"accept_length/{r['bank']}/{r['drafter']}/{r['variant']}/{r['category']}/mae"] = r["mae"]
-    for s in metrics["length_slices"]:
-        if s.get("error_calibrated") is not None:
-            scalars[f"length_slices/{plots.temperature_label(s['temperature'])}/{s['chain']}/{s['category']}/"
-                    f"{s['bank']}/error_calibrated"] = s["error_calibrated"]
+    """The run's headline scalars (at most :data:`MAX_SUMMARY_KEYS`, whatever the number of banks): the answer
+    (calib / best peer: pairs won, mean and worst), pooled ECE per (chain, variant) (mean and worst over
+    temperatures), the worst accepted-length slice error, the online correction's mean length error. Every
+    row behind them is logged as a table."""
+    out: dict[str, float] = {}
+    scored = [a for a in metrics["answer"] if a.get("ratio_mean") is not None]
+    if scored:
+        out["answer/pairs"] = len(scored)
+        out["answer/pairs_calib_beats_peer"] = sum(bool(a["calib_beats_peer"]) for a in scored)
+        out["answer/calib_vs_peer_mean"] = float(np.mean([a["ratio_mean"] for a in scored]))
+        mins = [a["ratio_min"] for a in scored if a.get("ratio_min") is not None]
+        if mins:
+            out["answer/calib_vs_peer_worst"] = float(min(mins))
+    pooled: dict[str, list] = {}
     for r in metrics["calibration_pooled"]:
         for v in ("raw", "calibrated"):
-            if r[f"ece_{v}"] is not None:
-                scalars[f"calibration_pooled/{plots.temperature_label(r['temperature'])}/{r['chain']}/ece_{v}"] = \
-                    r[f"ece_{v}"]
-    for r in metrics["ladder"]:
-        key = f"ladder/{r['bank']}/{r['cost_model']}/{r['category']}/B{r['batch_size']}/{r['policy']}"
-        scalars[f"{key}/goodput"] = r["goodput"]
-        scalars[f"{key}/headroom_captured"] = r["headroom_captured"]
-    for a in metrics["answer"]:
-        for k in ("ratio_mean", "ratio_min", "oracle_vs_peer_mean"):
-            if a[k] is not None:
-                scalars[f"answer/{a['bank']}/{a['cost_model']}/{k}"] = a[k]
-    return scalars
+            if r.get(f"ece_{v}") is not None and np.isfinite(r[f"ece_{v}"]):
+                pooled.setdefault(f"ece_pooled/{r['chain']}/{v}", []).append(r[f"ece_{v}"])
+    for k, vals in list(pooled.items())[:12]:
+        out[f"{k}/mean_over_T"], out[f"{k}/worst_over_T"] = float(np.mean(vals)), float(max(vals))
+    errs = [s["error_calibrated"] for s in metrics["length_slices"] if s.get("error_calibrated") is not None]
+    big = [s["error_calibrated"] for s in metrics["length_slices"]
+           if s.get("error_calibrated") is not None and s["rounds"] >= SLICE_MIN_ROUNDS]
+    if errs:
+        out["length/worst_slice_error"] = float(max(errs))
+    if big:
+        out["length/worst_large_slice_error"] = float(max(big))
+    out["length/slices_flagged"] = sum(bool(s["flagged"]) for s in metrics["length_slices"])
+    online = (metrics.get("online") or {}).get("slices") or []
+    for v in ("tables", "online"):
+        e = [r[f"error_{v}"] for r in online if r.get(f"error_{v}") is not None]
+        if e:
+            out[f"online/mean_length_error_{v}"] = float(np.mean(e))
+    assert len(out) <= MAX_SUMMARY_KEYS, sorted(out)
+    return out
 
 
 def _track(cfg: DictConfig, out: Path, metrics: dict, pics: list) -> None:
@@ -229,7 +241,12 @@ def _track(cfg: DictConfig, out: Path, metrics: dict, pics: list) -> None:
     tracker = make_tracker(OmegaConf.to_container(cfg.logger, resolve=True), out,
                            OmegaConf.to_container(cfg, resolve=True), "eval")
     try:
+        tables_dir = Path(metrics["tables"]["dir"])  # eval's input, as train.py logged it: the lineage
+        tracker.use_artifact("calib-tables", "tables", [tables_dir / TENSORS, tables_dir / META])
         tracker.log({k: v for k, v in _scalars(metrics).items() if v is not None and np.isfinite(v)})
+        online = (metrics.get("online") or {})
+        tracker.log_table("online", online.get("slices") or [])
+        tracker.log_table("online_warmup", online.get("warmup_curve") or [])
         tracker.log_table("calibration", [{**r, "depth": str(r["depth"])} for r in metrics["calibration"]])
         tracker.log_table("accept_length", metrics["accept_length"])
         tracker.log_table("length_slices", metrics["length_slices"])

@@ -184,3 +184,57 @@ def test_a_bank_with_no_prompts_to_score_is_refused_by_name(tmp_path):
     with pytest.raises(ValueError, match=r"bank .*bank holds no 'val' prompts to score"):
         run(cfg)
     assert not (tmp_path / "out").exists()  # nothing published
+
+
+def test_eval_tracks_its_tables_as_input_and_few_headline_scalars(tmp_path, monkeypatch):
+    """W&B a team can use: eval declares the tables it evaluates as its input artifact (the lineage bank ->
+    tables -> eval), logs at most 50 headline scalars (the rows go in tables), and names its run."""
+    import calib.tracking as tracking
+    from calib.evaluate.run import MAX_SUMMARY_KEYS
+
+    calls = {"scalars": {}, "used": [], "tables": []}
+
+    class Recording(tracking.Tracker):
+        def log(self, scalars, step=None):
+            calls["scalars"].update(scalars)
+
+        def log_table(self, key, rows):
+            calls["tables"].append(key)
+
+        def use_artifact(self, name, kind, paths, metadata=None):
+            calls["used"].append((name, kind, [Path(p) for p in paths]))
+
+    monkeypatch.setattr(tracking, "make_tracker", lambda *a, **k: Recording())
+    bank = write_bank(tmp_path / "bank", *synthetic_tables(n_prompts=24, rounds_per_prompt=12, width=4, seed=3),
+                      manifest={"model": "synthetic-model", "speculator": "synthetic"})
+    fit_tables([bank], tmp_path / "tables", split="train")
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("eval", overrides=[f"root={ROOT}", f"data.test=[{bank}]", f"tables={tmp_path / 'tables'}",
+                                         f"out_dir={tmp_path / 'out'}", "metrics.n_boot=20", "replay.batch_sizes=[1]",
+                                         "replay.max_steps=4", "replay.min_steps=2", "replay.progress=false"])
+    run(cfg)
+    (name, kind, paths), = calls["used"]
+    assert (name, kind) == ("calib-tables", "tables") and all(p.is_file() for p in paths)
+    assert {p.name for p in paths} == {"tables.safetensors", "tables.json"}
+    assert 0 < len(calls["scalars"]) <= MAX_SUMMARY_KEYS, sorted(calls["scalars"])
+    assert {"ladder", "calibration", "online"} <= set(calls["tables"])
+    assert tracking.run_name("eval", tmp_path / ".out.tmp-abc123") == "eval:out"
+
+
+def test_an_offline_wandb_run_records_its_input_tables_by_digest(tmp_path, monkeypatch):
+    """W&B refuses use_artifact offline; calib's tracker then records the input's name, type and digest in
+    the run's config, and names the run <job>:<output folder>."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    from calib.tracking import WandbTracker
+
+    (tmp_path / "tables.json").write_text("{}")
+    (tmp_path / "tables.safetensors").write_bytes(b"x")
+    t = WandbTracker("calib", tmp_path, {}, "eval", mode="offline", group="exp-1")
+    try:
+        t.use_artifact("calib-tables", "tables", [tmp_path / "tables.json", tmp_path / "tables.safetensors"])
+        used = dict(t.run.config)["input_artifacts"]["calib-tables"]
+        assert used["type"] == "tables" and len(used["sha256"]) == 64
+        assert t.run.name == f"eval:{tmp_path.name}" and t.run.group == "exp-1"
+    finally:
+        t.finish()
