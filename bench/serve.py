@@ -361,6 +361,7 @@ def main(argv=None) -> None:
     result = {"command": " ".join(["python bench/serve.py", *(argv or sys.argv[1:])]), "wall_s": time.time() - t_start,
               "date": time.strftime("%Y-%m-%d"), "cpu": this_machine(), "replay": args.replay if metrics else None,
               "cost_model": args.cost_model, "arms": args.arms, "table": rows, "identity_float32_greedy": ident,
+              "tables": args.tables, "tables_sha256": _tables_digest(args.tables),  # eval's report matches on it
               "runs": records}
     from calib.atomic import write_text_atomic
 

@@ -28,6 +28,7 @@ def _eval_constraints() -> dict:
     return {
         "data.test": [TEXT, PATHS],
         "tables": [TEXT],
+        "serving_bench": [NoneValue(), TEXT],
         "split.fractions": [Fractions(3)],
         "split.seed": [INT_0],
         "split.name": [Options(SPLITS)],

@@ -283,9 +283,55 @@ def answer_verdict(answer) -> str:
     return s + "."
 
 
-def answer_lines(answer, picture: str | None = None) -> list[str]:
+def newest_serving_bench(where) -> Path | None:
+    """The serving bench's JSON a report cites: ``where`` itself (a file), or the newest ``serve-*.json`` of a
+    folder (by its recorded date, then name); None when there is none."""
+    if where is None:
+        return None
+    where = Path(where)
+    if where.is_file():
+        return where
+    found = []
+    for p in sorted(where.glob("serve-*.json")) if where.is_dir() else []:
+        try:
+            d = json.loads(p.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(d, dict) and isinstance(d.get("table"), list):
+            found.append((str(d.get("date", "")), p.name, p))
+    return max(found)[2] if found else None
+
+
+def clock_lines(bench: Path | None, tables_sha256: str | None) -> list[str]:
+    """The measured answer beside the replayed one: the serving bench's tokens/s of each calib arm over the
+    best vLLM arm (no speculation included) from its JSON, said to be for these tables only when the JSON
+    records their tables.json digest; otherwise it says which tables it measured, or that none did."""
+    if bench is None:
+        return ["**On a clock:** no serving bench found (`python bench/serve.py --tables DIR` measures one).", ""]
+    d = json.loads(Path(bench).read_text())
+    calib_arms = [a for a in d.get("arms", []) if a.startswith("calib")]
+    ratios = {a: [r["ratio_to_best_vllm"][a] for r in d["table"] if a in r.get("ratio_to_best_vllm", {})]
+              for a in calib_arms}
+    parts = [f"`{a}` {min(v):.2f}–{max(v):.2f}×" for a, v in ratios.items() if v]
+    ident = d.get("identity_float32_greedy") or {}
+    same = all(v.get("identical") == v.get("prompts") for v in ident.values()) if ident else None
+    recorded = d.get("tables_sha256")
+    if recorded and tables_sha256 and recorded == tables_sha256:
+        whose = "these tables"
+    elif recorded:
+        whose = f"**other tables** (tables.json sha256 {recorded[:12]}…, not these)"
+    else:
+        whose = "tables it does not record (an older bench: **not necessarily these tables**)"
+    return [f"**On a clock — measured** (`{d.get('command', 'python bench/serve.py')}`, {d.get('date', '?')}, "
+            f"{d.get('cpu', '?')}; [{Path(bench).name}]({bench}); it served {whose}): tokens/s over the best vLLM arm "
+            f"(no speculation included) per cell, min–max over {len(d['table'])} cells: " + ", ".join(parts)
+            + (f"; float32 greedy outputs identical to no speculation: {'yes' if same else 'no'}" if same is not None
+               else "") + ".", ""]
+
+
+def answer_lines(answer, picture: str | None = None, clock: list[str] | None = None) -> list[str]:
     """The report's first section: the verdict, the table, what the columns mean, the figure."""
-    L = ["## Answer", "", answer_verdict(answer), ""]
+    L = ["## Answer", "", answer_verdict(answer), "", *(clock or [])]
     rows = [{**a, "calib_worst": (f"{_f(a['calib_vs_best_fixed_min'])} ({a['calib_min_category']}, "
                                   f"B={a['calib_min_batch_size']})" if a["calib_vs_best_fixed_min"] is not None else None),
              "ratio_min_at": (f"{a['ratio_min_category']}, B={a['ratio_min_batch_size']}"

@@ -9,6 +9,7 @@ a training bank is scored on its held-out prompts, any other bank whole. Everyth
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from pathlib import Path
@@ -28,10 +29,12 @@ from calib.evaluate.report import (
     SLICE_MIN_ROUNDS,
     answer_lines,
     answer_rows,
+    clock_lines,
     ladder_notes,
     ladder_policy_rows,
     length_headline,
     length_slices,
+    newest_serving_bench,
     policy_lines,
     table,
     write_metrics,
@@ -106,6 +109,9 @@ def _evaluate(cfg: DictConfig, out: Path) -> dict:
     elapsed = time.perf_counter() - t0
     slices = length_slices(length, noise=noise)
     online = _online(cfg, banks, tables, out)
+    bench = newest_serving_bench(_path(root, cfg.serving_bench) if cfg.get("serving_bench") else None)
+    tables_json = _path(root, cfg.tables) / META
+    clock = clock_lines(bench, hashlib.sha256(tables_json.read_bytes()).hexdigest() if tables_json.is_file() else None)
     metrics = {"calibration": cal, "accept_length": length, "ladder": ladder, "notes": notes, "online": online,
                "length_slices": slices, "calibration_pooled": pooled, "ece_ci_method": ECE_CI_DESCRIPTION,
                "config": OmegaConf.to_container(cfg, resolve=True),
@@ -118,7 +124,7 @@ def _evaluate(cfg: DictConfig, out: Path) -> dict:
     write_metrics(out / "metrics.json", metrics)
     write_text_atomic(out / "report.md", render_report(banks, cal, length, ladder, notes, curves, rcfg, pics, out,
                                                   tables, elapsed, slices=slices, pooled=pooled, answer=answer,
-                                                  answer_pic=answer_pic, online=online))
+                                                  answer_pic=answer_pic, online=online, clock=clock))
     _track(cfg, out, metrics, pics + ([answer_pic] if answer_pic else []))
     return metrics
 
@@ -363,11 +369,11 @@ def _online_section(online) -> list[str]:
 
 
 def render_report(banks, cal, length, ladder, notes, curves, rcfg, pics, out, tables, elapsed, slices=None,
-                  pooled=None, answer=None, answer_pic=None, online=None) -> str:
+                  pooled=None, answer=None, answer_pic=None, online=None, clock=None) -> str:
     L = ["# Evaluation report", ""]
     # the answer first: calib's best policy against the best peer per (bank, cost curve)
     L += answer_lines(answer_rows(ladder) if answer is None else answer,
-                      str(Path(answer_pic).relative_to(out)) if answer_pic else None)
+                      str(Path(answer_pic).relative_to(out)) if answer_pic else None, clock)
     slices = length_slices(length) if slices is None else slices
     L += [length_headline(slices), ""]
     L += _banks_section(banks, tables, elapsed)

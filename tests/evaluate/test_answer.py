@@ -119,3 +119,23 @@ def test_answer_without_a_camp_says_so():
     assert a["oracle_vs_peer_mean"] == 1.0 and not math.isnan(a["peer_vs_best_fixed_mean"])
     assert "No (bank, cost) pair" in report.answer_verdict([a])
     assert plots.answer([a], "unused.png") is None
+
+
+def test_clock_lines_say_whose_tables_the_serving_bench_measured(tmp_path):
+    """The report's measured answer beside the replayed one (synthetic bench JSON, unit test)."""
+    import json
+
+    from calib.evaluate.report import clock_lines, newest_serving_bench
+
+    row = {"ratio_to_best_vllm": {"calib_ngram": 0.9, "vllm_ngram": 1.0}}
+    bench = {"command": "python bench/serve.py --reps 2", "date": "2026-12-01", "cpu": "x", "arms": ["vllm_ngram", "calib_ngram"],
+             "table": [row, {"ratio_to_best_vllm": {"calib_ngram": 1.1, "vllm_ngram": 1.0}}], "tables_sha256": "a" * 64,
+             "identity_float32_greedy": {"calib_ngram": {"identical": 16, "prompts": 16}}}
+    (tmp_path / "serve-old.json").write_text(json.dumps({**bench, "date": "2026-11-01"}))
+    (tmp_path / "serve-new.json").write_text(json.dumps(bench))
+    found = newest_serving_bench(tmp_path)
+    assert found.name == "serve-new.json"
+    mine = " ".join(clock_lines(found, "a" * 64))
+    assert "it served these tables" in mine and "`calib_ngram` 0.90–1.10×" in mine and "identical" in mine
+    assert "**other tables**" in " ".join(clock_lines(found, "b" * 64))
+    assert "no serving bench found" in " ".join(clock_lines(newest_serving_bench(tmp_path / "none"), "a" * 64))

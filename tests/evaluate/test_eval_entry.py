@@ -49,6 +49,9 @@ def test_eval_compose_run(tmp_path):
             "ece_online", "rounds", "actual_mean"} <= set(on["slices"][0])
     assert "## Online correction" in report
     assert "Does calibration beat the model drafter's raw confidence?" in report  # said plainly, per chain
+    # beside the replay, the clock: the newest serving bench, said not to be for these tables (other tables)
+    answer = report[: report.index("## ", len("# Evaluation report\n\n## Answer"))]
+    assert "**On a clock — measured**" in answer and "not necessarily these tables" in answer
     # the report leads with its answer: right after the title, before the headline and every other table
     assert report.splitlines()[:3] == ["# Evaluation report", "", "## Answer"]
     sections = [ln for ln in report.splitlines() if ln.startswith("## ")]
@@ -189,7 +192,7 @@ def test_a_bank_with_no_prompts_to_score_is_refused_by_name(tmp_path):
 def test_eval_tracks_its_tables_as_input_and_few_headline_scalars(tmp_path, monkeypatch):
     """W&B a team can use: eval declares the tables it evaluates as its input artifact (the lineage bank ->
     tables -> eval), logs at most 50 headline scalars (the rows go in tables), and names its run."""
-    import calib.tracking as tracking
+    from calib import tracking
     from calib.evaluate.run import MAX_SUMMARY_KEYS
 
     calls = {"scalars": {}, "used": [], "tables": []}
