@@ -13,7 +13,7 @@ import numpy as np
 
 from calib import metrics as M
 from calib.evaluate.calibration import samples, temperature_groups, variants
-from calib.policies import display_order
+from calib.policies import camp_of, display_order
 from calib.presentation import reliability_figure
 
 
@@ -152,19 +152,23 @@ def ladder(rows, bank: str, cost_model: str, path) -> Path:
             for b in bs:
                 r = [x for x in rows if x["category"] == c and x["batch_size"] == b and x["policy"] == pol]
                 vals.append(r[0]["vs_best_fixed"] if r else np.nan)
-            ax.bar(np.arange(len(bs)) + (i - (len(pols) - 1) / 2) * w, vals, width=w, label=pol,
-                   color=colour)
+            # a ratio drawn from the 1.0 line (a bar's length is its gain or loss, whatever the axis range);
+            # the peers hatched, so a policy is told apart by camp as well as by colour
+            ax.bar(np.arange(len(bs)) + (i - (len(pols) - 1) / 2) * w, np.asarray(vals) - 1.0, bottom=1.0, width=w,
+                   label=pol, color=colour, hatch="//" if camp_of(pol) == "peer" else None, edgecolor="white", lw=0.3)
         ax.axhline(1.0, color="k", lw=0.8, ls="--")
         ax.set_xticks(range(len(bs)))
         ax.set_xticklabels([f"B={b}" for b in bs])
         ax.set_title(f"category: {c}")
         ax.grid(axis="y", alpha=0.3)
-        lo = np.nanmin([r["vs_best_fixed"] for r in rows if r["category"] == c] + [1.0])
-        hi = np.nanmax([r["vs_best_fixed"] for r in rows if r["category"] == c] + [1.0])
-        ax.set_ylim(max(0.0, lo - 0.05), hi + 0.05)
+    # the panels share their y axis: one range holding every bar of every panel (none clipped)
+    lo = np.nanmin([r["vs_best_fixed"] for r in rows] + [1.0])
+    hi = np.nanmax([r["vs_best_fixed"] for r in rows] + [1.0])
+    axes[0, 0].set_ylim(max(0.0, lo - 0.05), hi + 0.05)
     axes[0, 0].set_ylabel("goodput / best fixed γ")
     axes[0, -1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
-    fig.suptitle(f"Policy ladder — {bank}, cost curve: {cost_model} (goodput as a ratio to the best fixed γ)", y=1.03)
+    fig.suptitle(f"Policy ladder, replayed (a prediction) — {bank}, cost curve: {cost_model} (goodput / the best fixed γ; "
+                 "bars from the 1.0 line, peers hatched)", y=1.03)
     return _save(fig, path)
 
 
@@ -177,8 +181,12 @@ def answer(answer_rows, path) -> Path | None:
         return None
     x = np.arange(len(rows))
     fig, ax = plt.subplots(figsize=(max(4.0, 1.7 * len(rows) + 1.5), 4.0))
-    ax.bar(x, [a["ratio_mean"] for a in rows], width=0.6,
+    ax.bar(x, [a["ratio_mean"] - 1.0 for a in rows], bottom=1.0, width=0.6,  # from the 1.0 line: gain or loss
            color=["tab:blue" if a["ratio_mean"] > 1 else "tab:red" for a in rows], label="mean over B (all)")
+    for xi, a in zip(x, rows):
+        ax.annotate(f"{a['ratio_mean']:.2f}×", (xi, a["ratio_mean"]), ha="center", fontsize=7,
+                    va="bottom" if a["ratio_mean"] >= 1 else "top", xytext=(0, 2 if a["ratio_mean"] >= 1 else -2),
+                    textcoords="offset points")
     mins = [a["ratio_min"] if a.get("ratio_min") is not None else np.nan for a in rows]
     ax.scatter(x, mins, color="k", marker="v", zorder=3, label="min over (category, B)")
     ax.axhline(1.0, color="k", lw=0.8, ls="--")
@@ -186,11 +194,11 @@ def answer(answer_rows, path) -> Path | None:
     ax.set_xticklabels([f"{a['bank']}\n{a['cost_model']}\n{a['calib_policy']}\n/ {a['peer_policy']}" for a in rows],
                        fontsize=7)
     vals = [a["ratio_mean"] for a in rows] + [m for m in mins if np.isfinite(m)] + [1.0]
-    ax.set_ylim(max(0.0, min(vals) - 0.05), max(vals) + 0.05)
-    ax.set_ylabel("goodput: best calib / best peer")
+    ax.set_ylim(max(0.0, min(vals) - 0.08), max(vals) + 0.08)
+    ax.set_ylabel("goodput: best calib / best peer (replay)")
     ax.grid(axis="y", alpha=0.3)
-    ax.legend(fontsize=7, loc="lower right")
-    ax.set_title("Answer: calib's best policy against the best peer", fontsize=10)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # outside the data
+    ax.set_title("Answer (replayed, a prediction): calib's best policy against the best peer", fontsize=10)
     return _save(fig, path)
 
 
