@@ -183,25 +183,29 @@ def _selections(est) -> list:
         if isinstance(est, PerContextCell) else [est]
 
 
+def _per_cell(est, attr: str) -> dict:
+    """A selection's per-depth ``attr`` (``choice_`` or ``why_``), keyed by context cell for an estimator per
+    cell (``"cell c"``, and ``"pooled (thin cells)"`` where thin cells took the pooled fit)."""
+    def depths(s):
+        return {int(d): v for d, v in getattr(s, attr).items()}
+
+    if not isinstance(est, PerContextCell):
+        return depths(est)
+    out = {f"cell {c}": depths(s) for c, s in sorted(est.cells_.items())}
+    if est.pooled_ is not None:
+        out["pooled (thin cells)"] = depths(est.pooled_)
+    return out
+
+
 def _choices(est) -> dict:
     """tables.json's ``choice``: the candidate per depth (per context cell for an estimator per cell)."""
-    if isinstance(est, PerContextCell):
-        out = {f"cell {c}": {int(d): n for d, n in s.choice_.items()} for c, s in sorted(est.cells_.items())}
-        if est.pooled_ is not None:
-            out["pooled (thin cells)"] = {int(d): n for d, n in est.pooled_.choice_.items()}
-        return out
-    return {int(d): n for d, n in est.choice_.items()}
+    return _per_cell(est, "choice_")
 
 
 def _why(est) -> dict:
     """tables.json's ``choice_why``: per depth (per context cell), each richer candidate's held-out NLL and
     ECE gain over the choice before it, their standard errors, and whether it won."""
-    if isinstance(est, PerContextCell):
-        out = {f"cell {c}": {int(d): w for d, w in s.why_.items()} for c, s in sorted(est.cells_.items())}
-        if est.pooled_ is not None:
-            out["pooled (thin cells)"] = {int(d): w for d, w in est.pooled_.why_.items()}
-        return out
-    return {int(d): w for d, w in est.why_.items()}
+    return _per_cell(est, "why_")
 
 
 def _cv_nll(est) -> dict:
