@@ -88,3 +88,29 @@ def test_the_shipped_smollm2_by_path_is_the_default_target():
     a, b = fingerprint(default_dir), fingerprint(by_path_dir)
     assert a is not None and same_model(a, b) and a == b
     assert a["architecture"] == "LlamaForCausalLM" and a["weights_sha256"]
+
+
+# --- speculative.model=: the drafter by folder or hub id, like the target (issue 29 Must 2) ---------------
+
+def test_the_drafter_by_folder_keeps_its_name_and_is_resolved(tmp_path, monkeypatch):
+    from calib.vllm.engine import speculative_config
+
+    head = tmp_path / "my-eagle-head"
+    head.mkdir()
+    (head / "config.json").write_text("{}")
+    monkeypatch.chdir(tmp_path)
+    spec = {"method": "eagle", "num_speculative_tokens": 3, "model": "my-eagle-head"}
+    out, speculator = speculative_config(spec, tmp_path, None)
+    assert out["model"] == str(head.resolve()) and speculator == "eagle:my-eagle-head"
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3", "draft_model"])
+def test_a_missing_drafter_is_named_with_what_to_do(tmp_path, monkeypatch, method):
+    from calib.vllm.engine import speculative_config
+
+    monkeypatch.chdir(tmp_path)
+    spec = {"method": method, "num_speculative_tokens": 3, "model": "data/drafters/eagle3-smollm2-135m"}
+    with pytest.raises(FileNotFoundError, match=r"speculative.model='data/drafters/eagle3-smollm2-135m': no such folder"):
+        speculative_config(spec, tmp_path, None)
+    with pytest.raises(ValueError, match=r"speculative.model is not set"):
+        speculative_config({**spec, "model": None}, tmp_path, None)

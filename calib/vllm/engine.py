@@ -33,17 +33,34 @@ def speculative_config(spec: dict, model_dir: Path, cache_dir: Path | None) -> t
     if method == "draft_model":
         if spec.get("drafter_layers"):
             drafter = prepare_truncated_drafter(model_dir, int(spec["drafter_layers"]), cache_dir)
+            name = drafter.name
         else:
-            drafter = Path(spec["model"])
+            drafter, name = drafter_folder(spec)
         out["model"] = str(drafter)
-        return out, f"draft_model:{drafter.name}"
+        return out, f"draft_model:{name}"
     if method in ("eagle", "eagle3"):
-        out["model"] = str(Path(spec["model"]).resolve())
+        drafter, name = drafter_folder(spec)
+        out["model"] = str(drafter)
         if spec.get("draft_load_format"):  # "dummy": random head weights (plumbing checks only)
             out["draft_load_config"] = {"load_format": spec["draft_load_format"]}
-        return out, f"{method}:{Path(spec['model']).name}"
+        return out, f"{method}:{name}"
     raise ValueError(f"speculative.method={method!r} is not supported; use ngram, draft_model, "
                      "eagle or eagle3")
+
+
+def drafter_folder(spec: Mapping) -> tuple[Path, str]:
+    """(local folder, name) of the drafter ``speculative.model`` names: an HF folder (holding config.json),
+    or a hub id resolved offline from the local HF cache, as ``model.path`` is (:func:`calib.target.resolve_target`);
+    a clear error naming ``speculative.model`` and what to do where it is neither. The name (the folder's, or
+    the hub id's last part) is what banks and tables call the drafter; identity is by fingerprint."""
+    from calib.target import resolve_target, target_name
+
+    method, model = spec.get("method"), spec.get("model")
+    if not model:
+        raise ValueError(f"speculative={method}: speculative.model is not set; give the drafter's folder or hub id "
+                         f"(speculative.model=<folder or org/name>)")
+    folder = resolve_target(model, key="speculative.model")
+    return folder, target_name(model, folder, folder.name)
 
 
 def engine_kwargs(model_dir, engine: Mapping, *, max_num_seqs: int, seed: int, **extra) -> dict[str, Any]:
