@@ -163,8 +163,10 @@ def build_engine(cfg: dict, root: Path, max_num_seqs: int):
     model_dir, model_name = target_dir(cfg["model"], root)  # model.path, or the embedded SmolLM2 GGUF
     spec = None
     if pol["speculate"]:
-        spec, _ = speculative_config({**spec_cfg, "model": str(_path(root, spec_cfg.get("model")))
-                                      if spec_cfg.get("model") else None}, model_dir, cache_dir)
+        drafter = spec_cfg.get("model")
+        if drafter and _path(root, drafter).exists():  # a project-relative folder; else a hub id, resolved as such
+            drafter = str(_path(root, drafter))
+        spec, _ = speculative_config({**spec_cfg, "model": drafter}, model_dir, cache_dir)
         if pol.get("dynamic"):
             k = int(spec["num_speculative_tokens"])
             spec["num_speculative_tokens_per_batch_size"] = [[int(a), int(b), min(int(g), k)]
