@@ -31,7 +31,7 @@ from calib.bank import load, schema
 from calib.calibrators.base import DEPTH, with_depth
 from calib.calibrators.context import PerContextCell
 from calib.calibrators.identity import Identity
-from calib.calibrators.selection import GroupedCVSelection
+from calib.calibrators.selection import GroupedCVSelection, group_sample
 from calib.chains import (
     CONTEXT,
     ChainKind,
@@ -243,12 +243,7 @@ def _prompt_sample(rows: pd.DataFrame, n: int, seed: int = 0) -> pd.DataFrame:
     they hold fewer): a decision taken on a sample, as the optional axes are."""
     if not n or len(rows) <= n:
         return rows
-    g = prompt_groups(rows)
-    uniq, inv = np.unique(g, return_inverse=True)
-    perm = np.random.default_rng(seed).permutation(len(uniq))
-    sizes = np.bincount(inv)[perm]
-    keep = perm[: int(np.searchsorted(np.cumsum(sizes), n)) + 1]
-    return rows[np.isin(inv, keep)]
+    return rows.iloc[group_sample(prompt_groups(rows), n, seed)]
 
 
 def _try_axis(kind: ChainKind, rows: pd.DataFrame, cfg: dict, probe: dict, selected: list, name: str,

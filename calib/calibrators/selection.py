@@ -47,6 +47,23 @@ def candidate_columns(est, X, n_own: int):
     return X.iloc[:, :n_own]
 
 
+def as_frame(X, n: int) -> pd.DataFrame:
+    """``X`` as a DataFrame of ``n`` rows (an array's columns numbered), the form candidates are handed."""
+    return X if isinstance(X, pd.DataFrame) else pd.DataFrame(np.asarray(X, dtype=np.float64).reshape(n, -1))
+
+
+def group_sample(groups, n: int, seed: int = 0) -> np.ndarray:
+    """Row indices of whole groups (prompts) drawn at random until about ``n`` rows; every row where ``n`` is
+    0 or the rows are fewer. A choice taken on a sample of prompts, never on a sample of rows."""
+    groups = np.asarray(groups)
+    if not n or len(groups) <= n:
+        return np.arange(len(groups))
+    uniq, inv = np.unique(groups, return_inverse=True)
+    perm = np.random.default_rng(seed).permutation(len(uniq))
+    keep = perm[: int(np.searchsorted(np.cumsum(np.bincount(inv)[perm]), n)) + 1]
+    return np.flatnonzero(np.isin(inv, keep))
+
+
 def one_se_choice(scores: dict[str, np.ndarray], order: list[str], rule: str = "one_se",
                   eces: dict[str, np.ndarray] | None = None) -> tuple[str, dict]:
     """The chosen candidate for one depth from per-fold held-out NLL ``scores[name] [folds]`` (NaN: a fold
@@ -119,7 +136,7 @@ features is judged on NLL alone, as its sharper predictions can cost a little EC
     def _fit(self, X, depth, y, *, val=None, groups=None) -> None:
         if not isinstance(self.candidates, dict) or not self.candidates:
             raise ValueError(f"GroupedCVSelection: candidates must be a non-empty {{name: estimator}}, got {self.candidates!r}")
-        X = X if isinstance(X, pd.DataFrame) else pd.DataFrame(np.asarray(X, dtype=np.float64).reshape(len(depth), -1))
+        X = as_frame(X, len(depth))
         y = np.asarray(y, dtype=np.float64)
         groups = np.arange(len(y)) if groups is None else np.asarray(groups)
         order = list(self.candidates)
@@ -136,7 +153,7 @@ features is judged on NLL alone, as its sharper predictions can cost a little EC
             v = None
             if val is not None:
                 vX, vd, vy = val
-                vX = vX if isinstance(vX, pd.DataFrame) else pd.DataFrame(np.asarray(vX, dtype=np.float64).reshape(len(vd), -1))
+                vX = as_frame(vX, len(vd))
                 v = (with_depth(candidate_columns(est, vX, self.n_own), vd), vy)
             self.chosen_estimators_[name] = est.fit(with_depth(candidate_columns(est, X, self.n_own), depth), y, val=v)
         if len(order) > 1:
@@ -146,14 +163,7 @@ features is judged on NLL alone, as its sharper predictions can cost a little EC
     def _cross_validate(self, X, depth, y, groups, order) -> tuple[dict, dict]:
         """``({name: held-out NLL [folds, depths]}, {name: held-out ECE [folds, depths]})`` (NaN where a fold
         holds no row of a depth)."""
-        rows = np.arange(len(y))
-        if len(y) > self.max_cv_samples:  # whole prompts at random until max_cv_samples rows
-            rng = np.random.default_rng(self.seed)
-            uniq, inv = np.unique(groups, return_inverse=True)
-            sizes = np.bincount(inv)
-            perm = rng.permutation(len(uniq))
-            keep = perm[: max(1, int(np.searchsorted(np.cumsum(sizes[perm]), self.max_cv_samples)) + 1)]
-            rows = np.flatnonzero(np.isin(inv, keep))
+        rows = group_sample(groups, self.max_cv_samples, self.seed)
         n_groups = len(np.unique(groups[rows]))
         n_splits = min(self.n_splits, n_groups)
         scores = {n: np.full((max(n_splits, 1), self.n_depths_), np.nan) for n in order}
@@ -195,7 +205,7 @@ features is judged on NLL alone, as its sharper predictions can cost a little EC
         return list(dict.fromkeys([*own, *named])) if named else None
 
     def _predict(self, X, depth) -> np.ndarray:
-        X = X if isinstance(X, pd.DataFrame) else pd.DataFrame(np.asarray(X, dtype=np.float64).reshape(len(depth), -1))
+        X = as_frame(X, len(depth))
         out = np.empty(len(depth), dtype=np.float64)
         d_eff = np.minimum(depth, self.n_depths_ - 1)
         for name in dict.fromkeys(self.choice_.values()):
