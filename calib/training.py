@@ -31,7 +31,7 @@ from calib.bank import load, schema
 from calib.calibrators.base import DEPTH, with_depth
 from calib.calibrators.context import PerContextCell
 from calib.calibrators.identity import Identity
-from calib.calibrators.selection import GroupedCVSelection, group_sample
+from calib.calibrators.selection import NEG_LOG_LOSS, GroupedCVSelection, group_sample
 from calib.chains import (
     CONTEXT,
     ChainKind,
@@ -261,7 +261,7 @@ def _try_axis(kind: ChainKind, rows: pd.DataFrame, cfg: dict, probe: dict, selec
         est = _selection(kind, cfg, probe, axes, {**sel_cfg, "n_splits": 2}, rows)  # one candidate: no inner CV
         X = _chain_X(kind, rows, _with_selected(cfg, axes), probe)
         folds = min(sel_cfg["n_splits"], len(np.unique(groups)))
-        res = cross_validate(est, X, rows.label.to_numpy(), groups=groups, scoring="neg_log_loss",
+        res = cross_validate(est, X, rows.label.to_numpy(), groups=groups, scoring=NEG_LOG_LOSS,
                              cv=GroupKFold(folds), error_score="raise")
         scores[label] = -res["test_score"]
     diff = scores["with"] - scores["without"]

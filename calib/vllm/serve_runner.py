@@ -266,7 +266,6 @@ def serve_cell(llm, cfg: dict, prompts: list, sampling: dict, concurrency: int, 
     from vllm import SamplingParams
 
     from calib.prompts import encode_chat
-    from calib.vllm import serving
 
     pol, spec = cfg["policy"], getattr(llm, "_calib_spec", None)
     tokenizer = llm.get_tokenizer()
@@ -277,7 +276,7 @@ def serve_cell(llm, cfg: dict, prompts: list, sampling: dict, concurrency: int, 
     params = [SamplingParams(temperature=temperature, top_p=float(sampling.get("top_p", 1.0)),
                              max_tokens=int(sampling["max_tokens"])) for _ in prompts]
     inputs = [{"prompt_token_ids": encode_chat(tokenizer, p.messages)} for p in prompts]
-    before, st0 = _spec_counters(llm), _stats_snapshot(serving.stats())
+    before, st0 = _spec_counters(llm), serving_snapshot(llm)
     with tqdm(total=len(prompts), desc=f"serve {pol['name']} {prompts_name} c{concurrency}", unit="prompt",
               disable=not progress, leave=False) as bar:
         t0 = time.perf_counter()
@@ -299,7 +298,7 @@ def serve_cell(llm, cfg: dict, prompts: list, sampling: dict, concurrency: int, 
         **_step_figures(counters),
         "vllm_spec_decode": counters,
     }
-    record.update(_calib_figures(_stats_delta(st0, _stats_snapshot(serving.stats())), wall))
+    record.update(_calib_figures(_stats_delta(st0, serving_snapshot(llm)), wall))
     return record, texts
 
 
@@ -342,6 +341,36 @@ def _step_figures(c: dict) -> dict:
 
 def _stats_snapshot(st) -> dict | None:
     return None if st is None else {k: (list(v) if isinstance(v, list) else v) for k, v in st.as_dict().items()}
+
+
+def _rank_snapshot(worker) -> dict | None:
+    """In a worker process (``LLM.collective_rpc``): its serving statistics and its ranks' checks."""
+    from calib.vllm import serving
+
+    srv = serving.server()
+    snap = _stats_snapshot(srv.stats) if srv is not None else None
+    if snap is not None and srv.ranks is not None:
+        snap.update(rank_checks=srv.ranks.checks, rank_disagreements=srv.ranks.disagreements)
+    return snap
+
+
+def serving_snapshot(llm) -> dict | None:
+    """calib's serving statistics of the engine: this process's, or, where the engine runs its workers in
+    processes of their own (tensor parallelism), the output rank's read through vLLM's ``collective_rpc``,
+    with every rank's count of disagreements summed (calib.vllm.ranks)."""
+    from calib.vllm import serving
+
+    try:
+        tp = int(llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size)
+    except AttributeError:  # a stand-in engine (tests): one process
+        tp = 1
+    if tp <= 1:
+        return _stats_snapshot(serving.stats())
+    snaps = llm.collective_rpc(_rank_snapshot)  # one per rank, in rank order: rank 0 is the output rank
+    first = snaps[0]
+    if first is not None:
+        first["rank_disagreements"] = sum(int((s or {}).get("rank_disagreements", 0)) for s in snaps)
+    return first
 
 
 def _stats_delta(a: dict | None, b: dict | None) -> dict | None:

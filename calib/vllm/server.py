@@ -17,6 +17,7 @@ import torch
 from calib.chains import chain_names
 from calib.cost.serving import cost_curve, step_pass_price
 from calib.serve.knobs import ServeKnobs
+from calib.vllm.ranks import digest
 
 log = logging.getLogger("calib.serve")
 
@@ -130,6 +131,7 @@ class Server:
         self.planned: dict[str, tuple] = {}
         self.pass_prices: dict[int, float] = {}  # batch size -> the price of one draft pass (plan_passes)
         self.transformed: dict[str, bool] = {}  # req_id -> carries target-only logit transforms (left to vLLM)
+        self.ranks = None  # calib.vllm.ranks.RankCheck under tensor parallelism (set at engine start), else None
         self._error_logged = 0
 
     # -- construction ----------------------------------------------------------------------------
@@ -205,6 +207,20 @@ class Server:
         self._error_logged += 1
         if self._error_logged <= 3:
             log.warning("calib serve hook failed in %s (vLLM's own drafts kept): %s", where, exc, exc_info=exc)
+
+    def ranks_agree(self, value: int, what: str) -> bool:
+        """At a hook that changes what the engine computes: whether every tensor-parallel rank chose the same
+        ``value`` (:mod:`calib.vllm.ranks`). On a disagreement calib switches off on every rank at once (each
+        sees the same all-reduce); the caller then keeps vLLM's own choice. True without tensor parallelism."""
+        if self.ranks is None or self.ranks.agree(value):
+            return True
+        first = not self.failed
+        self.failed, self.decider, self.planned = True, None, {}
+        self.stats.disabled_reason = (f"tensor-parallel ranks chose different {what} at step {self.stats.steps}; "
+                                      "vLLM drafts on its own for the rest of the run")
+        if first:
+            log.error("calib serve: OFF — %s", self.stats.disabled_reason)
+        return False
 
     # -- drafting --------------------------------------------------------------------------------
     def record_depth(self, token_ids: torch.Tensor, conf: torch.Tensor) -> None:
@@ -406,6 +422,8 @@ class Server:
             drafts, chain_ids = keep_engine_rows(drafts, chain_ids, engine, left, dec.engine_chain)
         if len(drafts) != len(req_ids) or any(len(x) > K or any(t < 0 for t in x) for x in drafts):
             raise RuntimeError("decision out of bounds (more than K tokens, or a negative id)")
+        if not self.ranks_agree(digest(drafts), "drafts"):  # before anything this step changes
+            return out
         names = {kind.id: kind.name for kind in chains()}  # one registry read per step, not per request
         for r, cid, x in zip(req_ids, chain_ids.tolist(), drafts):
             self.chosen[r] = names[int(cid)] if (cid != NO_CHAIN and x) else None

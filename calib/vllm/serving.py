@@ -32,11 +32,23 @@ class ServingSubscriber(RunnerSubscriber):
         srv.last_take = now
 
     def take_drafts(self, runner, out):
+        srv = self.server
+        if srv.ranks is not None:
+            srv.ranks.checked = False
+        decided = out
         try:
-            return self.server.step(runner, out)
+            decided = srv.step(runner, out)
         except Exception as exc:  # noqa: BLE001 - serving never raises into the engine
-            self.server.error("take_draft_token_ids", exc)
-            return out
+            srv.error("take_draft_token_ids", exc)
+            decided = None
+        if srv.ranks is not None and not srv.ranks.checked:
+            # step() returned (or raised) before its own check: take part in it all the same (calib.vllm.ranks)
+            from calib.vllm.ranks import FAILED, digest
+
+            mine = FAILED if decided is None else digest(None if decided is out else decided.draft_token_ids)
+            if not srv.ranks_agree(mine, "drafts"):
+                return out
+        return out if decided is None else decided
 
     def after_verify(self, runner, spec_decode_metadata, output) -> None:
         if spec_decode_metadata is not None:
@@ -47,11 +59,21 @@ class ServingSubscriber(RunnerSubscriber):
 
     def before_propose(self, runner, scheduler_output, sampled_token_ids) -> None:
         srv = self.server
+        engine_k = getattr(scheduler_output, "num_spec_tokens_to_schedule", None)
+        planned = True
         try:
             if srv.planning:
                 srv.plan_passes(runner, scheduler_output, sampled_token_ids)
         except Exception as exc:  # noqa: BLE001 - vLLM keeps its own K for this step
             srv.error("plan_passes", exc)
+            planned = False
+        if srv.ranks is not None:  # the draft passes run collectives: every rank must run as many (calib.vllm.ranks)
+            from calib.vllm.ranks import FAILED
+
+            passes = getattr(scheduler_output, "num_spec_tokens_to_schedule", None)
+            mine = FAILED if not planned else (-2 if passes is None else int(passes))  # -2: no such field
+            if not srv.ranks_agree(mine, "draft passes") and engine_k is not None:
+                scheduler_output.num_spec_tokens_to_schedule = engine_k
         srv.rows = []
         self.draft_start = time.perf_counter()
 

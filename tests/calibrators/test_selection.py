@@ -226,3 +226,13 @@ def test_a_candidate_that_cannot_be_fitted_is_left_out_not_fatal():
     assert np.isnan(sel.cv_scores_["broken"]).all()
     with pytest.raises(ValueError, match="least populated"):  # the baseline must fit: nothing to fall back on
         GroupedCVSelection({"broken": _CannotFit(), "identity": Identity()}).fit(with_depth(c, d), y, groups=g)
+
+
+def test_a_held_out_fold_with_one_label_is_scored_not_fatal():
+    # a small bank: one prompt holds every accepted draft, so the folds without it hold label 0 only
+    # (sklearn's "neg_log_loss" refuses such a fold: "y_true contains only one label")
+    c, d, _, g = draw(lambda c: c, n=600, prompts=10)
+    y = (g == 0).astype(int)
+    sel = GroupedCVSelection({"identity": Identity(), "isotonic": IsotonicPerDepth(min_samples=5)}).fit(
+        with_depth(c, d), y, groups=g)
+    assert np.isfinite(sel.cv_scores_["identity"]).any() and set(sel.choice_.values()) <= {"identity", "isotonic"}
