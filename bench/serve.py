@@ -268,7 +268,9 @@ def table(records: list, arms: list[str], predicted: dict | None = None) -> tupl
                 cellv.append("OFF" if a in row["calib_off"] else "–")
                 continue
             ratio = row["ratio_to_best_vllm"].get(a)
-            cellv.append(f"{row['tok_s'][a]:.1f}" + (f" ({ratio:.2f}×)" if ratio is not None else ""))
+            lo, hi = row["tok_s_spread"][a]
+            spread = f" [{lo:.1f}–{hi:.1f}]" if row["reps"][a] > 1 else ""  # min–max over the repetitions
+            cellv.append(f"{row['tok_s'][a]:.1f}{spread}" + (f" ({ratio:.2f}×)" if ratio is not None else ""))
         lines.append(f"| {row['category']} | {row['sampling']} | {row['concurrency']} | " + " | ".join(cellv)
                      + f" | {row['best_vllm']} |")
     return rows, "\n".join(lines)
@@ -395,7 +397,8 @@ def report(records: list, arms: list[str], ident: dict | None, reps: int, args=N
         if off:
             print(f"{arm}: calib was OFF in {len(off)} cells, not counted ({', '.join(off)}): "
                   f"{next(row['calib_off'][arm] for row in rows if arm in row['calib_off'])}")
-    print(f"\nOutput tokens/s, median of {reps} (ratio to the best vLLM arm of the cell, no speculation included):")
+    print(f"\nOutput tokens/s, median of {reps} [min–max] (ratio to the best vLLM arm of the cell, no speculation "
+          "included):")
     print(text)
     ratios = speedup_table(rows, arms)
     print("\nSpeed-up over no speculation, measured on the clock: output tok/s (prefill included) / decode by "
@@ -417,8 +420,9 @@ BEGIN, END = "<!-- serve-bench:begin -->", "<!-- serve-bench:end -->"
 def readme_block(result: dict, text: str, ratios: str, reps: int, ident: dict | None) -> str:
     same = (", ".join(f"{a} {o['identical']}/{o['prompts']}" for a, o in ident.items()) if ident else "not run")
     return (f"Measured on the clock by `{result['command']}` on {result.get('date', '?')} ({result.get('cpu', '?')}, "
-            f"{result['wall_s'] / 60:.0f} min, all arms in one run, output tokens/s, median of {reps}; in brackets "
-            "the ratio to the best vLLM arm of the cell, no speculation included):\n\n" + text +
+            f"{result['wall_s'] / 60:.0f} min, all arms in one run, output tokens/s, median of {reps}, then "
+            "the range over them in square brackets; in round brackets the ratio to the best vLLM arm of the cell, "
+            "no speculation included):\n\n" + text +
             "\n\nSpeed-up over no speculation, measured: output tok/s (prefill included) / decode speed by TPOT "
             "where recorded (in brackets the replay's prediction for the same cell, "
             f"`python eval.py` ladder, {result.get('cost_model')} cost model; a prediction, not a clock):\n\n"
