@@ -80,7 +80,6 @@ def ece_if_calibrated(p, n_bins: int = 15, n_sim: int = 200, seed: int = 0) -> t
     if p.size == 0:
         return float("nan"), float("nan")
     bins = equal_width_bins(p, n_bins)
-    count = np.bincount(bins, minlength=n_bins)
     s_p = np.bincount(bins, weights=p, minlength=n_bins)
     rng = np.random.default_rng(seed)
     out = np.empty(n_sim)

@@ -100,12 +100,12 @@ class OnlineAcceptanceEstimator:
             step_w = (g0 - (b_k * g1_k / c_k).sum()) / (a - (b_k * b_k / c_k).sum())
             total_n = n.sum()
             step_w *= total_n / (total_n + D)
-            if not (step_w == step_w and self.slope + step_w >= 0.0):
+            if not (not np.isnan(step_w) and self.slope + step_w >= 0.0):
                 step_w = 0.0
             self.slope = float(self.slope + step_w)
             step_bias = (g1_k - b_k * step_w) / c_k
             step_bias *= n / (n + D)
-        step_bias = np.where(step_bias == step_bias, step_bias, 0.0)
+        step_bias = np.where(np.isnan(step_bias), 0.0, step_bias)
         self.intercepts = self.intercepts + step_bias
         self.info[:] = 0.0
         self.grad[:] = 0.0

@@ -249,7 +249,7 @@ def test_draft_aware_policies_pay_the_passes_they_run(tmp_path, forecast, cost, 
     res = replay_setting(sb, curve(), ReplayConfig(draft_cost={"model": cost, "ngram": 0.0}), train_mean_curve(bank))
     c_b = 1.04  # C(B) with B = 4
     for name in ("ragged_calibrated", "two_drafter"):
-        tok, charged, pos, extra = res[name]
+        _tok, charged, pos, extra = res[name]
         run = extra["draft_passes"]
         assert 0 <= run <= 3 and (passes is None or run == passes)
         assert float(charged[0]) == pytest.approx(1 + 0.01 * (4 + float(pos[0])) + cost * run * c_b)
