@@ -241,3 +241,40 @@ def test_an_offline_wandb_run_records_its_input_tables_by_digest(tmp_path, monke
         assert t.run.name == f"eval:{tmp_path.name}" and t.run.group == "exp-1"
     finally:
         t.finish()
+
+
+def test_an_online_wandb_run_uses_the_artifact_train_logged(tmp_path, monkeypatch):
+    """Online, eval's use_artifact hands W&B an artifact of the same name, type and content digest as the one
+    train.py's log_artifact built from the same files: W&B links the two by that digest, so the run graph
+    shows bank -> tables -> eval. (No W&B server is reachable here: the run object is a recording stand-in.)"""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    from calib.tracking import WandbTracker
+
+    (tmp_path / "tables.json").write_text('{"version": 1}')
+    (tmp_path / "tables.safetensors").write_bytes(b"table bytes")
+    files = [tmp_path / "tables.json", tmp_path / "tables.safetensors"]
+    t = WandbTracker("calib", tmp_path, {}, "eval", mode="offline")
+    offline_run = t.run
+    seen = {}
+
+    class OnlineRun:
+        offline = False
+
+        def log_artifact(self, art):
+            seen["logged"] = art
+
+        def use_artifact(self, art):
+            seen["used"] = art
+
+    try:
+        t.run = OnlineRun()
+        t.log_artifact("calib-tables", "tables", files)
+        t.use_artifact("calib-tables", "tables", list(reversed(files)))
+        logged, used = seen["logged"], seen["used"]
+        assert (used.name, used.type) == ("calib-tables", "tables")
+        assert used.manifest.digest() == logged.manifest.digest()
+        assert set(used.manifest.entries) == {"tables.json", "tables.safetensors"}
+    finally:
+        t.run = offline_run
+        t.finish()
