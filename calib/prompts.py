@@ -18,7 +18,16 @@ class Prompt:
 def encode_chat(tokenizer, messages) -> list[int]:
     """Token ids of ``messages`` with the chat template and the generation prompt, as calib sends them
     to vLLM (the template's own special tokens only: none added on top)."""
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    except ValueError as exc:
+        if "chat_template is not set" not in str(exc):
+            raise
+        raise ValueError(
+            f"the target's tokenizer ({getattr(tokenizer, 'name_or_path', '?')}) has no chat template (a base model?), "
+            "and calib sends every prompt through one: for a GGUF target give model.chat_template=<file.jinja> "
+            "(conf/model/plain_prompt.jinja sends the messages as plain text); for a model folder, set its "
+            "tokenizer's chat_template and save_pretrained it") from None
     return tokenizer(text, add_special_tokens=False).input_ids
 
 

