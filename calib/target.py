@@ -57,6 +57,9 @@ def prepare_target(gguf: str | os.PathLike | None = None, cache_dir: str | os.Pa
     written into the folder's tokenizer, for a GGUF that carries none (a base model); calib encodes
     every prompt with the folder's chat template."""
     out = Path(cache_dir or default_cache_dir()) / name
+    if chat_template and not Path(chat_template).is_file():
+        raise FileNotFoundError(f"model.chat_template={chat_template}: no such file; give a Jinja chat template file "
+                                "(conf/model/plain_prompt.jinja sends the messages as plain text)")
     template = Path(chat_template).read_text(encoding="utf-8") if chat_template else None
     if (out / "config.json").exists():
         if template is not None and _folder_template(out) != template:

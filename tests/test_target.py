@@ -161,9 +161,12 @@ def test_a_converted_target_with_another_chat_template_is_refused(tmp_path):
     assert prepare_target(tmp_path / "model.gguf", tmp_path / "cache", "base-model", chat_template=new) == folder
 
 
-def test_a_missing_gguf_file_is_named(tmp_path):
+def test_a_missing_gguf_or_template_file_is_named(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"model\.gguf=.*nothing\.gguf: no such file"):
         target_dir({"name": "x", "path": None, "gguf": str(tmp_path / "nothing.gguf"), "cache_dir": str(tmp_path)})
+    with pytest.raises(FileNotFoundError, match=r"model\.chat_template=.*none\.jinja: no such file"):
+        target_dir({"name": "x", "path": None, "gguf": str(tmp_path / "nothing.gguf"), "cache_dir": str(tmp_path),
+                    "chat_template": "none.jinja"}, root=tmp_path)
 
 
 def test_the_bos_flag_is_read_from_the_gguf_metadata(tmp_path):
