@@ -194,7 +194,7 @@ def test_the_gemma_config_resolves_its_gguf_and_template(monkeypatch):
 
     from hydra import compose, initialize_config_dir
 
-    import calib.target as target
+    from calib import target
 
     seen = {}
 
