@@ -6,6 +6,7 @@ SmolLM2 given by path has the same fingerprint (and name) as the embedded defaul
 """
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -118,7 +119,7 @@ def test_a_missing_drafter_is_named_with_what_to_do(tmp_path, monkeypatch, metho
 
 # --- a GGUF target without a chat template (a base model such as Gemma 3 270M) -------------------------------
 
-ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[1]
 PLAIN = ROOT / "conf" / "model" / "plain_prompt.jinja"
 
 
@@ -190,8 +191,6 @@ def test_the_bos_flag_is_read_from_the_gguf_metadata(tmp_path):
 def test_the_gemma_config_resolves_its_gguf_and_template(monkeypatch):
     """conf/model/gemma3_270m.yaml (composed as collect.py does): the GGUF under the home folder, the template in
     the project; nothing is converted here."""
-    from pathlib import Path
-
     from hydra import compose, initialize_config_dir
 
     from calib import target

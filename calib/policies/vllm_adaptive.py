@@ -100,7 +100,7 @@ class OnlineAcceptanceEstimator:
             step_w = (g0 - (b_k * g1_k / c_k).sum()) / (a - (b_k * b_k / c_k).sum())
             total_n = n.sum()
             step_w *= total_n / (total_n + D)
-            if not (not np.isnan(step_w) and self.slope + step_w >= 0.0):
+            if np.isnan(step_w) or not self.slope + step_w >= 0.0:
                 step_w = 0.0
             self.slope = float(self.slope + step_w)
             step_bias = (g1_k - b_k * step_w) / c_k
