@@ -42,6 +42,7 @@ class ServeKnobs:
     online: bool = True
     online_decay: float = 0.999  # per observed position of a (chain, depth, context cell): ~1,000 remembered
     online_prior: float = 50.0  # pseudo-positions holding a cell at the table until it has its own
+    online_pooled: bool = True  # a per-depth offset every cell shares under the cells' own (off: cells apart)
 
     _parameter_constraints: ClassVar[dict] = {
         "tables": [TEXT],
@@ -57,13 +58,15 @@ class ServeKnobs:
         "online": [Boolean()],
         "online_decay": [Interval(numbers.Real, 0, 1, closed="right")],
         "online_prior": [Interval(numbers.Real, 0, None, closed="neither")],
+        "online_pooled": [Boolean()],
     }
 
     def online_settings(self):
         """The online correction's settings, or None when switched off."""
         from calib.tables.online import OnlineSettings
 
-        return OnlineSettings(True, float(self.online_decay), float(self.online_prior)) if self.online else None
+        return (OnlineSettings(True, float(self.online_decay), float(self.online_prior), bool(self.online_pooled))
+                if self.online else None)
 
     def __post_init__(self):
         object.__setattr__(self, "ngram", tuple(self.ngram) if isinstance(self.ngram, (list, tuple)) else self.ngram)

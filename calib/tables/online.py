@@ -2,17 +2,24 @@
 
 A static table cannot follow the workload: prompts that accept less than the training prompts make
 every prediction too high, whatever the drafter's confidence says. :class:`OnlineCorrection` keeps,
-per (chain, depth, context cell), an offset ``δ`` on the table's logit, fitted online as a logistic
-regression's intercept (the table's logit the fixed offset) by one Newton step per engine step::
+per (chain, depth, context cell), an offset on the table's logit, fitted online as a logistic
+regression's intercept (the table's logit the fixed offset) by one Newton step per engine step. The
+offset has two levels (partial pooling, as the tables' thin cells take the pooled fit): a **pooled**
+offset ``δ₀`` per depth that every position of the chain teaches, and a **cell** offset ``δ_c`` that
+learns what the pooled one leaves over in its context cell::
 
-    p' = σ(logit p + δ)
-    g = Σ (y − p'),  h = Σ p'(1 − p')          over the step's verified positions of the key
+    p' = σ(logit p + δ₀ + δ_c)
+    per level, over the step's verified positions it sees (the cell's after the pooled step):
+    g = Σ (y − p'),  h = Σ p'(1 − p')
     H ← λ^n·H + h,   δ ← δ + g / (H + κ/4)
 
-``H`` is the decayed Fisher information (``λ = decay`` per observed position: a memory of about
-``1 / (1 − λ)`` positions per key) and ``κ = prior`` pseudo-positions of information at ``δ = 0``
-hold a key at the table until it has evidence of its own. With nothing seen ``δ = 0`` and ``p' = p``:
-a cold start is the tables alone.
+``H`` is the decayed Fisher information (``λ = decay`` per observed position of the level's key: a
+memory of about ``1 / (1 − λ)`` positions) and ``κ = prior`` pseudo-positions of information at
+``δ = 0`` hold a level at the table until it has evidence of its own. A shift the whole workload shares
+(the prompts accept less than the training prompts) is learnt at the pooled level from every position,
+so a thin cell follows it at once instead of waiting for ``κ`` positions of its own; a cell that
+differs learns its own residual. With nothing seen both are 0 and ``p' = p``: a cold start is the tables
+alone. ``pooled=False`` keeps the cells apart (the cell level only).
 
 Only verified positions are observations: a round's accepted depths (``y = 1``) and its first
 rejected depth (``y = 0``); positions after the first rejection were never judged by the target and
@@ -34,11 +41,13 @@ EPS = 1e-6
 @dataclass(frozen=True)
 class OnlineSettings:
     """``enabled``: off = the tables alone; ``decay``: λ per observed position of a key; ``prior``: κ,
-    the pseudo-positions that hold a key at the table until it has seen that many of its own."""
+    the pseudo-positions that hold a key at the table until it has seen that many of its own;
+    ``pooled``: a per-depth offset shared by every cell under the cells' own (off: cells kept apart)."""
 
     enabled: bool = True
     decay: float = 0.999
     prior: float = 50.0
+    pooled: bool = True
 
     def __post_init__(self):
         if not (0.0 < self.decay <= 1.0):
@@ -63,6 +72,7 @@ class OnlineCorrection:
         self.settings = settings or OnlineSettings()
         self.n_depths = int(n_depths)
         self._state: dict[int, np.ndarray] = {}  # cell -> float64 [3, n_depths]: δ, H, positions seen
+        self._pooled = np.zeros((3, self.n_depths))  # the same for the level every cell shares
 
     def _cell(self, c: int) -> np.ndarray:
         s = self._state.get(c)
@@ -70,32 +80,37 @@ class OnlineCorrection:
             s = self._state[c] = np.zeros((3, self.n_depths))
         return s
 
+    @property
+    def pooled_offset(self) -> np.ndarray:
+        """``[n_depths]``: the offset every cell shares (0 with ``pooled=False`` or nothing seen)."""
+        return self._pooled[0].copy()
+
     def offset(self, cells, width: int | None = None) -> np.ndarray:
-        """Logit offsets ``[B, width]`` for rows in context ``cells [B]`` (0 where nothing was seen; depths
-        past the tracked ones take the deepest tracked depth's)."""
+        """Logit offsets ``[B, width]`` for rows in context ``cells [B]`` (the pooled offset where a cell saw
+        nothing of its own; depths past the tracked ones take the deepest tracked depth's)."""
         cells = np.asarray(cells, dtype=np.int64).ravel()
         width = self.n_depths if width is None else int(width)
         out = np.zeros((cells.size, self.n_depths))
         if self.settings.enabled:
+            out += self._pooled[0]
             for c in np.unique(cells):
                 s = self._state.get(int(c))
                 if s is not None:
-                    out[cells == c] = s[0]
+                    out[cells == c] += s[0]
         return out[:, np.minimum(np.arange(width), self.n_depths - 1)]
 
     def apply(self, p, cells) -> np.ndarray:
         """Corrected probabilities ``[B, K]`` of table probabilities ``p [B, K]`` (NaN, 0 and 1 kept)."""
         p = np.asarray(p, dtype=np.float64)
-        if not self.settings.enabled or p.size == 0 or not self._state:
+        if not self.settings.enabled or p.size == 0 or not (self._state or self._pooled[2].any()):
             return p
-        q = np.clip(p, EPS, 1 - EPS)
-        out = 1.0 / (1.0 + np.exp(-(np.log(q) - np.log1p(-q) + self.offset(cells, p.shape[1]))))
-        return np.where(np.isnan(p) | (p <= 0) | (p >= 1), p, out)
+        return _shifted(p, self.offset(cells, p.shape[1]))
 
     def update(self, q, acc, cells) -> int:
-        """One Newton step on the verified positions of rounds decided with probabilities ``q [B, K]`` (the
-        corrected ones, as used: :meth:`apply` of the table's), outcomes ``acc [B, K]`` (1/0, NaN not
-        drafted) in context ``cells [B]``; returns the positions used."""
+        """One Newton step per level on the verified positions of rounds decided with probabilities ``q [B, K]``
+        (the corrected ones, as used: :meth:`apply` of the table's), outcomes ``acc [B, K]`` (1/0, NaN not
+        drafted) in context ``cells [B]``: the pooled level first, then each cell on what is left; returns
+        the positions used."""
         if not self.settings.enabled:
             return 0
         q, acc = np.asarray(q, dtype=np.float64), np.asarray(acc, dtype=np.float64)
@@ -103,27 +118,51 @@ class OnlineCorrection:
         seen = (verified_mask(acc) & ~np.isnan(q))[:, :K]
         cells = np.asarray(cells, dtype=np.int64).ravel()
         q = np.clip(np.nan_to_num(q[:, :K], nan=0.5), EPS, 1 - EPS)
-        lam, info0 = self.settings.decay, self.settings.prior / 4.0
+        y = np.nan_to_num(acc[:, :K])
+        if self.settings.pooled and seen.any():
+            step = self._newton(self._pooled, seen, y, q, K)
+            q = np.clip(_shifted(q, step[None, :]), EPS, 1 - EPS)  # the cells learn what the pooled step left
         added = 0
         for c in np.unique(cells):
             rows = cells == c
-            m = seen[rows]
-            cnt = m.sum(axis=0)
-            if not cnt.any():
-                continue
-            g = np.where(m, np.nan_to_num(acc[rows][:, :K]) - q[rows], 0.0).sum(axis=0)
-            h = np.where(m, q[rows] * (1 - q[rows]), 0.0).sum(axis=0)
-            s = self._cell(int(c))
-            s[1, :K] = lam ** cnt * s[1, :K] + h
-            s[0, :K] += g / (s[1, :K] + info0)
-            s[2, :K] += cnt
-            added += int(cnt.sum())
+            if seen[rows].any():
+                added += int(seen[rows].sum())
+                self._newton(self._cell(int(c)), seen[rows], y[rows], q[rows], K, ridge=self.settings.pooled)
         return added
 
+    def _newton(self, s: np.ndarray, seen, y, q, K: int, ridge: bool = False) -> np.ndarray:
+        """One Newton step of a level's state ``s`` [3, n_depths] (δ, H, n) on positions ``seen`` [B, K] with
+        outcomes ``y`` and probabilities ``q`` [B, K]; returns the step [K]. ``ridge``: the prior stays while
+        the evidence decays, so its pull towards 0 (``(1 − λ^n)·κ/4·δ``: the part of the balancing evidence
+        that decayed) is part of the gradient; under the pooled level this moves what the cells share to
+        the pooled offset instead of leaving it split between them."""
+        cnt = seen.sum(axis=0)
+        g = np.where(seen, y - q, 0.0).sum(axis=0)
+        h = np.where(seen, q * (1 - q), 0.0).sum(axis=0)
+        info0, fade = self.settings.prior / 4.0, self.settings.decay ** cnt
+        if ridge:
+            g = g - (1.0 - fade) * info0 * s[0, :K]
+        s[1, :K] = fade * s[1, :K] + h
+        step = g / (s[1, :K] + info0)
+        s[0, :K] += step
+        s[2, :K] += cnt
+        return step
+
     def state(self) -> dict:
-        """JSON-able per cell: logit offset, decayed information and positions seen per depth."""
-        return {int(c): {"offset": s[0].tolist(), "information": s[1].tolist(), "n": s[2].tolist()}
-                for c, s in sorted(self._state.items())}
+        """JSON-able per cell (and ``"pooled"``, the shared level): logit offset, decayed information and
+        positions seen per depth."""
+        def level(s):
+            return {"offset": s[0].tolist(), "information": s[1].tolist(), "n": s[2].tolist()}
+
+        cells = {int(c): level(s) for c, s in sorted(self._state.items())}
+        return {**cells, "pooled": level(self._pooled)} if self.settings.pooled else cells
+
+
+def _shifted(p: np.ndarray, offset: np.ndarray) -> np.ndarray:
+    """``σ(logit p + offset)`` where ``p`` is a probability strictly inside (0, 1); NaN, 0 and 1 kept."""
+    q = np.clip(p, EPS, 1 - EPS)
+    out = 1.0 / (1.0 + np.exp(-(np.log(q) - np.log1p(-q) + offset)))
+    return np.where(np.isnan(p) | (p <= 0) | (p >= 1), p, out)
 
 
 def replay_online(p, acc, cells, settings: OnlineSettings | None = None, batch: int = 1) -> np.ndarray:
@@ -178,44 +217,65 @@ class OnlineTables:
     corrected values; ``tables`` is modified in place, its original grids kept as the prior."""
 
     def __init__(self, tables, settings: OnlineSettings):
+        import torch
+
         self.tables, self.settings = tables, settings
         self.chains: dict[str, dict] = {}
         for name, t in tables.chains.items():
             ctx, edges = context_of(t, name)
             n_cells = int(np.prod([len(e) + 1 for e in edges])) if edges else 1
-            self.chains[name] = {"table": t, "prior": t.grid.detach().clone(), "context": ctx, "edges": edges,
+            prior = t.grid.detach().clone()  # [D, n_cells * width]
+            q = prior.double().clamp(EPS, 1 - EPS)
+            self.chains[name] = {"table": t, "prior": prior, "context": ctx, "edges": edges, "n_cells": n_cells,
                                  "width": t.grid.shape[1] // n_cells,
+                                 "logit": torch.log(q) - torch.log1p(-q),  # [D, n_cells * width], float64
+                                 "keep": torch.isnan(prior) | (prior <= 0) | (prior >= 1),  # never shifted
                                  "correction": OnlineCorrection(t.grid.shape[0], settings)}
         self._dirty: set[tuple[str, int]] = set()
+        self._whole: set[str] = set()  # chains whose pooled offset moved: every cell is rewritten
 
     def cells(self, name: str, context) -> np.ndarray:
         """Context cell ``[B]`` of chain ``name`` for context values ``[B, A_ctx]`` (its context axes' order)."""
         return context_cells(context, self.chains[name]["edges"])
 
     def observe(self, name: str, q, acc, cells) -> int:
-        """:meth:`OnlineCorrection.update` of chain ``name``; the touched cells are rewritten at :meth:`refresh`."""
+        """:meth:`OnlineCorrection.update` of chain ``name``; the cells it moved are rewritten at :meth:`refresh`
+        (all of them when the pooled offset moved)."""
         c = self.chains.get(name)
         if c is None:
             return 0
         n = c["correction"].update(q, acc, cells)
-        if n:
+        if n and self.settings.pooled:
+            self._whole.add(name)
+        elif n:
             self._dirty.update((name, int(x)) for x in np.unique(np.asarray(cells, dtype=np.int64)))
         return n
 
     def refresh(self) -> None:
-        """Rewrite the grid blocks of the cells learnt from since the last call (one engine step's worth)."""
+        """Rewrite the grid blocks the correction moved since the last call (one engine step's worth)."""
         import torch
 
+        for name in sorted(self._whole):
+            c = self.chains[name]
+            D, n_cells = c["logit"].shape[0], c["n_cells"]
+            delta = c["correction"].offset(np.arange(n_cells), D).T  # [D, n_cells]
+            self._write(c, slice(None), torch.from_numpy(np.repeat(delta, c["width"], axis=1)))
         for name, cell in sorted(self._dirty):
             c = self.chains[name]
-            lo, hi = cell * c["width"], (cell + 1) * c["width"]
-            prior = c["prior"][:, lo:hi].double()
-            delta = torch.from_numpy(c["correction"].offset([cell], prior.shape[0])[0])[:, None]  # [D, 1]
-            q = prior.clamp(EPS, 1 - EPS)
-            out = torch.sigmoid(torch.log(q) - torch.log1p(-q) + delta)
-            keep = torch.isnan(prior) | (prior <= 0) | (prior >= 1)
-            c["table"].grid[:, lo:hi] = torch.where(keep, prior, out).to(c["table"].grid.dtype)
+            if name not in self._whole:
+                cols = slice(cell * c["width"], (cell + 1) * c["width"])
+                self._write(c, cols, torch.from_numpy(c["correction"].offset([cell], c["logit"].shape[0])[0])[:, None])
         self._dirty.clear()
+        self._whole.clear()
+
+    @staticmethod
+    def _write(c: dict, cols: slice, delta) -> None:
+        """``grid[:, cols] = σ(logit prior + delta)`` (``delta`` [D, cols] or [D, 1]), the prior where kept."""
+        import torch
+
+        logit, prior = c["logit"][:, cols], c["prior"][:, cols]
+        out = torch.sigmoid(logit + delta.to(logit.device))
+        c["table"].grid[:, cols] = torch.where(c["keep"][:, cols], prior, out.to(prior.dtype))
 
     def state(self) -> dict:
         return {name: c["correction"].state() for name, c in self.chains.items()}

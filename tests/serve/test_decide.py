@@ -421,7 +421,7 @@ def test_a_temperature_outside_the_fitted_range_is_decided_and_logged_once(tmp_p
 
 # --- the online correction in serving (calib/tables/online.py) --------------------------------------
 
-def test_online_correction_learns_from_what_it_decided_and_rewrites_only_that_cell(saved):
+def test_online_correction_learns_from_what_it_decided_and_rewrites_only_its_chain(saved):
     from calib.tables.online import OnlineSettings
 
     on = _decider(saved, online=OnlineSettings(decay=1.0, prior=4.0))

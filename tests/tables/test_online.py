@@ -59,11 +59,52 @@ def test_a_shifted_stream_is_followed():
 
 
 def test_cells_are_kept_apart_and_it_can_be_switched_off():
-    corr = OnlineCorrection(1, OnlineSettings(decay=1.0, prior=1.0))
+    corr = OnlineCorrection(1, OnlineSettings(decay=1.0, prior=1.0, pooled=False))
     for _ in range(10):  # ten engine steps of ten rounds, every one rejected
         corr.update(np.full((10, 1), 0.5), np.zeros((10, 1)), np.zeros(10))
     assert corr.apply(np.array([[0.5]]), [0])[0, 0] < 0.05
     assert corr.apply(np.array([[0.5]]), [80])[0, 0] == 0.5  # another temperature: untouched
+    assert "pooled" not in corr.state()
+
+
+def _stream(rng, n, cells, shift_of_cell):
+    """``n`` one-depth rounds in random ``cells``; the tables say 0.6 everywhere, the workload accepts at
+    σ(logit 0.6 + shift of the round's cell)."""
+    cell = rng.choice(cells, size=n)
+    z = np.log(0.6 / 0.4) + np.array([shift_of_cell[c] for c in cell])
+    acc = (rng.uniform(size=(n, 1)) < 1 / (1 + np.exp(-z[:, None]))).astype(np.float64)
+    return np.full((n, 1), 0.6), acc, cell
+
+
+def test_a_shift_every_cell_shares_reaches_a_thin_cell_through_the_pooled_level():
+    rng = np.random.default_rng(2)
+    shift = {c: -1.0 for c in range(8)}  # every cell accepts less than the tables say (σ(logit 0.6 − 1) = 0.36)
+    p, acc, cell = _stream(rng, 3000, np.arange(7), shift)  # cell 7 is never seen
+    for pooled in (True, False):
+        out = replay_online(p, acc, cell, OnlineSettings(prior=50, pooled=pooled))
+        assert abs(out[-500:, 0].mean() - 0.36) < 0.05  # the cells the stream visits follow it either way
+        corr = OnlineCorrection(1, OnlineSettings(prior=50, pooled=pooled))
+        for i in range(len(p)):
+            corr.update(corr.apply(p[i:i + 1], cell[i:i + 1]), acc[i:i + 1], cell[i:i + 1])
+        thin = corr.apply(np.array([[0.6]]), [7])[0, 0]
+        if pooled:
+            assert abs(thin - 0.36) < 0.05  # the shared shift, learnt from every position
+        else:
+            assert thin == 0.6  # kept apart: a cell that saw nothing is the table
+    assert set(corr.state()) == set(range(7))
+
+
+def test_a_cell_that_differs_learns_its_own_residual_under_the_pooled_level():
+    rng = np.random.default_rng(3)
+    p, acc, cell = _stream(rng, 6000, np.arange(2), {0: -1.0, 1: 1.0})  # opposite shifts: pooled ≈ 0
+    corr = OnlineCorrection(1, OnlineSettings(prior=50))
+    for i in range(len(p)):
+        corr.update(corr.apply(p[i:i + 1], cell[i:i + 1]), acc[i:i + 1], cell[i:i + 1])
+    truth = {0: 1 / (1 + np.exp(-(np.log(1.5) - 1))), 1: 1 / (1 + np.exp(-(np.log(1.5) + 1)))}
+    for c, t in truth.items():
+        assert abs(corr.apply(np.array([[0.6]]), [c])[0, 0] - t) < 0.05
+    st = corr.state()
+    assert abs(st["pooled"]["offset"][0]) < 0.5 and st["pooled"]["n"][0] == 6000
     off = OnlineCorrection(1, OnlineSettings(enabled=False))
     assert off.update(np.full((5, 1), 0.5), np.zeros((5, 1)), np.zeros(5)) == 0
     assert off.apply(np.array([[0.5]]), [0])[0, 0] == 0.5
