@@ -461,3 +461,40 @@ def test_online_positions_after_the_first_rejection_are_not_rejections(saved):
     dec.observe(r, 0, n)  # rejected at depth 0: depths 1.. were never judged
     seen = dec.online.state()[name]
     assert all(s["n"][0] == 1 and not any(s["n"][1:]) for s in seen.values())
+
+
+@pytest.mark.parametrize("pooled", [True, False])
+def test_the_served_grid_is_the_replayed_correction_of_the_prior(saved, pooled):
+    """Serving rewrites the grid; eval replays OnlineCorrection: the same numbers in every cell (with the
+    pooled level every cell moves, the ones no round fell in too; without it only the cells rounds fell in)."""
+    import numpy as np
+
+    from calib.tables.online import OnlineSettings
+
+    dec = _decider(saved, online=OnlineSettings(decay=0.99, prior=4.0, pooled=pooled))
+    for step in range(4):
+        inputs = _inputs(B=6, seed=10 + step)
+        out = dec.decide(inputs)
+        dec.remember(inputs, out)
+        for r, d in zip(inputs.req_ids, out.drafts):
+            if d:
+                dec.observe(r, step % (len(d) + 1), len(d))
+        dec.refresh()
+    prior = _decider(saved).tables.chains
+    assert any(v["n"][0] for c in dec.online.chains.values() for v in c["correction"].state().values()), \
+        "the steps should teach something"
+    for name, c in dec.online.chains.items():
+        cells = np.repeat(np.arange(c["n_cells"]), c["width"])  # the context cell of every grid column
+        p = prior[name].grid.double().numpy()  # [D, columns]
+        delta = c["correction"].offset(cells, p.shape[0]).T  # [D, columns]
+        q = np.clip(p, 1e-6, 1 - 1e-6)
+        keep = np.isnan(p) | (p <= 0) | (p >= 1)
+        want = np.where(keep, p, 1 / (1 + np.exp(-(np.log(q) - np.log1p(-q) + delta))))
+        np.testing.assert_allclose(c["table"].grid.double().numpy(), want, rtol=1e-5, atol=1e-6)
+        seen = c["correction"].state()
+        touched = {k for k, v in seen.items() if k != "pooled" and v["n"][0]}
+        moved = ~np.isclose(c["table"].grid.double().numpy()[0], p[0], rtol=0, atol=1e-6) | keep[0]
+        if pooled and seen["pooled"]["n"][0]:
+            assert moved.all()
+        elif not pooled:
+            assert set(np.unique(cells[~keep[0] & moved])) <= touched
