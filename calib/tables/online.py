@@ -80,11 +80,6 @@ class OnlineCorrection:
             s = self._state[c] = np.zeros((3, self.n_depths))
         return s
 
-    @property
-    def pooled_offset(self) -> np.ndarray:
-        """``[n_depths]``: the offset every cell shares (0 with ``pooled=False`` or nothing seen)."""
-        return self._pooled[0].copy()
-
     def offset(self, cells, width: int | None = None) -> np.ndarray:
         """Logit offsets ``[B, width]`` for rows in context ``cells [B]`` (the pooled offset where a cell saw
         nothing of its own; depths past the tracked ones take the deepest tracked depth's)."""
@@ -94,7 +89,8 @@ class OnlineCorrection:
         if self.settings.enabled:
             uniq, where = np.unique(cells, return_inverse=True)
             zero = np.zeros(self.n_depths)
-            out += self._pooled[0] + np.stack([self._state.get(int(c), (zero,))[0] for c in uniq])[where.ravel()]
+            own = np.stack([self._state[c][0] if c in self._state else zero for c in uniq.tolist()])  # [cells, D]
+            out += self._pooled[0] + own[where.ravel()]
         return out[:, np.minimum(np.arange(width), self.n_depths - 1)]
 
     def apply(self, p, cells) -> np.ndarray:
