@@ -247,7 +247,7 @@ class Server:
             d = int(num_draft[i])
             if d:
                 dec.observe(req_id, max(0, min(int(accepted[i]), d)), d)
-        dec.refresh()  # the online correction's learnt cells, rewritten once per step before the next lookup
+        dec.refresh()  # the online correction, written into the tables once per step before the next lookup
 
     def left_to_vllm(self, runner, req_ids) -> list[bool]:
         """Per request: whether its sampling parameters apply target-only logit transforms
