@@ -1,24 +1,17 @@
 """bench/ngram_baseline.py on SYNTHETIC banks and stand-in tables: it scores every reached n-gram depth of the
 banks it is given, per category and overall, with the tables and with the match-length baseline."""
 
-import importlib.util
-from pathlib import Path
-
 import numpy as np
 
 from calib.bank import load, write_bank
 from calib.chains import chain
+from tests.bench_scripts import load_bench
 from tests.evaluate.fit_tables import fit_tables
 from tests.synthetic import synthetic_tables
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 def _script():
-    spec = importlib.util.spec_from_file_location("ngram_baseline", ROOT / "bench" / "ngram_baseline.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("ngram_baseline")
 
 
 def test_it_scores_every_reached_ngram_depth_per_category(tmp_path, capsys):

@@ -22,7 +22,6 @@ parsed by vLLM's own parser, and its summary of repetitions. ``SafeDecider``'s r
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import logging
 import os
 import time
@@ -31,6 +30,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from tests.bench_scripts import load_bench
+
 ROOT = Path(__file__).resolve().parents[2]
 HELPER = Path(__file__).resolve().parent / "_sitecustomize"
 FAULT_AFTER = 8  # decide_step calls that succeed before the injected fault
@@ -38,10 +39,7 @@ REQUESTS, CLIENTS, MAX_TOKENS = 12, 4, 16
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("calib_bench_serve_http", ROOT / "bench" / "serve_http.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("serve_http", "calib_bench_serve_http")
 
 
 @contextlib.contextmanager
