@@ -128,7 +128,7 @@ def iter_source_files(stdlib: Path):
 
 def top_module(rel: Path) -> str:
     first = rel.parts[0]
-    return first[:-3] if first.endswith(".py") else first
+    return first.removesuffix(".py")
 
 
 def comment_lines(code: str) -> int:
@@ -374,29 +374,45 @@ def build(stdlib: Path) -> list[dict]:
     cands.sort(key=lambda c: (c["file"], c["start"]))
     rng = random.Random(SEED)
     rng.shuffle(cands)
+    return pick(cands, rng, N_PROMPTS)
+
+
+def pick(cands: list[dict], rng: random.Random, n: int, per_module: int = PER_MODULE, id_prefix: str = "code_edit",
+         skip_exhausted: bool = False) -> list[dict]:
+    """Up to ``n`` prompts from shuffled ``cands``: edit kinds round-robin, each given to the first candidate
+    it applies to within the per-file and per-module limits. A kind with no candidate left stops the run
+    (``skip_exhausted``: is skipped from then on, until every kind is)."""
     used_files: dict[str, int] = {}
     used_mods: dict[str, int] = {}
     used_idx: set[int] = set()
+    dead: set[str] = set()
     version = platform.python_version()
     records = []
-    for i in range(N_PROMPTS):
+    i = 0
+    while len(records) < n and len(dead) < len(EDIT_KINDS):
         kind = EDIT_KINDS[i % len(EDIT_KINDS)]
+        i += 1
+        if kind in dead:
+            continue
         for j, cand in enumerate(cands):
             if j in used_idx or kind not in cand["kinds"]:
                 continue
             if used_files.get(cand["file"], 0) >= PER_FILE:
                 continue
-            if used_mods.get(cand["module"], 0) >= PER_MODULE:
+            if used_mods.get(cand["module"], 0) >= per_module:
                 continue
             break
         else:
-            raise SystemExit(f"no candidate left for edit kind {kind!r}")
+            if not skip_exhausted:
+                raise SystemExit(f"no candidate left for edit kind {kind!r}")
+            dead.add(kind)
+            continue
         used_idx.add(j)
         used_files[cand["file"]] = used_files.get(cand["file"], 0) + 1
         used_mods[cand["module"]] = used_mods.get(cand["module"], 0) + 1
         content = instruction(kind, cand["kinds"][kind], cand, rng)
         records.append({
-            "id": f"code_edit-{i:03d}",
+            "id": f"{id_prefix}-{len(records):03d}",
             "category": "code_edit",
             "messages": [{"role": "user", "content": content}],
             "source": {
@@ -410,16 +426,15 @@ def build(stdlib: Path) -> list[dict]:
     return records
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=OUT_PATH, help="output JSONL path")
+def main(build=build, out_path: Path = OUT_PATH, doc: str = __doc__) -> None:
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=out_path, help="output JSONL path")
     ap.add_argument("--stdlib", type=Path, default=Path(sysconfig.get_paths()["stdlib"]),
                     help="standard library directory to read")
     args = ap.parse_args()
     records = build(args.stdlib)
     with open(args.out, "w", encoding="utf-8", newline="\n") as f:
-        for rec in records:
-            f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+        f.writelines(json.dumps(rec, ensure_ascii=False) + "\n" for rec in records)
     print(f"wrote {len(records)} prompts to {args.out}")
 
 
