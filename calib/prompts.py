@@ -15,6 +15,10 @@ class Prompt:
     messages: list
 
 
+# What to give a target without a chat template (a base model): the template calib ships for that.
+PLAIN_TEMPLATE_HINT = "conf/model/plain_prompt.jinja sends the messages as plain text"
+
+
 def encode_chat(tokenizer, messages) -> list[int]:
     """Token ids of ``messages`` with the chat template and the generation prompt, as calib sends them
     to vLLM (the template's own special tokens only: none added on top)."""
@@ -25,8 +29,8 @@ def encode_chat(tokenizer, messages) -> list[int]:
             raise
         raise ValueError(
             f"the target's tokenizer ({getattr(tokenizer, 'name_or_path', '?')}) has no chat template (a base model?), "
-            "and calib sends every prompt through one: for a GGUF target give model.chat_template=<file.jinja> "
-            "(conf/model/plain_prompt.jinja sends the messages as plain text); for a model folder, set its "
+            f"and calib sends every prompt through one: for a GGUF target give model.chat_template=<file.jinja> "
+            f"({PLAIN_TEMPLATE_HINT}); for a model folder, set its "
             "tokenizer's chat_template and save_pretrained it") from None
     return tokenizer(text, add_special_tokens=False).input_ids
 

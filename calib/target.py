@@ -21,6 +21,7 @@ from pathlib import Path
 
 from calib import envs
 from calib.atomic import atomic_dir
+from calib.prompts import PLAIN_TEMPLATE_HINT
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +60,7 @@ def prepare_target(gguf: str | os.PathLike | None = None, cache_dir: str | os.Pa
     out = Path(cache_dir or default_cache_dir()) / name
     if chat_template and not Path(chat_template).is_file():
         raise FileNotFoundError(f"model.chat_template={chat_template}: no such file; give a Jinja chat template file "
-                                "(conf/model/plain_prompt.jinja sends the messages as plain text)")
+                                f"({PLAIN_TEMPLATE_HINT})")
     template = Path(chat_template).read_text(encoding="utf-8") if chat_template else None
     if (out / "config.json").exists():
         if template is not None and _folder_template(out) != template:
@@ -82,7 +83,7 @@ def prepare_target(gguf: str | os.PathLike | None = None, cache_dir: str | os.Pa
         tok.chat_template = template
     elif not getattr(tok, "chat_template", None):
         log.warning("%s carries no chat template (a base model?): collect and serve encode prompts with one; give "
-                    "model.chat_template=<file.jinja> (conf/model/plain_prompt.jinja: the messages as plain text)", gguf)
+                    "model.chat_template=<file.jinja> (%s)", gguf, PLAIN_TEMPLATE_HINT)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
                                                  dtype=getattr(torch, dtype))
     # Dequantized weights: drop the GGUF quantizer so save_pretrained writes a plain checkpoint.
