@@ -136,15 +136,16 @@ def _online(cfg: DictConfig, banks: list, tables, out: Path) -> dict:
     from calib.tables.online import OnlineSettings
 
     o = cfg.get("online") or {}
-    settings = OnlineSettings(bool(o.get("enabled", True)), float(o.get("decay", 0.999)), float(o.get("prior", 50.0)),
-                              bool(o.get("pooled", True)))
+    settings = OnlineSettings(bool(o.get("enabled", True)), float(o.get("decay", 0.99)), float(o.get("prior", 50.0)),
+                              bool(o.get("pooled", True)), bool(o.get("slope", True)))
     warmup = int(o.get("warmup_rounds", WARMUP_ROUNDS))
     rows, curve = online_rows(banks, tables, settings, split=cfg.split.get("name", "test"), warmup=warmup,
                               n_bins=int(cfg.metrics.n_bins))
     pic = plots.warmup_curve(curve, out / "online_warmup.png") if curve else None
     return {"settings": {"enabled": settings.enabled, "decay": settings.decay, "prior": settings.prior,
-                         "pooled": settings.pooled, "warmup_rounds": warmup,
+                         "pooled": settings.pooled, "slope": settings.slope, "warmup_rounds": warmup,
                          "cells": ("the table's context cell, under a per-depth offset every cell shares"
+                                   + (" and a slope on the table's logit" if settings.slope else "")
                                    if settings.pooled else "the table's context cell")},
             "slices": rows, "warmup_curve": curve, "figure": pic and str(Path(pic).relative_to(out))}
 

@@ -345,7 +345,7 @@ class SafeDecider:
         # the online correction (calib/tables/online.py): the tables as a prior, corrected in place by the
         # verified outcomes of what this decider chose; None: the tables alone
         self.online = OnlineTables(self.tables, online) if online is not None and online.enabled else None
-        self._pending: dict[str, tuple[str, int, np.ndarray]] = {}  # req id -> (chain, cell, probs [depth])
+        self._pending: dict[str, tuple[str, int, np.ndarray]] = {}  # req id -> (chain, cell, table probs [depth])
 
     @property
     def enabled(self) -> bool:
@@ -384,8 +384,11 @@ class SafeDecider:
                     temps = request_temperatures(inputs)
                 values = context_columns(ctx, inputs, self.history, temps)[rows]
                 cells = self.online.cells(name, values)
-                for b, cell in zip(rows, cells.tolist()):
-                    self._pending[inputs.req_ids[b]] = (name, cell, decision.probs[b, : depth[b]].double().numpy())
+                # the table's probabilities behind the ones served (the correction moves before the outcome)
+                served = decision.probs[rows].double().numpy()  # [rows, W], NaN past each row's depth
+                table = self.online.table_of(name, served, cells)
+                for i, (b, cell) in enumerate(zip(rows, cells.tolist())):
+                    self._pending[inputs.req_ids[b]] = (name, cell, table[i, : depth[b]])
         except Exception as exc:  # noqa: BLE001
             self._fail(exc, "remember")
 
@@ -398,8 +401,8 @@ class SafeDecider:
             if pending is not None and (drafted is None or drafted == len(pending[2])):
                 from calib.tables.online import outcome_row
 
-                name, cell, q = pending
-                self.online.observe(name, q[None, :], outcome_row(min(accepted, len(q)), len(q))[None, :], [cell])
+                name, cell, p = pending
+                self.online.observe(name, p[None, :], outcome_row(min(accepted, len(p)), len(p))[None, :], [cell])
         except Exception as exc:  # noqa: BLE001
             self._fail(exc, "observe")
 

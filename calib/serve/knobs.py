@@ -40,9 +40,10 @@ class ServeKnobs:
     draft_cost: float = DEFAULT_DRAFT_COST  # one model-drafter pass / the verify pass C(B) (the drafter's export)
     # the online correction of the tables by verified outcomes (calib/tables/online.py); off: the tables alone
     online: bool = True
-    online_decay: float = 0.999  # per observed position of a (chain, depth, context cell): ~1,000 remembered
+    online_decay: float = 0.99  # per observed position of a (chain, depth, context cell): ~100 remembered
     online_prior: float = 50.0  # pseudo-positions holding a cell at the table until it has its own
     online_pooled: bool = True  # a per-depth offset every cell shares under the cells' own (off: cells apart)
+    online_slope: bool = True  # the shared level also learns a slope on the table's logit (online Platt)
 
     _parameter_constraints: ClassVar[dict] = {
         "tables": [TEXT],
@@ -59,13 +60,15 @@ class ServeKnobs:
         "online_decay": [Interval(numbers.Real, 0, 1, closed="right")],
         "online_prior": [Interval(numbers.Real, 0, None, closed="neither")],
         "online_pooled": [Boolean()],
+        "online_slope": [Boolean()],
     }
 
     def online_settings(self):
         """The online correction's settings, or None when switched off."""
         from calib.tables.online import OnlineSettings
 
-        return (OnlineSettings(True, float(self.online_decay), float(self.online_prior), bool(self.online_pooled))
+        return (OnlineSettings(True, float(self.online_decay), float(self.online_prior), bool(self.online_pooled),
+                               bool(self.online_slope))
                 if self.online else None)
 
     def __post_init__(self):

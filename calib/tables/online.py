@@ -3,15 +3,17 @@
 A static table cannot follow the workload: prompts that accept less than the training prompts make
 every prediction too high, whatever the drafter's confidence says. :class:`OnlineCorrection` keeps,
 per (chain, depth, context cell), an offset on the table's logit, fitted online as a logistic
-regression's intercept (the table's logit the fixed offset) by one Newton step per engine step. The
-offset has two levels (partial pooling, as the tables' thin cells take the pooled fit): a **pooled**
-offset ``δ₀`` per depth that every position of the chain teaches, and a **cell** offset ``δ_c`` that
-learns what the pooled one leaves over in its context cell::
+regression on the table's logit ``z = logit p`` by one Newton step per observed round. It has two levels
+(partial pooling, as the tables' thin cells take the pooled fit): a **pooled** level per depth that
+every position of the chain teaches, an offset ``δ₀`` and a slope ``β`` on the table's logit (an online
+Platt scaling of the table), and a **cell** offset ``δ_c`` that learns what the pooled level leaves
+over in its context cell::
 
-    p' = σ(logit p + δ₀ + δ_c)
-    per level, over the step's verified positions it sees (the cell's after the pooled step):
-    g = Σ (y − p'),  h = Σ p'(1 − p')
-    H ← λ^n·H + h,   δ ← δ + g / (H + κ/4)
+    p' = σ((1 + β)·z + δ₀ + δ_c)
+    per level, over the verified positions it sees (the cell's after the pooled step), with x = 1 for
+    an offset and x = (1, z) for the pooled level with its slope:
+    g = Σ (y − p')·x,  h = Σ p'(1 − p')·x xᵀ
+    H ← λ^n·H + h,   θ ← θ + (H + κ/4·I)⁻¹ g
 
 ``H`` is the decayed Fisher information (``λ = decay`` per observed position of the level's key: a
 memory of about ``1 / (1 − λ)`` positions) and ``κ = prior`` pseudo-positions of information at
@@ -19,7 +21,14 @@ memory of about ``1 / (1 − λ)`` positions) and ``κ = prior`` pseudo-position
 (the prompts accept less than the training prompts) is learnt at the pooled level from every position,
 so a thin cell follows it at once instead of waiting for ``κ`` positions of its own; a cell that
 differs learns its own residual. With nothing seen both are 0 and ``p' = p``: a cold start is the tables
-alone. ``pooled=False`` keeps the cells apart (the cell level only).
+alone. ``pooled=False`` keeps the cells apart (the cell level only, no slope); ``slope=False`` keeps
+the pooled level an offset.
+
+Why a slope: an offset moves every probability of a depth alike, so it matches each depth's mean, but
+a table that is too sure of itself on a workload (its high probabilities too high and its low ones too
+low, as the n-gram chain's are on chat at T = 0.8) keeps its spread; a round's expected accepted
+length, a sum of products of its depths' probabilities, is then too long although every depth's mean
+is right. The slope learns the spread, from the same positions.
 
 Only verified positions are observations: a round's accepted depths (``y = 1``) and its first
 rejected depth (``y = 0``); positions after the first rejection were never judged by the target and
@@ -36,18 +45,21 @@ from dataclasses import dataclass
 import numpy as np
 
 EPS = 1e-6
+MIN_SCALE = 0.1  # the slope's floor on 1 + β: a correction flattens the table, never reverses its order
 
 
 @dataclass(frozen=True)
 class OnlineSettings:
     """``enabled``: off = the tables alone; ``decay``: λ per observed position of a key; ``prior``: κ,
     the pseudo-positions that hold a key at the table until it has seen that many of its own;
-    ``pooled``: a per-depth offset shared by every cell under the cells' own (off: cells kept apart)."""
+    ``pooled``: a per-depth offset shared by every cell under the cells' own (off: cells kept apart);
+    ``slope``: the pooled level also learns a slope on the table's logit (only with ``pooled``)."""
 
     enabled: bool = True
-    decay: float = 0.999
+    decay: float = 0.99
     prior: float = 50.0
     pooled: bool = True
+    slope: bool = True
 
     def __post_init__(self):
         if not (0.0 < self.decay <= 1.0):
@@ -66,13 +78,18 @@ def verified_mask(acc: np.ndarray) -> np.ndarray:
 
 
 class OnlineCorrection:
-    """Per (depth, cell) logit offsets for one chain, learnt online (see the module docstring)."""
+    """Per (depth, cell) logit offsets, and a per-depth slope, for one chain, learnt online (see the module
+    docstring). :meth:`apply` reads table probabilities through it; :meth:`update` learns from the outcomes
+    of rounds decided with table probabilities ``p`` (what :meth:`apply` turned into what was used)."""
 
     def __init__(self, n_depths: int, settings: OnlineSettings | None = None):
         self.settings = settings or OnlineSettings()
         self.n_depths = int(n_depths)
         self._state: dict[int, np.ndarray] = {}  # cell -> float64 [3, n_depths]: δ, H, positions seen
         self._pooled = np.zeros((3, self.n_depths))  # the same for the level every cell shares
+        # the pooled level's slope: float64 [3, n_depths]: β, its information, the (δ₀, β) cross information
+        self._slope = np.zeros((3, self.n_depths))
+        self._sloped = self.settings.pooled and self.settings.slope
 
     def _cell(self, c: int) -> np.ndarray:
         s = self._state.get(c)
@@ -80,83 +97,129 @@ class OnlineCorrection:
             s = self._state[c] = np.zeros((3, self.n_depths))
         return s
 
+    def _cols(self, width: int | None) -> np.ndarray:
+        """Tracked depth of each of ``width`` columns (depths past the tracked ones take the deepest's)."""
+        width = self.n_depths if width is None else int(width)
+        return np.minimum(np.arange(width), self.n_depths - 1)
+
     def offset(self, cells, width: int | None = None) -> np.ndarray:
         """Logit offsets ``[B, width]`` for rows in context ``cells [B]`` (the pooled offset where a cell saw
         nothing of its own; depths past the tracked ones take the deepest tracked depth's)."""
         cells = np.asarray(cells, dtype=np.int64).ravel()
-        width = self.n_depths if width is None else int(width)
         out = np.zeros((cells.size, self.n_depths))
         if self.settings.enabled:
             uniq, where = np.unique(cells, return_inverse=True)
             zero = np.zeros(self.n_depths)
             own = np.stack([self._state[c][0] if c in self._state else zero for c in uniq.tolist()])  # [cells, D]
             out += self._pooled[0] + own[where.ravel()]
-        return out[:, np.minimum(np.arange(width), self.n_depths - 1)]
+        return out[:, self._cols(width)]
+
+    def scale(self, width: int | None = None) -> np.ndarray:
+        """``[width]``: the factor ``1 + β`` on the table's logit per depth (1 without the slope)."""
+        return np.maximum(1.0 + self._slope[0], MIN_SCALE)[self._cols(width)]
+
+    @property
+    def _learnt(self) -> bool:
+        return bool(self._state or self._pooled[2].any())
 
     def apply(self, p, cells) -> np.ndarray:
         """Corrected probabilities ``[B, K]`` of table probabilities ``p [B, K]`` (NaN, 0 and 1 kept)."""
         p = np.asarray(p, dtype=np.float64)
-        if not self.settings.enabled or p.size == 0 or not (self._state or self._pooled[2].any()):
+        if not self.settings.enabled or p.size == 0 or not self._learnt:
             return p
-        return _shifted(p, self.offset(cells, p.shape[1]))
+        return _corrected(p, self.scale(p.shape[1]), self.offset(cells, p.shape[1]))
 
-    def update(self, q, acc, cells) -> int:
-        """One Newton step per level on the verified positions of rounds decided with probabilities ``q [B, K]``
-        (the corrected ones, as used: :meth:`apply` of the table's), outcomes ``acc [B, K]`` (1/0, NaN not
-        drafted) in context ``cells [B]``: the pooled level first, then each cell on what is left; returns
-        the positions used."""
+    def table_of(self, q, cells) -> np.ndarray:
+        """The inverse of :meth:`apply`: the table probabilities ``[B, K]`` that read as ``q [B, K]`` in
+        ``cells [B]`` now (serving keeps what it used, the corrected value; :meth:`update` takes the table's)."""
+        q = np.asarray(q, dtype=np.float64)
+        if not self.settings.enabled or q.size == 0 or not self._learnt:
+            return q
+        z = (_logit(q) - self.offset(cells, q.shape[1])) / self.scale(q.shape[1])
+        return np.where(_kept(q), q, 1.0 / (1.0 + np.exp(-z)))
+
+    def update(self, p, acc, cells) -> int:
+        """One Newton step per level on the verified positions of rounds decided with table probabilities
+        ``p [B, K]`` (read through this correction as it stands: :meth:`apply`), outcomes ``acc [B, K]`` (1/0,
+        NaN not drafted) in context ``cells [B]``: the pooled level first, then each cell on what is left;
+        returns the positions used. Positions the correction never moves (NaN, 0 or 1) teach nothing."""
         if not self.settings.enabled:
             return 0
-        q, acc = np.asarray(q, dtype=np.float64), np.asarray(acc, dtype=np.float64)
-        K = min(q.shape[1], self.n_depths)
-        seen = (verified_mask(acc) & ~np.isnan(q))[:, :K]
+        p, acc = np.asarray(p, dtype=np.float64), np.asarray(acc, dtype=np.float64)
+        K = min(p.shape[1], self.n_depths)
+        p, acc = p[:, :K], acc[:, :K]
+        seen = verified_mask(acc)[:, :K] & ~_kept(p)
         cells = np.asarray(cells, dtype=np.int64).ravel()
-        q = np.clip(np.nan_to_num(q[:, :K], nan=0.5), EPS, 1 - EPS)
-        y = np.nan_to_num(acc[:, :K])
+        z = _logit(np.nan_to_num(p, nan=0.5))
+        y = np.nan_to_num(acc)
         if self.settings.pooled and seen.any():
-            step = self._newton(self._pooled, seen, y, q, K)
-            q = np.clip(_shifted(q, step[None, :]), EPS, 1 - EPS)  # the cells learn what the pooled step left
+            self._newton(self._pooled, seen, y, z * self.scale(K) + self.offset(cells, K), K,
+                         slope=z if self._sloped else None)
+        base = z * self.scale(K) + self._pooled[0, :K]  # the cells learn what the pooled step left
         added = 0
         for c in np.unique(cells):
             rows = cells == c
             if seen[rows].any():
                 added += int(seen[rows].sum())
-                self._newton(self._cell(int(c)), seen[rows], y[rows], q[rows], K, ridge=self.settings.pooled)
+                s = self._cell(int(c))
+                self._newton(s, seen[rows], y[rows], base[rows] + s[0, :K], K, ridge=self.settings.pooled)
         return added
 
-    def _newton(self, s: np.ndarray, seen, y, q, K: int, ridge: bool = False) -> np.ndarray:
+    def _newton(self, s: np.ndarray, seen, y, u, K: int, ridge: bool = False, slope=None) -> None:
         """One Newton step of a level's state ``s`` [3, n_depths] (δ, H, n) on positions ``seen`` [B, K] with
-        outcomes ``y`` and probabilities ``q`` [B, K]; returns the step [K]. ``ridge``: the prior stays while
-        the evidence decays, so its pull towards 0 (``(1 − λ^n)·κ/4·δ``: the part of the balancing evidence
-        that decayed) is part of the gradient; under the pooled level this moves what the cells share to
-        the pooled offset instead of leaving it split between them."""
+        outcomes ``y`` and corrected logits ``u`` [B, K]; with ``slope`` (the table's logits [B, K]) the
+        pooled slope ``β`` steps jointly with ``δ`` (a 2 × 2 Newton step per depth). ``ridge``: the prior stays
+        while the evidence decays, so its pull towards 0 (``(1 − λ^n)·κ/4·δ``: the part of the balancing
+        evidence that decayed) is part of the gradient; under the pooled level this moves what the cells
+        share to the pooled offset instead of leaving it split between them."""
+        q = np.clip(1.0 / (1.0 + np.exp(-u)), EPS, 1 - EPS)
         cnt = seen.sum(axis=0)
-        g = np.where(seen, y - q, 0.0).sum(axis=0)
-        h = np.where(seen, q * (1 - q), 0.0).sum(axis=0)
+        r, w = np.where(seen, y - q, 0.0), np.where(seen, q * (1 - q), 0.0)
+        g, h = r.sum(axis=0), w.sum(axis=0)
         info0, fade = self.settings.prior / 4.0, self.settings.decay ** cnt
         if ridge:
             g = g - (1.0 - fade) * info0 * s[0, :K]
         s[1, :K] = fade * s[1, :K] + h
-        step = g / (s[1, :K] + info0)
-        s[0, :K] += step
         s[2, :K] += cnt
-        return step
+        if slope is None:
+            s[0, :K] += g / (s[1, :K] + info0)
+            return
+        b = self._slope  # β, its information, the cross information
+        b[1, :K] = fade * b[1, :K] + (w * slope * slope).sum(axis=0)
+        b[2, :K] = fade * b[2, :K] + (w * slope).sum(axis=0)
+        g_b = (r * slope).sum(axis=0)
+        h_aa, h_bb, h_ab = s[1, :K] + info0, b[1, :K] + info0, b[2, :K]
+        det = h_aa * h_bb - h_ab * h_ab  # > 0: the information is positive semi-definite, the prior adds κ/4·I
+        s[0, :K] += (h_bb * g - h_ab * g_b) / det
+        b[0, :K] += (h_aa * g_b - h_ab * g) / det
 
     def state(self) -> dict:
-        """JSON-able per cell (and ``"pooled"``, the shared level): logit offset, decayed information and
-        positions seen per depth."""
+        """JSON-able per cell (and ``"pooled"``, the shared level, with its ``"slope"`` β): logit offset,
+        decayed information and positions seen per depth."""
         def level(s):
             return {"offset": s[0].tolist(), "information": s[1].tolist(), "n": s[2].tolist()}
 
         cells = {int(c): level(s) for c, s in sorted(self._state.items())}
-        return {**cells, "pooled": level(self._pooled)} if self.settings.pooled else cells
+        if not self.settings.pooled:
+            return cells
+        pooled = level(self._pooled)
+        return {**cells, "pooled": {**pooled, "slope": self._slope[0].tolist()} if self._sloped else pooled}
 
 
-def _shifted(p: np.ndarray, offset: np.ndarray) -> np.ndarray:
-    """``σ(logit p + offset)`` where ``p`` is a probability strictly inside (0, 1); NaN, 0 and 1 kept."""
+def _logit(p: np.ndarray) -> np.ndarray:
     q = np.clip(p, EPS, 1 - EPS)
-    out = 1.0 / (1.0 + np.exp(-(np.log(q) - np.log1p(-q) + offset)))
-    return np.where(np.isnan(p) | (p <= 0) | (p >= 1), p, out)
+    return np.log(q) - np.log1p(-q)
+
+
+def _kept(p: np.ndarray) -> np.ndarray:
+    """Where a probability is never corrected: NaN (no token), 0 or 1 (a certainty the table states)."""
+    return np.isnan(p) | (p <= 0) | (p >= 1)
+
+
+def _corrected(p: np.ndarray, scale: np.ndarray, offset: np.ndarray) -> np.ndarray:
+    """``σ(scale·logit p + offset)`` where ``p`` is a probability strictly inside (0, 1); NaN, 0 and 1 kept."""
+    out = 1.0 / (1.0 + np.exp(-(_logit(p) * scale + offset)))
+    return np.where(_kept(p), p, out)
 
 
 def replay_online(p, acc, cells, settings: OnlineSettings | None = None, batch: int = 1) -> np.ndarray:
@@ -170,7 +233,7 @@ def replay_online(p, acc, cells, settings: OnlineSettings | None = None, batch: 
     for s in range(0, len(p), max(1, int(batch))):
         e = min(len(p), s + max(1, int(batch)))
         out[s:e] = corr.apply(p[s:e], cells[s:e])
-        corr.update(out[s:e], acc[s:e], cells[s:e])
+        corr.update(p[s:e], acc[s:e], cells[s:e])
     return out
 
 
@@ -205,8 +268,8 @@ def context_cells(values, edges) -> np.ndarray:
 
 
 class OnlineTables:
-    """The correction where serving reads: each chain's grid kept at ``σ(logit prior + δ[depth, cell])`` per
-    context cell (the table's context axes, :data:`calib.chains.CONTEXT`; the whole grid is one cell for
+    """The correction where serving reads: each chain's grid kept at ``σ((1 + β[depth])·logit prior +
+    δ[depth, cell])`` per context cell (the table's context axes, :data:`calib.chains.CONTEXT`; the whole grid is one cell for
     a table without them). Every lookup (the allocator's, the plan's, the Triton kernel's) then reads the
     corrected values; ``tables`` is modified in place, its original grids kept as the prior."""
 
@@ -227,19 +290,25 @@ class OnlineTables:
                                  "keep": torch.isnan(prior) | (prior <= 0) | (prior >= 1),  # never shifted
                                  "correction": OnlineCorrection(t.grid.shape[0], settings)}
         self._dirty: set[tuple[str, int]] = set()
-        self._whole: set[str] = set()  # chains whose pooled offset moved: every cell is rewritten
+        self._whole: set[str] = set()  # chains whose pooled level moved: every cell is rewritten
 
     def cells(self, name: str, context) -> np.ndarray:
         """Context cell ``[B]`` of chain ``name`` for context values ``[B, A_ctx]`` (its context axes' order)."""
         return context_cells(context, self.chains[name]["edges"])
 
-    def observe(self, name: str, q, acc, cells) -> int:
-        """:meth:`OnlineCorrection.update` of chain ``name``; the cells it moved are rewritten at :meth:`refresh`
-        (all of them when the pooled offset moved)."""
+    def table_of(self, name: str, q, cells) -> np.ndarray:
+        """The table probabilities ``[B, K]`` behind probabilities ``q [B, K]`` chain ``name`` served in ``cells``
+        since the last :meth:`refresh` (:meth:`OnlineCorrection.table_of`): what :meth:`observe` takes."""
+        return self.chains[name]["correction"].table_of(q, cells)
+
+    def observe(self, name: str, p, acc, cells) -> int:
+        """:meth:`OnlineCorrection.update` of chain ``name`` on table probabilities ``p`` (:meth:`table_of` of
+        what was served); the cells it moved are rewritten at :meth:`refresh` (all of them when the pooled
+        level moved)."""
         c = self.chains.get(name)
         if c is None:
             return 0
-        n = c["correction"].update(q, acc, cells)
+        n = c["correction"].update(p, acc, cells)
         if n and self.settings.pooled:
             self._whole.add(name)
         elif n:
@@ -254,7 +323,7 @@ class OnlineTables:
             c = self.chains[name]
             D, n_cells = c["logit"].shape[0], c["n_cells"]
             delta = torch.from_numpy(c["correction"].offset(np.arange(n_cells), D).T.copy())  # [D, n_cells]
-            self._write(c, 0, n_cells, delta)
+            self._write(c, 0, n_cells, delta, torch.from_numpy(c["correction"].scale(D)))
         for name, cell in sorted(self._dirty):
             c = self.chains[name]
             if name not in self._whole:
@@ -263,14 +332,16 @@ class OnlineTables:
         self._whole.clear()
 
     @staticmethod
-    def _write(c: dict, first: int, stop: int, delta) -> None:
-        """The grid columns of cells ``first .. stop - 1`` at ``σ(logit prior + delta)`` (``delta`` [D, cells],
-        one offset per depth and cell), the prior where kept."""
+    def _write(c: dict, first: int, stop: int, delta, scale=None) -> None:
+        """The grid columns of cells ``first .. stop - 1`` at ``σ(scale·logit prior + delta)`` (``delta`` [D, cells],
+        one offset per depth and cell; ``scale`` [D] or None for 1), the prior where kept."""
         import torch
 
         D, w = c["logit"].shape[0], c["width"]
         cols = slice(first * w, stop * w)
         logit, prior = c["logit"][:, cols].view(D, stop - first, w), c["prior"][:, cols]
+        if scale is not None:
+            logit = logit * scale.to(logit.device, torch.float32)[:, None, None]
         out = torch.sigmoid(logit + delta.to(logit.device, torch.float32)[:, :, None]).view(D, -1)
         c["table"].grid[:, cols] = torch.where(c["keep"][:, cols], prior, out.to(prior.dtype))
 

@@ -424,7 +424,8 @@ def test_a_temperature_outside_the_fitted_range_is_decided_and_logged_once(tmp_p
 def test_online_correction_learns_from_what_it_decided_and_rewrites_only_its_chain(saved):
     from calib.tables.online import OnlineSettings
 
-    on = _decider(saved, online=OnlineSettings(decay=1.0, prior=4.0))
+    # an offset only: with the slope, a flatter table may raise its lowest cells on rejections of its higher ones
+    on = _decider(saved, online=OnlineSettings(decay=1.0, prior=4.0, slope=False))
     off = _decider(saved)
     inputs = _inputs(B=6, seed=3)
     first_on, first_off = on.decide(inputs), off.decide(inputs)
@@ -463,15 +464,15 @@ def test_online_positions_after_the_first_rejection_are_not_rejections(saved):
     assert all(s["n"][0] == 1 and not any(s["n"][1:]) for s in seen.values())
 
 
-@pytest.mark.parametrize("pooled", [True, False])
-def test_the_served_grid_is_the_replayed_correction_of_the_prior(saved, pooled):
+@pytest.mark.parametrize("pooled,slope", [(True, True), (True, False), (False, False)])
+def test_the_served_grid_is_the_replayed_correction_of_the_prior(saved, pooled, slope):
     """Serving rewrites the grid; eval replays OnlineCorrection: the same numbers in every cell (with the
     pooled level every cell moves, the ones no round fell in too; without it only the cells rounds fell in)."""
     import numpy as np
 
     from calib.tables.online import OnlineSettings
 
-    dec = _decider(saved, online=OnlineSettings(decay=0.99, prior=4.0, pooled=pooled))
+    dec = _decider(saved, online=OnlineSettings(decay=0.99, prior=4.0, pooled=pooled, slope=slope))
     for step in range(4):
         inputs = _inputs(B=6, seed=10 + step)
         out = dec.decide(inputs)
@@ -487,9 +488,11 @@ def test_the_served_grid_is_the_replayed_correction_of_the_prior(saved, pooled):
         cells = np.repeat(np.arange(c["n_cells"]), c["width"])  # the context cell of every grid column
         p = prior[name].grid.double().numpy()  # [D, columns]
         delta = c["correction"].offset(cells, p.shape[0]).T  # [D, columns]
+        scale = c["correction"].scale(p.shape[0])[:, None]  # [D, 1]
+        assert (scale != 1).any() == (slope and bool(c["correction"].state()["pooled"]["n"][0]))
         q = np.clip(p, 1e-6, 1 - 1e-6)
         keep = np.isnan(p) | (p <= 0) | (p >= 1)
-        want = np.where(keep, p, 1 / (1 + np.exp(-(np.log(q) - np.log1p(-q) + delta))))
+        want = np.where(keep, p, 1 / (1 + np.exp(-((np.log(q) - np.log1p(-q)) * scale + delta))))
         np.testing.assert_allclose(c["table"].grid.double().numpy(), want, rtol=1e-5, atol=1e-6)
         seen = c["correction"].state()
         touched = {k for k, v in seen.items() if k != "pooled" and v["n"][0]}

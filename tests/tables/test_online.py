@@ -85,7 +85,7 @@ def test_a_shift_every_cell_shares_reaches_a_thin_cell_through_the_pooled_level(
         assert abs(out[-500:, 0].mean() - 0.36) < 0.05  # the cells the stream visits follow it either way
         corr = OnlineCorrection(1, OnlineSettings(prior=50, pooled=pooled))
         for i in range(len(p)):
-            corr.update(corr.apply(p[i:i + 1], cell[i:i + 1]), acc[i:i + 1], cell[i:i + 1])
+            corr.update(p[i:i + 1], acc[i:i + 1], cell[i:i + 1])
         thin = corr.apply(np.array([[0.6]]), [7])[0, 0]
         if pooled:
             assert abs(thin - 0.36) < 0.05  # the shared shift, learnt from every position
@@ -97,9 +97,11 @@ def test_a_shift_every_cell_shares_reaches_a_thin_cell_through_the_pooled_level(
 def test_a_cell_that_differs_learns_its_own_residual_under_the_pooled_level():
     rng = np.random.default_rng(3)
     p, acc, cell = _stream(rng, 6000, np.arange(2), {0: -1.0, 1: 1.0})  # opposite shifts: pooled ≈ 0
-    corr = OnlineCorrection(1, OnlineSettings(prior=50))
+    # a memory (1 / (1 − λ) = 1,000 positions) long against the prior: the residual is learnt whole (with
+    # the default 100 the prior's 50 pseudo-positions keep a third of it at the pooled level)
+    corr = OnlineCorrection(1, OnlineSettings(decay=0.999, prior=50))
     for i in range(len(p)):
-        corr.update(corr.apply(p[i:i + 1], cell[i:i + 1]), acc[i:i + 1], cell[i:i + 1])
+        corr.update(p[i:i + 1], acc[i:i + 1], cell[i:i + 1])
     truth = {0: 1 / (1 + np.exp(-(np.log(1.5) - 1))), 1: 1 / (1 + np.exp(-(np.log(1.5) + 1)))}
     for c, t in truth.items():
         assert abs(corr.apply(np.array([[0.6]]), [c])[0, 0] - t) < 0.05
@@ -114,3 +116,47 @@ def test_a_cell_that_differs_learns_its_own_residual_under_the_pooled_level():
 def test_bad_settings_are_refused(kw):
     with pytest.raises(ValueError, match="online"):
         OnlineSettings(**kw)
+
+
+def _overconfident(rng, n, k=3, slope=0.4, shift=-0.3):
+    """SYNTHETIC rounds of ``k`` depths whose tables are too sure of themselves: each depth accepts at
+    σ(slope·logit p + shift) of the table's ``p``, and a round's depths go together (one logit per round,
+    as a long n-gram match makes every depth likely). Every depth's mean can be matched by an offset; the
+    spread only by a slope, and with depths that go together the expected length needs the spread."""
+    z = rng.uniform(-3, 3, size=(n, 1)) + rng.normal(0, 0.3, size=(n, k))
+    p = 1 / (1 + np.exp(-z))
+    acc = (rng.uniform(size=(n, k)) < 1 / (1 + np.exp(-(slope * z + shift)))).astype(np.float64)
+    return p, acc
+
+
+def test_a_table_too_sure_of_itself_is_flattened_by_the_slope():
+    rng = np.random.default_rng(4)
+    p, acc = _overconfident(rng, 6000)
+    actual = np.cumprod(acc == 1, axis=1).sum(axis=1)[2000:].mean()
+    errors = {}
+    for slope in (True, False):
+        settings = OnlineSettings(decay=0.999, prior=50, slope=slope)
+        out = replay_online(p, acc, np.zeros(len(p)), settings)
+        errors[slope] = abs(expected_accepted_length(out[2000:]).mean() - actual) / actual
+        corr = OnlineCorrection(3, settings)
+        for s in range(0, len(p), 10):  # the same stream, ten rounds an update
+            corr.update(p[s:s + 10], acc[s:s + 10], np.zeros(10))
+        st = corr.state()["pooled"]
+        if slope:
+            assert abs(st["slope"][0] - (0.4 - 1)) < 0.15  # β learns the table's spread: 1 + β ≈ 0.4
+        else:
+            assert "slope" not in st
+    assert errors[True] < 0.03 and errors[False] > 0.1  # an offset alone matches the means, not the length
+
+
+def test_table_of_reads_back_the_table_behind_what_was_served():
+    rng = np.random.default_rng(5)
+    p, acc = _overconfident(rng, 500)
+    cells = rng.integers(0, 3, size=len(p))
+    corr = OnlineCorrection(3, OnlineSettings())
+    corr.update(p, acc, cells)
+    assert corr.state()["pooled"]["slope"][0] != 0.0
+    q = np.where(rng.uniform(size=p.shape) < 0.1, np.nan, p)  # no token there: NaN stays NaN
+    served = corr.apply(q, cells)
+    assert not np.allclose(served, q, equal_nan=True)
+    np.testing.assert_allclose(corr.table_of(served, cells), q, rtol=1e-9, atol=1e-12)
