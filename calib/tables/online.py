@@ -116,7 +116,7 @@ class OnlineCorrection:
 
     def scale(self, width: int | None = None) -> np.ndarray:
         """``[width]``: the factor ``1 + β`` on the table's logit per depth (1 without the slope)."""
-        return np.maximum(1.0 + self._slope[0], MIN_SCALE)[self._cols(width)]
+        return (1.0 + self._slope[0])[self._cols(width)]
 
     @property
     def _learnt(self) -> bool:
@@ -191,7 +191,7 @@ class OnlineCorrection:
         h_aa, h_bb, h_ab = s[1, :K] + info0, b[1, :K] + info0, b[2, :K]
         det = h_aa * h_bb - h_ab * h_ab  # > 0: the information is positive semi-definite, the prior adds κ/4·I
         s[0, :K] += (h_bb * g - h_ab * g_b) / det
-        b[0, :K] += (h_aa * g_b - h_ab * g) / det
+        b[0, :K] = np.maximum(b[0, :K] + (h_aa * g_b - h_ab * g) / det, MIN_SCALE - 1.0)
 
     def state(self) -> dict:
         """JSON-able per cell (and ``"pooled"``, the shared level, with its ``"slope"`` β): logit offset,

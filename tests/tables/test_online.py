@@ -160,3 +160,17 @@ def test_table_of_reads_back_the_table_behind_what_was_served():
     served = corr.apply(q, cells)
     assert not np.allclose(served, q, equal_nan=True)
     np.testing.assert_allclose(corr.table_of(served, cells), q, rtol=1e-9, atol=1e-12)
+
+
+def test_the_slope_flattens_the_table_but_never_reverses_its_order():
+    from calib.tables.online import MIN_SCALE
+
+    rng = np.random.default_rng(6)
+    p = rng.uniform(0.05, 0.95, size=(4000, 1))
+    acc = (rng.uniform(size=p.shape) < 1 - p).astype(np.float64)  # SYNTHETIC: the workload accepts the opposite
+    corr = OnlineCorrection(1, OnlineSettings(prior=4))
+    for s in range(0, len(p), 20):
+        corr.update(p[s:s + 20], acc[s:s + 20], np.zeros(20))
+    assert corr.state()["pooled"]["slope"][0] == pytest.approx(MIN_SCALE - 1)  # the floor, not below it
+    grid = np.linspace(0.05, 0.95, 19)[:, None]
+    assert (np.diff(corr.apply(grid, np.zeros(19))[:, 0]) > 0).all()
