@@ -136,7 +136,7 @@ class OnlineCorrection:
         if not self.settings.enabled or q.size == 0 or not self._learnt:
             return q
         z = (_logit(q) - self.offset(cells, q.shape[1])) / self.scale(q.shape[1])
-        return np.where(_kept(q), q, 1.0 / (1.0 + np.exp(-z)))
+        return np.where(_kept(q), q, _sigmoid(z))
 
     def update(self, p, acc, cells) -> int:
         """One Newton step per level on the verified positions of rounds decided with table probabilities
@@ -148,7 +148,7 @@ class OnlineCorrection:
         p, acc = np.asarray(p, dtype=np.float64), np.asarray(acc, dtype=np.float64)
         K = min(p.shape[1], self.n_depths)
         p, acc = p[:, :K], acc[:, :K]
-        seen = verified_mask(acc)[:, :K] & ~_kept(p)
+        seen = verified_mask(acc) & ~_kept(p)
         cells = np.asarray(cells, dtype=np.int64).ravel()
         z = _logit(np.nan_to_num(p, nan=0.5))
         y = np.nan_to_num(acc)
@@ -172,7 +172,7 @@ class OnlineCorrection:
         while the evidence decays, so its pull towards 0 (``(1 − λ^n)·κ/4·δ``: the part of the balancing
         evidence that decayed) is part of the gradient; under the pooled level this moves what the cells
         share to the pooled offset instead of leaving it split between them."""
-        q = np.clip(1.0 / (1.0 + np.exp(-u)), EPS, 1 - EPS)
+        q = np.clip(_sigmoid(u), EPS, 1 - EPS)
         cnt = seen.sum(axis=0)
         r, w = np.where(seen, y - q, 0.0), np.where(seen, q * (1 - q), 0.0)
         g, h = r.sum(axis=0), w.sum(axis=0)
@@ -211,6 +211,10 @@ def _logit(p: np.ndarray) -> np.ndarray:
     return np.log(q) - np.log1p(-q)
 
 
+def _sigmoid(u: np.ndarray) -> np.ndarray:
+    return 1.0 / (1.0 + np.exp(-u))
+
+
 def _kept(p: np.ndarray) -> np.ndarray:
     """Where a probability is never corrected: NaN (no token), 0 or 1 (a certainty the table states)."""
     return np.isnan(p) | (p <= 0) | (p >= 1)
@@ -218,8 +222,7 @@ def _kept(p: np.ndarray) -> np.ndarray:
 
 def _corrected(p: np.ndarray, scale: np.ndarray, offset: np.ndarray) -> np.ndarray:
     """``σ(scale·logit p + offset)`` where ``p`` is a probability strictly inside (0, 1); NaN, 0 and 1 kept."""
-    out = 1.0 / (1.0 + np.exp(-(_logit(p) * scale + offset)))
-    return np.where(_kept(p), p, out)
+    return np.where(_kept(p), p, _sigmoid(_logit(p) * scale + offset))
 
 
 def replay_online(p, acc, cells, settings: OnlineSettings | None = None, batch: int = 1) -> np.ndarray:
@@ -282,12 +285,12 @@ class OnlineTables:
             ctx, edges = context_of(t, name)
             n_cells = int(np.prod([len(e) + 1 for e in edges])) if edges else 1
             prior = t.grid.detach().clone()  # [D, n_cells * width]
-            q = prior.double().clamp(EPS, 1 - EPS)
+            host = prior.double().cpu().numpy()
             self.chains[name] = {"table": t, "prior": prior, "context": ctx, "edges": edges, "n_cells": n_cells,
                                  "width": t.grid.shape[1] // n_cells,
                                  # [D, n_cells * width]; float32: torch's float64 sigmoid is ~10x slower on CPU
-                                 "logit": (torch.log(q) - torch.log1p(-q)).float(),
-                                 "keep": torch.isnan(prior) | (prior <= 0) | (prior >= 1),  # never shifted
+                                 "logit": torch.from_numpy(_logit(host)).float().to(prior.device),
+                                 "keep": torch.from_numpy(_kept(host)).to(prior.device),  # never corrected
                                  "correction": OnlineCorrection(t.grid.shape[0], settings)}
         self._dirty: set[tuple[str, int]] = set()
         self._whole: set[str] = set()  # chains whose pooled level moved: every cell is rewritten
@@ -324,10 +327,9 @@ class OnlineTables:
             D, n_cells = c["logit"].shape[0], c["n_cells"]
             delta = torch.from_numpy(c["correction"].offset(np.arange(n_cells), D).T.copy())  # [D, n_cells]
             self._write(c, 0, n_cells, delta, torch.from_numpy(c["correction"].scale(D)))
-        for name, cell in sorted(self._dirty):
+        for name, cell in sorted(self._dirty):  # cells kept apart (observe fills one set or the other)
             c = self.chains[name]
-            if name not in self._whole:
-                self._write(c, cell, cell + 1, torch.from_numpy(c["correction"].offset([cell], c["logit"].shape[0]).T))
+            self._write(c, cell, cell + 1, torch.from_numpy(c["correction"].offset([cell], c["logit"].shape[0]).T))
         self._dirty.clear()
         self._whole.clear()
 
