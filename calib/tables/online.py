@@ -2,8 +2,8 @@
 
 A static table cannot follow the workload: prompts that accept less than the training prompts make
 every prediction too high, whatever the drafter's confidence says. :class:`OnlineCorrection` keeps,
-per (chain, depth, context cell), an offset on the table's logit, fitted online as a logistic
-regression on the table's logit ``z = logit p`` by one Newton step per observed round. It has two levels
+per (chain, depth, context cell), a correction of the table's logit ``z = logit p``, fitted online as a
+logistic regression on ``z`` by one Newton step per observed round. It has two levels
 (partial pooling, as the tables' thin cells take the pooled fit): a **pooled** level per depth that
 every position of the chain teaches, an offset ``δ₀`` and a slope ``β`` on the table's logit (an online
 Platt scaling of the table), and a **cell** offset ``δ_c`` that learns what the pooled level leaves
