@@ -38,7 +38,6 @@ import functools
 import hashlib
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -49,28 +48,15 @@ from calib.cli import parser as plain_parser
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _arms() -> tuple[dict, list, tuple, tuple]:
-    """{arm: serve.py overrides}, the default arms, vLLM's arms (no calib; not speculating included) and
-    vLLM's speculating arms, from the servable policies of calib.policies: vLLM's first, then calib's
-    (registration order within each). Also fills :data:`REPLAYED` (what the replay predicts each arm as)."""
-    import calib.policies
+def _arms():
+    from calib.evaluate import clock
 
-    arms, default, vllm, vllm_spec = {}, [], [], []
-    for p in sorted(calib.policies.servable(), key=lambda p: p.serving.calib):
-        for arm in p.serving.arms:
-            arms[arm.name] = [f"policy={p.name}"] + ([f"speculative={arm.speculative}"] if arm.speculative else [])
-            # conf/speculative/<name>.yaml is named after its vLLM method (eagle, ngram)
-            REPLAYED[arm.name] = (p.name, p.family, arm.speculative if p.serving.speculate else None,
-                                  p.serving.dynamic)
-            default += [arm.name] if arm.default else []
-            vllm += [arm.name] if not p.serving.calib else []
-            vllm_spec += [arm.name] if not p.serving.calib and p.serving.speculate else []
-    return arms, default, tuple(vllm), tuple(vllm_spec)
+    info = clock.arms()
+    return ({a: list(i.overrides) for a, i in info.items()}, [a for a, i in info.items() if i.default],
+            clock.vllm_arms(), clock.vllm_spec_arms(), clock.calib_arms(), clock.oracle_arms())
 
 
-REPLAYED: dict[str, tuple] = {}  # arm -> (policy name, family, speculative method or None, Dynamic SD schedule)
-ARMS, DEFAULT_ARMS, VLLM_ARMS, VLLM_SPEC_ARMS = _arms()  # VLLM_ARMS: what vLLM offers, not speculating too
-CALIB_ARMS = tuple(a for a in ARMS if a not in VLLM_ARMS)
+ARMS, DEFAULT_ARMS, VLLM_ARMS, VLLM_SPEC_ARMS, CALIB_ARMS, ORACLE_ARMS = _arms()  # VLLM_ARMS: not speculating too
 SAMPLING = {"greedy": "greedy", "sampled": "sampled"}
 
 
@@ -101,6 +87,7 @@ def worker(spec_path: str) -> None:
     random.Random(spec["seed"]).shuffle(cells)
     by_category = {}
     results = []
+    reference: dict | None = {} if spec.get("reference") else None  # {prompt key: output token ids}
     for i, cell in enumerate(cells):
         cat = cell["category"]
         if cat not in by_category:
@@ -110,7 +97,8 @@ def worker(spec_path: str) -> None:
         sampling["max_tokens"] = cell["max_tokens"]
         if i == 0:  # warm-up: first-call costs (lazy tables, allocator, caches) off the clock
             serve_cell(llm, cfg, prompts[:2], {**sampling, "max_tokens": 8}, 2, cat, progress=False)
-        record, texts = serve_cell(llm, cfg, prompts, sampling, cell["concurrency"], cat, progress=False)
+        record, texts = serve_cell(llm, cfg, prompts, sampling, cell["concurrency"], cat, progress=False,
+                                   **({} if reference is None else {"tokens": reference}))
         # A calib arm that decided nothing is vLLM's own arm under another name: recorded, never counted.
         record["calib_off"] = calib_off(cfg["policy"], record)
         record.update(arm=spec["arm"], rep=spec["rep"], cell=cell, texts=texts)
@@ -118,18 +106,24 @@ def worker(spec_path: str) -> None:
         print(f"  {spec['arm']:<18} rep {spec['rep']} {cat:<9} {cell['sampling']:<7} c={cell['concurrency']:<3} "
               f"{record['tok_s']:7.1f} tok/s" + (f"  calib OFF: {record['calib_off']}" if record["calib_off"] else ""),
               flush=True)
+    if reference is not None:
+        from calib.serve.oracle import write_reference
+
+        write_reference(spec["reference"], reference, max_tokens=max(c["max_tokens"] for c in cells),
+                        dtype=str(cfg["engine"].get("dtype", "auto")))
     Path(spec["out"]).write_text(json.dumps(results))
 
 
-def run_arm(arm: str, rep: int, cells: list, args, extra: list[str], work: Path) -> list:
+def run_arm(arm: str, rep: int, cells: list, args, extra: list[str], work: Path, reference: str | None = None) -> list:
     """Serve every cell with ``arm`` in one process; its records, kept in ``work`` under a digest of what was
-    served (a finished (arm, rep) with the same digest is read back, not served again)."""
-    spec = {"arm": arm, "rep": rep, "seed": rep, "cells": cells,
+    served (a finished (arm, rep) with the same digest is read back, not served again). ``reference``: also
+    write the served outputs there as the clock oracle's reference (:mod:`calib.serve.oracle`)."""
+    spec = {"arm": arm, "rep": rep, "seed": rep, "cells": cells, "reference": reference,
             "overrides": [*ARMS[arm], f"tables={args.tables}", *args.set, *extra]}
     key = hashlib.sha256(json.dumps({**spec, "tables_sha": _tables_digest(args.tables), "code": _code_digest()},
                                     sort_keys=True).encode()).hexdigest()[:12]
     done = work / f"{arm}-{rep}-{key}.json"
-    if done.is_file():
+    if done.is_file() and (reference is None or Path(reference).is_file()):
         records = json.loads(done.read_text())
         print(f"  {arm:<18} rep {rep}: kept from an earlier run ({done})", flush=True)
         return records
@@ -188,92 +182,22 @@ def predictions(records: list, metrics: dict | None, cost_model: str) -> dict:
         key = (c["category"], c["sampling"], c["concurrency"], r["arm"])
         if key in out:
             continue
-        name, family, method, dynamic = REPLAYED[r["arm"]]
-        row = replay_row(name, family, int(r["num_speculative_tokens"]) or 1, dynamic, c["concurrency"])
+        from calib.evaluate.clock import arms
+
+        a = arms()[r["arm"]]
+        row = replay_row(a.policy, a.family, int(r["num_speculative_tokens"]) or 1, a.dynamic, c["concurrency"])
         out[key] = predicted_speedup(metrics, row=row,
-                                     method=method, temperature=float(r["temperature"]), category=c["category"],
+                                     method=a.method, temperature=float(r["temperature"]), category=c["category"],
                                      batch=c["concurrency"], cost_model=cost_model, kinds=kinds)
     return out
 
 
-def _decode_ratios(by_arm: dict[str, list]) -> dict:
-    """{arm: no speculation's median TPOT / the arm's} over the repetitions (records without TPOT: none)."""
-    tpot = {a: statistics.median(x["tpot_ms_median"] for x in rs) for a, rs in by_arm.items()
-            if rs and all(x.get("tpot_ms_median") is not None for x in rs)}
-    if not tpot.get("none"):
-        return {}
-    return {a: tpot["none"] / t for a, t in tpot.items() if t}
-
-
-def speedup_table(rows: list[dict], arms: list[str]) -> str:
-    """Measured tok/s over no speculation's per cell and arm (and its decode speed-up by TPOT where recorded),
-    beside the replay's prediction."""
-    head = "| category | sampling | c | " + " | ".join(a for a in arms if a != "none") + " |"
-    lines = [head, "|" + "---|" * (len(arms) + 2)]
-    for row in rows:
-        cells = []
-        for a in arms:
-            if a == "none":
-                continue
-            m, p = row["ratio_to_none"].get(a), row["predicted_vs_none"].get(a)
-            d = (row.get("decode_ratio_to_none") or {}).get(a)
-            cells.append(("–" if m is None else f"{m:.2f}×") + ("" if d is None else f" / {d:.2f}×")
-                         + ("" if p is None else f" ({p:.2f}×)"))
-        lines.append(f"| {row['category']} | {row['sampling']} | {row['concurrency']} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
 def table(records: list, arms: list[str], predicted: dict | None = None) -> tuple[list[dict], str]:
-    """Median tok/s per (cell, arm) over repetitions, and each arm's ratio to the best vLLM arm. A calib
-    arm's repetition served with calib off (``calib_off``, :func:`calib.vllm.serve_runner.calib_off`) is not
-    counted; a cell where every repetition was is shown as OFF."""
-    cells: dict[tuple, dict[str, list]] = {}
-    off: dict[tuple, dict[str, str]] = {}
-    for r in records:
-        c = r["cell"]
-        key = (c["category"], c["sampling"], c["concurrency"])
-        cells.setdefault(key, {})
-        if r.get("calib_off"):
-            off.setdefault(key, {})[r["arm"]] = r["calib_off"]
-            continue
-        cells[key].setdefault(r["arm"], []).append(r)
-    rows = []
-    for key in sorted(cells, key=lambda k: (k[0], k[1], k[2])):
-        med = {a: statistics.median(x["tok_s"] for x in rs) for a, rs in cells[key].items()}
-        vllm = {a: med[a] for a in VLLM_ARMS if a in med}
-        best = max(vllm, key=vllm.get) if vllm else None
-        spec = {a: med[a] for a in VLLM_SPEC_ARMS if a in med}
-        best_spec = max(spec, key=spec.get) if spec else None
-        row = {"category": key[0], "sampling": key[1], "concurrency": key[2], "tok_s": med,
-               "reps": {a: len(rs) for a, rs in cells[key].items()}, "best_vllm": best,
-               "calib_off": off.get(key, {}),
-               "ratio_to_best_vllm": {a: med[a] / vllm[best] for a in med} if best else {},
-               "best_vllm_speculative": best_spec,
-               "ratio_to_best_vllm_speculative": {a: med[a] / spec[best_spec] for a in med} if best_spec else {},
-               "calib_overhead_pct": {a: statistics.median(x["overhead_pct"] for x in rs)
-                                      for a, rs in cells[key].items() if rs[0].get("overhead_pct") is not None},
-               "ratio_to_none": {a: med[a] / med["none"] for a in med} if med.get("none") else {},
-               # decode speed over no speculation's, prefill excluded: median TPOT of none / of the arm
-               "decode_ratio_to_none": _decode_ratios(cells[key]),
-               "predicted_vs_none": {a: (predicted or {}).get((*key, a)) for a in med},
-               "tok_s_spread": {a: [min(x["tok_s"] for x in rs), max(x["tok_s"] for x in rs)]
-                                for a, rs in cells[key].items()}}
-        rows.append(row)
-    head = "| category | sampling | c | " + " | ".join(arms) + " | best vLLM arm |"
-    lines = [head, "|" + "---|" * (len(arms) + 4)]
-    for row in rows:
-        cellv = []
-        for a in arms:
-            if a not in row["tok_s"]:
-                cellv.append("OFF" if a in row["calib_off"] else "–")
-                continue
-            ratio = row["ratio_to_best_vllm"].get(a)
-            lo, hi = row["tok_s_spread"][a]
-            spread = f" [{lo:.1f}–{hi:.1f}]" if row["reps"][a] > 1 else ""  # min–max over the repetitions
-            cellv.append(f"{row['tok_s'][a]:.1f}{spread}" + (f" ({ratio:.2f}×)" if ratio is not None else ""))
-        lines.append(f"| {row['category']} | {row['sampling']} | {row['concurrency']} | " + " | ".join(cellv)
-                     + f" | {row['best_vllm']} |")
-    return rows, "\n".join(lines)
+    """The bench's rows (:func:`calib.evaluate.clock.rows`) and its tok/s table."""
+    from calib.evaluate import clock
+
+    rows = clock.rows(records, predicted)
+    return rows, clock.tok_s_table(rows, arms)
 
 
 def identity(records: list) -> dict:
@@ -317,52 +241,82 @@ def main(argv=None) -> None:
     ap.add_argument("--replay", default="runs/eval/default/metrics.json",
                     help="eval.py's metrics.json whose ladder predicts each cell (the replay's speed-up over none)")
     ap.add_argument("--cost-model", default="engine", help="the ladder's cost model the prediction reads")
-    ap.add_argument("--readme", help="regenerate this markdown file's serve-bench block (docs/serving.md)")
+    ap.add_argument("--readme", nargs="*", default=[],
+                    help="redraw these markdown files' marked blocks that cite --out (or --from-json) from it "
+                         "(calib.evaluate.clock: <!-- clock:KIND JSON --> ... <!-- /clock -->)")
+    ap.add_argument("--oracle", action=argparse.BooleanOptionalAction, default=True,
+                    help="serve the clock oracle's arms (greedy cells only) after a reference run of no speculation")
+    ap.add_argument("--tolerance", type=float, default=0.10,
+                    help="repetitions are added (up to --max-reps) while an arm's per-repetition ratio to the best "
+                         "vLLM arm spreads wider than this either side of its median in some cell")
+    ap.add_argument("--max-reps", type=int, default=None, help="the most repetitions (default: --reps, none added)")
     args = ap.parse_args(argv)
     if args.worker:
         return worker(args.worker)
     if args.from_json:
         done = json.loads(Path(args.from_json).read_text())
-        return report(done["runs"], done["arms"], done.get("identity_float32_greedy"),
-                      len({r["rep"] for r in done["runs"]}), args, done)
+        return report(done, args, source=args.from_json)
     if not (Path(args.tables) / "tables.json").is_file():
         sys.exit(f"--tables {args.tables}: no tables.json there; make tables with "
                  f"`python train.py out_dir={args.tables} logger=none`")
     args.tables = str(Path(args.tables).resolve())
+    from calib.evaluate import clock
+
+    cost_file = _cost_file(args)
     cells = cells_for(args)
+    greedy = [c for c in cells if c["sampling"] == "greedy"]
+    arms = list(args.arms)
+    if args.oracle and greedy:
+        arms += [a for a in ORACLE_ARMS if a not in arms]
     t_start = time.time()
     records = []
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    print(f"{len(args.arms)} arms x {args.reps} reps x {len(cells)} cells (each finished arm kept in {work})",
-          flush=True)
-    runs = [(arm, rep) for rep in range(args.reps)  # repetitions rotate the arms' order
-            for arm in args.arms[rep % len(args.arms):] + args.arms[: rep % len(args.arms)]]
-    served_s, served = 0.0, 0
-    for i, (arm, rep) in enumerate(runs):
-        eta = f", ETA {served_s / served * (len(runs) - i) / 60:.0f} min" if served else ""
-        print(f"[{i + 1}/{len(runs)}] {arm} rep {rep}{eta}", flush=True)
-        t0 = time.time()
-        records += run_arm(arm, rep, cells, args, [], work)
-        if time.time() - t0 > 5:  # an arm kept from an earlier run says nothing about the time left
-            served_s, served = served_s + time.time() - t0, served + 1
+    extra: dict[str, list[str]] = {}
+    if any(a in ORACLE_ARMS for a in arms):  # the oracle's reference: no speculation's outputs of every greedy cell
+        ref = str((work / f"reference-{_cells_digest(greedy, args)}.json").resolve())
+        widest = {}
+        for c in greedy:
+            w = widest.setdefault(c["category"], {**c, "concurrency": min(4, c["concurrency"]), "n_prompts": 0})
+            w["n_prompts"] = max(w["n_prompts"], c["n_prompts"])
+        print(f"[reference] no speculation's greedy outputs for the oracle -> {ref}", flush=True)
+        run_arm("none", -1, list(widest.values()), args, [], work, reference=ref)
+        extra = {a: [f"serve.oracle={ref}"] for a in ORACLE_ARMS}
+    max_reps = max(args.reps, args.max_reps or args.reps)
+    print(f"{len(arms)} arms x {args.reps} reps (up to {max_reps} while a ratio spreads more than "
+          f"±{args.tolerance:.0%}) x {len(cells)} cells (each finished arm kept in {work})", flush=True)
+    served_s, served, rep = 0.0, 0, 0
+    while rep < args.reps or (rep < max_reps and clock.unstable(clock.rows(records), args.tolerance)):
+        if rep >= args.reps:
+            print(f"rep {rep}: unstable cells {clock.unstable(clock.rows(records), args.tolerance)}", flush=True)
+        order = arms[rep % len(arms):] + arms[: rep % len(arms)]  # repetitions rotate the arms' order
+        for i, arm in enumerate(order):
+            left = len(order) - i + len(arms) * max(0, args.reps - rep - 1)
+            eta = f", ETA {served_s / served * left / 60:.0f} min" if served else ""
+            print(f"[rep {rep + 1}/{args.reps}, arm {i + 1}/{len(order)}] {arm}{eta}", flush=True)
+            t0 = time.time()
+            records += run_arm(arm, rep, greedy if arm in ORACLE_ARMS else cells, args, extra.get(arm, []), work)
+            if time.time() - t0 > 5:  # an arm kept from an earlier run says nothing about the time left
+                served_s, served = served_s + time.time() - t0, served + 1
+        rep += 1
     ident = None
     if args.identity:
         icells = [{"category": cat, "sampling": "greedy", "concurrency": 4, "max_tokens": args.max_tokens,
                    "n_prompts": args.identity_prompts} for cat in args.categories]
         id_records = []
-        for arm in ["none", *[a for a in args.arms if a != "none"]]:
+        for arm in ["none", *[a for a in arms if a != "none" and a not in ORACLE_ARMS]]:
             id_records += run_arm(arm, 99, icells, args, ["engine.dtype=float32"], work)
         ident = identity(id_records)
     metrics = _metrics(args.replay)
-    rows, _ = table(records, args.arms, predictions(records, metrics, args.cost_model))
+    rows, _ = table(records, arms, predictions(records, metrics, args.cost_model))
     for r in records:
         r.pop("texts", None)
     from calib.cost.step import this_machine
 
     result = {"command": " ".join(["python bench/serve.py", *(argv or sys.argv[1:])]), "wall_s": time.time() - t_start,
               "date": time.strftime("%Y-%m-%d"), "cpu": this_machine(), "replay": args.replay if metrics else None,
-              "cost_model": args.cost_model, "arms": args.arms, "table": rows, "identity_float32_greedy": ident,
+              "cost_model": args.cost_model, "arms": arms, "table": rows, "identity_float32_greedy": ident,
+              "tolerance": args.tolerance, "unstable": clock.unstable(rows, args.tolerance), "cost_file": cost_file,
               "tables": args.tables, "tables_sha256": _tables_digest(args.tables),  # eval's report matches on it
               "runs": records}
     from calib.atomic import write_text_atomic
@@ -370,8 +324,36 @@ def main(argv=None) -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(out, json.dumps(result, indent=1))
-    report(records, args.arms, ident, args.reps, args, result)
+    report(result, args, source=args.out)
     print(f"\nwrote {out} ({result['wall_s'] / 60:.1f} min)")
+
+
+def _cost_file(args) -> dict:
+    """The step cost calib's arms price with (``serve.cost``), where and in which dtype it was measured; a
+    warning when that is not this machine or the bench's dtype (its prices, and the replay's, may be far off)."""
+    from calib.cost.serving import step_cost_path
+    from calib.cost.step import load_step_cost, this_machine
+
+    text = next((s.split("=", 1)[1] for s in args.set if s.startswith("serve.cost=")), None)
+    text = text or compose([])["serve"]["cost"]
+    path = step_cost_path(str(text))
+    if path is None:
+        return {"path": str(text), "kind": "verify-only"}
+    src = load_step_cost(path if Path(path).is_absolute() else ROOT / path).source
+    dtype = next((s.split("=", 1)[1] for s in args.set if s.startswith("engine.dtype=")), "auto")
+    out = {"path": str(path), "cpu": src.get("cpu"), "dtype": src.get("dtype")}
+    differ = [f"CPU {src.get('cpu')!r} (this machine: {this_machine()!r})" if src.get("cpu") != this_machine() else "",
+              f"dtype {src.get('dtype')!r} (this bench: {dtype!r})" if str(src.get("dtype")) != dtype else ""]
+    if any(differ):
+        out["warning"] = (f"serve.cost {path} was measured on another " + " and ".join(d for d in differ if d)
+                          + ": calib prices steps, and the replay predicts, another machine's clock; "
+                          "`python bench/prepare_replay.py` profiles this one")
+        print(f"WARNING: {out['warning']}", flush=True)
+    return out
+
+
+def _cells_digest(cells: list, args) -> str:
+    return hashlib.sha256(json.dumps([cells, args.set, _code_digest()], sort_keys=True).encode()).hexdigest()[:12]
 
 
 def _metrics(path: str | None) -> dict | None:
@@ -381,57 +363,40 @@ def _metrics(path: str | None) -> dict | None:
     return json.loads(Path(path).read_text())
 
 
-def report(records: list, arms: list[str], ident: dict | None, reps: int, args=None, result=None) -> None:
-    """The answer first (calib's ratios to vLLM), then the table and the identity check; with
-    ``args.readme``, the same as the file's marked block."""
-    metrics = _metrics(args.replay) if args is not None else None
-    rows, text = table(records, arms, predictions(records, metrics, args.cost_model if args else "engine"))
-    for arm in reversed(CALIB_ARMS):
-        r = [row["ratio_to_best_vllm"].get(arm) for row in rows if arm in row["tok_s"]]
-        s = [row["ratio_to_best_vllm_speculative"].get(arm) for row in rows if arm in row["tok_s"]]
-        if r:
-            print(f"{arm}: {min(r):.2f}-{max(r):.2f}x the best vLLM arm (no speculation included), "
-                  f"{min(s):.2f}-{max(s):.2f}x the best vLLM speculation arm, over {len(r)} cells")
-        off = [f"{row['category']}/{row['sampling']}/c{row['concurrency']}" for row in rows
-               if arm in row["calib_off"] and arm not in row["tok_s"]]
-        if off:
-            print(f"{arm}: calib was OFF in {len(off)} cells, not counted ({', '.join(off)}): "
-                  f"{next(row['calib_off'][arm] for row in rows if arm in row['calib_off'])}")
-    print(f"\nOutput tokens/s, median of {reps} [min–max] (ratio to the best vLLM arm of the cell, no speculation "
-          "included):")
-    print(text)
-    ratios = speedup_table(rows, arms)
+def report(result: dict, args=None, source: str | None = None) -> None:
+    """The answer first (each calib arm against the best vLLM arm, headroom captured), then the tables; with
+    ``args.readme``, the marked blocks of those files that cite ``source`` are redrawn from it."""
+    from calib.evaluate import clock
+
+    rows, arms = result["table"], result["arms"]
+    print("\n".join(clock.answer_lines(rows)))
+    print("\nOutput tokens/s, median [min–max] over the repetitions (ratio to the best vLLM arm of the cell, no "
+          "speculation included, median of the per-repetition ratios):")
+    print(clock.tok_s_table(rows, arms))
     print("\nSpeed-up over no speculation, measured on the clock: output tok/s (prefill included) / decode by "
-          f"TPOT where recorded (in brackets the replay's prediction, {args.cost_model if args else 'engine'} cost "
-          "model):")
-    print(ratios)
+          f"TPOT where recorded (in brackets the replay's prediction, {result.get('cost_model')} cost model, and its "
+          "error):")
+    print(clock.speedup_table(rows, arms))
+    head = clock.headroom_table(rows)
+    if head:
+        print("\nHeadroom captured, per greedy cell ((calib - best vLLM) / (oracle - best vLLM)):")
+        print(head)
+    if result.get("unstable"):
+        print(f"\nStill spread wider than ±{result.get('tolerance', 0):.0%}: {', '.join(result['unstable'])}")
+    ident = result.get("identity_float32_greedy")
     if ident:
         print("\nfloat32 greedy outputs identical to no speculation:")
         for arm, o in ident.items():
             print(f"  {arm:<18} {o['identical']}/{o['prompts']}" + (f"  differ: {o['differ']}" if o["differ"] else ""))
-    if args is not None and args.readme and result is not None:
-        write_block(Path(args.readme), readme_block(result, text, ratios, reps, ident))
-        print(f"wrote the serve-bench block of {args.readme}")
+    for doc in (args.readme if args is not None else []):
+        rel = os.path.relpath(Path(source).resolve(), ROOT) if source else None
+        n = clock.redraw(Path(doc), ROOT, only=rel)
+        print(f"redrew {n} marked block(s) of {doc} citing {rel}")
 
 
-BEGIN, END = "<!-- serve-bench:begin -->", "<!-- serve-bench:end -->"
-
-
-def readme_block(result: dict, text: str, ratios: str, reps: int, ident: dict | None) -> str:
-    same = (", ".join(f"{a} {o['identical']}/{o['prompts']}" for a, o in ident.items()) if ident else "not run")
-    return (f"Measured on the clock by `{result['command']}` on {result.get('date', '?')} ({result.get('cpu', '?')}, "
-            f"{result['wall_s'] / 60:.0f} min, all arms in one run, output tokens/s, median of {reps}, then "
-            "the range over them in square brackets; in round brackets the ratio to the best vLLM arm of the cell, "
-            "no speculation included):\n\n" + text +
-            "\n\nSpeed-up over no speculation, measured: output tok/s (prefill included) / decode speed by TPOT "
-            "where recorded (in brackets the replay's prediction for the same cell, "
-            f"`python eval.py` ladder, {result.get('cost_model')} cost model; a prediction, not a clock):\n\n"
-            + ratios + f"\n\nfloat32 greedy outputs identical to no speculation (concurrency 4): {same}.")
-
-
-def write_block(path: Path, text: str, begin: str = BEGIN, end: str = END) -> None:
-    """Replace the block of ``path`` between the markers ``begin`` and ``end`` with ``text`` (written to
-    a temp name, then renamed)."""
+def write_block(path: Path, text: str, begin: str, end: str) -> None:
+    """Replace the block of ``path`` between the markers ``begin`` and ``end`` with ``text`` (written to a temp
+    name, then renamed); bench/profile_step.py's docs block."""
     from calib.atomic import write_text_atomic
 
     doc = path.read_text()

@@ -121,10 +121,17 @@ def make_curve(name: str, cfg: dict, t_max: int, root: str | Path = ".") -> Cost
 
         return MoECurve(name, MoECost(cfg, root), t_max, cfg.get("unit", "s"))
     if kind == "engine":
-        from calib.cost.step import EngineStepCurve, load_step_cost
+        import logging
+
+        from calib.cost.step import EngineStepCurve, load_step_cost, other_machine
 
         path = Path(cfg["path"])
-        return EngineStepCurve(name, load_step_cost(path if path.is_absolute() else Path(root) / path), t_max)
+        cost = load_step_cost(path if path.is_absolute() else Path(root) / path)
+        elsewhere = other_machine(cost)
+        if elsewhere:  # a replay priced by another machine's clock predicts that machine's speed-ups
+            logging.getLogger("calib.cost").warning("cost curve %r (%s): %s; `python bench/prepare_replay.py` "
+                                                    "profiles this one", name, path, elsewhere)
+        return EngineStepCurve(name, cost, t_max)
     t = np.arange(t_max + 1, dtype=np.float64)
     if kind == "parametric":
         values = float(cfg["weight_read"]) + float(cfg["per_position"]) * t

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import statistics
 from pathlib import Path
 
 from calib.atomic import write_text_atomic
@@ -208,11 +210,13 @@ def answer_rows(ladder) -> list[dict]:
     Best = highest mean over batch sizes of ``vs_best_fixed`` on category ``all`` (ties: the first in
     display order). Per row: ``calib_policy``/``peer_policy``, their ``*_vs_best_fixed_mean``; the calib
     policy's lowest ``vs_best_fixed`` over every (category, B) (``calib_vs_best_fixed_min`` at
-    ``calib_min_category``/``calib_min_batch_size``); ``ratio_mean`` = mean over B of goodput calib / peer
-    on ``all``; ``ratio_min`` = the lowest goodput ratio over every (category, B) both have (at
-    ``ratio_min_category``/``ratio_min_batch_size``); ``oracle_vs_peer_mean`` = mean over B of oracle /
-    peer goodput on ``all`` (the headroom left); ``calib_beats_peer`` = ``ratio_mean > 1``. A camp with
-    no rows in the pair leaves its fields None."""
+    ``calib_min_category``/``calib_min_batch_size``); ``cells`` (:func:`answer_cells`): per (category, B),
+    calib's best row there against the best peer row there; ``ratio_mean`` = mean over B of those cells'
+    ratios on ``all``; ``ratio_min`` = the lowest over every cell (at ``ratio_min_category``/
+    ``ratio_min_batch_size``); ``oracle_vs_peer_mean`` = mean over B of oracle / best peer on ``all`` (the
+    headroom left); ``calib_beats_peer`` = ``ratio_mean > 1``. A camp with no rows in the pair leaves its
+    fields None. Peers are the arms a vLLM user could deploy (:data:`calib.policies.CAMP_DEFAULTS`): on a
+    model-drafter bank, vLLM's fixed K of the n-gram chain its rounds carry (``second_fixed_<K>``) too."""
     pairs: dict[tuple, list] = {}
     for r in ladder:
         pairs.setdefault((r["bank"], r["cost_model"]), []).append(r)
@@ -221,7 +225,6 @@ def answer_rows(ladder) -> list[dict]:
 
 def _answer_pair(bank: str, cm: str, rows: list[dict]) -> dict:
     """:func:`answer_rows`' row for one (bank, cost curve)'s ladder rows."""
-    gp = {(r["category"], r["batch_size"], r["policy"]): r["goodput"] for r in rows}
     vbf = {(r["category"], r["batch_size"], r["policy"]): r["vs_best_fixed"] for r in rows}
     names = row_order(rows)
     camp = {n: camp_of(policy_of_row(n)) for n in names}
@@ -235,32 +238,56 @@ def _answer_pair(bank: str, cm: str, rows: list[dict]) -> dict:
         return max(cands, key=lambda t: t[1])[0] if cands else None  # max keeps the first of equals
 
     cal, peer = best("calib"), best("peer")
+    cells = answer_cells(rows, camp)
     row = {"bank": bank, "cost_model": cm, "unit": rows[0].get("unit"), "batch_sizes": bs,
            "calib_policy": cal, "calib_vs_best_fixed_mean": mean_all(cal) if cal else None,
            "calib_vs_best_fixed_min": None, "calib_min_category": None, "calib_min_batch_size": None,
            "peer_policy": peer, "peer_vs_best_fixed_mean": mean_all(peer) if peer else None,
            "ratio_mean": None, "ratio_min": None, "ratio_min_category": None, "ratio_min_batch_size": None,
+           "ratio_min_calib": None, "ratio_min_peer": None,
            "oracle_vs_peer_mean": None, "calib_beats_peer": None,
            "calib_camp": [n for n in names if camp[n] == "calib"],
-           "peer_camp": [n for n in names if camp[n] == "peer"]}
+           "peer_camp": [n for n in names if camp[n] == "peer"], "cells": cells}
     if cal:
         worst = [(v, c, b) for (c, b, n), v in vbf.items() if n == cal and _finite(v)]
         if worst:
             v, c, b = min(worst, key=lambda t: t[0])
             row.update(calib_vs_best_fixed_min=v, calib_min_category=c, calib_min_batch_size=b)
-    if cal and peer:
-        ratio = {(c, b): g / gp[(c, b, peer)] for (c, b, n), g in gp.items()
-                 if n == cal and _finite(gp.get((c, b, peer))) and gp[(c, b, peer)] > 0 and _finite(g)}
+    # per cell, calib's best there against the best peer there (not the pair's average winners)
+    ratio = {(c["category"], c["batch_size"]): c["ratio"] for c in cells if c["ratio"] is not None}
+    if ratio:
         row["ratio_mean"] = _mean([ratio[("all", b)] for b in bs if ("all", b) in ratio])
-        if ratio:
-            (c, b), v = min(ratio.items(), key=lambda t: t[1])
-            row.update(ratio_min=v, ratio_min_category=c, ratio_min_batch_size=b)
+        worst = min((c for c in cells if c["ratio"] is not None), key=lambda c: c["ratio"])
+        row.update(ratio_min=worst["ratio"], ratio_min_category=worst["category"],
+                   ratio_min_batch_size=worst["batch_size"], ratio_min_calib=worst["calib"],
+                   ratio_min_peer=worst["peer"])
         row["calib_beats_peer"] = None if row["ratio_mean"] is None else bool(row["ratio_mean"] > 1)
-    if peer:
-        row["oracle_vs_peer_mean"] = _mean([gp[("all", b, "oracle")] / gp[("all", b, peer)] for b in bs
-                                            if _finite(gp.get(("all", b, "oracle")))
-                                            and _finite(gp.get(("all", b, peer))) and gp[("all", b, peer)] > 0])
+    row["oracle_vs_peer_mean"] = _mean([c["oracle_vs_peer"] for c in cells
+                                        if c["category"] == "all" and c["oracle_vs_peer"] is not None])
     return row
+
+
+def answer_cells(rows: list[dict], camp: dict[str, str]) -> list[dict]:
+    """Per (category, B) of one (bank, cost curve)'s ladder rows: the best ``calib`` row there against the best
+    ``peer`` row there (goodput), the oracle's ratio to that peer, and the headroom captured
+    ``(calib − peer) / (oracle − peer)`` (None where the oracle is not above the peer)."""
+    by_cell: dict[tuple, dict[str, float]] = {}
+    for r in rows:
+        if _finite(r["goodput"]):
+            by_cell.setdefault((r["category"], r["batch_size"]), {})[r["policy"]] = r["goodput"]
+    out = []
+    for (c, b), gp in by_cell.items():
+        best = {k: max(((n, g) for n, g in gp.items() if camp.get(n) == k), key=lambda t: t[1], default=None)
+                for k in ("calib", "peer")}
+        cal, peer, orc = best["calib"], best["peer"], gp.get("oracle")
+        ok = peer is not None and peer[1] > 0
+        out.append({"category": c, "batch_size": b, "calib": cal and cal[0], "peer": peer and peer[0],
+                    "ratio": cal[1] / peer[1] if (cal and ok) else None,
+                    "oracle_vs_peer": orc / peer[1] if (orc is not None and ok) else None,
+                    "headroom_captured": ((cal[1] - peer[1]) / (orc - peer[1])
+                                          if (cal and ok and orc is not None and orc - peer[1] > 1e-12 * peer[1])
+                                          else None)})
+    return out
 
 
 def answer_verdict(answer) -> str:
@@ -275,7 +302,7 @@ def answer_verdict(answer) -> str:
          f"{len(scored)} (bank, cost) pairs** (mean over B of the goodput ratio on category `all`); it is at "
          f"least the peer in every (category, B) in {everywhere} of them")
     if w is not None:
-        s += (f"; worst setting: calib / peer = {w['ratio_min']:.3f} (`{w['calib_policy']}` vs `{w['peer_policy']}`, "
+        s += (f"; worst setting: calib / peer = {w['ratio_min']:.3f} (`{w['ratio_min_calib']}` vs `{w['ratio_min_peer']}`, "
               f"`{w['bank']}`, cost `{w['cost_model']}`, {w['ratio_min_category']}, B={w['ratio_min_batch_size']})")
     missing = [a for a in answer if a["calib_beats_peer"] is None]
     if missing:
@@ -302,36 +329,97 @@ def newest_serving_bench(where) -> Path | None:
     return max(found)[2] if found else None
 
 
-def clock_lines(bench: Path | None, tables_sha256: str | None) -> list[str]:
-    """The measured answer beside the replayed one: the serving bench's tokens/s of each calib arm over the
-    best vLLM arm (no speculation included) from its JSON, said to be for these tables only when the JSON
-    records their tables.json digest; otherwise it says which tables it measured, or that none did."""
+def clock_summary(bench: Path | None, tables_sha256: str | None) -> dict | None:
+    """The serving bench's answer (a clock) from its JSON: per cell, calib's best arm over the best vLLM arm (no
+    speculation included), the headroom captured where the bench ran an oracle arm, and the replay's prediction
+    error; min / median / max over the cells; and whose tables it served (these only when it records their
+    tables.json digest). None without a bench."""
     if bench is None:
-        return ["**On a clock:** no serving bench found (`python bench/serve.py --tables DIR` measures one).", ""]
+        return None
     d = json.loads(Path(bench).read_text())
     calib_arms = [a for a in d.get("arms", []) if a.startswith("calib")]
-    ratios = {a: [r["ratio_to_best_vllm"][a] for r in d["table"] if a in r.get("ratio_to_best_vllm", {})]
-              for a in calib_arms}
-    parts = [f"`{a}` {min(v):.2f}–{max(v):.2f}×" for a, v in ratios.items() if v]
-    ident = d.get("identity_float32_greedy") or {}
-    same = all(v.get("identical") == v.get("prompts") for v in ident.values()) if ident else None
+    best, head, errs = [], [], []
+    for r in d["table"]:
+        mine = [r["ratio_to_best_vllm"][a] for a in calib_arms if a in r.get("ratio_to_best_vllm", {})]
+        if mine:
+            best.append(max(mine))
+        h = [v for a, v in (r.get("headroom_captured") or {}).items() if a in calib_arms and v is not None]
+        if h:
+            head.append(max(h))
+        errs += [abs(v) for v in (r.get("prediction_error") or {}).values() if v is not None]
     recorded = d.get("tables_sha256")
-    if recorded and tables_sha256 and recorded == tables_sha256:
-        whose = "these tables"
-    elif recorded:
-        whose = f"**other tables** (tables.json sha256 {recorded[:12]}…, not these)"
+    whose = ("these" if recorded and tables_sha256 and recorded == tables_sha256
+             else "other" if recorded else "unrecorded")
+
+    def spread(v):
+        return None if not v else {"min": min(v), "median": statistics.median(v), "max": max(v), "cells": len(v)}
+
+    ident = d.get("identity_float32_greedy") or {}
+    return {"bench": str(bench), "command": d.get("command", "python bench/serve.py"), "date": d.get("date"),
+            "cpu": d.get("cpu"), "cells": len(d["table"]), "tables": whose, "tables_sha256": recorded,
+            "calib_arms": calib_arms, "calib_best_vs_best_vllm": spread(best), "headroom_captured": spread(head),
+            "prediction_abs_error": spread(errs),
+            "per_arm": {a: [r["ratio_to_best_vllm"][a] for r in d["table"] if a in r.get("ratio_to_best_vllm", {})]
+                        for a in calib_arms},
+            "identical": (all(v.get("identical") == v.get("prompts") for v in ident.values()) if ident else None)}
+
+
+def clock_lines(clock: dict | None, out: Path | None = None) -> list[str]:
+    """The report's answer, measured (:func:`clock_summary`): calib's best arm over the best vLLM arm per cell,
+    the headroom captured and the replay's error, linked relative to the report's folder ``out``."""
+    if clock is None:
+        return [("**On a clock — the answer:** no serving bench found (`python bench/serve.py --tables DIR` "
+                 "measures one)."), ""]
+    bench = Path(clock["bench"])
+    link = os.path.relpath(bench, out) if out is not None else bench.name
+    whose = {"these": "these tables",
+             "other": f"**other tables** (tables.json sha256 {str(clock['tables_sha256'])[:12]}…, not these)",
+             "unrecorded": "tables it does not record (an older bench: **not necessarily these tables**)"}[clock["tables"]]
+    b, h, e = clock["calib_best_vs_best_vllm"], clock["headroom_captured"], clock["prediction_abs_error"]
+    s = (f"**On a clock — the answer** (`{clock['command']}`, {clock.get('date') or '?'}, {clock.get('cpu') or '?'}; "
+         f"[{bench.name}]({link}); it served {whose}): ")
+    s += (f"calib's best arm is **{b['min']:.2f}–{b['max']:.2f}× the best vLLM arm** (no speculation included; "
+          f"median {b['median']:.2f}× over {b['cells']} cells)" if b else "no cell with a calib arm")
+    if h:
+        s += (f"; headroom captured (calib − best vLLM) / (clock oracle − best vLLM) {h['min']:.0%}–{h['max']:.0%} "
+              f"(median {h['median']:.0%}, {h['cells']} greedy cells)")
     else:
-        whose = "tables it does not record (an older bench: **not necessarily these tables**)"
-    return [f"**On a clock — measured** (`{d.get('command', 'python bench/serve.py')}`, {d.get('date', '?')}, "
-            f"{d.get('cpu', '?')}; [{Path(bench).name}]({bench}); it served {whose}): tokens/s over the best vLLM arm "
-            f"(no speculation included) per cell, min–max over {len(d['table'])} cells: " + ", ".join(parts)
-            + (f"; float32 greedy outputs identical to no speculation: {'yes' if same else 'no'}" if same is not None
-               else "") + ".", ""]
+        s += "; headroom captured: not measured (the bench ran no oracle arm)"
+    per_arm = ", ".join(f"`{a}` {min(v):.2f}–{max(v):.2f}×" for a, v in clock["per_arm"].items() if v)
+    if per_arm:
+        s += f"; per arm: {per_arm}"
+    if clock.get("identical") is not None:
+        s += f"; float32 greedy outputs identical to no speculation: {'yes' if clock['identical'] else 'no'}"
+    lines = [s + ".", ""]
+    if e:
+        lines += [(f"The replay below is a prediction: its speed-up over no speculation missed the clock's decode "
+                   f"speed-up by {e['median']:.0%} (median) to {e['max']:.0%} (worst) over {e['cells']} (cell, arm) "
+                   "pairs of that bench."), ""]
+    return lines
+
+
+def cell_lines(answer) -> list[str]:
+    """Per cell (bank, category, B) of the engine's step cost (else the first cost curve): calib's best row
+    there, the best peer there, their ratio, the oracle's and the headroom captured, in a folded block."""
+    cms = [a["cost_model"] for a in answer]
+    cm = "engine" if "engine" in cms else (cms[0] if cms else None)
+    rows = [{"bank": f"`{a['bank']}`", "category": c["category"], "B": c["batch_size"],
+             "calib": c["calib"] and f"`{c['calib']}`", "peer": c["peer"] and f"`{c['peer']}`",
+             "ratio": c["ratio"], "oracle": c["oracle_vs_peer"], "headroom": c["headroom_captured"]}
+            for a in answer if a["cost_model"] == cm for c in a.get("cells", []) if c["category"] != "all"]
+    if not rows:
+        return []
+    return ["<details><summary>Per cell (replayed, cost <code>" + str(cm) + "</code>): calib's best against the "
+            "best peer of the same cell, the oracle, the headroom captured</summary>", "",
+            table(rows, ["bank", "category", "B", "calib", "peer", "ratio", "oracle", "headroom"],
+                  ["bank", "category", "B", "best calib", "best peer", "calib / peer", "oracle / peer",
+                   "headroom captured"]), "", "</details>", ""]
 
 
 def answer_lines(answer, picture: str | None = None, clock: list[str] | None = None) -> list[str]:
-    """The report's first section: the verdict, the table, what the columns mean, the figure."""
-    L = ["## Answer", "", answer_verdict(answer), "", *(clock or [])]
+    """The report's first section: the clock first (the answer), then the replay's verdict (a prediction),
+    its table, per-cell figures, what the columns mean, the figure."""
+    L = ["## Answer", "", *(clock or []), answer_verdict(answer), ""]
     rows = [{**a, "calib_worst": (f"{_f(a['calib_vs_best_fixed_min'])} ({a['calib_min_category']}, "
                                   f"B={a['calib_min_batch_size']})" if a["calib_vs_best_fixed_min"] is not None else None),
              "ratio_min_at": (f"{a['ratio_min_category']}, B={a['ratio_min_batch_size']}"
@@ -339,21 +427,24 @@ def answer_lines(answer, picture: str | None = None, clock: list[str] | None = N
              "calib_policy": f"`{a['calib_policy']}`" if a["calib_policy"] else None,
              "peer_policy": f"`{a['peer_policy']}`" if a["peer_policy"] else None} for a in answer]
     L.append(table(rows, ANSWER_COLS, ANSWER_HEADERS))
+    L += ["", *cell_lines(answer)]
     camps = {}
     for a in answer:
         for c in ("calib", "peer"):
             camps.setdefault(c, [])
             camps[c] += [n for n in a[f"{c}_camp"] if n not in camps[c]]
-    L += ["", ("Best = highest goodput / best_fixed on category `all`, averaged over the batch sizes B; the "
-               "ratios are goodput ratios per (category, B) setting of the replay below: mean over B on `all`, "
-               "min over every (category, B). `calib worst` = the calib policy's lowest goodput / best_fixed "
-               "over every (category, B). oracle / peer = the headroom left above the best peer. Camps come from "
-               "the policy registry (`Policy.camp`): calib = "
-               + (", ".join(f"`{n}`" for n in camps.get("calib", [])) or "none")
-               + "; peer (what a user could run instead) = "
-               + (", ".join(f"`{n}`" for n in camps.get("peer", [])) or "none")
-               + ". `best_fixed` picks its γ in hindsight per setting, so it is an upper bound on any fixed γ a "
-                 "user would deploy."), ""]
+    L += [("Best calib / best peer = highest goodput / best_fixed on category `all`, averaged over the batch "
+           "sizes B; the ratios compare, per (category, B) cell of the replay below, calib's best row there with "
+           "the best peer row there: mean over B on `all`, min over every cell. `calib worst` = the best calib "
+           "policy's lowest goodput / best_fixed over every cell. oracle / peer = the headroom left above the best "
+           "peer. Camps come from the policy registry (`Policy.camp`): calib (what calib serves) = "
+           + (", ".join(f"`{n}`" for n in camps.get("calib", [])) or "none")
+           + "; peer (the arms a vLLM user could deploy instead: no speculation, vLLM's fixed K of every drafter "
+             "the bank records — `second_fixed_*` is vLLM's n-gram arm on a model-drafter bank — Dynamic SD, V2 "
+             "adaptive verification) = "
+           + (", ".join(f"`{n}`" for n in camps.get("peer", [])) or "none")
+           + ". `best_fixed` (γ in hindsight per setting) and the replay-only allocators are references, not "
+             "in the answer."), ""]
     if picture:
         L += [f"![answer]({picture})", ""]
     return L

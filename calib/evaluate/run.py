@@ -30,6 +30,7 @@ from calib.evaluate.report import (
     answer_lines,
     answer_rows,
     clock_lines,
+    clock_summary,
     ladder_notes,
     ladder_policy_rows,
     length_headline,
@@ -111,7 +112,9 @@ def _evaluate(cfg: DictConfig, out: Path) -> dict:
     online = _online(cfg, banks, tables, out)
     bench = newest_serving_bench(_path(root, cfg.serving_bench) if cfg.get("serving_bench") else None)
     tables_json = _path(root, cfg.tables) / META
-    clock = clock_lines(bench, hashlib.sha256(tables_json.read_bytes()).hexdigest() if tables_json.is_file() else None)
+    clock_answer = clock_summary(bench, hashlib.sha256(tables_json.read_bytes()).hexdigest()
+                                 if tables_json.is_file() else None)
+    clock = clock_lines(clock_answer, out)
     metrics = {"calibration": cal, "accept_length": length, "ladder": ladder, "notes": notes, "online": online,
                "length_slices": slices, "calibration_pooled": pooled, "ece_ci_method": ECE_CI_DESCRIPTION,
                "config": OmegaConf.to_container(cfg, resolve=True),
@@ -120,7 +123,7 @@ def _evaluate(cfg: DictConfig, out: Path) -> dict:
                                                                         "ngram_features", "banks")}},
                "banks": [{"name": b.name, "path": str(b.path), "evaluated": b.scope, "seen_in_training": b.seen,
                           "notes": b.notes} for b in banks],
-               "runtime_s": {"total": elapsed, "replay": replay_s}, "answer": answer}
+               "runtime_s": {"total": elapsed, "replay": replay_s}, "clock": clock_answer, "answer": answer}
     write_metrics(out / "metrics.json", metrics)
     write_text_atomic(out / "report.md", render_report(banks, cal, length, ladder, notes, curves, rcfg, pics, out,
                                                   tables, elapsed, slices=slices, pooled=pooled, answer=answer,
@@ -212,14 +215,20 @@ def _scalars(metrics: dict) -> dict:
     temperatures), the worst accepted-length slice error, the online correction's mean length error. Every
     row behind them is logged as a table."""
     out: dict[str, float] = {}
+    clock = metrics.get("clock") or {}  # the answer, measured: first in the summary
+    for key, name in (("calib_best_vs_best_vllm", "clock/calib_vs_best_vllm"), ("headroom_captured",
+                                                                                 "clock/headroom_captured"),
+                      ("prediction_abs_error", "clock/replay_abs_error")):
+        if clock.get(key):
+            out.update({f"{name}_{s}": float(clock[key][s]) for s in ("min", "median", "max")})
     scored = [a for a in metrics["answer"] if a.get("ratio_mean") is not None]
-    if scored:
-        out["answer/pairs"] = len(scored)
-        out["answer/pairs_calib_beats_peer"] = sum(bool(a["calib_beats_peer"]) for a in scored)
-        out["answer/calib_vs_peer_mean"] = float(np.mean([a["ratio_mean"] for a in scored]))
+    if scored:  # the replay's answer: a prediction
+        out["replay_answer/pairs"] = len(scored)
+        out["replay_answer/pairs_calib_beats_peer"] = sum(bool(a["calib_beats_peer"]) for a in scored)
+        out["replay_answer/calib_vs_peer_mean"] = float(np.mean([a["ratio_mean"] for a in scored]))
         mins = [a["ratio_min"] for a in scored if a.get("ratio_min") is not None]
         if mins:
-            out["answer/calib_vs_peer_worst"] = float(min(mins))
+            out["replay_answer/calib_vs_peer_worst"] = float(min(mins))
     pooled: dict[str, list] = {}
     for r in metrics["calibration_pooled"]:
         for v in ("raw", "calibrated"):

@@ -16,16 +16,17 @@ from typing import NamedTuple, TypedDict
 import numpy as np
 
 KINDS = ("step", "hindsight")
-# Which side of the report's *Answer* a policy is on (:attr:`Policy.camp`): ``calib`` = calib's own policies
-# (signal-driven allocators on the calibrated tables), ``peer`` = what a user could run instead (the
-# engine's own policies), ``reference`` = bounds and building blocks (no_spec, the fixed family, oracle).
+# Which side of the report's *Answer* a policy is on (:attr:`Policy.camp`): ``calib`` = calib's policies that
+# serve (bench/serve.py's calib arms), ``peer`` = the arms a vLLM user could deploy instead (no speculation,
+# vLLM's fixed K of every drafter the bank records, Dynamic SD, V2 adaptive verification), ``reference`` =
+# bounds and building blocks (oracle, best_fixed in hindsight, replay-only allocators).
 CAMPS = ("calib", "peer", "reference")
 # The camp of a registered policy that does not set one (``camp=None``): a fallback for policies whose
 # register_policy call predates the camp field; any other name is ``reference`` (left out of the Answer).
 CAMP_DEFAULTS = {
-    "no_spec": "reference", "fixed": "reference", "oracle": "reference",
-    "best_fixed": "peer", "homogeneous": "peer", "vllm_dsd": "peer", "vllm_adaptive": "peer",
-    "gated_uniform": "calib", "ragged_raw": "calib", "ragged_calibrated": "calib", "two_drafter": "calib",
+    "no_spec": "peer", "fixed": "peer", "second_fixed": "peer", "vllm_dsd": "peer", "vllm_adaptive": "peer",
+    "oracle": "reference", "best_fixed": "reference", "homogeneous": "reference", "gated_uniform": "reference",
+    "ragged_raw": "reference", "ragged_calibrated": "calib", "two_drafter": "calib",
 }
 BASE_TOTALS = ("tokens", "cost", "positions", "steps", "rounds")  # every Totals has these; the rest are extras
 log = logging.getLogger("calib.policies")
@@ -242,8 +243,8 @@ def policy_of_row(row: str) -> Policy | None:
 def camp_of(p: Policy | str | None) -> str:
     """The camp of a policy (or of a registered policy's name): its own ``camp``, else
     :data:`CAMP_DEFAULTS`, else ``"reference"``; None (a row no policy owns) is ``"reference"``."""
-    if isinstance(p, str):
-        p = policy(p)
+    if isinstance(p, str):  # a registered name or alias, else a family's row (``fixed_3``)
+        p = policy(p) if (canonical(p) in _REGISTRY or policy_of_row(p) is None) else policy_of_row(p)
     if p is None:
         return "reference"
     return p.camp if p.camp is not None else CAMP_DEFAULTS.get(p.name, "reference")

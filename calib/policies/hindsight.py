@@ -39,7 +39,7 @@ def vllm_dsd(rows: dict, pooled: dict) -> dict:
 REFERENCE = register_policy(Policy(
     "best_fixed", 20, "0.35", "the fixed γ (0 = no_spec included) with the best goodput in hindsight per (bank, "
     "category, B, cost curve): the best static policy, and every row's reference", best_fixed,
-    kind="hindsight", needs=("no_spec", "fixed"), camp="peer")).name
+    kind="hindsight", needs=("no_spec", "fixed"), camp="reference")).name
 # Served: vLLM's Dynamic SD (speculative_config.num_speculative_tokens_per_batch_size), a schedule in its
 # spirit (K halves as the batch grows past 4 and 16), not tuned on any prompt set; entries are
 # [first batch size, last batch size, K], K <= the configured K.

@@ -98,7 +98,7 @@ def two_drafter(s: Setting) -> PolicyResult | None:
 
 register_policy(Policy(
     "ragged_raw", 50, "tab:red", "allocator (goodput rule) per request on the drafter's raw confidences (model "
-    "chain only); pays K draft passes first", ragged_raw, camp="calib",
+    "chain only); pays K draft passes first", ragged_raw, camp="reference",
     below_no_spec="raw confidences are mis-calibrated, so the goodput rule buys positions that do not pay; it "
                   "also pays for K draft passes"))
 # Served: each request verifies a calibrated prefix of the engine drafter's own chain ([] when it does not

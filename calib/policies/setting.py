@@ -133,6 +133,17 @@ class Setting:
         positions = depth.sum(axis=1)
         return tokens, self.curve.charge(depth) + draft_cost, positions
 
+    def uniform_second(self, gamma_per_step):
+        """(tokens, cost, positions) [S] of the second chain served alone at γ_s [S] (capped by its chain), as
+        the engine that drafts only it would spend: no model drafter loaded (``plain``), the chain's own
+        drafting (its proposer once per step on an engine's step cost, else ``draft_cost`` per pass)."""
+        sb = self.sb
+        depth = np.minimum(np.asarray(gamma_per_step)[:, None], sb.length[self.Q])
+        ids = np.full((self.S, self.B), self.Q, dtype=np.int64)
+        drafting = (self.plain.chain() if self.engine
+                    else self.frac_q * np.asarray(gamma_per_step, dtype=np.float64) * self.plain.values[self.B])
+        return committed(sb, ids, depth), self.plain.charge(depth) + drafting, depth.sum(axis=1)
+
     def ragged(self, p1, p2, extra_cost) -> PolicyResult:
         """The allocator per step on probabilities ``p1`` (primary) and ``p2`` (second chain, or None), [S, B, K]."""
         sb, S, B, curve = self.sb, self.S, self.B, self.curve

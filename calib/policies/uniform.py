@@ -54,10 +54,10 @@ def gated_uniform(s: Setting) -> PolicyResult | None:
 
 register_policy(Policy(
     "homogeneous", 30, "tab:olive", "one γ for every step, from the primary chain's mean acceptance curve on the "
-    "training split (the goodput rule on one representative request)", homogeneous, camp="peer",
+    "training split (the goodput rule on one representative request)", homogeneous, camp="reference",
     below_no_spec="γ comes from the training split's pooled acceptance curve (both categories), not this "
                   "category's"))
 register_policy(Policy(
     "gated_uniform", 40, "tab:cyan", "one γ per step from that step's mean calibrated survival curve; pays K "
-    "draft passes first", gated_uniform, camp="calib",
+    "draft passes first", gated_uniform, camp="reference",
     below_no_spec="pays for K draft passes to read the signal before choosing a uniform γ"))

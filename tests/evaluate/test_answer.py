@@ -1,5 +1,5 @@
-"""The report's *Answer* (issue 14 item 5): per (bank, cost curve) the best calib policy against the best peer,
-camps read from the policy registry. On the hand-made replay bank (SYNTHETIC: four rounds written by hand in
+"""The report's *Answer* (issue 14 item 5, issue 41 Must 1): per (bank, cost curve) and per cell, calib's best
+served policy against the best arm a vLLM user could deploy, camps read from the policy registry. On the hand-made replay bank (SYNTHETIC: four rounds written by hand in
 tests/evaluate/test_replay.py, not engine data). Expected values are recomputed from the same ladder rows, so no
 assertion depends on how a different CPU rounds; orderings hold by construction."""
 
@@ -47,19 +47,23 @@ def _expected(ladder, bank, cm):
         names = [n for n in report.ladder_policy_rows(rows) if camp_of(policy_of_row(n)) == camp]
         return max(names, key=mean_all)
 
+    def cell_best(camp, c, b):  # per cell: the best of the camp there
+        return max(at[k]["goodput"] for k in at if k[:2] == (c, b) and camp_of(policy_of_row(k[2])) == camp)
+
     cal, peer = best("calib"), best("peer")
-    ratios = {(c, b): at[(c, b, cal)]["goodput"] / at[(c, b, peer)]["goodput"]
-              for (c, b, n) in at if n == cal and (c, b, peer) in at}
+    cells = {(c, b) for (c, b, _) in at}
+    ratios = {(c, b): cell_best("calib", c, b) / cell_best("peer", c, b) for (c, b) in cells}
     return {"calib_policy": cal, "peer_policy": peer,
             "ratio_mean": sum(ratios[("all", b)] for b in bs) / len(bs), "ratio_min": min(ratios.values()),
-            "oracle_vs_peer_mean": sum(at[("all", b, "oracle")]["goodput"] / at[("all", b, peer)]["goodput"]
+            "oracle_vs_peer_mean": sum(at[("all", b, "oracle")]["goodput"] / cell_best("peer", "all", b)
                                        for b in bs) / len(bs)}
 
 
 def test_builtin_camps_come_from_the_registry():
-    assert {camp_of(n) for n in ("gated_uniform", "ragged_raw", "ragged_calibrated", "two_drafter")} == {"calib"}
-    assert {camp_of(n) for n in ("best_fixed", "homogeneous", "vllm_dsd")} == {"peer"}
-    assert {camp_of(n) for n in ("no_spec", "fixed", "oracle")} == {"reference"}
+    # calib: what calib serves; peers: the arms a vLLM user could deploy (every drafter the bank records)
+    assert {camp_of(n) for n in ("ragged_calibrated", "two_drafter")} == {"calib"}
+    assert {camp_of(n) for n in ("no_spec", "fixed", "second_fixed", "vllm_dsd")} == {"peer"}
+    assert {camp_of(n) for n in ("oracle", "best_fixed", "homogeneous", "gated_uniform", "ragged_raw")} == {"reference"}
     assert camp_of(None) == "reference"
     with pytest.raises(ValueError, match="camp='rival' is invalid"):
         Policy("x", 1, None, "x", _super, camp="rival")
@@ -81,9 +85,13 @@ def test_answer_rows_match_the_ladder(bank2):
         assert a["ratio_min"] <= a["ratio_mean"] + 1e-12
         assert a["calib_beats_peer"] == (a["ratio_mean"] > 1)
         assert a["calib_vs_best_fixed_min"] <= a["calib_vs_best_fixed_mean"] + 1e-12
-        assert set(a["calib_camp"]) <= {"gated_uniform", "ragged_raw", "ragged_calibrated", "two_drafter"}
-    lines = report.answer_lines(answer, "answer.png")
-    assert lines[0] == "## Answer" and "(bank, cost) pairs" in lines[2] and "![answer](answer.png)" in lines
+        assert set(a["calib_camp"]) <= {"ragged_calibrated", "two_drafter"}
+        for c in a["cells"]:  # headroom captured = (calib - peer) / (oracle - peer), from the same cell
+            if c["headroom_captured"] is not None:
+                assert c["headroom_captured"] == pytest.approx((c["ratio"] - 1) / (c["oracle_vs_peer"] - 1), rel=1e-9)
+    lines = report.answer_lines(answer, "answer.png", clock=report.clock_lines(None))
+    assert lines[0] == "## Answer" and lines[2].startswith("**On a clock — the answer")  # the clock first
+    assert "(bank, cost) pairs" in lines[4] and "![answer](answer.png)" in lines
 
 
 def test_a_synthetic_calib_policy_with_higher_goodput_becomes_the_answer(bank2, tmp_path):
@@ -115,7 +123,7 @@ def test_answer_without_a_camp_says_so():
     rows = [{**meta, "category": "all", "policy": n, "goodput": 1.0, "vs_best_fixed": 1.0}
             for n in ("no_spec", "best_fixed", "oracle")]
     (a,) = report.answer_rows(rows)
-    assert a["peer_policy"] == "best_fixed" and a["calib_policy"] is None and a["ratio_mean"] is None
+    assert a["peer_policy"] == "no_spec" and a["calib_policy"] is None and a["ratio_mean"] is None
     assert a["oracle_vs_peer_mean"] == 1.0 and not math.isnan(a["peer_vs_best_fixed_mean"])
     assert "No (bank, cost) pair" in report.answer_verdict([a])
     assert plots.answer([a], "unused.png") is None
@@ -125,9 +133,10 @@ def test_clock_lines_say_whose_tables_the_serving_bench_measured(tmp_path):
     """The report's measured answer beside the replayed one (synthetic bench JSON, unit test)."""
     import json
 
-    from calib.evaluate.report import clock_lines, newest_serving_bench
+    from calib.evaluate.report import clock_lines, clock_summary, newest_serving_bench
 
-    row = {"ratio_to_best_vllm": {"calib_ngram": 0.9, "vllm_ngram": 1.0}}
+    row = {"ratio_to_best_vllm": {"calib_ngram": 0.9, "vllm_ngram": 1.0}, "headroom_captured": {"calib_ngram": -0.5},
+           "prediction_error": {"calib_ngram": 0.2, "vllm_ngram": -0.05}}
     bench = {"command": "python bench/serve.py --reps 2", "date": "2026-12-01", "cpu": "x", "arms": ["vllm_ngram", "calib_ngram"],
              "table": [row, {"ratio_to_best_vllm": {"calib_ngram": 1.1, "vllm_ngram": 1.0}}], "tables_sha256": "a" * 64,
              "identity_float32_greedy": {"calib_ngram": {"identical": 16, "prompts": 16}}}
@@ -135,7 +144,11 @@ def test_clock_lines_say_whose_tables_the_serving_bench_measured(tmp_path):
     (tmp_path / "serve-new.json").write_text(json.dumps(bench))
     found = newest_serving_bench(tmp_path)
     assert found.name == "serve-new.json"
-    mine = " ".join(clock_lines(found, "a" * 64))
+    mine = " ".join(clock_lines(clock_summary(found, "a" * 64), tmp_path / "report"))
     assert "it served these tables" in mine and "`calib_ngram` 0.90–1.10×" in mine and "identical" in mine
-    assert "**other tables**" in " ".join(clock_lines(found, "b" * 64))
-    assert "no serving bench found" in " ".join(clock_lines(newest_serving_bench(tmp_path / "none"), "a" * 64))
+    assert "0.90–1.10× the best vLLM arm" in mine and "headroom captured" in mine and "-50%" in mine
+    assert "missed the clock's decode speed-up by 12% (median) to 20% (worst)" in mine
+    assert "](../serve-new.json)" in mine  # relative to the report's folder: the report can move with its bench
+    assert "**other tables**" in " ".join(clock_lines(clock_summary(found, "b" * 64)))
+    assert "no serving bench found" in " ".join(clock_lines(clock_summary(newest_serving_bench(tmp_path / "none"),
+                                                                          "a" * 64)))

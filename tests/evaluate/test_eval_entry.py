@@ -51,7 +51,9 @@ def test_eval_compose_run(tmp_path):
     assert "Does calibration beat the model drafter's raw confidence?" in report  # said plainly, per chain
     # beside the replay, the clock: the newest serving bench, said not to be for these tables (other tables)
     answer = report[: report.index("## ", len("# Evaluation report\n\n## Answer"))]
-    assert "**On a clock — measured**" in answer and "not necessarily these tables" in answer
+    assert answer.split("\n")[4].startswith("**On a clock — the answer**")  # the clock first (issue 41 Must 5)
+    assert "not necessarily these tables" in answer and "](/" not in report  # links relative: the report can move
+    assert m["clock"]["bench"].endswith(".json") and m["clock"]["calib_best_vs_best_vllm"]["cells"] > 0
     # the report leads with its answer: right after the title, before the headline and every other table
     assert report.splitlines()[:3] == ["# Evaluation report", "", "## Answer"]
     sections = [ln for ln in report.splitlines() if ln.startswith("## ")]
@@ -70,8 +72,12 @@ def test_eval_compose_run(tmp_path):
         for camp in ("calib", "peer"):
             best = max(v for n, v in mean_all.items() if camp_of(policy_of_row(n)) == camp)
             assert mean_all[a[f"{camp}_policy"]] == best and camp_of(a[f"{camp}_policy"]) == camp
-        cal, peer = a["calib_policy"], a["peer_policy"]
-        ratios = {(c, b): r["goodput"] / at[(c, b, peer)]["goodput"] for (c, b, n), r in at.items() if n == cal}
+        cal = a["calib_policy"]
+
+        def cell_best(c, b, camp):  # issue 41 Must 1: per cell, the best of each camp there
+            return max(r["goodput"] for (c2, b2, n), r in at.items()
+                       if (c2, b2) == (c, b) and camp_of(policy_of_row(n)) == camp)
+        ratios = {(c, b): cell_best(c, b, "calib") / cell_best(c, b, "peer") for (c, b, n) in at if n == cal}
         assert abs(a["ratio_mean"] - (ratios[("all", 1)] + ratios[("all", 4)]) / 2) <= 1e-12 * a["ratio_mean"]
         assert a["ratio_min"] == min(ratios.values())
         assert (a["ratio_min_category"], a["ratio_min_batch_size"]) in ratios
@@ -220,6 +226,10 @@ def test_eval_tracks_its_tables_as_input_and_few_headline_scalars(tmp_path, monk
     assert (name, kind) == ("calib-tables", "tables") and all(p.is_file() for p in paths)
     assert {p.name for p in paths} == {"tables.safetensors", "tables.json"}
     assert 0 < len(calls["scalars"]) <= MAX_SUMMARY_KEYS, sorted(calls["scalars"])
+    # the clock leads the summary (issue 41 Must 5): the bench's answer first, the replay's after it, named so
+    keys = list(calls["scalars"])
+    assert keys[0].startswith("clock/calib_vs_best_vllm") and "replay_answer/calib_vs_peer_mean" in keys
+    assert keys.index("clock/calib_vs_best_vllm_min") < keys.index("replay_answer/calib_vs_peer_mean")
     assert {"ladder", "calibration", "online"} <= set(calls["tables"])
     assert tracking.run_name("eval", tmp_path / ".out.tmp-abc123") == "eval:out"
 

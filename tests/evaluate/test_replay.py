@@ -100,6 +100,19 @@ def test_committed_tokens_and_costs_are_exact(bank):
     assert tok["oracle"] == 12 and cost["oracle"] == pytest.approx(1 + 0.01 * 12)
 
 
+def test_second_fixed_is_the_other_drafter_served_alone(bank):
+    """vLLM's n-gram arm on a model-drafter bank (issue 41 Must 1): the n-gram chain at γ, its own lengths."""
+    sb = StepBatch(bank, np.arange(4), np.array([[0, 1, 2, 3]]))
+    cfg = ReplayConfig(draft_cost={"model": 0.5, "ngram": 0.0})
+    res = replay_setting(sb, curve(), cfg, train_mean_curve(bank))
+    tok = {k: float(v[0][0]) for k, v in res.items()}
+    cost = {k: float(v[1][0]) for k, v in res.items()}
+    # n-gram accepted 1, 2, 0, 0 over lengths 3, 2, 0, 3: γ=2 verifies 2, 2, 0, 2 and commits 2 + 3 + 1 + 1
+    assert tok["second_fixed_2"] == 7 and cost["second_fixed_2"] == pytest.approx(1 + 0.01 * (4 + 6))
+    assert tok["second_fixed_3"] == 7 and cost["second_fixed_3"] == pytest.approx(1 + 0.01 * (4 + 8))
+    assert all(tok[f"second_fixed_{g}"] <= tok["oracle"] for g in (1, 2, 3))
+
+
 def test_committed_uses_the_chosen_chain(bank):
     sb = StepBatch(bank, np.arange(4), np.array([[0, 1, 2, 3]]))
     drafter = np.array([[1, 2, 0, 2]])

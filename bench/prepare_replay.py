@@ -1,0 +1,99 @@
+"""Make the replay replay what bench/serve.py serves: one command, this machine, the bench's own settings.
+
+    python bench/prepare_replay.py                          # bf16 (the engine's default), 64 tokens
+    python bench/prepare_replay.py --set engine.dtype=float32 --max-tokens 64 --out runs/replay-f32
+
+Three steps, each skipped when its output is already there (so a killed run resumes where it stopped):
+
+1. **profile** this machine's engine step (bench/profile_step.py --step-cost) into ``OUT/step-cost.json``:
+   the cost that serving prices with (``serve.cost``) and the replay charges (``cost.engine.path``), with the
+   CPU and dtype it was measured on recorded in it (eval.py and bench/serve.py warn when those differ);
+2. **collect** banks on the prompts, K, dtype and engine the bench serves (collect.py: EAGLE and n-gram,
+   greedy and T = 0.8, both categories, ``--max-tokens``) into ``OUT/collect/<method>-<sampling>/bank``;
+3. **replay** them (eval.py on those banks, whole, with the tables the bench serves and that step cost) into
+   ``OUT/eval/metrics.json``,
+
+then prints the bench command that reads both (``--replay OUT/eval/metrics.json --set serve.cost=...``), so
+every arm's predicted speed-up comes from the served prompts, this machine's clock and calib's own time.
+About 25 min on 2 CPU cores.
+
+Why argparse, not Hydra like train.py/eval.py: it orchestrates those entry points, one subprocess each; its
+flags are the bench's settings, not a config tree from conf/.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from calib.cli import parser as plain_parser
+
+ROOT = Path(__file__).resolve().parents[1]
+METHODS = ("eagle", "ngram")
+SAMPLINGS = ("greedy", "sampled")
+PROFILE_ARMS = ("none", "vllm_ngram", "vllm_eagle", "calib_ngram", "calib_two_drafter")
+
+
+def _run(cmd: list[str], what: str) -> None:
+    print(f"[{what}] {' '.join(cmd)}", flush=True)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "offline"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, check=False)
+    if proc.returncode != 0:
+        sys.exit(f"{what} failed (exit {proc.returncode}): {' '.join(cmd)}; rerun this command to resume")
+
+
+def commands(args) -> list[tuple[str, list[str], Path]]:
+    """(what, command, the output whose presence means it is done), in order."""
+    out = Path(args.out)
+    py = sys.executable
+    serve_set = [s for s in args.set]
+    dtype = next((s.split("=", 1)[1] for s in args.set if s.startswith("engine.dtype=")), None)
+    steps = [("profile", [py, "bench/profile_step.py", "--arms", *PROFILE_ARMS, "--concurrency", *map(str, args.concurrency),
+                          "--max-tokens", str(args.max_tokens), "--tables", args.tables,
+                          "--out", str(out / "profile.json"), "--step-cost", str(out / "step-cost.json"),
+                          *(["--set", *serve_set] if serve_set else [])], out / "step-cost.json")]
+    banks = []
+    for method in METHODS:
+        for sampling in SAMPLINGS:
+            run = out / "collect" / f"{method}-{sampling}"
+            banks.append(run / "bank")
+            steps.append((f"collect {method} {sampling}",
+                          [py, "collect.py", f"speculative={method}", f"prompts={args.prompts}", f"sampling={sampling}",
+                           f"sampling.max_tokens={args.max_tokens}", f"out_dir={run}",
+                           *([f"engine.dtype={dtype}"] if dtype else [])], run / "bank" / "run_manifest.json"))
+    steps.append(("replay", [py, "eval.py", f"data.test=[{','.join(str(b) for b in banks)}]", f"tables={args.tables}",
+                             "cost=engine", f"cost.engine.path={out / 'step-cost.json'}", f"out_dir={out / 'eval'}",
+                             "overwrite=true", "logger=none", "serving_bench=null"], out / "eval" / "metrics.json"))
+    return steps
+
+
+def main(argv=None) -> None:
+    ap = plain_parser(__doc__)
+    ap.add_argument("--out", default="runs/replay", help="where the step cost, banks and replay go")
+    ap.add_argument("--tables", default="runs/train/default", help="the tables the bench serves")
+    ap.add_argument("--prompts", default="chat_code", help="the conf/prompts/ set the bench serves")
+    ap.add_argument("--max-tokens", type=int, default=64, help="bench/serve.py's --max-tokens")
+    ap.add_argument("--concurrency", nargs="+", type=int, default=[1, 4, 16], help="profiled concurrencies")
+    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="the bench's serve.py overrides (engine.dtype=... is used for collection too)")
+    ap.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    args = ap.parse_args(argv)
+    if not (Path(args.tables) / "tables.json").is_file():
+        sys.exit(f"--tables {args.tables}: no tables.json there; make tables with `python train.py`")
+    for what, cmd, done in commands(args):
+        if args.dry_run:
+            print(f"[{what}] {' '.join(cmd)}")
+        elif done.exists():
+            print(f"[{what}] done already ({done})", flush=True)
+        else:
+            _run(cmd, what)
+    out = Path(args.out)
+    print("\nThe bench that reads this replay and this step cost:\n  python bench/serve.py "
+          f"--replay {out / 'eval' / 'metrics.json'} --set serve.cost={out / 'step-cost.json'} "
+          + " ".join(args.set) + f" --max-tokens {args.max_tokens}")
+
+
+if __name__ == "__main__":
+    main()

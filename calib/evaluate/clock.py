@@ -1,0 +1,406 @@
+"""The serving bench's answer on the clock (bench/serve.py): per cell, each arm's tokens/s, its ratio to the best
+vLLM arm taken pair by pair, the headroom it captured of the clock oracle's, the replay's prediction and its
+error; rendered as tables and as marked blocks in README/docs that are redrawn from the bench's JSON alone.
+
+A record is one (arm, repetition, cell) of bench/serve.py (``{"arm", "rep", "cell": {category, sampling,
+concurrency}, "tok_s", "tpot_ms_median", ...}``); a row is one cell with every arm's figures (:func:`rows`).
+The arms come from the servable policies of :mod:`calib.policies` (:func:`arms`): vLLM's own (no speculation
+included) are the peers, calib's are judged against the best of them, and an oracle arm (greedy only: it
+verifies exactly what the reference output accepts) is the ceiling.
+
+Marked blocks (:data:`BLOCK`): ``<!-- clock:KIND SOURCE -->`` ... ``<!-- /clock -->`` where ``SOURCE`` is the
+bench JSON's path relative to the project root; :func:`redraw` rewrites them, :func:`stale_blocks` says
+which differ from what their JSON renders (tests/test_doc_blocks.py fails on any).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass(frozen=True)
+class ArmInfo:
+    """One bench arm: the servable policy it runs and how the replay predicts it."""
+
+    name: str
+    policy: str  # registered policy name
+    family: bool  # the policy is a family (its replay row is ``<policy>_<K>``)
+    method: str | None  # the speculative config it serves with (None: no speculation)
+    dynamic: tuple | None  # vLLM Dynamic SD's schedule, if any
+    vllm: bool  # one of vLLM's own arms (no calib), no speculation included: the peers
+    oracle: bool  # the clock oracle (greedy only; needs a reference output)
+    overrides: tuple[str, ...]  # serve.py overrides
+    default: bool
+
+
+@functools.cache
+def arms() -> dict[str, ArmInfo]:
+    """``{arm: ArmInfo}`` from the servable policies, vLLM's first, then calib's (registration order within)."""
+    import calib.policies
+
+    out = {}
+    for p in sorted(calib.policies.servable(), key=lambda p: p.serving.calib):
+        for arm in p.serving.arms:
+            out[arm.name] = ArmInfo(
+                arm.name, p.name, p.family, arm.speculative if p.serving.speculate else None, p.serving.dynamic,
+                vllm=not p.serving.calib, oracle=bool(getattr(p.serving, "oracle", False)),
+                overrides=(f"policy={p.name}",) + ((f"speculative={arm.speculative}",) if arm.speculative else ()),
+                default=arm.default)
+    return out
+
+
+def vllm_arms() -> tuple[str, ...]:
+    return tuple(a for a, i in arms().items() if i.vllm)
+
+
+def vllm_spec_arms() -> tuple[str, ...]:
+    return tuple(a for a, i in arms().items() if i.vllm and i.method is not None)
+
+
+def calib_arms() -> tuple[str, ...]:
+    return tuple(a for a, i in arms().items() if not i.vllm and not i.oracle)
+
+
+def oracle_arms() -> tuple[str, ...]:
+    return tuple(a for a, i in arms().items() if i.oracle)
+
+
+def _median(v):
+    return statistics.median(v) if v else None
+
+
+def _pairs(by_arm: dict[str, list], arm: str, ref: str) -> list[float]:
+    """tok/s of ``arm`` over ``ref``'s, repetition by repetition (the two ran in the same repetition, arms
+    alternated, so the machine's drift between repetitions cancels)."""
+    a = {x["rep"]: x["tok_s"] for x in by_arm.get(arm, [])}
+    b = {x["rep"]: x["tok_s"] for x in by_arm.get(ref, [])}
+    return [a[r] / b[r] for r in sorted(set(a) & set(b)) if b[r] > 0]
+
+
+def _decode_ratios(by_arm: dict[str, list]) -> dict:
+    """{arm: no speculation's median TPOT / the arm's} over the repetitions (records without TPOT: none)."""
+    tpot = {a: statistics.median(x["tpot_ms_median"] for x in rs) for a, rs in by_arm.items()
+            if rs and all(x.get("tpot_ms_median") is not None for x in rs)}
+    if not tpot.get("none"):
+        return {}
+    return {a: tpot["none"] / t for a, t in tpot.items() if t}
+
+
+def headroom(ratio: float | None, oracle: float | None, floor: float = 0.005) -> float | None:
+    """(calib − best vLLM) / (oracle − best vLLM), from both ratios to the best vLLM arm; None where the oracle
+    is not measurably above the best vLLM arm (``floor``) or a figure is missing."""
+    if ratio is None or oracle is None or oracle - 1.0 < floor:
+        return None
+    return (ratio - 1.0) / (oracle - 1.0)
+
+
+def _oracle_of(arm: str, present: dict) -> str | None:
+    """The oracle arm judging ``arm``: the one serving the same speculative method, else the best present."""
+    info = arms().get(arm)
+    same = [o for o in oracle_arms() if o in present and info is not None and arms()[o].method == info.method]
+    if same:
+        return same[0]
+    cands = [o for o in oracle_arms() if o in present]
+    return max(cands, key=present.get) if cands else None
+
+
+def _ratios(by_arm: dict[str, list], med: dict[str, float], ref: str | None) -> tuple[dict, dict]:
+    """({arm: median of its per-repetition ratios to ``ref``}, {arm: [min, max] of them}); an arm that shares no
+    repetition with ``ref`` gets the ratio of the medians."""
+    if ref is None:
+        return {}, {}
+    pairs = {a: _pairs(by_arm, a, ref) for a in med}
+    return ({a: (_median(p) if p else med[a] / med[ref]) for a, p in pairs.items()},
+            {a: [min(p), max(p)] for a, p in pairs.items() if p})
+
+
+def rows(records: list, predicted: dict | None = None) -> list[dict]:
+    """One row per cell: median tok/s per arm over repetitions with its [min, max]; each arm's ratio to the best
+    vLLM arm of the cell (no speculation included), the median of the per-repetition ratios, with their
+    spread; to the best vLLM speculation arm and to no speculation likewise; the decode speed-up by TPOT;
+    the headroom captured per calib arm; the replay's predicted speed-up over no speculation and its
+    relative error against the clock's decode speed-up by TPOT (``predicted / measured − 1``; tok/s where no
+    TPOT was recorded). A calib arm's repetition served with
+    calib off (``calib_off``) is not counted; a cell where every repetition was is shown as OFF."""
+    cells: dict[tuple, dict[str, list]] = {}
+    off: dict[tuple, dict[str, str]] = {}
+    for r in records:
+        c = r["cell"]
+        key = (c["category"], c["sampling"], c["concurrency"])
+        cells.setdefault(key, {})
+        if r.get("calib_off"):
+            off.setdefault(key, {})[r["arm"]] = r["calib_off"]
+            continue
+        cells[key].setdefault(r["arm"], []).append(r)
+    out = []
+    for key in sorted(cells):
+        by_arm = cells[key]
+        med = {a: statistics.median(x["tok_s"] for x in rs) for a, rs in by_arm.items()}
+        vllm = {a: med[a] for a in vllm_arms() if a in med}
+        best = max(vllm, key=vllm.get) if vllm else None
+        spec = {a: med[a] for a in vllm_spec_arms() if a in med}
+        best_spec = max(spec, key=spec.get) if spec else None
+
+        to_best, spread = _ratios(by_arm, med, best)
+        to_spec, _ = _ratios(by_arm, med, best_spec)
+        to_none, _ = _ratios(by_arm, med, "none" if "none" in med else None)
+        pred = {a: (predicted or {}).get((*key, a)) for a in med}
+        decode = _decode_ratios(by_arm)
+        # the replay prices decode steps only: its prediction is judged against the decode speed-up (TPOT),
+        # not tok/s, whose prefill share (up to half a code-edit cell's wall time) it does not model
+        basis = decode if decode else to_none
+        row = {"category": key[0], "sampling": key[1], "concurrency": key[2], "tok_s": med,
+               "reps": {a: len(rs) for a, rs in by_arm.items()}, "best_vllm": best, "calib_off": off.get(key, {}),
+               "ratio_to_best_vllm": to_best, "ratio_spread": spread,
+               "best_vllm_speculative": best_spec, "ratio_to_best_vllm_speculative": to_spec,
+               "calib_overhead_pct": {a: statistics.median(x["overhead_pct"] for x in rs)
+                                      for a, rs in by_arm.items() if rs[0].get("overhead_pct") is not None},
+               "ratio_to_none": to_none,
+               "decode_ratio_to_none": decode,  # prefill excluded: median TPOT of none / the arm's
+               "predicted_vs_none": pred,
+               "prediction_basis": "decode (TPOT)" if decode else "output tok/s",
+               "prediction_error": {a: (p / basis[a] - 1.0) if (p is not None and basis.get(a)) else None
+                                    for a, p in pred.items() if a != "none"},
+               "tok_s_spread": {a: [min(x["tok_s"] for x in rs), max(x["tok_s"] for x in rs)]
+                                for a, rs in by_arm.items()}}
+        row["oracle"] = {a: _oracle_of(a, med) for a in med if a in calib_arms() and _oracle_of(a, med)}
+        row["headroom_captured"] = {a: headroom(to_best.get(a), to_best.get(o)) for a, o in row["oracle"].items()}
+        out.append(row)
+    return out
+
+
+def unstable(table: list[dict], tolerance: float) -> list[str]:
+    """Cells where an arm's per-repetition ratio to the best vLLM arm spreads wider than ``tolerance`` either
+    side of its median (``(max − min) / 2 / median``): they need more repetitions."""
+    bad = []
+    for row in table:
+        for a, (lo, hi) in row.get("ratio_spread", {}).items():
+            m = row["ratio_to_best_vllm"].get(a)
+            if m and (hi - lo) / 2 / m > tolerance:
+                bad.append(f"{row['category']}/{row['sampling']}/c{row['concurrency']}/{a}")
+    return bad
+
+
+def _x(v) -> str:
+    return "–" if v is None else f"{v:.2f}×"
+
+
+def _pct(v) -> str:
+    return "–" if v is None else f"{v:+.0%}"
+
+
+def tok_s_table(table: list[dict], arm_names: list[str]) -> str:
+    """Median tok/s [min–max over repetitions] (ratio to the best vLLM arm, pair by pair) per cell and arm."""
+    lines = ["| category | sampling | c | " + " | ".join(arm_names) + " | best vLLM arm |",
+             "|" + "---|" * (len(arm_names) + 4)]
+    for row in table:
+        vals = []
+        for a in arm_names:
+            if a not in row["tok_s"]:
+                vals.append("OFF" if a in row["calib_off"] else "–")
+                continue
+            lo, hi = row["tok_s_spread"][a]
+            spread = f" [{lo:.1f}–{hi:.1f}]" if row["reps"][a] > 1 else ""
+            r = row["ratio_to_best_vllm"].get(a)
+            vals.append(f"{row['tok_s'][a]:.1f}{spread}" + (f" ({r:.2f}×)" if r is not None else ""))
+        lines.append(f"| {row['category']} | {row['sampling']} | {row['concurrency']} | " + " | ".join(vals)
+                     + f" | {row['best_vllm']} |")
+    return "\n".join(lines)
+
+
+def speedup_table(table: list[dict], arm_names: list[str]) -> str:
+    """Per cell and arm: the clock's speed-up over no speculation (tok/s / decode by TPOT), the replay's
+    prediction in brackets and its error."""
+    shown = [a for a in arm_names if a != "none"]
+    lines = ["| category | sampling | c | " + " | ".join(shown) + " |", "|" + "---|" * (len(shown) + 3)]
+    for row in table:
+        vals = []
+        for a in shown:
+            m, p = row["ratio_to_none"].get(a), row["predicted_vs_none"].get(a)
+            d = (row.get("decode_ratio_to_none") or {}).get(a)
+            e = (row.get("prediction_error") or {}).get(a)
+            vals.append(_x(m) + ("" if d is None else f" / {d:.2f}×")
+                        + ("" if p is None else f" ({p:.2f}×, {_pct(e)})"))
+        lines.append(f"| {row['category']} | {row['sampling']} | {row['concurrency']} | " + " | ".join(vals) + " |")
+    return "\n".join(lines)
+
+
+def headroom_table(table: list[dict]) -> str | None:
+    """Per greedy cell: the best vLLM arm, the oracle's ratio to it and each calib arm's headroom captured."""
+    mine = [a for a in calib_arms() if any(a in r.get("headroom_captured", {}) for r in table)]
+    if not mine:
+        return None
+    lines = ["| category | c | best vLLM arm | oracle / best vLLM | " + " | ".join(f"{a}: ratio, headroom" for a in mine)
+             + " |", "|" + "---|" * (len(mine) + 4)]
+    for row in table:
+        if not row.get("headroom_captured"):
+            continue
+        orcs = sorted({o for o in row["oracle"].values()})
+        orc = ", ".join(f"{o} {_x(row['ratio_to_best_vllm'].get(o))}" for o in orcs)
+        vals = [f"{_x(row['ratio_to_best_vllm'].get(a))}, {_pct(row['headroom_captured'].get(a))}"
+                if a in row["headroom_captured"] else "–" for a in mine]
+        lines.append(f"| {row['category']} | {row['concurrency']} | {row['best_vllm']} | {orc} | " + " | ".join(vals)
+                     + " |")
+    return "\n".join(lines)
+
+
+def answer_lines(table: list[dict]) -> list[str]:
+    """Per calib arm: its range of ratios to the best vLLM arm (and to the best vLLM speculation arm) and of
+    headroom captured, over the cells it served; then the cells it was OFF in."""
+    out = []
+    for arm in calib_arms():
+        r = [row["ratio_to_best_vllm"][arm] for row in table if arm in row["tok_s"]]
+        s = [row["ratio_to_best_vllm_speculative"][arm] for row in table
+             if arm in row["tok_s"] and arm in row["ratio_to_best_vllm_speculative"]]
+        h = [row["headroom_captured"][arm] for row in table if row.get("headroom_captured", {}).get(arm) is not None]
+        if r:
+            line = f"{arm}: {min(r):.2f}-{max(r):.2f}x the best vLLM arm (no speculation included)"
+            if s:
+                line += f", {min(s):.2f}-{max(s):.2f}x the best vLLM speculation arm"
+            line += f", over {len(r)} cells"
+            if h:
+                line += f"; headroom captured {min(h):+.0%} to {max(h):+.0%} over {len(h)} greedy cells"
+            out.append(line)
+        off = [f"{row['category']}/{row['sampling']}/c{row['concurrency']}" for row in table
+               if arm in row["calib_off"] and arm not in row["tok_s"]]
+        if off:
+            out.append(f"{arm}: calib was OFF in {len(off)} cells, not counted ({', '.join(off)}): "
+                       f"{next(row['calib_off'][arm] for row in table if arm in row['calib_off'])}")
+    return out
+
+
+def _reps(result: dict) -> int:
+    return len({r["rep"] for r in result.get("runs", [])}) or max(
+        (max(row["reps"].values(), default=0) for row in result["table"]), default=0)
+
+
+# --- marked blocks: README/docs figures redrawn from the bench JSON alone ----------------------------------
+
+BLOCK = re.compile(r"<!-- clock:(?P<kind>[a-z-]+) (?P<source>\S+) -->\n(?P<body>.*?)<!-- /clock -->", re.DOTALL)
+
+
+def _errors(row: dict) -> dict:
+    """{arm: predicted / measured speed-up over no speculation − 1} of a row (recomputed for a bench that
+    predates the field)."""
+    if "prediction_error" in row:
+        return row["prediction_error"]
+    m = row.get("decode_ratio_to_none") or row.get("ratio_to_none") or {}
+    return {a: p / m[a] - 1.0 for a, p in (row.get("predicted_vs_none") or {}).items()
+            if p is not None and m.get(a) and a != "none"}
+
+
+def render_answer(result: dict, source: str) -> str:
+    """The headline: calib's best arm against the best vLLM arm per cell, headroom, the replay's error."""
+    table = result["table"]
+    best = [max(row["ratio_to_best_vllm"][a] for a in calib_arms() if a in row["ratio_to_best_vllm"])
+            for row in table if any(a in row["ratio_to_best_vllm"] for a in calib_arms())]
+    wins = sum(b >= 1.0 for b in best)
+    err = [abs(e) for row in table for e in _errors(row).values() if e is not None]
+    head = [max(v for v in row["headroom_captured"].values() if v is not None) for row in table
+            if any(v is not None for v in (row.get("headroom_captured") or {}).values())]
+    s = (f"**On a clock — the answer** (`{result['command']}`, {result.get('date', '?')}, {result.get('cpu', '?')}, "
+         f"{_reps(result)} repetitions, arms alternated; [{Path(source).name}]({source})): ")
+    if best:
+        s += (f"calib's best arm is **{min(best):.2f}–{max(best):.2f}× the best vLLM arm** of each cell (no "
+              f"speculation included; median {statistics.median(best):.2f}×), at least its equal in {wins} of "
+              f"{len(best)} cells")
+    if head:
+        s += (f"; of the clock oracle's headroom over the best vLLM arm it captured {min(head):+.0%} to "
+              f"{max(head):+.0%} (median {statistics.median(head):+.0%}, {len(head)} greedy cells)")
+    s += "."
+    lines = [s]
+    if err:
+        lines += ["", (f"The replay's predicted speed-ups over no speculation missed the clock's decode speed-ups by "
+                       f"{statistics.median(err):.0%} (median) to {max(err):.0%} (worst) over {len(err)} (cell, arm) "
+                       "pairs: a prediction, second to the clock.")]
+    per_arm = answer_lines(table)
+    if per_arm:
+        lines += ["", *(f"- {line}" for line in per_arm)]
+    return "\n".join(lines)
+
+
+def render_tables(result: dict, source: str) -> str:
+    """The bench's full tables (tok/s, speed-up over no speculation with the replay's prediction, headroom)."""
+    arm_names = list(result["arms"])
+    ident = result.get("identity_float32_greedy")
+    same = (", ".join(f"{a} {o['identical']}/{o['prompts']}" for a, o in ident.items()) if ident else "not run")
+    parts = [f"Measured on the clock by `{result['command']}` on {result.get('date', '?')} ({result.get('cpu', '?')}, "
+             f"{result['wall_s'] / 60:.0f} min, all arms in one run, arms alternated within each of "
+             f"{_reps(result)} repetitions; [{Path(source).name}]({source})). Output tokens/s, median [min–max over "
+             "the repetitions] (ratio to the best vLLM arm of the cell, no speculation included, "
+             + ("the median of the per-repetition ratios):" if any("ratio_spread" in r for r in result["table"])
+                else "the ratio of the medians: this bench predates pairwise ratios):"),
+             "", tok_s_table(result["table"], arm_names), "",
+             ("Speed-up over no speculation, measured: output tok/s (prefill included) / decode speed by TPOT; in "
+              f"brackets the replay's prediction for the same cell (`python eval.py`, {result.get('cost_model')} "
+              "cost model; a prediction, not a clock) and its error against the decode speed-up:"), "",
+             speedup_table(result["table"], arm_names)]
+    head = headroom_table(result["table"])
+    if head:
+        parts += ["", ("Headroom captured on the clock, per greedy cell: (calib − best vLLM arm) / (oracle − best "
+                       "vLLM arm), the oracle of the same engine (it verifies exactly what the reference output "
+                       "accepts):"), "", head]
+    parts += ["", f"float32 greedy outputs identical to no speculation (concurrency 4): {same}."]
+    return "\n".join(parts)
+
+
+RENDERERS = {"answer": render_answer, "tables": render_tables}
+
+
+def render(kind: str, source: str, root: Path = ROOT) -> str:
+    if kind not in RENDERERS:
+        raise ValueError(f"clock block kind {kind!r}: choose one of {sorted(RENDERERS)}")
+    path = root / source
+    if not path.is_file():
+        raise FileNotFoundError(f"clock block cites {source}, which is not a file under {root}")
+    return RENDERERS[kind](json.loads(path.read_text()), source)
+
+
+def _rel(doc: Path, source: str, root: Path) -> str:
+    """``source`` (relative to the project root) as a link relative to ``doc``'s folder."""
+    import os
+
+    return os.path.relpath(root / source, doc.resolve().parent)
+
+
+def redraw(doc: Path, root: Path = ROOT, only: str | None = None) -> int:
+    """Rewrite every marked block of ``doc`` (those citing ``only``, if given) from its JSON; the number
+    rewritten. Written to a temp name, then renamed."""
+    from calib.atomic import write_text_atomic
+
+    text = doc.read_text()
+    n = 0
+
+    def sub(m):
+        nonlocal n
+        if only is not None and m["source"] != only:
+            return m[0]
+        n += 1
+        body = render(m["kind"], m["source"], root).replace(f"]({m['source']})", f"]({_rel(doc, m['source'], root)})")
+        return f"<!-- clock:{m['kind']} {m['source']} -->\n{body}\n<!-- /clock -->"
+
+    new = BLOCK.sub(sub, text)
+    if new != text:
+        write_text_atomic(doc, new)
+    return n
+
+
+def stale_blocks(doc: Path, root: Path = ROOT) -> list[str]:
+    """The marked blocks of ``doc`` whose text differs from what their JSON renders (``file:line kind source``)."""
+    text = doc.read_text()
+    bad = []
+    for m in BLOCK.finditer(text):
+        want = render(m["kind"], m["source"], root).replace(f"]({m['source']})",
+                                                            f"]({_rel(doc, m['source'], root)})")
+        if m["body"].rstrip("\n") != want:
+            line = text[: m.start()].count("\n") + 1
+            bad.append(f"{doc}:{line} clock:{m['kind']} {m['source']}: differs from what its JSON renders "
+                       f"(`python bench/serve.py --from-json {m['source']} --readme {doc}` redraws it)")
+    return bad
