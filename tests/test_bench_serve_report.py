@@ -44,7 +44,6 @@ def test_the_report_gives_medians_with_their_range_and_both_ratios(capsys):
     assert "| 1.50× / 1.55× |" in out  # tok/s and decode speed (TPOT) over no speculation's
 
 
-@pytest.mark.skipif("oracle_ngram" not in clock.arms(), reason="WIP: the oracle arms are being registered")
 def test_headroom_and_prediction_error_per_cell():
     recs = RECORDS + [_rec("oracle_ngram", 0, 80.0, 12.0), _rec("oracle_ngram", 1, 81.0, 12.0)]
     (row,) = clock.rows(recs, {("code_edit", "greedy", 4, "calib_ngram"): 1.8})

@@ -168,6 +168,8 @@ def rows(records: list, predicted: dict | None = None) -> list[dict]:
                "prediction_basis": "decode (TPOT)" if decode else "output tok/s",
                "prediction_error": {a: (p / basis[a] - 1.0) if (p is not None and basis.get(a)) else None
                                     for a, p in pred.items() if a != "none"},
+               "prediction_error_tok_s": {a: (p / to_none[a] - 1.0) if (p is not None and to_none.get(a)) else None
+                                          for a, p in pred.items() if a != "none"},
                "tok_s_spread": {a: [min(x["tok_s"] for x in rs), max(x["tok_s"] for x in rs)]
                                 for a, rs in by_arm.items()}}
         row["oracle"] = {a: _oracle_of(a, med) for a in med if a in calib_arms() and _oracle_of(a, med)}

@@ -73,6 +73,8 @@ class Serving:
         chains: calib policies: the chains calib may verify (registered chain names).
         plan: calib policies with a model drafter: choose each step's number of draft passes.
         dynamic: vLLM Dynamic SD's schedule ``[[first B, last B, K], ...]`` (K capped at the configured K).
+        oracle: the clock oracle (calib/serve/oracle.py): each step verifies exactly what a reference output of no
+            speculation accepts (greedy only; needs ``serve.oracle``), the ceiling of verification allocation.
         arms: bench/serve.py's arms of this policy.
     """
 
@@ -81,6 +83,7 @@ class Serving:
     chains: tuple[str, ...] | None = None
     plan: bool | None = None
     dynamic: tuple[tuple[int, int, int], ...] | None = None
+    oracle: bool = False
     arms: tuple[Arm, ...] = ()
 
     def node(self, name: str, alias: str | None = None) -> dict:
@@ -88,7 +91,7 @@ class Serving:
         serving name it was asked for by (recorded in serve.json), else None."""
         return {"name": name, "alias": alias, "speculate": self.speculate, "calib": self.calib,
                 "chains": None if self.chains is None else list(self.chains), "plan": self.plan,
-                "dynamic": None if self.dynamic is None else [list(r) for r in self.dynamic]}
+                "dynamic": None if self.dynamic is None else [list(r) for r in self.dynamic], "oracle": self.oracle}
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,11 @@
-"""``oracle``: the allocator on the actual accept masks, a bound on every policy step by step."""
+"""``oracle``: the allocator on the actual accept masks, a bound on every policy step by step; served (greedy
+only), the clock oracle of calib/serve/oracle.py."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from calib.policies.base import Policy, PolicyResult, register_policy
+from calib.policies.base import Arm, Policy, PolicyResult, Serving, register_policy
 from calib.policies.setting import Setting, allocate_chains, committed
 
 
@@ -51,4 +52,10 @@ def _oracle_passes(s: Setting, gmax: int, extra: float) -> tuple[np.ndarray, np.
 register_policy(Policy(
     "oracle", 80, "k", "allocator on the actual accept masks, also choosing per step in hindsight how many draft "
     "passes to pay (0..K): a bound on every policy, step by step", oracle, camp="reference",
-    below_no_spec="pays drafting it cannot avoid"))
+    below_no_spec="pays drafting it cannot avoid",
+    # Served (greedy only): the clock oracle, calib's hooks verifying exactly what a no-speculation reference output
+    # accepts (calib/serve/oracle.py, serve.oracle=PATH): on the n-gram engine vLLM's n-gram chain, on the EAGLE
+    # engine the better of EAGLE's draft and the recomputed n-gram chain. bench/serve.py writes the reference first.
+    serving=Serving(speculate=True, calib=True, chains=("model", "ngram"), plan=False, oracle=True,
+                    arms=(Arm("oracle_ngram", "ngram", default=False),
+                          Arm("oracle_two_drafter", "eagle", default=False)))))

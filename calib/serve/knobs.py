@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import numbers
 from dataclasses import asdict, dataclass, fields
+from pathlib import Path
 from typing import ClassVar
 
 from calib.cost.draft import DEFAULT_DRAFT_COST, PROJECT_ROOT
@@ -44,6 +45,9 @@ class ServeKnobs:
     online_prior: float = 50.0  # pseudo-positions holding a cell at the table until it has its own
     online_pooled: bool = True  # a per-depth offset every cell shares under the cells' own (off: cells apart)
     online_slope: bool = True  # the shared level also learns a slope on the table's logit (online Platt)
+    # the clock oracle (greedy only, calib/serve/oracle.py): the path of a reference file of no speculation's
+    # outputs; each step verifies exactly what the reference accepts instead of deciding from the tables
+    oracle: str | None = None
 
     _parameter_constraints: ClassVar[dict] = {
         "tables": [TEXT],
@@ -61,6 +65,8 @@ class ServeKnobs:
         "online_prior": [Interval(numbers.Real, 0, None, closed="neither")],
         "online_pooled": [Boolean()],
         "online_slope": [Boolean()],
+        "oracle": [NoneValue(), Satisfies("None or the path of an existing oracle reference file "
+                                          "(calib/serve/oracle.py)", lambda v: isinstance(v, str) and Path(v).is_file())],
     }
 
     def online_settings(self):

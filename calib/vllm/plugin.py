@@ -120,7 +120,10 @@ def engine_start(vllm_config, rank: int = 0):
             why = " ".join(str(server.stats.disabled_reason).split())  # one line, whatever the error's layout
             states["serve"] = ModeState("serve", False, reason=f"tables refused: {why}", fix=TABLES_FIX)
         else:
-            states["serve"] = ModeState("serve", True, via=f"{serve.via}, tables {server.tables_dir}", ranks=serve.ranks)
+            oracle = getattr(server, "oracle", None)  # the clock oracle (calib/serve/oracle.py)
+            oracle = f", clock oracle {oracle.reference.path}" if oracle is not None else ""
+            states["serve"] = ModeState("serve", True, via=f"{serve.via}, tables {server.tables_dir}{oracle}",
+                                        ranks=serve.ranks)
         line = line_of(states)
     acts = dict(states)
     if several and serve is not None:

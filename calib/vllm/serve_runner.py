@@ -7,7 +7,10 @@ the environment it finds at engine start):
 * ``fixed`` / ``vllm_dsd`` — vLLM's own speculation (fixed K, or Dynamic SD's K per batch size);
 * ``ragged_calibrated`` / ``two_drafter`` — vLLM drafts, calib decides every step inside the engine
   (calib/vllm/server.py): a calibrated prefix of the drafter's chain, or (two drafters) of the n-gram
-  chain, or nothing; with a model drafter, also how many draft passes the step runs.
+  chain, or nothing; with a model drafter, also how many draft passes the step runs;
+* ``oracle`` — the clock oracle (greedy only, calib/serve/oracle.py): the same hooks verify exactly what a
+  reference of no speculation's outputs accepts (``serve.oracle=PATH``; ``policy=no_spec reference_out=PATH``
+  writes one), the ceiling of verification allocation on the clock.
 
 The names are the replay's (:mod:`calib.policies`, whose servable entries make the ``policy`` config
 group); the old serving names ``none``, ``vllm``, ``vllm_dynamic``, ``calib_ragged``, ``calib_two_drafter``
@@ -78,6 +81,7 @@ def check_config(cfg: dict) -> None:
     spec = cfg["speculative"]
     if pol["speculate"] and spec["method"] == "none":
         raise ValueError(f"policy={pol['name']} speculates but speculative=none; choose speculative=eagle|ngram|...")
+    check_oracle(cfg)
     if pol.get("calib"):
         tables = Path(cfg["root"]) / cfg["tables"] if not Path(cfg["tables"]).is_absolute() else Path(cfg["tables"])
         if not (tables / "tables.json").is_file():
@@ -93,6 +97,43 @@ def check_config(cfg: dict) -> None:
                     pol["name"])
 
 
+def check_oracle(cfg: dict) -> None:
+    """The clock oracle's keys (calib/serve/oracle.py): ``policy=oracle`` needs greedy sampling and
+    ``serve.oracle=PATH`` (a valid reference; its dtype and max_tokens are compared with the run's), which no
+    other policy takes; ``reference_out`` needs ``policy=no_spec`` and greedy sampling. Errors name the key."""
+    pol, root = cfg["policy"], Path(cfg["root"])
+    oracle, out = (cfg.get("serve") or {}).get("oracle"), cfg.get("reference_out")
+    temperature = float((cfg.get("sampling") or {}).get("temperature", 0.0))
+    make = ("make one with `python serve.py policy=no_spec sampling=greedy reference_out=PATH` and the same prompts, "
+            "limit, sampling.max_tokens and engine.dtype")
+    if out and (pol.get("speculate") or temperature > 0):
+        raise ValueError(f"reference_out={out!r}: the clock oracle's reference is no speculation's greedy output; "
+                         f"set it with policy=no_spec and sampling=greedy (got policy={pol['name']}, "
+                         f"sampling.temperature={temperature:g})")
+    if not pol.get("oracle"):
+        if oracle:
+            raise ValueError(f"serve.oracle={oracle!r}: only policy=oracle verifies against a reference "
+                             f"(policy={pol['name']}); drop serve.oracle or choose policy=oracle")
+        return
+    if temperature > 0:
+        raise ValueError(f"policy={pol['name']}: the clock oracle is greedy only (its reference is one greedy "
+                         f"output per prompt); sampling.temperature={temperature:g}, set sampling=greedy")
+    if not oracle:
+        raise ValueError(f"policy={pol['name']} needs serve.oracle=PATH, a reference of no speculation's greedy "
+                         f"outputs (calib/serve/oracle.py); {make}")
+    from calib.serve.oracle import Reference
+
+    ref = Reference.load(_path(root, oracle))
+    max_tokens = (cfg.get("sampling") or {}).get("max_tokens")
+    if max_tokens is not None and int(max_tokens) > ref.max_tokens:
+        log.warning("serve.oracle=%s holds outputs of max_tokens=%d < sampling.max_tokens=%d: past them the oracle "
+                    "keeps vLLM's drafts", oracle, ref.max_tokens, int(max_tokens))
+    dtype = str((cfg.get("engine") or {}).get("dtype", "auto"))
+    if ref.dtype != dtype:
+        log.warning("serve.oracle=%s was made with engine.dtype=%s, this run has %s: greedy outputs may part from "
+                    "it (the oracle then keeps vLLM's drafts; ServeStats.oracle_unknown)", oracle, ref.dtype, dtype)
+
+
 def run(cfg: dict) -> dict:
     """Serve ``cfg``'s prompts with its policy; returns the serve.json record."""
     check_config(cfg)
@@ -100,8 +141,11 @@ def run(cfg: dict) -> dict:
     out_dir = Path(cfg["out_dir"])
     if not out_dir.is_absolute():
         out_dir = root / out_dir
+    tokens = {} if cfg.get("reference_out") else None  # {prompt key: output token ids}: the oracle's reference
     with staged_output(out_dir, overwrite=bool(cfg.get("overwrite", False)), job="serve.py") as stage:
-        record, texts = _serve(cfg, root)
+        record, texts = _serve(cfg, root, tokens)
+        if tokens is not None:
+            record["reference_out"] = str(_path(root, cfg["reference_out"]))
         off = calib_off(cfg["policy"], record)
         if off:  # nothing is published: a calib-labelled figure measured with calib off would mislead
             print(summary(record))
@@ -112,6 +156,11 @@ def run(cfg: dict) -> dict:
         (stage / "outputs.json").write_text(json.dumps(texts, indent=1, ensure_ascii=False) + "\n")
     print(summary(record))
     print(f"wrote {out_dir}/serve.json and outputs.json")
+    if tokens is not None:
+        from calib.serve.oracle import write_reference
+
+        write_reference(record["reference_out"], tokens, max_tokens=record["max_tokens"], dtype=record["dtype"])
+        print(f"wrote the clock oracle's reference ({len(tokens)} prompts) to {record['reference_out']}")
     return record
 
 
@@ -135,7 +184,7 @@ def calib_off(policy: dict, record: dict) -> str | None:
     return None
 
 
-def _serve(cfg: dict, root: Path) -> tuple[dict, dict]:
+def _serve(cfg: dict, root: Path, tokens: dict | None = None) -> tuple[dict, dict]:
     from calib.prompts import load_prompts
 
     prompts = load_prompts(cfg["prompts"]["files"], cfg["prompts"].get("limit_per_file"), root=root)
@@ -146,7 +195,7 @@ def _serve(cfg: dict, root: Path) -> tuple[dict, dict]:
     concurrency = int(cfg["concurrency"])
     llm = build_engine(cfg, root, max_num_seqs=concurrency)
     record, texts = serve_cell(llm, cfg, prompts, cfg["sampling"], concurrency, cfg["prompts"].get("name"),
-                               progress=bool(cfg.get("progress", True)))
+                               progress=bool(cfg.get("progress", True)), tokens=tokens)
     del llm
     return record, texts
 
@@ -184,7 +233,7 @@ def build_engine(cfg: dict, root: Path, max_num_seqs: int):
 def serve_knobs(cfg: dict, root: Path, model_name: str | None = None):
     """The serving knobs of a calib policy's ``cfg`` (:class:`calib.serve.knobs.ServeKnobs`), paths absolute
     for the engine's processes. Keys of ``cfg.serve`` other than ``cost`` and ``model_id`` are knobs as
-    they are (a new knob needs no line here). ``model_id`` defaults to ``model_name`` (the target's name,
+    they are (a new knob needs no line here; ``oracle``, a path, is made absolute). ``model_id`` defaults to ``model_name`` (the target's name,
     :func:`calib.target.target_dir`), else ``model.name``."""
     from calib.cost.serving import measured_cost, step_cost_path
     from calib.serve.knobs import ServeKnobs
@@ -198,6 +247,11 @@ def serve_knobs(cfg: dict, root: Path, model_name: str | None = None):
         cost = f"{_path(root, measured[0])}:{measured[1]}"
     elif step_cost_path(cost) is not None:  # an engine step-cost model, likewise
         cost = str(_path(root, cost))
+    if bool(pol.get("oracle")) != bool(serve.get("oracle")):  # check_oracle says more, before the engine
+        raise ValueError(f"policy={pol['name']} with serve.oracle={serve.get('oracle')!r}: policy=oracle, and only "
+                         "it, needs serve.oracle=PATH (calib/serve/oracle.py)")
+    if serve.get("oracle"):  # a project-relative reference: absolute for the engine's processes
+        serve["oracle"] = str(_path(root, serve["oracle"]))
     ng = spec_cfg.get("ngram") or {}
     return ServeKnobs(**{**serve, "tables": str(_path(root, cfg["tables"])), "cost": cost,
                          "model_id": serve.get("model_id") or model_name or cfg["model"]["name"],
@@ -261,8 +315,10 @@ def latency_figures(times: list, outputs: list) -> dict:
 
 
 def serve_cell(llm, cfg: dict, prompts: list, sampling: dict, concurrency: int, prompts_name: str | None,
-               progress: bool = True) -> tuple[dict, dict]:
-    """Serve ``prompts`` once on ``llm`` at ``concurrency``; the serve.json record and {prompt id: text}."""
+               progress: bool = True, tokens: dict | None = None) -> tuple[dict, dict]:
+    """Serve ``prompts`` once on ``llm`` at ``concurrency``; the serve.json record and {prompt id: text}.
+    ``tokens`` (a dict) also receives ``{prompt key: output token ids}`` of the served prompts (the clock
+    oracle's reference, :func:`calib.serve.oracle.prompt_key` of the chat-encoded prompt's token ids)."""
     from vllm import SamplingParams
 
     from calib.prompts import encode_chat
@@ -285,6 +341,11 @@ def serve_cell(llm, cfg: dict, prompts: list, sampling: dict, concurrency: int, 
         wall = time.perf_counter() - t0
     after = _spec_counters(llm)
     texts = {str(p.id): o.outputs[0].text for p, o in zip(prompts, outputs)}
+    if tokens is not None:
+        from calib.serve.oracle import prompt_key
+
+        tokens.update({prompt_key(i["prompt_token_ids"]): [int(t) for t in o.outputs[0].token_ids]
+                       for i, o in zip(inputs, outputs)})
     n_out = sum(len(o.outputs[0].token_ids) for o in outputs)
     counters = {k: after.get(k, 0) - before.get(k, 0) for k in after}
     record = {
@@ -418,6 +479,9 @@ def summary(r: dict) -> str:
                      f"{c['emptied']} emptied); draft tokens {c['tokens_engine']} -> {c['tokens_out']}")
         if c.get("planned"):
             lines.append(f"  draft passes {c['passes_engine']} -> {c['passes_planned']} on {c['planned']} steps")
+        if c.get("oracle"):
+            lines.append(f"  clock oracle: {c['oracle_known']} request-steps decided from the reference, "
+                         f"{c['oracle_unknown']} unknown (vLLM's drafts kept)")
         lines.append(f"  overhead {r['overhead_pct']:.1f}% of wall ({r['calib_ms_per_step']:.2f} ms/step; allocator "
                      f"{r['allocator_ms_per_step']:.2f} ms/step)"
                      + (f"; OFF: {c['disabled_reason']}" if c.get("disabled_reason") else "")

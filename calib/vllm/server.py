@@ -50,6 +50,9 @@ class ServeStats:
     draft_ms: list[float] = field(default_factory=list)  # per step: vLLM's drafting (propose_draft_token_ids)
     step_ms: list[float] = field(default_factory=list)  # wall time between consecutive decisions (one engine step)
     left_to_vllm: int = 0  # request-steps left to vLLM: target-only logit transforms (calib/transforms.py)
+    oracle_known: int = 0  # the clock oracle (knob oracle): request-steps it decided from the reference continuation
+    oracle_unknown: int = 0  # ... whose continuation it did not know (vLLM's own draft kept)
+    oracle: bool = False  # the clock oracle decided this process's steps (knob oracle)
     errors: int = 0  # exceptions caught in the hooks themselves
     disabled_reason: str | None = None  # why the decider was not built (None: built, or not reached)
 
@@ -70,6 +73,7 @@ class ServeStats:
                 f"({self.plan_decided} allocated by the plan) "
                 f"(plan_ms mean {(sum(self.plan_ms) / len(self.plan_ms)) if self.plan_ms else math.nan:.2f}); "
                 f"{self.left_to_vllm} request-steps left to vLLM (logit transforms); "
+                + (f"oracle {self.oracle_known} known / {self.oracle_unknown} unknown; " if self.oracle else "") +
                 f"{self.errors} hook errors" + (f"; OFF: {self.disabled_reason}" if self.disabled_reason else ""))
 
 
@@ -132,6 +136,7 @@ class Server:
         self.pass_prices: dict[int, float] = {}  # batch size -> the price of one draft pass (plan_passes)
         self.transformed: dict[str, bool] = {}  # req_id -> carries target-only logit transforms (left to vLLM)
         self.ranks = None  # calib.vllm.ranks.RankCheck under tensor parallelism (set at engine start), else None
+        self.oracle = None  # calib.serve.oracle.Oracle when knobs.oracle names a reference (set at construction)
         self._error_logged = 0
 
     # -- construction ----------------------------------------------------------------------------
@@ -196,6 +201,12 @@ class Server:
 
             self.ngram_own = split_context(feature_names(dec.tables, self.lookup), self.lookup)[0]
         model_drafter = chain(dec.engine_chain).confidence is not None  # its passes are calib's to plan
+        if self.knobs.oracle:  # the clock oracle decides from a reference (plan_passes: 0 or vLLM's K)
+            from calib.serve.oracle import Oracle, Reference
+
+            self.oracle, self.stats.oracle = Oracle(Reference.load(self.knobs.oracle)), True
+            self.planning = model_drafter
+            return dec
         self.planning = self.plan and model_drafter and dec.tables.forecast(dec.engine_chain) is not None
         if self.plan and model_drafter and not self.planning:
             log.warning("calib serve: the tables hold no forecast of the model chain (re-run train.py): vLLM "
@@ -271,6 +282,8 @@ class Server:
             self.conf.pop(r, None)
             self.matches.pop(r, None)
             self.chosen.pop(r, None)
+            if self.oracle is not None:
+                self.oracle.finish(r)
             if self.decider is not None:
                 self.decider.finish(r)
 
@@ -325,7 +338,11 @@ class Server:
         """Before the drafter runs: set this step's draft passes (``num_spec_tokens_to_schedule``,
         batch-wide, 0..K) to :func:`calib.allocate.plan_draft`'s choice, from the n-gram chain each
         request will offer (known in full) and the tables' forecast of the model chain in each request's
-        context (design note claim 4). Leaves vLLM's K on anything unexpected."""
+        context (design note claim 4). Leaves vLLM's K on anything unexpected.
+
+        The clock oracle (knob ``oracle``) runs no pass where every request's n-gram chain already commits
+        ``min(K, what is left of its reference)`` (no model draft could commit more), else leaves vLLM's K:
+        it cannot know an EAGLE draft before drafting."""
         dec = self.decider
         if dec is None or not dec.enabled or not self.planning:
             return
@@ -349,6 +366,10 @@ class Server:
             sampled = sampled_token_ids.detach().cpu().tolist()
             extra = [[t for t in r if t >= 0] for r in sampled[:B]]
         tables, drafted, lookup = dec.tables, dec.engine_chain, self.lookup
+        if self.oracle is not None:
+            conts = self.oracle.continuations(batch, rows, req_ids, temps, k_sched, extra)
+            toks = self.ngram_chains(batch, rows, extra)[0] if lookup in dec.chains else None
+            return self.set_passes(scheduler_output, self.oracle.passes(toks, conts, k_sched), k_sched, start)
         known = {drafted: torch.zeros(B, 0)}
         from calib.serve import StepInputs
 
@@ -375,6 +396,10 @@ class Server:
             depth = plan.free_depth.tolist() if passes == 0 and plan.free_depth is not None else None
             self.planned = {r: (self.matches[r][0], known[lookup][b], None if depth is None else depth[b])
                             for b, r in enumerate(req_ids) if r in self.matches}
+        self.set_passes(scheduler_output, passes, k_sched, start)
+
+    def set_passes(self, scheduler_output, passes: int, k_sched: int, start: float) -> None:
+        """Run ``passes`` draft passes this step (vLLM would run ``k_sched``); counted in the statistics."""
         scheduler_output.num_spec_tokens_to_schedule = passes
         s = self.stats
         s.planned += 1
@@ -412,8 +437,14 @@ class Server:
 
         planned = self.planned  # offers() clears it
         inputs = StepInputs(req_ids, temps, self.offers(dec, req_ids, engine, batch, rows))
-        d = self.decide_sampled(dec, inputs) if sampled else (self.planned_decision(inputs, planned)
-                                                               or dec.decide(inputs))
+        if self.oracle is not None:  # the clock oracle: the accepted prefix of the chain that commits most
+            d, known = self.oracle.decide(inputs, self.oracle.continuations(batch, rows, req_ids, temps, K),
+                                          dec.engine_chain, engine)
+            self.stats.oracle_known += sum(known)
+            self.stats.oracle_unknown += len(known) - sum(known)
+        else:
+            d = self.decide_sampled(dec, inputs) if sampled else (self.planned_decision(inputs, planned)
+                                                                   or dec.decide(inputs))
         if d.passthrough:
             self.stats.passthrough += 1
             return out
@@ -428,7 +459,8 @@ class Server:
         for r, cid, x in zip(req_ids, chain_ids.tolist(), drafts):
             self.chosen[r] = names[int(cid)] if (cid != NO_CHAIN and x) else None
         # what the online correction learns from once the step is verified (never the requests left to vLLM)
-        dec.remember(inputs, d, skip=left)
+        if self.oracle is None:  # the oracle learns nothing
+            dec.remember(inputs, d, skip=left)
         if sampled:  # the rejection sampler's q rows must follow the lists handed back
             self.rebuild_draft_probs(runner, req_ids, drafts, chain_ids)
         self.count(drafts, engine)

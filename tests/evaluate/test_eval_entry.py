@@ -74,10 +74,10 @@ def test_eval_compose_run(tmp_path):
             assert mean_all[a[f"{camp}_policy"]] == best and camp_of(a[f"{camp}_policy"]) == camp
         cal = a["calib_policy"]
 
-        def cell_best(c, b, camp):  # issue 41 Must 1: per cell, the best of each camp there
+        def cell_best(at, c, b, camp):  # issue 41 Must 1: per cell, the best of each camp there
             return max(r["goodput"] for (c2, b2, n), r in at.items()
                        if (c2, b2) == (c, b) and camp_of(policy_of_row(n)) == camp)
-        ratios = {(c, b): cell_best(c, b, "calib") / cell_best(c, b, "peer") for (c, b, n) in at if n == cal}
+        ratios = {(c, b): cell_best(at, c, b, "calib") / cell_best(at, c, b, "peer") for (c, b, n) in at if n == cal}
         assert abs(a["ratio_mean"] - (ratios[("all", 1)] + ratios[("all", 4)]) / 2) <= 1e-12 * a["ratio_mean"]
         assert a["ratio_min"] == min(ratios.values())
         assert (a["ratio_min_category"], a["ratio_min_batch_size"]) in ratios

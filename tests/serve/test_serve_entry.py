@@ -57,7 +57,7 @@ def test_config_errors_say_what_to_do(tmp_path):
     with pytest.raises(ValueError, match="choose one of no_spec, fixed, .*aliases: none = no_spec"):
         check_config({**base, "policy": {**base["policy"], "name": "fastest"}})
     with pytest.raises(ValueError, match="choose one of"):  # registered, but replay-only
-        check_config({**base, "policy": {**base["policy"], "name": "oracle"}})
+        check_config({**base, "policy": {**base["policy"], "name": "best_fixed"}})
     with pytest.raises(ValueError, match="concurrency"):
         check_config({**base, "concurrency": 0})
     with pytest.raises(ValueError, match="speculative=none"):
