@@ -238,6 +238,8 @@ def main(argv=None) -> None:
     ap.add_argument("--work", default="runs/bench/serve-work",
                     help="where each finished (arm, repetition) is kept, so a rerun of the command resumes")
     ap.add_argument("--from-json", help="print the table of an earlier run's --out file (runs nothing)")
+    ap.add_argument("--retable", metavar="OUT", help="with --from-json: recompute its table from its records (and "
+                    "the replay it recorded) with this code, and write the whole to OUT")
     ap.add_argument("--replay", default="runs/eval/default/metrics.json",
                     help="eval.py's metrics.json whose ladder predicts each cell (the replay's speed-up over none)")
     ap.add_argument("--cost-model", default="engine", help="the ladder's cost model the prediction reads")
@@ -255,6 +257,17 @@ def main(argv=None) -> None:
         return worker(args.worker)
     if args.from_json:
         done = json.loads(Path(args.from_json).read_text())
+        if args.retable:  # the table recomputed from the run's records by this code, to a new file
+            from calib.atomic import write_text_atomic
+            from calib.evaluate import clock
+
+            done["table"] = clock.rows(done["runs"], predictions(done["runs"], _metrics(done.get("replay")),
+                                                                 done.get("cost_model", args.cost_model)))
+            done["unstable"] = clock.unstable(done["table"], done.get("tolerance", args.tolerance))
+            done["retabled_from"] = args.from_json
+            write_text_atomic(Path(args.retable), json.dumps(done, indent=1))
+            print(f"wrote {args.retable}")
+            return report(done, args, source=args.retable)
         return report(done, args, source=args.from_json)
     if not (Path(args.tables) / "tables.json").is_file():
         sys.exit(f"--tables {args.tables}: no tables.json there; make tables with "
