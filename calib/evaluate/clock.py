@@ -196,7 +196,8 @@ def _x(v) -> str:
 
 
 def _pct(v) -> str:
-    return "–" if v is None else f"{v:+.0%}"
+    """A signed percentage; one that rounds to 0 is written +0% (never -0%)."""
+    return "–" if v is None else f"{0.0 if abs(v) < 0.005 else v:+.0%}"
 
 
 def tok_s_table(table: list[dict], arm_names: list[str]) -> str:
@@ -316,7 +317,7 @@ def render_answer(result: dict, source: str) -> str:
               f"{len(best)} cells")
     if head:
         s += (f"; of the clock oracle's headroom over the best vLLM arm it captured {min(head):+.0%} to "
-              f"{max(head):+.0%} (median {statistics.median(head):+.0%}, {len(head)} greedy cells)")
+              f"{max(head):+.0%} (median {_pct(statistics.median(head))}, {len(head)} greedy cells)")
     s += "."
     lines = [s]
     if err:

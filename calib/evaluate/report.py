@@ -382,7 +382,7 @@ def clock_lines(clock: dict | None, out: Path | None = None) -> list[str]:
           f"median {b['median']:.2f}× over {b['cells']} cells)" if b else "no cell with a calib arm")
     if h:
         s += (f"; headroom captured (calib − best vLLM) / (clock oracle − best vLLM) {h['min']:.0%}–{h['max']:.0%} "
-              f"(median {h['median']:.0%}, {h['cells']} greedy cells)")
+              f"(median {0.0 if abs(h['median']) < 0.005 else h['median']:.0%}, {h['cells']} greedy cells)")
     else:
         s += "; headroom captured: not measured (the bench ran no oracle arm)"
     per_arm = ", ".join(f"`{a}` {min(v):.2f}–{max(v):.2f}×" for a, v in clock["per_arm"].items() if v)
