@@ -23,7 +23,9 @@ def test_eval_compose_run(tmp_path):
         cfg = compose("eval", overrides=[f"root={ROOT}", f"data.test=[{bank}]", f"tables={tmp_path / 'tables'}",
                                          "online.warmup_rounds=0", f"out_dir={out}", "logger=csv", "metrics.n_boot=20",
                                          "replay.batch_sizes=[1,4]", "replay.max_steps=8", "replay.min_steps=4",
-                                         "replay.progress=false"])
+                                         "replay.progress=false",
+                                         # a bench that records no tables digest, whatever docs/bench's newest is
+                                         "serving_bench=docs/bench/serve-c4-2026-12-02.json"])
     assert set(cfg.cost) == {"engine", "parametric"}  # both curves by default
     run(cfg)
     m = json.loads((out / "metrics.json").read_text())
@@ -49,7 +51,7 @@ def test_eval_compose_run(tmp_path):
             "ece_online", "rounds", "actual_mean"} <= set(on["slices"][0])
     assert "## Online correction" in report
     assert "Does calibration beat the model drafter's raw confidence?" in report  # said plainly, per chain
-    # beside the replay, the clock: the newest serving bench, said not to be for these tables (other tables)
+    # beside the replay, the clock: the serving bench named, said not to be for these tables (it records none)
     answer = report[: report.index("## ", len("# Evaluation report\n\n## Answer"))]
     assert answer.split("\n")[4].startswith("**On a clock — the answer**")  # the clock first (issue 41 Must 5)
     assert "not necessarily these tables" in answer and "](/" not in report  # links relative: the report can move
