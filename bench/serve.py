@@ -98,7 +98,7 @@ def worker(spec_path: str) -> None:
         if i == 0:  # warm-up: first-call costs (lazy tables, allocator, caches) off the clock
             serve_cell(llm, cfg, prompts[:2], {**sampling, "max_tokens": 8}, 2, cat, progress=False)
         record, texts = serve_cell(llm, cfg, prompts, sampling, cell["concurrency"], cat, progress=False,
-                                   **({} if reference is None else {"tokens": reference}))
+                                   tokens=reference)
         # A calib arm that decided nothing is vLLM's own arm under another name: recorded, never counted.
         record["calib_off"] = calib_off(cfg["policy"], record)
         record.update(arm=spec["arm"], rep=spec["rep"], cell=cell, texts=texts)
@@ -299,9 +299,9 @@ def main(argv=None) -> None:
     print(f"{len(arms)} arms x {args.reps} reps (up to {max_reps} while a ratio spreads more than "
           f"±{args.tolerance:.0%}) x {len(cells)} cells (each finished arm kept in {work})", flush=True)
     served_s, served, rep = 0.0, 0, 0
-    while rep < args.reps or (rep < max_reps and clock.unstable(clock.rows(records), args.tolerance)):
+    while rep < args.reps or (rep < max_reps and (pending := clock.unstable(clock.rows(records), args.tolerance))):
         if rep >= args.reps:
-            print(f"rep {rep}: unstable cells {clock.unstable(clock.rows(records), args.tolerance)}", flush=True)
+            print(f"rep {rep}: unstable cells {pending}", flush=True)
         order = arms[rep % len(arms):] + arms[: rep % len(arms)]  # repetitions rotate the arms' order
         for i, arm in enumerate(order):
             left = len(order) - i + len(arms) * max(0, args.reps - rep - 1)

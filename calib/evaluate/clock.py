@@ -300,15 +300,25 @@ def _errors(row: dict) -> dict:
             if p is not None and m.get(a) and a != "none"}
 
 
+def answer_figures(table: list[dict]) -> dict[str, list[float]]:
+    """The answer's figures over a bench's cells, for every place that states it (README/docs blocks, eval's
+    report): ``best`` per cell, calib's best arm over the best vLLM arm; ``headroom``, per greedy cell with a
+    ceiling, the most headroom a calib arm captured; ``errors``, |the replay's error| per (cell, arm)."""
+    mine = calib_arms()
+    best = [max(row["ratio_to_best_vllm"][a] for a in mine if a in row["ratio_to_best_vllm"])
+            for row in table if any(a in row["ratio_to_best_vllm"] for a in mine)]
+    head = [max(v for v in row["headroom_captured"].values() if v is not None) for row in table
+            if any(v is not None for v in (row.get("headroom_captured") or {}).values())]
+    errors = [abs(e) for row in table for e in _errors(row).values() if e is not None]
+    return {"best": best, "headroom": head, "errors": errors}
+
+
 def render_answer(result: dict, source: str) -> str:
     """The headline: calib's best arm against the best vLLM arm per cell, headroom, the replay's error."""
     table = result["table"]
-    best = [max(row["ratio_to_best_vllm"][a] for a in calib_arms() if a in row["ratio_to_best_vllm"])
-            for row in table if any(a in row["ratio_to_best_vllm"] for a in calib_arms())]
+    figures = answer_figures(table)
+    best, head, err = figures["best"], figures["headroom"], figures["errors"]
     wins = sum(b >= 1.0 for b in best)
-    err = [abs(e) for row in table for e in _errors(row).values() if e is not None]
-    head = [max(v for v in row["headroom_captured"].values() if v is not None) for row in table
-            if any(v is not None for v in (row.get("headroom_captured") or {}).values())]
     s = (f"**On a clock — the answer** (`{result['command']}`, {result.get('date', '?')}, {result.get('cpu', '?')}, "
          f"{_reps(result)} repetitions, arms alternated; [{Path(source).name}]({source})): ")
     if best:
@@ -374,6 +384,11 @@ def _rel(doc: Path, source: str, root: Path) -> str:
     return os.path.relpath(root / source, doc.resolve().parent)
 
 
+def _body(doc: Path, m: re.Match, root: Path) -> str:
+    """A marked block's text as its JSON renders it, its link relative to ``doc``."""
+    return render(m["kind"], m["source"], root).replace(f"]({m['source']})", f"]({_rel(doc, m['source'], root)})")
+
+
 def redraw(doc: Path, root: Path = ROOT, only: str | None = None) -> int:
     """Rewrite every marked block of ``doc`` (those citing ``only``, if given) from its JSON; the number
     rewritten. Written to a temp name, then renamed."""
@@ -387,8 +402,7 @@ def redraw(doc: Path, root: Path = ROOT, only: str | None = None) -> int:
         if only is not None and m["source"] != only:
             return m[0]
         n += 1
-        body = render(m["kind"], m["source"], root).replace(f"]({m['source']})", f"]({_rel(doc, m['source'], root)})")
-        return f"<!-- clock:{m['kind']} {m['source']} -->\n{body}\n<!-- /clock -->"
+        return f"<!-- clock:{m['kind']} {m['source']} -->\n{_body(doc, m, root)}\n<!-- /clock -->"
 
     new = BLOCK.sub(sub, text)
     if new != text:
@@ -401,9 +415,7 @@ def stale_blocks(doc: Path, root: Path = ROOT) -> list[str]:
     text = doc.read_text()
     bad = []
     for m in BLOCK.finditer(text):
-        want = render(m["kind"], m["source"], root).replace(f"]({m['source']})",
-                                                            f"]({_rel(doc, m['source'], root)})")
-        if m["body"].rstrip("\n") != want:
+        if m["body"].rstrip("\n") != _body(doc, m, root):
             line = text[: m.start()].count("\n") + 1
             bad.append(f"{doc}:{line} clock:{m['kind']} {m['source']}: differs from what its JSON renders "
                        f"(`python bench/serve.py --from-json {m['source']} --readme {doc}` redraws it)")

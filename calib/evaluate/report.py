@@ -336,17 +336,11 @@ def clock_summary(bench: Path | None, tables_sha256: str | None) -> dict | None:
     tables.json digest). None without a bench."""
     if bench is None:
         return None
+    from calib.evaluate import clock
+
     d = json.loads(Path(bench).read_text())
-    calib_arms = [a for a in d.get("arms", []) if a.startswith("calib")]
-    best, head, errs = [], [], []
-    for r in d["table"]:
-        mine = [r["ratio_to_best_vllm"][a] for a in calib_arms if a in r.get("ratio_to_best_vllm", {})]
-        if mine:
-            best.append(max(mine))
-        h = [v for a, v in (r.get("headroom_captured") or {}).items() if a in calib_arms and v is not None]
-        if h:
-            head.append(max(h))
-        errs += [abs(v) for v in (r.get("prediction_error") or {}).values() if v is not None]
+    calib_arms = [a for a in d.get("arms", []) if a in clock.calib_arms()]
+    figures = clock.answer_figures(d["table"])  # the same figures the README's clock block states
     recorded = d.get("tables_sha256")
     whose = ("these" if recorded and tables_sha256 and recorded == tables_sha256
              else "other" if recorded else "unrecorded")
@@ -357,8 +351,8 @@ def clock_summary(bench: Path | None, tables_sha256: str | None) -> dict | None:
     ident = d.get("identity_float32_greedy") or {}
     return {"bench": str(bench), "command": d.get("command", "python bench/serve.py"), "date": d.get("date"),
             "cpu": d.get("cpu"), "cells": len(d["table"]), "tables": whose, "tables_sha256": recorded,
-            "calib_arms": calib_arms, "calib_best_vs_best_vllm": spread(best), "headroom_captured": spread(head),
-            "prediction_abs_error": spread(errs),
+            "calib_arms": calib_arms, "calib_best_vs_best_vllm": spread(figures["best"]),
+            "headroom_captured": spread(figures["headroom"]), "prediction_abs_error": spread(figures["errors"]),
             "per_arm": {a: [r["ratio_to_best_vllm"][a] for r in d["table"] if a in r.get("ratio_to_best_vllm", {})]
                         for a in calib_arms},
             "identical": (all(v.get("identical") == v.get("prompts") for v in ident.values()) if ident else None)}
