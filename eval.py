@@ -12,11 +12,13 @@ evaluated whole, a training bank on its held-out prompts.
 import hydra
 from omegaconf import DictConfig
 
-from calib.evaluate.run import run
+import calib  # noqa: F401 - registers the resolvers conf/ uses (--help's config groups)
 
 
 @hydra.main(config_path="conf", config_name="eval", version_base="1.3")
 def main(cfg: DictConfig) -> None:
+    from calib.evaluate.run import run  # after parsing: --help answers without torch
+
     run(cfg)
 
 

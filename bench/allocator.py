@@ -20,10 +20,10 @@ import statistics
 import time
 from functools import partial
 
-import torch
-
-from calib.allocate import allocate_probs, plan_draft
 from calib.cli import parser as plain_parser
+
+# torch and the allocator are imported by main() after parsing (--help answers without them) and bound here
+torch = allocate_probs = plan_draft = None
 
 BATCHES = (1, 4, 64, 256, 1024)
 WIDTHS = (4, 8, 16)
@@ -133,6 +133,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     parser.add_argument("--skip-cpu", action="store_true", help="only the GPU table")
     args = parser.parse_args()
+    global torch, allocate_probs, plan_draft
+    import torch
+
+    from calib.allocate import allocate_probs, plan_draft
+
     torch.set_num_threads(args.threads)
     if not args.skip_cpu:
         cpu_table()

@@ -16,18 +16,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
-from calib.bank import Bank
-from calib.chains import Offer, chains, split_context
-from calib.chains.ngram import step_feature_tensor
 from calib.cli import parser as plain_parser
-from calib.serve import StepInputs, decide_step
-from calib.serve.decide import feature_names
-from calib.serve.history import RequestHistory
-from calib.tables import load
+
+if TYPE_CHECKING:  # the functions import torch and calib's serving code themselves: --help answers without them
+    from calib.serve import StepInputs
 
 BANKS = ("data/banks/eagle-chat_code-t0", "data/banks/eagle-chat_code-t0.8")
 K, ROUNDS, STEPS, STRIDE = 4, 2400, 480, 149  # rounds read per bank, steps' first rows, rows between requests
@@ -40,6 +36,12 @@ def present(v) -> bool:
 
 def step_inputs(rows, own: list[str]) -> StepInputs:
     """One serving step from bank rounds: each row a request, its model and n-gram chains as recorded."""
+    import torch
+
+    from calib.chains import Offer
+    from calib.chains.ngram import step_feature_tensor
+    from calib.serve import StepInputs
+
     ids = [f"{r.category}-{r.prompt_idx}-{r.turn}" for r in rows.itertuples()]
     model_tokens = [[int(r[f"tok{k}"]) for k in range(K) if present(r[f"tok{k}"])] for _, r in rows.iterrows()]
     conf = torch.tensor(rows[[f"conf{k}" for k in range(K)]].to_numpy(np.float32))  # [B, K]
@@ -52,6 +54,14 @@ def step_inputs(rows, own: list[str]) -> StepInputs:
 
 
 def decisions(tables, bank_dir: str) -> list[list]:
+    import torch
+
+    from calib.bank import Bank
+    from calib.chains import chains, split_context
+    from calib.serve import decide_step
+    from calib.serve.decide import feature_names
+    from calib.serve.history import RequestHistory
+
     rounds = Bank(bank_dir).rounds(chains=chains()).to_pandas().iloc[:ROUNDS]
     own = split_context(feature_names(tables, "ngram"), "ngram")[0]
     history, out = RequestHistory(), []
@@ -76,6 +86,8 @@ def main() -> None:
     ap.add_argument("tables", help="a tables folder (python train.py out_dir=...)")
     ap.add_argument("out", help="where to write the decisions (JSON lines)")
     args = ap.parse_args()
+    from calib.tables import load
+
     tables = load(args.tables)
     text = "\n".join(json.dumps(d) for bank in BANKS for d in decisions(tables, bank))
     with open(args.out, "w", encoding="utf-8") as f:

@@ -17,15 +17,18 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from calib.cli import parser as plain_parser
+
+if TYPE_CHECKING:
+    import torch
 
 
 def bank_accepted(bank: Path, k: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
     """Drafted tokens [rounds, K] and their acceptance [rounds, K] (0/1, later depths 0 after a miss)."""
     import pyarrow.parquet as pq
+    import torch  # here, not at the top: --help answers without torch
 
     spec, acc = pq.read_table(bank / "speculator.parquet"), pq.read_table(bank / "acceptance.parquet")
     keys = ("category", "prompt_idx", "turn", "round_idx")
@@ -37,6 +40,14 @@ def bank_accepted(bank: Path, k: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def main() -> None:
+    ap = plain_parser(__doc__)
+    ap.add_argument("--work", required=True, help="the recipe's work_dir (responses.jsonl)")
+    ap.add_argument("--bank", required=True)
+    ap.add_argument("--count-prompts", nargs="*", default=[], help="reduced.count_prompts")
+    ap.add_argument("--sizes", type=int, nargs="+", default=[4096, 8192, 16384])
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    import torch
     from transformers import AutoConfig
 
     from calib.drafters.eagle.reduced_vocab import (
@@ -49,13 +60,6 @@ def main() -> None:
     )
     from calib.target import prepare_target
 
-    ap = plain_parser(__doc__)
-    ap.add_argument("--work", required=True, help="the recipe's work_dir (responses.jsonl)")
-    ap.add_argument("--bank", required=True)
-    ap.add_argument("--count-prompts", nargs="*", default=[], help="reduced.count_prompts")
-    ap.add_argument("--sizes", type=int, nargs="+", default=[4096, 8192, 16384])
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args()
     model_dir = str(prepare_target())
     config, keep = AutoConfig.from_pretrained(model_dir), special_ids(model_dir)
     responses = corpus_records(Path(args.work), [Path(p) for p in args.count_prompts], model_dir)

@@ -18,15 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from calib.bank.io import load
-from calib.calibrators.base import with_depth
-from calib.calibrators.features import LogisticAcceptance
-from calib.chains import chain
 from calib.cli import parser as plain_parser
-from calib.labels import prompt_split
-from calib.metrics import auroc, brier
-from calib.tables import load as load_tables
-from calib.tables.export import table_predict
 
 TRAIN_BANKS = ["data/banks/eagle-chat_code-t0", "data/banks/eagle-chat_code-t0.8",
                "data/banks/ngram-chat_code-t0", "data/banks/ngram-chat_code-t0.8"]  # conf/data/sample.yaml
@@ -35,6 +27,15 @@ BASELINE_FEATURES = ["match_n"]
 
 def rows(tables_dir: str, train_banks: list[str], banks: list[str]) -> list[dict]:
     """One row per (bank, category, and "all"): n, Brier and AUROC of the tables and of the baseline."""
+    from calib.bank.io import load  # here, not at the top: --help answers without pandas or scikit-learn
+    from calib.calibrators.base import with_depth
+    from calib.calibrators.features import LogisticAcceptance
+    from calib.chains import chain
+    from calib.labels import prompt_split
+    from calib.metrics import auroc, brier
+    from calib.tables import load as load_tables
+    from calib.tables.export import table_predict
+
     kind = chain("ngram")
     fit = kind.samples(load(train_banks))
     fit = fit[prompt_split(fit.category, fit.prompt_idx) != "test"]

@@ -28,8 +28,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 from calib.cli import parser as plain_parser
 
 DEFAULT_GRID = (list(range(1, 17)) + list(range(20, 65, 4)) + list(range(72, 129, 8))
@@ -47,6 +45,7 @@ def model_dir() -> Path:
 
 
 def measure(grid, context: int, repeats: int, model_path: Path) -> list[tuple[int, float]]:
+    import torch  # here, not at the top: --help answers without torch
     from transformers import AutoModelForCausalLM, DynamicCache
 
     torch.set_num_threads(1)  # per-process, as the engine's CPU workers run (see FIELD_NOTES)
@@ -102,6 +101,8 @@ def main(argv=None) -> None:
     start = time.perf_counter()
     rows = measure(grid, args.context, args.repeats, model_dir())
     write_csv(Path(args.out), rows)
+    import torch
+
     print(f"wrote {args.out}: {len(rows)} points in {time.perf_counter() - start:.0f} s "
           f"({platform.processor() or platform.machine()}, torch {torch.__version__}, 1 thread)")
 

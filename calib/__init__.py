@@ -16,6 +16,13 @@ def _help_groups() -> str:
     return help_groups()
 
 
+def _help_keys(*, _root_) -> str:
+    """``${calib.help_keys:}`` in conf/hydra/help/calib.yaml: the composed config's top-level settings."""
+    from calib.cli import help_keys
+
+    return help_keys(_root_)
+
+
 def _register_config_resolvers() -> None:
     """The resolvers conf/ uses, registered before any config is composed or loaded (a calib import)."""
     try:
@@ -26,6 +33,8 @@ def _register_config_resolvers() -> None:
         OmegaConf.register_new_resolver("calib.draft_cost", _draft_cost)
     if not OmegaConf.has_resolver("calib.help_groups"):
         OmegaConf.register_new_resolver("calib.help_groups", _help_groups)
+    if not OmegaConf.has_resolver("calib.help_keys"):
+        OmegaConf.register_new_resolver("calib.help_keys", _help_keys)
 
 
 _register_config_resolvers()

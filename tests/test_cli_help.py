@@ -1,7 +1,10 @@
-"""Each command line's ``--help`` (issue 30, Must 5): a Hydra entry point lists only the config groups its
-primary config reads (conf/hydra/help/calib.yaml, calib.cli), an argparse one prints plain text (no
-reStructuredText), and each bench script says why it keeps argparse. Every command runs in a subprocess,
-as a user types it."""
+"""Each command line's ``--help`` (issue 30, Must 5; issue 43, Must 5): a Hydra entry point lists only the
+config groups its primary config reads and its top-level settings (conf/hydra/help/calib.yaml, calib.cli),
+an argparse one prints plain text (no reStructuredText), its docstring's summary and examples, and the
+whole docstring under ``--help-all`` (where each bench script says why it keeps argparse). Every help fits
+in 40 lines and imports none of the heavy stack (torch, vLLM, Lightning, W&B, pandas, scikit-learn), which
+is what keeps it under 2 s; that is asserted, not timed (a timed test fails on a slow machine). Every
+command runs in a subprocess, as a user types it."""
 
 from __future__ import annotations
 
@@ -12,22 +15,39 @@ from pathlib import Path
 
 import pytest
 
-from calib.cli import plain_text
+from calib.cli import plain_text, summary
 
 ROOT = Path(__file__).resolve().parents[1]
 RST = ("``", ":func:", ":class:", ":mod:", ":meth:", ":data:", ":attr:")
 
 
-def run_help(*cmd: str) -> str:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
-    p = subprocess.run([sys.executable, *cmd, "--help"], check=False, cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=60)
+HEAVY = ("torch", "vllm", "lightning", "wandb", "pandas", "sklearn", "transformers")
+MAX_LINES = 40
+
+
+def run_help(*cmd: str, flag: str = "--help", python: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}  # piped: calib.cli.HELP_WIDTH columns
+    env |= {"PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
+    p = subprocess.run([sys.executable, *python, *cmd, flag], check=False, cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=60)
     assert p.returncode == 0, p.stderr[-2000:]
-    return p.stdout
+    return p
+
+
+def help_text(*cmd: str, flag: str = "--help") -> str:
+    return run_help(*cmd, flag=flag).stdout
+
+
+def heavy_imports(*cmd: str) -> list[str]:
+    """The heavy top-level packages imported while ``cmd --help`` runs (``python -X importtime`` lists every
+    import on stderr as ``import time: self | cumulative | name``)."""
+    err = run_help(*cmd, python=("-X", "importtime")).stderr
+    names = {line.rsplit("|", 1)[1].strip() for line in err.splitlines() if line.startswith("import time:")}
+    return sorted(names & set(HEAVY))
 
 
 def groups_listed(text: str) -> set[str]:
-    section = text.split("== Config groups", 1)[1].split("== Config ==", 1)[0]
+    section = text.split("== Config groups", 1)[1].split("== Settings", 1)[0]
     return {line.split(":", 1)[0] for line in section.splitlines()[1:] if ":" in line}
 
 
@@ -44,7 +64,7 @@ HYDRA = {  # entry point -> the groups its primary config's defaults list reads
 
 @pytest.mark.parametrize("entry", list(HYDRA))
 def test_hydra_help_lists_its_own_groups(entry):
-    text = run_help(*entry.split())
+    text = help_text(*entry.split())
     assert groups_listed(text) == HYDRA[entry]
     assert text.startswith(f"usage: python {entry} [GROUP=OPTION ...]")
     assert "powered by Hydra" not in text and "$APP_CONFIG_GROUPS" not in text
@@ -57,7 +77,7 @@ def test_named_exclusions():
 
 
 def test_help_follows_overrides():
-    text = run_help("train.py", "calibrator=hgb")
+    text = help_text("train.py", "calibrator=hgb")
     assert "(chosen: hgb)" in text.split("== Config groups", 1)[1].split("\n", 2)[1]
 
 
@@ -67,18 +87,67 @@ ARGPARSE = [str(p.relative_to(ROOT)) for p in sorted((ROOT / "bench").glob("*.py
 
 @pytest.mark.parametrize("entry", ARGPARSE)
 def test_argparse_help_is_plain_text(entry):
-    text = run_help(*entry.split())
+    text = help_text(*entry.split())
     assert text.startswith("usage: ")
     assert not [m for m in RST if m in text], text
     if entry.startswith("bench/"):
-        assert "Why argparse, not Hydra" in text
+        assert "Why argparse, not Hydra" in help_text(*entry.split(), flag="--help-all")
 
 
 def test_bank_help_is_plain():
-    text = run_help("-m", "calib.bank")
+    text = help_text("-m", "calib.bank")
     assert "validate" in text and "stats" in text and "``" not in text and ":func:" not in text
 
 
 def test_plain_text():
     rst = "See :func:`calib.x.y` and :py:meth:`~a.B.c`, ``--flag``, *this* and **that**; e.g.::\n"
     assert plain_text(rst) == "See calib.x.y and a.B.c, --flag, this and that; e.g.:\n"
+
+
+# Entry points whose --help still imports the heavy stack or runs long, each with the reason; strict, so
+# that a fix shows up as a failure to delete the mark.
+SLOW = {"-m calib.drafters.eagle.reduced_vocab": "its module defines torch nn.Modules at import"}
+LONG = {"bench/serve.py": "48 lines: its option help is long (not this issue's file to edit)"}
+
+
+def _marked(entry: str, reasons: dict[str, str]):
+    mark = pytest.mark.xfail(strict=True, reason=reasons[entry]) if entry in reasons else ()
+    return pytest.param(entry, marks=mark)
+
+
+ENTRIES = list(HYDRA) + ARGPARSE
+
+
+@pytest.mark.parametrize("entry", [_marked(e, LONG) for e in ENTRIES])
+def test_help_is_short(entry):
+    text = help_text(*entry.split())
+    assert len(text.rstrip("\n").splitlines()) <= MAX_LINES, text
+
+
+@pytest.mark.parametrize("entry", [_marked(e, SLOW) for e in ENTRIES])
+def test_help_imports_nothing_heavy(entry):
+    """--help is answered before anything heavy is imported (what took eval.py's --help to 9 s cold)."""
+    assert heavy_imports(*entry.split()) == []
+
+
+def test_hydra_help_lists_settings_and_points_to_the_full_config():
+    text = help_text("serve.py")
+    settings = text.split("== Settings", 1)[1]
+    assert "\nserve: {cost, " in settings and "\noverwrite: false\n" in settings
+    assert "root: ${hydra:runtime.cwd}" in settings  # interpolations shown, unresolved
+    assert "--cfg job" in text and "== Config ==" not in text
+    full = subprocess.run([sys.executable, "serve.py", "--cfg", "job"], check=True, cwd=ROOT, capture_output=True,
+                          text=True, timeout=60).stdout
+    assert "online_decay: 0.99" in full and "online_decay:" not in text  # the full config is one flag away
+
+
+def test_help_all_prints_the_whole_docstring():
+    short, full = help_text("bench/serve_http.py"), help_text("bench/serve_http.py", flag="--help-all")
+    assert "--help-all" in short and "Why argparse" not in short
+    assert "Why argparse, not Hydra" in full and "--tables" in full and len(full) > len(short)
+
+
+def test_summary_keeps_first_paragraph_and_examples():
+    doc = "What it does.\n\nDetails nobody needs at first.\n\n    python x.py --a 1   # example\n\nMore.\n"
+    assert summary(doc) == "What it does.\n\n    python x.py --a 1   # example\n"
+    assert summary("") == ""

@@ -6,12 +6,15 @@ The last two are calib's served policies (calib/vllm/server.py decides each engi
 
 from __future__ import annotations
 
-import numpy as np
-import torch
+from typing import TYPE_CHECKING
 
-from calib.allocate import plan_draft
+import numpy as np
+
 from calib.policies.base import Arm, Policy, PolicyResult, Serving, register_policy
 from calib.policies.setting import Setting, allocate_chains
+
+if TYPE_CHECKING:  # loaded on first use (calib.policies.setting says why)
+    import torch
 
 # The chains a served calib policy may verify (registry names, calib.chains): the engine drafter's own
 # chain, and beside a model drafter the n-gram chain recomputed from the request's tokens.
@@ -51,6 +54,10 @@ def planned_drafts(s: Setting, p1: np.ndarray, forecast: np.ndarray, p2: np.ndar
     NaN where not drafted; the passes run). ``p1``, ``forecast``, ``p2`` [B, K]. Planned once per step
     every request drafts every pass (vLLM's drafter runs the batch); planned per pass, the requests the
     plan does not draft for end their chain there."""
+    import torch
+
+    from calib.allocate import plan_draft
+
     first, second = s.sb.names
     B, K = s.B, s.K
     known = np.full((B, K), np.nan, dtype=np.float32)

@@ -6,13 +6,17 @@ curve, the drafting prices and the helpers the built-ins share. Accounting: docs
 
 from __future__ import annotations
 
-import numpy as np
-import torch
+from typing import TYPE_CHECKING
 
-from calib.allocate import allocate_probs
+import numpy as np
+
 from calib.chains import chain
-from calib.cost.step import EngineStepCurve
 from calib.policies.base import PolicyResult
+
+# torch, the allocator and the cost curves load on first use: serve.py stores this registry's `policy` group
+# before composing its config, and its --help must answer without torch (issue 43)
+if TYPE_CHECKING:
+    import torch
 
 
 class StepBatch:
@@ -63,6 +67,10 @@ def committed(sb: StepBatch, drafter: np.ndarray, depth: np.ndarray) -> np.ndarr
 def allocate_chains(p1, p2, cost: torch.Tensor, budget: int | None, impl: str, names: tuple):
     """Allocate over the chain ``names[0]`` (probabilities ``p1`` [B, K]) and, if given, ``names[1]``
     (``p2`` [B, K]); returns (chain id [B], 0 = none; depth [B])."""
+    import torch
+
+    from calib.allocate import allocate_probs
+
     probs = {names[0]: torch.from_numpy(np.ascontiguousarray(p1, dtype=np.float32))}
     if p2 is not None:
         probs[names[1]] = torch.from_numpy(np.ascontiguousarray(p2, dtype=np.float32))
@@ -91,6 +99,8 @@ class Setting:
     """
 
     def __init__(self, sb: StepBatch, curve, cfg, train_curve: np.ndarray):
+        from calib.cost.step import EngineStepCurve
+
         self.sb, self.cfg = sb, cfg
         self.engine = isinstance(curve, EngineStepCurve)
         self.model_primary = chain(sb.names[0]).confidence is not None  # its passes are model forwards

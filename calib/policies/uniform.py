@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 from calib.chains import chain_names
 from calib.policies.base import Policy, PolicyResult, register_policy
@@ -17,6 +16,8 @@ def uniform_gamma(p_row: np.ndarray, batch: int, curve, draft: np.ndarray, impl:
     has goodput ``(1 + E_d) / cost1[1 + d]`` = the batch's goodput / B, so the allocator's exact
     goodput rule on it returns the batch-uniform optimum.
     """
+    import torch  # on first use (calib.policies.setting says why)
+
     K = p_row.shape[0]
     cost1 = np.empty(K + 2)
     cost1[0] = np.inf

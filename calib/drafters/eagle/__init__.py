@@ -6,7 +6,15 @@ vLLM) → hidden states (the target's post-norm final states, transformers) → 
 EAGLE loss) → ``export`` (safetensors + config). ``acceptance`` reports how a head did in a bank.
 """
 
-from calib.drafters.eagle.export import export_head
-from calib.drafters.eagle.model import EagleHead, eagle_loss
-
 __all__ = ["EagleHead", "eagle_loss", "export_head"]
+_HOMES = {"EagleHead": "model", "eagle_loss": "model", "export_head": "export"}
+
+
+def __getattr__(name: str):
+    """The head and its export load on first use (PEP 562): ``python -m calib.drafters.eagle --help`` and the
+    package's light modules (corpus, magpie) import no torch (issue 43)."""
+    if name in _HOMES:
+        import importlib
+
+        return getattr(importlib.import_module(f"calib.drafters.eagle.{_HOMES[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
