@@ -26,8 +26,9 @@ the fingerprint to tell a training bank from an unseen one), ``split``, ``calib_
 feature order or bin edge changes what the tensors mean without any error downstream, so tables
 are re-exported, never edited. Behind the digests it refuses, with a :class:`TablesError` naming the
 file, the chain, the key or tensor and the first bad index and value: a tables.json that is not a
-calib tables.json (binary, not JSON, nested too deep, a mistyped field: :func:`calib.sidefiles.read_json`
-and :data:`META_CONSTRAINTS`), tensor shapes or dtypes other than tables.json's ``shapes``, grid values
+calib tables.json (binary, not JSON or not strict JSON (NaN, Infinity), nested too deep, a mistyped field:
+:func:`calib.sidefiles.read_json` and :data:`META_CONSTRAINTS`, a chain this calib does not know), a folder
+where either file belongs, tensor shapes or dtypes other than tables.json's ``shapes``, grid values
 outside [0, 1] (NaN included: a grid cell always holds a probability; "no token" is the input's NaN,
 never the grid's), edges that are NaN, -inf, unsorted or finite after the +inf padding, or differ from
 the axes tables.json lists, and negative strides (or a zero stride on an axis that has edges).
@@ -184,6 +185,11 @@ def check_meta(meta: dict, where: Path) -> None:
         _check_keys(where, "split.", meta["split"], SPLIT_CONSTRAINTS)
     for name, shape in meta["shapes"].items():
         _check_keys(where, "shapes.", {name: shape}, {name: [SHAPE]})
+    unknown = [name for name in meta["chains"] if name not in chain_names()]
+    if unknown:
+        raise TablesError(f"{where}: chains lists {unknown}, not a chain this calib knows (registered: "
+                          f"{list(chain_names())}): tables from another calib version, or a chain registered by code "
+                          f"this process did not import; {REEXPORT}")
     for name, entry in meta["chains"].items():
         at = f"chains.{name}."
         if not isinstance(entry, dict):
@@ -629,6 +635,17 @@ def bank_fingerprint(bank_dir: str | os.PathLike) -> str:
     return fingerprint(bank_dir)
 
 
+def _finite(obj):
+    """``obj`` (parsed JSON) with NaN and infinities replaced by None: :func:`load` reads strict JSON."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_finite(v) for v in obj]
+    return obj
+
+
 def json_digest(meta: dict) -> str:
     """sha256 of ``meta`` without its ``json_sha256`` field, as canonical JSON (sorted keys, no spaces).
 
@@ -751,9 +768,10 @@ def save(out_dir: str | os.PathLike, tables: GridTables, meta: dict) -> Path:
                 "tensors_sha256": sha256_file(tmp),
                 "shapes": {n: list(t.shape) for n, t in tensors.items()}}
     full.pop("json_sha256", None)
-    full = json.loads(json.dumps(full, default=float))  # the digest is over what a reader parses back
+    # the digest is over what a reader parses back; strict JSON (a NaN metric is written as null)
+    full = _finite(json.loads(json.dumps(full, default=float)))
     full["json_sha256"] = json_digest(full)
-    write_text_atomic(out / META, json.dumps(full, indent=2, sort_keys=True) + "\n")
+    write_text_atomic(out / META, json.dumps(full, indent=2, sort_keys=True, allow_nan=False) + "\n")
     return out
 
 
@@ -775,8 +793,12 @@ def load(path: str | os.PathLike) -> Tables:
         if not p.exists():
             raise TablesError(f"{p} not found: a tables folder holds {TENSORS} and {META} "
                               "(written by `python train.py out_dir=...`)")
-    try:
-        meta = read_json(meta_path, dict, hint="re-export the tables (python train.py out_dir=DIR overwrite=true)")
+        if p.is_dir():
+            raise TablesError(f"{p} is a folder, not a file: a tables folder holds the files {TENSORS} and {META} "
+                              "(written by `python train.py out_dir=...`); point tables= at that folder")
+    try:  # strict JSON: calib writes null for a missing number, never NaN or Infinity
+        meta = read_json(meta_path, dict, allow_nan=False,
+                         hint="re-export the tables (python train.py out_dir=DIR overwrite=true)")
     except SideFileError as exc:
         raise TablesError(str(exc)) from exc
     version = meta.get("schema_version")

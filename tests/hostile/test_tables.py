@@ -144,6 +144,9 @@ JSON_CASES = [
     ("tensor checksum a number", _set("tensors_sha256", 5), ["tensors_sha256 = 5 (int)"]),
     ("schema version a string", _set("schema_version", "3"), ["schema_version '3', this calib reads 3"]),
     ("depths off", _set("chains/model/depths", D + 1), [f"model.grid has {D} depth rows", f"depths says {D + 1}"]),
+    # issue 43: a chain this calib does not know is refused by name, not loaded and evaluated
+    ("unknown chain", lambda meta: meta["chains"].__setitem__("medusa", meta["chains"].pop("ngram")),
+     ["chains lists ['medusa'], not a chain this calib knows (registered: ", "'ngram'"]),
 ]
 
 
@@ -171,6 +174,33 @@ def test_a_tables_json_that_is_not_json_is_refused_naming_the_file(folder, raw, 
     with pytest.raises(TablesError, match=expected) as err:
         load(folder)
     assert str(folder / "tables.json") in str(err.value)
+
+
+@pytest.mark.parametrize("constant", ["NaN", "Infinity", "-Infinity"])
+def test_nan_or_infinity_in_tables_json_is_refused(folder, constant):
+    """Strict JSON (issue 43): Python writes NaN/Infinity for a float metric, strict parsers refuse them, and
+    a NaN where calib reads a number is silently wrong; calib's export writes null instead."""
+    text = (folder / "tables.json").read_text()
+    (folder / "tables.json").write_text(text.replace('"calib_version"', f'"note": {constant}, "calib_version"', 1))
+    with pytest.raises(TablesError, match=f"{constant} is not JSON") as err:
+        load(folder)
+    assert str(folder / "tables.json") in str(err.value)
+
+
+def test_export_writes_a_nan_metric_as_null(tmp_path):
+    meta = {**META, "chains": {**META["chains"], "model": {**META["chains"]["model"], "ece": float("nan")}}}
+    out = save(tmp_path / "t", _grid_tables(), meta)
+    assert "NaN" not in (out / "tables.json").read_text()
+    assert load(out).meta["chains"]["model"]["ece"] is None
+
+
+@pytest.mark.parametrize("name", ["tables.safetensors", "tables.json"])
+def test_a_folder_where_a_tables_file_belongs_is_named(folder, name):
+    (folder / name).unlink()
+    (folder / name).mkdir()
+    with pytest.raises(TablesError, match="is a folder, not a file") as err:
+        load(folder)
+    assert str(folder / name) in str(err.value)
 
 
 def _t(name, fn):
