@@ -51,6 +51,8 @@ def _record(rec) -> tuple[str, str, list]:
         raise ValueError(f"'id' is {pid!r}; expected a non-empty string (or an integer)")
     if not isinstance(cat, str) or not cat.strip():
         raise ValueError(f"'category' is {cat!r}; expected a non-empty string")
+    if cat != cat.strip() or not cat.isprintable():  # a bank key and a report label: "chat\n" is not "chat"
+        raise ValueError(f"'category' is {cat!r}; expected a name without surrounding spaces or control characters")
     if not isinstance(msgs, list) or not msgs:
         raise ValueError("'messages' must be a non-empty list")
     for i, m in enumerate(msgs):
@@ -60,6 +62,9 @@ def _record(rec) -> tuple[str, str, list]:
             raise ValueError(f"messages[{i}].role is {m.get('role')!r}; expected one of {', '.join(ROLES)}")
         if not isinstance(m.get("content"), str):
             raise TypeError(f"messages[{i}].content is {m.get('content')!r}; expected a string")
+        if m["role"] == "user" and not m["content"].strip():
+            raise ValueError(f"messages[{i}].content is {m['content']!r}: an empty user message (the model would "
+                             "answer nothing in particular); write the prompt or drop the record")
     return str(pid), cat, msgs
 
 
@@ -87,7 +92,8 @@ def load_prompts(files, limit_per_file: int | None = None, root: str | Path = ".
     A file without a single prompt, or a set without any, is an error naming the file: callers load
     prompts before a model, so a typo or an empty file fails at once, not after an engine started.
     So is a malformed record (not JSON, not an object, a missing or mistyped field, empty messages, a
-    message whose role is not one of :data:`ROLES` or whose content is not a string), naming the
+    message whose role is not one of :data:`ROLES` or whose content is not a string, an empty user message, a
+    category with surrounding spaces or control characters), naming the
     file and the line, and a file that is not UTF-8 text or is a folder.
     """
     if limit_per_file is not None and (isinstance(limit_per_file, bool) or int(limit_per_file) < 1):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import numbers
 import os
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ MANIFEST_FIELDS: dict[str, type] = {"n_rounds": int, "model": str, "speculator":
                                     "identity": dict}
 # run_manifest.json "identity" (calib/fingerprint.py): the target's and drafter's fingerprints, method, K.
 IDENTITY_ROLES = ("target", "drafter")
+TEMPERATURE_TOL = 1e-6  # a row's temperature and the manifest's are the same setting within this
 
 
 @dataclass(frozen=True)
@@ -451,6 +453,32 @@ class _Checker:
                 self.add(schema.MANIFEST, "num_speculative_tokens", None,
                          f"says {k}, the bank has {d} acc columns")
 
+    def sampling(self, spec: pa.Table):
+        """The manifest's ``sampling.temperature`` against speculator.parquet's ``temperature`` column: rows at
+        another temperature than the manifest says are two collections under one name (the tables would fit
+        a temperature axis the bank's name and config deny)."""
+        m = self.read_json(schema.MANIFEST)
+        sampling = m.get("sampling") if m is not None else None
+        if not isinstance(sampling, dict) or sampling.get("temperature") is None:
+            return
+        t = sampling["temperature"]
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+            self.add(schema.MANIFEST, "sampling.temperature", None,
+                     f"is {t!r}, expected a finite number >= 0 (0: greedy); {_SIDE_HINT}")
+            return
+        if "temperature" not in spec.column_names:
+            return
+        v = spec.column("temperature")
+        raw, valid = _floats(v, nulls_as_nan=False), _valid_mask(v)
+        with np.errstate(invalid="ignore"):
+            off = valid & np.isfinite(raw) & (np.abs(raw - t) > TEMPERATURE_TOL)
+        if off.any():
+            i = int(np.flatnonzero(off)[0])
+            self.first_bad(schema.SPECULATOR, "temperature", off, spec,
+                           f"temperature {raw[i]:g}, but {schema.MANIFEST} says sampling.temperature = {t:g}: "
+                           "rows of another collection in this bank, or a wrong manifest; recollect the bank or "
+                           "keep the two temperatures in two banks")
+
     def identity(self, ident: dict | None, k: int | None):
         """The manifest's ``identity``: each role a fingerprint (``calib.fingerprint``) or null, K as the manifest's."""
         from calib.fingerprint import IDENTITY_KEYS
@@ -530,6 +558,7 @@ def validate(bank_dir: str, max_problems: int = 50) -> list[Problem]:
         ck.ngram(ngram_t, acc_t)
     ck.routing(acc_t, width)
     ck.manifest(acc_t)
+    ck.sampling(spec_t)
     if not ck.problems:  # stats are recomputed from data already known to be sound
         ck.stats(acc_t)
     return ck.problems

@@ -38,6 +38,8 @@ def _eval_constraints() -> dict:
         "metrics.seed": [INT_0],
         "plots.reliability_bins": [INT_1],
         "online.enabled": [Boolean()],
+        "online.pooled": [Boolean()],  # serve.py checks its serve.online_* the same way (calib.serve.knobs)
+        "online.slope": [Boolean()],
         "online.decay": [Interval(numbers.Real, 0, 1, closed="right")],
         "online.prior": [Interval(numbers.Real, 0, None, closed="neither")],
         "online.warmup_rounds": [INT_0],

@@ -274,6 +274,14 @@ CASES = [
          ("{bank}/run_manifest.json, column categories: holds 1 (int)",)),
     Case("run_manifest.json-routing-field-mistyped", lambda tmp, b: _manifest_with(b, routing={"top_k": "2"}),
          ("{bank}/run_manifest.json, column routing.top_k: key 'routing.top_k' is '2' (str)",)),
+    # issue 43: a manifest that says T = 0 over rows sampled at 0.8 validated (and trained a two-temperature table)
+    Case("run_manifest.json-temperature-disagrees-with-rows", lambda tmp, b: (
+        _set(b, "speculator.parquet", "temperature", 4, 0.8), _set(b, "speculator.parquet", "temperature", 9, 0.8),
+        _manifest_with(b, sampling={"name": "greedy", "temperature": 0.0}))[2],
+         (("{bank}/speculator.parquet, column temperature, row 4: temperature 0.8, but run_manifest.json says "
+           "sampling.temperature = 0"), "(2 rows in all)")),
+    Case("run_manifest.json-temperature-mistyped", lambda tmp, b: _manifest_with(b, sampling={"temperature": "hot"}),
+         ("{bank}/run_manifest.json, column sampling.temperature: is 'hot', expected a finite number >= 0",)),
     Case("run_manifest.json-n_rounds-wrong", lambda tmp, b: _manifest_with(b, n_rounds=40),
          ("{bank}/run_manifest.json, column n_rounds: says 40 rounds, acceptance.parquet has 20",)),
     *[Case(f"stats.json-mistyped-{key}", lambda tmp, b, k=key, v=value: _stats_with(b, **{k: v}),
@@ -309,6 +317,12 @@ CASES = [
     Case("prompts-category-mistyped", lambda tmp, b: _prompts(
         tmp, b'{"id": "a", "category": ["chat"], "messages": [{"role": "user", "content": "x"}]}'),
          ("{tmp}/p.jsonl, line 1:", "'category' is ['chat']; expected a non-empty string"), ValueError),
+    Case("prompts-empty-user-message", lambda tmp, b: _prompts(  # issue 43: it was collected
+        tmp, b'{"id": "a", "category": "chat", "messages": [{"role": "user", "content": "  "}]}'),
+         ("{tmp}/p.jsonl, line 1:", "messages[0].content is '  ': an empty user message"), ValueError),
+    Case("prompts-category-with-a-newline", lambda tmp, b: _prompts(
+        tmp, b'{"id": "a", "category": "chat\\n", "messages": [{"role": "user", "content": "x"}]}'),
+         ("{tmp}/p.jsonl, line 1:", "'category' is 'chat\\n'; expected a name without surrounding spaces"), ValueError),
     Case("prompts-not-utf8", lambda tmp, b: _prompts(tmp, GOOD + GOOD.replace(b"a-0", b"a-1")
                                                      + b'{"id": "\xff\xfe", "category": "chat"}\n'),
          ("{tmp}/p.jsonl, line 3: not UTF-8 text", "re-save it as UTF-8"), ValueError),
@@ -394,6 +408,8 @@ def test_the_pristine_bank_and_shipped_prompts_are_accepted(pristine, tmp_path):
     """The cases' control: the undamaged inputs pass, so each case's refusal is the damage's doing."""
     assert validate(str(pristine)) == []
     assert _cli("validate", pristine)().startswith("rc=0")
+    agreeing = Path(shutil.copytree(pristine, tmp_path / "agreeing"))  # the rows' own temperature: no finding
+    assert _manifest_with(agreeing, sampling={"name": "greedy", "temperature": 0})() == ""
     with warnings.catch_warnings():
         warnings.simplefilter("error", DuplicateBankWarning)
         assert load([pristine]).rounds().num_rows == N_ROUNDS

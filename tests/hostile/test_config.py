@@ -90,6 +90,10 @@ CASES = [
     ("eval", "cost.parametric.weight_read=0", ["cost.parametric.weight_read=0"]),
     ("eval", "cost.parametric.per_position=-0.01", ["cost.parametric.per_position=-0.01"]),
     ("eval", "logger.kind=mlflow", ["logger.kind='mlflow'"]),
+    ("eval", "online.slope=garbage", ["online.slope='garbage'", "a bool"]),  # issue 43: it published
+    ("eval", "online.pooled=maybe", ["online.pooled='maybe'", "a bool"]),
+    ("eval", "online.decay=0", ["online.decay=0"]),
+    ("eval", "online.prior=0", ["online.prior=0"]),
     # serve.py
     ("serve", "concurrency=0", ["serve.py config", "concurrency=0", "an integer in [1, inf)"]),
     ("serve", "concurrency=2.5", ["concurrency=2.5"]),
@@ -107,6 +111,7 @@ CASES = [
     ("serve", "policy.chains=[model,suffix]", ["policy.chains=['model', 'suffix']"]),
     ("serve", "engine.kv_cache_gb=0", ["engine.kv_cache_gb=0"]),
     ("serve", "engine.max_model_len=0", ["engine.max_model_len=0"]),
+    ("serve", "serve.online_slope=garbage", ["serve.online_slope='garbage'", "a bool"]),
 ]
 
 
