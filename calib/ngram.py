@@ -81,6 +81,122 @@ def find_match(context, min_n: int, max_n: int, k: int, prompt_len: int = 0,
     return out
 
 
+# The columns of :func:`find_matches`' feature array, in NgramMatch.features() order.
+MATCH_FEATURES = ("match_n", "occurrences", "distance", "in_prompt", "distinct_next", "agreement", "cont_len",
+                  "context_len")
+
+
+def find_matches(token_ids, rows, num_tokens, prompt_lens, min_n: int, max_n: int, k: int,
+                 max_model_len: int | None = None, extra=None, extra_len=None):
+    """:func:`find_match` for a batch at once, on an engine's token buffer: request ``b``'s context is
+    ``token_ids[rows[b], :num_tokens[b]]`` followed by ``extra[b, :extra_len[b]]`` (tokens not yet written).
+    Returns ``(tokens [B][<= k], features float64 [B, len(MATCH_FEATURES)])``, a row of zeros but
+    ``context_len`` where there is no match (as :class:`NgramMatch` holds then). One compiled call per
+    step where numba is installed (vLLM's own n-gram proposer uses it; calib's serving path then costs
+    microseconds per request), else :func:`find_match` per request; both give the same (tested)."""
+    B = len(rows)
+    rows = np.asarray(rows, dtype=np.int64)
+    num_tokens = np.asarray(num_tokens, dtype=np.int64)
+    prompt_lens = np.asarray(prompt_lens, dtype=np.int64)
+    if extra is None:
+        extra, extra_len = np.zeros((B, 1), dtype=np.int64), np.zeros(B, dtype=np.int64)
+    extra, extra_len = np.asarray(extra, dtype=np.int64).reshape(B, -1), np.asarray(extra_len, dtype=np.int64)
+    limit = -1 if max_model_len is None else int(max_model_len)
+    kernel = _batch_kernel()
+    if kernel is None:
+        return _find_matches_numpy(token_ids, rows, num_tokens, prompt_lens, min_n, max_n, k, limit, extra,
+                                   extra_len)
+    chains = np.zeros((B, max(int(k), 1)), dtype=np.int64)
+    lengths = np.zeros(B, dtype=np.int64)
+    feats = np.zeros((B, len(MATCH_FEATURES)), dtype=np.float64)
+    kernel(np.asarray(token_ids), rows, num_tokens, prompt_lens, int(min_n), int(max_n), int(k), limit, extra,
+           extra_len, chains, lengths, feats)
+    return [chains[b, : lengths[b]].tolist() for b in range(B)], feats
+
+
+def _find_matches_numpy(token_ids, rows, num_tokens, prompt_lens, min_n, max_n, k, limit, extra, extra_len):
+    tokens, feats = [], np.zeros((len(rows), len(MATCH_FEATURES)))
+    for b, r in enumerate(rows.tolist()):
+        ctx = np.concatenate([np.asarray(token_ids[r, : num_tokens[b]], dtype=np.int64), extra[b, : extra_len[b]]])
+        m = find_match(ctx, min_n, max_n, k, int(prompt_lens[b]), None if limit < 0 else limit)
+        tokens.append(m.tokens)
+        feats[b] = [float(v) for v in m.features().values()]
+    return tokens, feats
+
+
+_KERNEL: list = []  # [compiled kernel or None], filled at first use
+
+
+def _batch_kernel():
+    """The numba-compiled batch matcher, or None where numba is not installed (compiled once per process,
+    cached on disk by numba)."""
+    if not _KERNEL:
+        try:
+            from numba import njit
+        except ImportError:
+            _KERNEL.append(None)
+        else:
+            _KERNEL.append(njit(cache=True, nogil=True)(_match_batch))
+    return _KERNEL[0]
+
+
+def _match_batch(token_ids, rows, num_tokens, prompt_lens, min_n, max_n, k, limit, extra, extra_len,
+                 chains, lengths, feats):  # pragma: no cover - run compiled (numba); _find_matches_numpy is its twin
+    """find_match's rule, per request, in loops numba compiles (see :func:`find_matches`)."""
+    for b in range(rows.shape[0]):
+        n_buf, n_extra, row = num_tokens[b], extra_len[b], rows[b]
+        total = n_buf + n_extra
+        feats[b, 7] = total
+        kk = k if limit < 0 else min(k, limit - total)
+        if total < min_n or kk <= 0:
+            continue
+        top = min(max_n, total - 1)
+        if top < min_n:
+            continue
+        ctx = np.empty(total, dtype=np.int64)
+        for i in range(n_buf):
+            ctx[i] = token_ids[row, i]
+        for i in range(n_extra):
+            ctx[n_buf + i] = extra[b, i]
+        # one pass: how many of the context's last tokens (up to top) end at each earlier index i
+        best, ends = 0, np.zeros(total, dtype=np.int64)
+        for i in range(total - 1):
+            m = 0
+            while m < top and m <= i and ctx[i - m] == ctx[total - 1 - m]:
+                m += 1
+            ends[i] = m
+            best = max(best, m)
+        if best < min_n:
+            continue
+        n, count, first = best, 0, -1  # the longest n-gram; its earliest occurrence; their next tokens
+        nxt = np.empty(total, dtype=np.int64)
+        for i in range(total - 1):
+            if ends[i] >= n:
+                if first < 0:
+                    first = i
+                nxt[count] = ctx[i + 1]
+                count += 1
+        end = first + 1
+        m = min(kk, total - end)
+        for j in range(m):
+            chains[b, j] = ctx[end + j]
+        lengths[b] = m
+        seen = np.sort(nxt[:count])
+        distinct, agree = 1, 0
+        for j in range(count):
+            if j and seen[j] != seen[j - 1]:
+                distinct += 1
+            if nxt[j] == ctx[end]:
+                agree += 1
+        feats[b, 0] = n
+        feats[b, 1] = count
+        feats[b, 2] = total - (end - n)
+        feats[b, 3] = 1.0 if end <= prompt_lens[b] else 0.0
+        feats[b, 4] = distinct
+        feats[b, 5] = agree / count
+        feats[b, 6] = total - end
+
+
 def label_chain(chain, context_len: int, final_tokens) -> tuple[int, list[int]]:
     """Accepted prefix length and accept mask of ``chain`` against the realised sequence.
 

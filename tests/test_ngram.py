@@ -91,3 +91,30 @@ def test_find_match_equals_the_sliding_window_matcher():
         mml = None if rng.random() < 0.5 else int(total + rng.integers(0, 4))
         assert find_match(ctx, min_n, max_n, k, prompt_len, mml) == _find_match_windows(
             ctx, min_n, max_n, k, prompt_len, mml), (ctx.tolist(), min_n, max_n, k, prompt_len, mml)
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data(), batch=st.integers(1, 4), min_n=st.integers(1, 3), extra=st.integers(0, 3),
+       k=st.integers(1, 6), capped=st.booleans())
+def test_batch_matches_equal_one_at_a_time(data, batch, min_n, extra, k, capped):
+    """The step-wide matcher (compiled where numba is installed) finds what find_match finds, request by request,
+    on an engine's token buffer with tokens not yet written behind it."""
+    from calib.ngram import MATCH_FEATURES, find_matches
+
+    width = 40
+    buf = np.array(data.draw(st.lists(st.lists(st.integers(0, 4), min_size=width, max_size=width),
+                                      min_size=batch + 1, max_size=batch + 1)), dtype=np.int32)
+    rows = data.draw(st.permutations(range(batch + 1)))[:batch]
+    lengths = [data.draw(st.integers(0, width)) for _ in range(batch)]
+    late = [data.draw(st.lists(st.integers(0, 4), max_size=3)) for _ in range(batch)]
+    prompt = [data.draw(st.integers(0, width)) for _ in range(batch)]
+    pad = np.zeros((batch, 3), dtype=np.int64)
+    for b, x in enumerate(late):
+        pad[b, : len(x)] = x
+    limit = data.draw(st.integers(1, width + 5)) if capped else None
+    tokens, feats = find_matches(buf, rows, lengths, prompt, min_n, min_n + extra, k, limit, pad, [len(x) for x in late])
+    for b in range(batch):
+        ctx = list(buf[rows[b], : lengths[b]]) + late[b]
+        m = find_match(ctx, min_n, min_n + extra, k, prompt[b], limit)
+        assert tokens[b] == m.tokens
+        assert feats[b].tolist() == [float(m.features()[f]) for f in MATCH_FEATURES]

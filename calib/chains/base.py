@@ -71,6 +71,10 @@ class ChainKind:
     # (request's token ids, settings, prompt length, max_model_len) -> (tokens, features dict or None): the
     # chain recomputed from a request's tokens at a serving step (a model-free chain: prompt lookup)
     propose: Callable | None = None
+    # (token buffer [R, N], rows [B], lengths [B], prompt lengths [B], settings, max_model_len, extra tokens [B, E],
+    # their counts [B]) -> (tokens [B][<= k], features float64 [B, F]): ``propose`` for a whole step at once
+    # (serving's hot path); None: ``propose`` per request
+    propose_batch: Callable | None = None
 
     @property
     def config(self) -> str:

@@ -119,6 +119,29 @@ def propose(context, settings: tuple[int, int, int], prompt_len: int = 0, max_mo
     return tokens, (m.features() if tokens else None)
 
 
+def propose_batch(token_ids, rows, num_tokens, prompt_lens, settings: tuple[int, int, int],
+                  max_model_len: int | None = None, extra=None, extra_len=None):
+    """:func:`propose` for a step's requests at once, on the engine's token buffer (:func:`calib.ngram.find_matches`):
+    ``(tokens [B][<= k], features float64 [B, F])``, the columns :data:`calib.ngram.MATCH_FEATURES`."""
+    from calib.ngram import find_matches
+
+    lo, hi, k = settings
+    return find_matches(token_ids, rows, num_tokens, prompt_lens, lo, hi, k, max_model_len, extra, extra_len)
+
+
+def batch_feature_tensor(features: np.ndarray, lengths: Sequence[int], names: Sequence[str], width: int):
+    """float32 ``[B, width, F]`` of :func:`propose_batch`'s features (columns ``names``), as
+    :func:`step_feature_tensor` lays them out: repeated over depths ``< lengths[b]``, NaN beyond."""
+    import torch
+
+    from calib.ngram import MATCH_FEATURES
+
+    cols = [MATCH_FEATURES.index(n) for n in names]
+    reached = np.arange(width)[None, :] < np.asarray(lengths, dtype=np.int64)[:, None]  # [B, width]
+    out = np.where(reached[:, :, None], np.asarray(features)[:, None, cols], np.nan)
+    return torch.from_numpy(out.astype(np.float32))
+
+
 NGRAM = ChainKind(
     id=2, name="ngram", samples=ngram_samples, config_key="ngram_model",
     feature_names=lambda cfg: NGRAM_SAMPLE_FEATURES,
@@ -127,5 +150,5 @@ NGRAM = ChainKind(
                             *context_axes(cfg)),
     drafted_depth=ngram_drafted_depth, round_data=ngram_round_data,
     bank_file=schema.NGRAM, column_prefix=PREFIX, manifest_key="ngram_chain", engine_methods=("ngram",),
-    propose=propose,
+    propose=propose, propose_batch=propose_batch,
     description="prompt lookup (vLLM ngram): match features of the chain the context offered")

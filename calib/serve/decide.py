@@ -346,6 +346,7 @@ class SafeDecider:
         # verified outcomes of what this decider chose; None: the tables alone
         self.online = OnlineTables(self.tables, online) if online is not None and online.enabled else None
         self._pending: dict[str, tuple[str, int, np.ndarray]] = {}  # req id -> (chain, cell, table probs [depth])
+        self._outcomes: dict[str, list[tuple]] = {}  # chain -> this step's (cell, table probs [depth], accepted)
 
     @property
     def enabled(self) -> bool:
@@ -393,25 +394,37 @@ class SafeDecider:
             self._fail(exc, "remember")
 
     def observe(self, req_id: str, accepted: int, drafted: int | None = None) -> None:
-        """:meth:`RequestHistory.observe`, and the online correction's update from the round this decider
-        chose for ``req_id`` (when it knows it and ``drafted`` matches it); never raising."""
+        """:meth:`RequestHistory.observe`, and the round's outcome kept for the online correction when this
+        decider chose the round for ``req_id`` (when it knows it and ``drafted`` matches it); the correction
+        learns from a step's outcomes together at :meth:`refresh`, as eval's replay does (one engine step, one
+        Newton step per level). Never raising."""
         try:
             self.history.observe(req_id, accepted, drafted)
             pending = self._pending.pop(req_id, None) if self.online is not None else None
             if pending is not None and (drafted is None or drafted == len(pending[2])):
-                from calib.tables.online import outcome_row
-
                 name, cell, p = pending
-                self.online.observe(name, p[None, :], outcome_row(min(accepted, len(p)), len(p))[None, :], [cell])
+                self._outcomes.setdefault(name, []).append((cell, p, min(int(accepted), len(p))))
         except Exception as exc:  # noqa: BLE001
             self._fail(exc, "observe")
 
     def refresh(self) -> None:
-        """Rewrite the tables' cells the online correction learnt from (once per step, before deciding)."""
+        """Learn from the step's outcomes (one update per chain over all its rounds) and rewrite the tables'
+        cells the online correction moved (once per step, before deciding)."""
         if self.online is None:
             return
         try:
-            self.online.refresh()
+            from calib.tables.online import outcome_rows
+
+            outcomes, self._outcomes = self._outcomes, {}
+            for name, rounds in outcomes.items():
+                cells, probs, accepted = zip(*rounds)
+                width = max(len(p) for p in probs)
+                p = np.full((len(probs), width), np.nan)  # [R, W]: the table's probabilities, NaN past each depth
+                for i, row in enumerate(probs):
+                    p[i, : len(row)] = row
+                drafted = np.array([len(row) for row in probs])
+                self.online.observe(name, p, outcome_rows(np.array(accepted), drafted, width), list(cells))
+            self.online.refresh(lazy=self.impl == "reference")  # the kernel reads the grid without a lookup
         except Exception as exc:  # noqa: BLE001
             self._fail(exc, "refresh")
 

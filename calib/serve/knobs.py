@@ -48,6 +48,10 @@ class ServeKnobs:
     # the clock oracle (greedy only, calib/serve/oracle.py): the path of a reference file of no speculation's
     # outputs; each step verifies exactly what the reference accepts instead of deciding from the tables
     oracle: str | None = None
+    # standing aside (calib/serve/aside.py): after this many consecutive decisions of one batch that were vLLM's
+    # own drafts, or no drafts, take that without deciding (0: always decide), deciding again every aside_every steps
+    aside_after: int = 4
+    aside_every: int = 16
 
     _parameter_constraints: ClassVar[dict] = {
         "tables": [TEXT],
@@ -65,6 +69,8 @@ class ServeKnobs:
         "online_prior": [Interval(numbers.Real, 0, None, closed="neither")],
         "online_pooled": [Boolean()],
         "online_slope": [Boolean()],
+        "aside_after": [Interval(numbers.Integral, 0, None)],
+        "aside_every": [Interval(numbers.Integral, 1, None)],
         "oracle": [NoneValue(), Satisfies("None or the path of an existing oracle reference file "
                                           "(calib/serve/oracle.py)", lambda v: isinstance(v, str) and Path(v).is_file())],
     }

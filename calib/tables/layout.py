@@ -39,7 +39,8 @@ order, so its probabilities are bitwise equal to the ones computed here. It clam
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 import numpy as np
@@ -123,17 +124,20 @@ def chain_lookup(table: ChainTable, inputs, name: str = "inputs") -> torch.Tenso
         cell = (counted.sum(-1) * strides).sum(-1)  # [B, L]
     cell = torch.where(no_token, torch.zeros_like(cell), cell)
     rows = rows[None, :].expand_as(cell)
+    # a table whose values are read through a correction (calib.tables.online.OnlineTables): the same values a
+    # rewritten grid would hold, computed for the entries read only
+    read = table.read if table.read is not None else (lambda r, c: grid[r, c])
     points = table.points
     if interpolated and points > 1:
         c = torch.where(no_token, torch.zeros_like(x[..., 0]), x[..., 0]).clamp(0.0, 1.0)
         pos = c * (points - 1)
         lo = torch.floor(pos).to(torch.int64).clamp(max=points - 2)
         frac = pos - lo.to(torch.float32)
-        g_lo = grid[rows, cell + lo]
-        g_hi = grid[rows, cell + lo + 1]
+        g_lo = read(rows, cell + lo)
+        g_hi = read(rows, cell + lo + 1)
         p = g_lo + frac * (g_hi - g_lo)  # kept as two float32 ops: the kernel disables FMA to match
     else:
-        p = grid[rows, cell]
+        p = read(rows, cell)
     return torch.where(no_token, torch.full_like(p, float("nan")), p)
 
 
@@ -145,6 +149,9 @@ class ChainTable:
     grid: torch.Tensor  # float32 [D, C]
     edges: torch.Tensor  # float32 [A_b, E], +inf padded ([0, 1] without binned axes)
     strides: torch.Tensor  # int64 [A_b]
+    # (depth rows, grid columns) int64 [B, L] each -> float32 [B, L]: the values a lookup reads, where they are
+    # not the grid's own (an online correction's, calib.tables.online.OnlineTables); None: the grid's
+    read: Callable | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.axes = tuple(self.axes)

@@ -250,6 +250,13 @@ def outcome_row(accepted: int, drafted: int) -> np.ndarray:
     return acc
 
 
+def outcome_rows(accepted, drafted, width: int) -> np.ndarray:
+    """``[R, width]`` outcomes of ``R`` verified rounds (:func:`outcome_row` of each, NaN past its draft)."""
+    accepted, drafted = np.asarray(accepted)[:, None], np.asarray(drafted)[:, None]
+    col = np.arange(int(width))[None, :]
+    return np.where(col < accepted, 1.0, np.where((col == accepted) & (col < drafted), 0.0, np.nan))
+
+
 def context_of(table, name: str) -> tuple[list[str], list[list[float]]]:
     """The context axes of chain ``name``'s table (names in table order, their inner edges): what keys the
     online correction's cells."""
@@ -274,7 +281,10 @@ class OnlineTables:
     """The correction where serving reads: each chain's grid kept at ``σ((1 + β[depth])·logit prior +
     δ[depth, cell])`` per context cell (the table's context axes, :data:`calib.chains.CONTEXT`; the whole grid is one cell for
     a table without them). Every lookup (the allocator's, the plan's, the Triton kernel's) then reads the
-    corrected values; ``tables`` is modified in place, its original grids kept as the prior."""
+    corrected values: a lookup reads them through :meth:`read` (the step's few entries, computed as the grid
+    would hold them), and the grid itself is rewritten where the correction moved by ``refresh(lazy=False)``
+    (for the kernel, which reads the grid without a lookup); ``tables`` is modified in place, its original
+    grids kept as the prior."""
 
     def __init__(self, tables, settings: OnlineSettings):
         import torch
@@ -291,7 +301,12 @@ class OnlineTables:
                                  # [D, n_cells * width]; float32: torch's float64 sigmoid is ~10x slower on CPU
                                  "logit": torch.from_numpy(_logit(host)).float().to(prior.device),
                                  "keep": torch.from_numpy(_kept(host)).to(prior.device),  # never corrected
-                                 "correction": OnlineCorrection(t.grid.shape[0], settings)}
+                                 "correction": OnlineCorrection(t.grid.shape[0], settings),
+                                 "stale": np.zeros(n_cells, dtype=bool)}  # [n_cells]: to rewrite when read
+            # the same on the host, in the grid's dtype: a CPU grid is rewritten in numpy (OnlineTables._write)
+            self.chains[name].update(host_logit=_logit(host).astype(np.float32), host_keep=_kept(host),
+                                     host_prior=host.astype(np.float32))
+            t.read = lambda rows, cols, name=name: self.read(name, rows, cols)
         self._dirty: set[tuple[str, int]] = set()
         self._whole: set[str] = set()  # chains whose pooled level moved: every cell is rewritten
 
@@ -318,34 +333,65 @@ class OnlineTables:
             self._dirty.update((name, int(x)) for x in np.unique(np.asarray(cells, dtype=np.int64)))
         return n
 
-    def refresh(self) -> None:
-        """Rewrite the grid blocks the correction moved since the last call (one engine step's worth)."""
-        import torch
-
-        for name in sorted(self._whole):
-            c = self.chains[name]
-            D, n_cells = c["logit"].shape[0], c["n_cells"]
-            delta = torch.from_numpy(c["correction"].offset(np.arange(n_cells), D).T.copy())  # [D, n_cells]
-            self._write(c, 0, n_cells, delta, torch.from_numpy(c["correction"].scale(D)))
-        for name, cell in sorted(self._dirty):  # cells kept apart (observe fills one set or the other)
-            c = self.chains[name]
-            self._write(c, cell, cell + 1, torch.from_numpy(c["correction"].offset([cell], c["logit"].shape[0]).T))
+    def refresh(self, lazy: bool = True) -> None:
+        """Mark the grid blocks the correction moved since the last call (one engine step's worth) as stale.
+        Lookups read corrected values through :meth:`read` whatever the grid holds; ``lazy=False`` also rewrites
+        the stale blocks now, for a reader of the grid itself (the Triton kernel's copy on a device)."""
+        for name in self._whole:
+            self.chains[name]["stale"][:] = True
+        for name, cell in self._dirty:  # cells kept apart (observe fills one set or the other)
+            self.chains[name]["stale"][cell] = True
         self._dirty.clear()
         self._whole.clear()
+        if not lazy:
+            for name in self.chains:
+                self.materialize(name)
 
-    @staticmethod
-    def _write(c: dict, first: int, stop: int, delta, scale=None) -> None:
-        """The grid columns of cells ``first .. stop - 1`` at ``σ(scale·logit prior + delta)`` (``delta`` [D, cells],
-        one offset per depth and cell; ``scale`` [D] or None for 1), the prior where kept."""
+    def materialize(self, name: str) -> None:
+        """Rewrite chain ``name``'s stale context cells in its grid at ``σ(scale·logit prior + δ)``."""
+        c = self.chains[name]
+        cells = np.flatnonzero(c["stale"])
+        if cells.size:
+            c["stale"][cells] = False
+            self._write(c, cells)
+
+    def read(self, name: str, rows, cols):
+        """float32 ``[B, L]``: chain ``name``'s corrected values at grid entries ``(rows, cols)`` (int64 tensors
+        ``[B, L]``), what :meth:`materialize` writes there (to float32 rounding: the same float64 formula); a
+        lookup reads these (a step's few entries), not a rewritten grid."""
         import torch
 
+        c = self.chains[name]
+        corr = c["correction"]
+        r, k = rows.cpu().numpy(), cols.cpu().numpy()
+        if not corr._learnt:
+            return c["prior"][rows, cols]
+        D = c["logit"].shape[0]
+        delta = corr.offset((k // c["width"]).ravel(), D)[np.arange(k.size), r.ravel()].reshape(k.shape)
+        out = 1.0 / (1.0 + np.exp(-(c["host_logit"][r, k] * corr.scale(D)[r] + delta)))
+        value = np.where(c["host_keep"][r, k], c["host_prior"][r, k], out).astype(np.float32)
+        return torch.from_numpy(value).to(c["prior"].device)
+
+    def _write(self, c: dict, cells: np.ndarray) -> None:
+        """The grid columns of context ``cells`` at ``σ(scale·logit prior + δ)`` (one offset per depth and cell,
+        the pooled slope per depth), the prior where kept; in numpy on a host grid (a step rewrites a few
+        cells: torch's per-call cost would dominate), in torch on a device's."""
+        corr = c["correction"]
         D, w = c["logit"].shape[0], c["width"]
-        cols = slice(first * w, stop * w)
-        logit, prior = c["logit"][:, cols].view(D, stop - first, w), c["prior"][:, cols]
-        if scale is not None:
-            logit = logit * scale.to(logit.device, torch.float32)[:, None, None]
-        out = torch.sigmoid(logit + delta.to(logit.device, torch.float32)[:, :, None]).view(D, -1)
-        c["table"].grid[:, cols] = torch.where(c["keep"][:, cols], prior, out.to(prior.dtype))
+        cols = (cells[:, None] * w + np.arange(w)[None, :]).ravel()  # [cells * w]
+        delta = np.repeat(corr.offset(cells, D).T, w, axis=1)  # [D, cells * w]
+        scale = corr.scale(D)[:, None]  # [D, 1]
+        grid = c["table"].grid
+        if grid.device.type == "cpu" and grid.dtype == c["host_logit"].dtype:
+            out = 1.0 / (1.0 + np.exp(-(c["host_logit"][:, cols] * scale + delta)))
+            grid.numpy()[:, cols] = np.where(c["host_keep"][:, cols], c["host_prior"][:, cols], out)
+            return
+        import torch
+
+        idx = torch.from_numpy(cols).to(grid.device)
+        logit, prior = c["logit"][:, idx], c["prior"][:, idx]
+        out = torch.sigmoid(logit * torch.from_numpy(scale).to(logit) + torch.from_numpy(delta).to(logit))
+        grid[:, idx] = torch.where(c["keep"][:, idx], prior, out.to(prior.dtype))
 
     def state(self) -> dict:
         return {name: c["correction"].state() for name, c in self.chains.items()}

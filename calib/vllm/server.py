@@ -16,6 +16,7 @@ import torch
 
 from calib.chains import chain_names
 from calib.cost.serving import cost_curve, step_pass_price
+from calib.serve.aside import StandAside, batch_key, decision_kind
 from calib.serve.knobs import ServeKnobs
 from calib.vllm.ranks import digest
 
@@ -53,6 +54,8 @@ class ServeStats:
     oracle_known: int = 0  # the clock oracle (knob oracle): request-steps it decided from the reference continuation
     oracle_unknown: int = 0  # ... whose continuation it did not know (vLLM's own draft kept)
     oracle: bool = False  # the clock oracle decided this process's steps (knob oracle)
+    aside_engine: int = 0  # steps calib stood aside on, handing vLLM's own drafts through (calib/serve/aside.py)
+    aside_none: int = 0  # ... scheduling no draft tokens (and, with a model drafter, no draft pass)
     errors: int = 0  # exceptions caught in the hooks themselves
     disabled_reason: str | None = None  # why the decider was not built (None: built, or not reached)
 
@@ -73,6 +76,7 @@ class ServeStats:
                 f"({self.plan_decided} allocated by the plan) "
                 f"(plan_ms mean {(sum(self.plan_ms) / len(self.plan_ms)) if self.plan_ms else math.nan:.2f}); "
                 f"{self.left_to_vllm} request-steps left to vLLM (logit transforms); "
+                f"stood aside on {self.aside_engine} steps (vLLM's drafts) and {self.aside_none} (no drafts); "
                 + (f"oracle {self.oracle_known} known / {self.oracle_unknown} unknown; " if self.oracle else "") +
                 f"{self.errors} hook errors" + (f"; OFF: {self.disabled_reason}" if self.disabled_reason else ""))
 
@@ -130,13 +134,15 @@ class Server:
         self.conf: dict[str, list[float]] = {}  # req_id -> confidence per depth of its latest draft
         self.chosen: dict[str, str] = {}  # req_id -> the chain handed back for its next verify (capture reads it)
         self.last_take: float | None = None  # perf_counter at the previous decision (step_ms)
-        self.matches: dict[str, tuple] = {}  # req_id -> ((req_id, context length, last token), chain, features)
+        self.matches: dict[str, tuple] = {}  # req_id -> ((req_id, context length, last token), chain, features [F])
         # req_id -> (match key, n-gram probs [L], n-gram depth the plan verifies or None) from this step's plan
         self.planned: dict[str, tuple] = {}
         self.pass_prices: dict[int, float] = {}  # batch size -> the price of one draft pass (plan_passes)
         self.transformed: dict[str, bool] = {}  # req_id -> carries target-only logit transforms (left to vLLM)
         self.ranks = None  # calib.vllm.ranks.RankCheck under tensor parallelism (set at engine start), else None
         self.oracle = None  # calib.serve.oracle.Oracle when knobs.oracle names a reference (set at construction)
+        self.aside = StandAside(knobs.aside_after, knobs.aside_every)  # stretches that need no decision
+        self.aside_now: tuple | None = None  # (request ids, verdict) the plan of this step's draft passes took
         self._error_logged = 0
 
     # -- construction ----------------------------------------------------------------------------
@@ -290,31 +296,35 @@ class Server:
     def ngram_chains(self, batch, rows: list[int], extra: list[list[int]] | None = None):
         """Per batch row in ``rows``: the n-gram chain (``[B][<= K]``) vLLM's proposer would draft from the
         request's tokens (``token_ids_cpu[:num_tokens_no_spec]``, then ``extra[b]`` when bookkeeping has
-        not appended this step's tokens yet), and its features float32 ``[B, L, F]`` for the tables."""
+        not appended this step's tokens yet), and its features float32 ``[B, L, F]`` for the tables. The plan
+        (before bookkeeping) and the decision (after it) see the same context: matched once, for every
+        request that needs it in one call (:attr:`calib.chains.ChainKind.propose_batch`)."""
         from calib.chains import chain
-        from calib.chains.ngram import step_feature_tensor
+        from calib.chains.ngram import batch_feature_tensor
 
-        propose = chain(self.lookup).propose
-        tokens, feats = [], []
-        for b, i in enumerate(rows):
-            n = int(batch.num_tokens_no_spec[i])
-            ctx = batch.token_ids_cpu[i, :n]
-            if extra is not None and extra[b]:
-                ctx = np.concatenate([ctx, np.asarray(extra[b], dtype=ctx.dtype)])
-            # The plan (before bookkeeping) and the decision (after it) see the same context: match once.
-            key = (batch.req_ids[i], int(ctx.shape[0]), int(ctx[-1]) if ctx.shape[0] else -1)
-            hit = self.matches.get(key[0])
-            if hit is not None and hit[0] == key:
-                toks, feat = hit[1], hit[2]
-            else:
-                toks, feat = propose(ctx, self.ngram, int(batch.num_prompt_tokens[i]), self.max_model_len)
-                toks = toks[: self.k]
-                feat = feat if toks else None
-                self.matches[key[0]] = (key, toks, feat)
-            tokens.append(toks)
-            feats.append(feat)
+        B = len(rows)
+        n_extra = np.array([len(extra[b]) if extra is not None else 0 for b in range(B)], dtype=np.int64)
+        n_buf = np.asarray(batch.num_tokens_no_spec)[rows].astype(np.int64)
+        total = n_buf + n_extra
+        last = [int(extra[b][-1]) if n_extra[b] else (int(batch.token_ids_cpu[i, n_buf[b] - 1]) if n_buf[b] else -1)
+                for b, i in enumerate(rows)]
+        keys = [(batch.req_ids[i], int(total[b]), last[b]) for b, i in enumerate(rows)]
+        miss = [b for b, key in enumerate(keys) if (self.matches.get(key[0]) or (None,))[0] != key]
+        if miss:
+            pad = np.zeros((len(miss), max(1, int(n_extra.max(initial=0)))), dtype=np.int64)
+            for j, b in enumerate(miss):
+                pad[j, : n_extra[b]] = extra[b] if n_extra[b] else []
+            toks, feats = chain(self.lookup).propose_batch(
+                batch.token_ids_cpu, [rows[b] for b in miss], n_buf[miss],
+                np.asarray(batch.num_prompt_tokens)[[rows[b] for b in miss]], self.ngram, self.max_model_len,
+                pad, n_extra[miss])
+            for j, b in enumerate(miss):
+                self.matches[keys[b][0]] = (keys[b], toks[j][: self.k], feats[j])
+        hits = [self.matches[key[0]] for key in keys]
+        tokens = [h[1] for h in hits]
         width = max(1, max((len(t) for t in tokens), default=0))
-        return tokens, step_feature_tensor(feats, [len(t) for t in tokens], self.ngram_own, width)
+        feats = np.stack([h[2] for h in hits]) if hits else np.zeros((0, 8))
+        return tokens, batch_feature_tensor(feats, [len(t) for t in tokens], self.ngram_own, width)
 
     def planned_probs(self, req_ids: list[str]) -> torch.Tensor | None:
         """float32 ``[B, W]``: the n-gram probabilities the plan looked up this step, when it did so for
@@ -361,6 +371,12 @@ class Server:
             return
         rows = list(range(B))
         temps = [float(batch.temperature_cpu[i]) for i in rows]
+        verdict = None if self.oracle is not None else self.aside.verdict(batch_key(temps))
+        self.aside_now = (tuple(req_ids), verdict)  # the decision after drafting takes the same verdict
+        if verdict == "none":
+            return self.set_passes(scheduler_output, 0, k_sched, start)
+        if verdict == "engine":  # vLLM's K passes, its drafts handed through
+            return
         extra = None
         if isinstance(sampled_token_ids, torch.Tensor):  # padded EAGLE: drafting runs before bookkeeping
             sampled = sampled_token_ids.detach().cpu().tolist()
@@ -433,24 +449,39 @@ class Server:
         batch = runner.input_batch
         rows = [batch.req_id_to_index[r] for r in req_ids]
         temps = [float(batch.temperature_cpu[i]) for i in rows]
-        from calib.chains import NO_CHAIN, chains
+        from calib.chains import NO_CHAIN, chain, chains
 
-        planned = self.planned  # offers() clears it
-        inputs = StepInputs(req_ids, temps, self.offers(dec, req_ids, engine, batch, rows))
-        if self.oracle is not None:  # the clock oracle: the accepted prefix of the chain that commits most
-            d, known = self.oracle.decide(inputs, self.oracle.continuations(batch, rows, req_ids, temps, K),
-                                          dec.engine_chain, engine)
-            self.stats.oracle_known += sum(known)
-            self.stats.oracle_unknown += len(known) - sum(known)
-        else:
-            d = self.decide_sampled(dec, inputs) if sampled else (self.planned_decision(inputs, planned)
-                                                                   or dec.decide(inputs))
-        if d.passthrough:
-            self.stats.passthrough += 1
+        key = batch_key(temps)
+        verdict = self.aside_verdict(req_ids, key, any(left))
+        if verdict == "engine":  # vLLM's own proposal, untouched (calib/serve/aside.py)
+            self.stats.aside_engine += 1
+            engine_chain = chain(dec.engine_chain).name
+            for r, x in zip(req_ids, engine):
+                self.chosen[r] = engine_chain if x else None
+            self.planned = {}
             return out
-        drafts, chain_ids = d.drafts, d.chain
-        if any(left):
-            drafts, chain_ids = keep_engine_rows(drafts, chain_ids, engine, left, dec.engine_chain)
+        d = None
+        if verdict == "none":  # no draft tokens: the step costs what a step without speculation costs
+            self.stats.aside_none += 1
+            self.planned = {}
+            drafts, chain_ids = [[] for _ in req_ids], torch.full((len(req_ids),), NO_CHAIN, dtype=torch.int8)
+        else:
+            planned = self.planned  # offers() clears it
+            inputs = StepInputs(req_ids, temps, self.offers(dec, req_ids, engine, batch, rows))
+            if self.oracle is not None:  # the clock oracle: the accepted prefix of the chain that commits most
+                d, known = self.oracle.decide(inputs, self.oracle.continuations(batch, rows, req_ids, temps, K),
+                                              dec.engine_chain, engine)
+                self.stats.oracle_known += sum(known)
+                self.stats.oracle_unknown += len(known) - sum(known)
+            else:
+                d = self.decide_sampled(dec, inputs) if sampled else (self.planned_decision(inputs, planned)
+                                                                       or dec.decide(inputs))
+            if d.passthrough:
+                self.stats.passthrough += 1
+                return out
+            drafts, chain_ids = d.drafts, d.chain
+            if any(left):
+                drafts, chain_ids = keep_engine_rows(drafts, chain_ids, engine, left, dec.engine_chain)
         if len(drafts) != len(req_ids) or any(len(x) > K or any(t < 0 for t in x) for x in drafts):
             raise RuntimeError("decision out of bounds (more than K tokens, or a negative id)")
         if not self.ranks_agree(digest(drafts), "drafts"):  # before anything this step changes
@@ -459,14 +490,38 @@ class Server:
         for r, cid, x in zip(req_ids, chain_ids.tolist(), drafts):
             self.chosen[r] = names[int(cid)] if (cid != NO_CHAIN and x) else None
         # what the online correction learns from once the step is verified (never the requests left to vLLM)
-        if self.oracle is None:  # the oracle learns nothing
+        if d is not None and self.oracle is None:  # the oracle learns nothing
             dec.remember(inputs, d, skip=left)
+            self.note_kind(key, decision_kind(drafts, engine) if not any(left) else None)
         if sampled:  # the rejection sampler's q rows must follow the lists handed back
             self.rebuild_draft_probs(runner, req_ids, drafts, chain_ids)
         self.count(drafts, engine)
-        self.stats.allocator_ms.append(float(d.allocator_ms))
+        if d is not None:
+            self.stats.allocator_ms.append(float(d.allocator_ms))
         self.stats.hook_ms.append((time.perf_counter() - start) * 1e3)
         return type(out)(req_ids, drafts)
+
+    # -- standing aside (calib/serve/aside.py) -----------------------------------------------------
+    def aside_verdict(self, req_ids: list[str], key: tuple, any_left: bool = False) -> str | None:
+        """This engine step's stand-aside verdict ("engine", "none" or None: decide), taken once per step: by
+        the plan of draft passes when it ran (same requests), else here. Never with the clock oracle."""
+        seen, self.aside_now = self.aside_now, None
+        if seen is not None and seen[0] == tuple(req_ids):
+            return seen[1]
+        if self.oracle is not None or any_left:
+            return None
+        return self.aside.verdict(key)
+
+    def note_kind(self, key: tuple, kind: str | None) -> None:
+        """A decided step's kind (:func:`calib.serve.aside.decision_kind`); one log line when a stretch of a
+        kind first begins."""
+        if self.aside.record(key, kind):
+            what = ("hands vLLM's own drafts through" if kind == "engine"
+                    else "schedules no draft tokens (no speculation pays at this batch)")
+            log.info("calib serve: standing aside at batch %d (temperatures %s): the last %d decisions were %s, "
+                     "so calib %s without deciding, deciding again every %d steps or when the batch changes",
+                     key[0], sorted(set(key[1])), self.aside.after,
+                     "vLLM's own drafts" if kind == "engine" else "no draft tokens", what, self.aside.every)
 
     def planned_decision(self, inputs, planned: dict):
         """The plan's own allocation when it ran no draft pass (:attr:`calib.allocate.DraftPlan.free_depth`):
@@ -502,64 +557,23 @@ class Server:
                             torch.from_numpy(expected_accepted_length(taken)).to(torch.float32),
                             (time.perf_counter() - start) * 1e3, probs=torch.from_numpy(taken).to(torch.float32))
 
-    # -- probabilistic drafting (docs/serving_hooks.md, "Sampled serving") ---------------------------
+    # -- probabilistic drafting (docs/serving_hooks.md, "Sampled serving"; calib/vllm/sampled.py) ------
     def decide_sampled(self, dec, inputs):
-        """The decision when the drafter sampled its chain from q: the model chain is verified to depth
-        ``>= j`` only where the decisions seeing depths ``<= j`` of every model draft (their max q, known
-        before the draw at ``j``; placeholder tokens, never the drawn ones) each took all of it, a
-        stopping rule; a request the first of them gives no model token takes that one's choice."""
-        from calib.chains import NO_CHAIN, Offer, chain
-        from calib.serve import StepDecision, StepInputs
+        """:func:`calib.vllm.sampled.decide_sampled`: the causal cut of a sampled model chain."""
+        from calib.vllm.sampled import decide_sampled
 
-        model = dec.engine_chain
-        offer = inputs.offers.get(model)
-        if offer is None or chain(model).confidence is None:
-            return dec.decide(inputs)
-        tokens, conf = offer.tokens, offer.signal  # [B][<= K], float [B, K] (max q per depth)
-        B, model_id = len(tokens), chain(model).id
-        depth = torch.zeros(B, dtype=torch.int32)  # [B]: the model prefix verified
-        alive = torch.ones(B, dtype=torch.bool)  # [B]: every decision so far took the whole cut
-        first, ms = None, 0.0
-        model_probs: dict[int, torch.Tensor] = {}  # row -> the model prefix's probabilities as decided
-        for j in range(1, max((len(t) for t in tokens), default=0) + 1):
-            cut = Offer([[0] * min(j, len(t)) for t in tokens], conf[:, :j])
-            d = dec.decide(StepInputs(inputs.req_ids, inputs.temperature, {**inputs.offers, model: cut}))
-            ms += float(d.allocator_ms)
-            if d.passthrough:  # Server.step then keeps vLLM's own drafts with their own q rows
-                return d
-            first = d if first is None else first
-            alive &= (d.chain == model_id) & (d.depth == j)
-            depth[alive] = j
-            if d.probs is not None:
-                for b in torch.nonzero(alive).flatten().tolist():
-                    model_probs[b] = d.probs[b, :j]
-            if not bool(alive.any()):
-                break
-        if first is None:  # no model token anywhere: nothing to cut
-            return dec.decide(inputs)
-        on_model = depth > 0  # [B]
-        drafts = [tokens[b][: int(depth[b])] if on_model[b] else list(first.drafts[b]) for b in range(B)]
-        ids = torch.where(on_model, torch.tensor(model_id, dtype=first.chain.dtype), first.chain)
-        ids = torch.where(torch.tensor([bool(x) for x in drafts]), ids, torch.tensor(NO_CHAIN, dtype=ids.dtype))
-        expected = torch.where(on_model, torch.tensor(math.nan), first.expected_accepted.to(torch.float32))
-        probs = None
-        if first.probs is not None and all(b in model_probs for b in torch.nonzero(on_model).flatten().tolist()):
-            probs = torch.full((B, max([1, *map(len, drafts)])), math.nan)
-            for b, x in enumerate(drafts):
-                row = model_probs[b] if on_model[b] else first.probs[b, : len(x)]
-                probs[b, : len(x)] = row[: len(x)]
-        return StepDecision(list(inputs.req_ids), drafts, ids, torch.tensor([len(x) for x in drafts],
-                            dtype=torch.int32), expected, ms, probs=probs)
+        return decide_sampled(dec, inputs)
 
     def rebuild_draft_probs(self, runner, req_ids: list[str], drafts: list[list[int]], chain_ids) -> None:
         """Make the q rows vLLM's rejection sampler reads next step (``runner._draft_probs`` by
         ``_draft_prob_req_ids``, ``[:num_draft]`` per request) follow ``drafts``: model prefixes keep
-        their rows, another chain's tokens get one-hot rows (:func:`verified_draft_probs`)."""
+        their rows, another chain's tokens get one-hot rows (:func:`calib.vllm.sampled.verified_draft_probs`)."""
         from calib.chains import chain
+        from calib.vllm import sampled
 
         model_id = chain(self.decider.engine_chain).id
         from_model = [int(c) == model_id for c in chain_ids.tolist()]
-        runner._draft_probs, runner._draft_prob_req_ids = verified_draft_probs(
+        runner._draft_probs, runner._draft_prob_req_ids = sampled.verified_draft_probs(
             runner._draft_probs, list(runner._draft_prob_req_ids), req_ids, drafts, from_model)
         self.stats.probabilistic_decided += 1
 
@@ -605,44 +619,3 @@ class Server:
                 s.truncated += 1
             else:
                 s.substituted += 1
-
-
-def verified_draft_probs(probs: torch.Tensor, prob_req_ids: list[str], req_ids: list[str],
-                         drafts: list[list[int]], from_model: list[bool]) -> tuple[torch.Tensor, list[str]]:
-    """The draft probabilities ``[R, W, V]`` (rows by the returned request ids) that verify ``drafts``
-    losslessly, from the drafter's ``probs [R, W0, V]`` (rows by ``prob_req_ids``): a model prefix keeps
-    its rows (vLLM reads ``[:num_draft]``), a substituted chain gets one-hot rows (q = 1 on its token:
-    accepted with p(token), the residual p without it), an empty list needs none. In place where the
-    substitutes fit ``W0`` columns and every request has a row; else a new tensor, rows by ``req_ids``."""
-    if probs.ndim != 3 or probs.shape[0] < len(prob_req_ids):  # vLLM indexes the first R rows by id
-        raise ValueError(f"draft probs {tuple(probs.shape)} for {len(prob_req_ids)} requests: want [R, W, V]")
-    if not len(req_ids) == len(drafts) == len(from_model):
-        raise ValueError(f"{len(req_ids)} requests, {len(drafts)} draft lists, {len(from_model)} chain flags")
-    _, W0, V = probs.shape
-    row_of = {r: i for i, r in enumerate(prob_req_ids)}
-    for r, x, m in zip(req_ids, drafts, from_model):
-        if m and x and (r not in row_of or len(x) > W0):
-            raise ValueError(f"request {r}: {len(x)} model tokens but no q rows for them (width {W0})")
-        if any(t < 0 or t >= V for t in x):
-            raise ValueError(f"request {r}: a token id outside the drafter's vocabulary of {V}: {x}")
-    # vLLM drafts under inference mode: its tensor is written (or replaced) under the same mode
-    with torch.inference_mode(probs.is_inference()):
-        return _one_hot_substitutes(probs, prob_req_ids, req_ids, drafts, from_model, row_of)
-
-
-def _one_hot_substitutes(probs, prob_req_ids, req_ids, drafts, from_model, row_of):
-    """:func:`verified_draft_probs` once its inputs are checked."""
-    _, W0, V = probs.shape
-    subs = [b for b, (x, m) in enumerate(zip(drafts, from_model)) if x and not m]
-    ids = list(prob_req_ids)
-    width = max([W0, *(len(drafts[b]) for b in subs)])
-    if width > W0 or any(req_ids[b] not in row_of for b in subs):
-        out = probs.new_zeros((len(req_ids), width, V))  # [B, W, V]
-        keep = [b for b, r in enumerate(req_ids) if r in row_of]
-        out[keep, :W0] = probs[[row_of[req_ids[b]] for b in keep]]
-        probs, ids, row_of = out, list(req_ids), {r: b for b, r in enumerate(req_ids)}
-    for b in subs:
-        row, x = row_of[req_ids[b]], drafts[b]
-        probs[row, : len(x)] = 0
-        probs[row, torch.arange(len(x)), torch.tensor(x, device=probs.device)] = 1
-    return probs, ids

@@ -440,6 +440,7 @@ def test_online_correction_learns_from_what_it_decided_and_rewrites_only_its_cha
         for r, n in drafted:
             on.observe(r, 0, n)
         on.refresh()
+    on.online.refresh(lazy=False)  # lookups read the correction entry by entry; the grid itself is rewritten here
     changed = {n: ~torch.isclose(on.tables.chains[n].grid, before[n]) for n in before}
     chosen = {chain(int(c)).name for c, d in zip(first_on.chain.tolist(), first_on.drafts) if d}
     for name, diff in changed.items():
@@ -460,6 +461,8 @@ def test_online_positions_after_the_first_rejection_are_not_rejections(saved):
     r, n = next((r, len(d)) for r, d in zip(inputs.req_ids, out.drafts) if len(d) >= 2)
     name = chain(int(out.chain[inputs.req_ids.index(r)])).name
     dec.observe(r, 0, n)  # rejected at depth 0: depths 1.. were never judged
+    assert not any(s["n"][0] for s in dec.online.state()[name].values())  # learnt with the step, at refresh
+    dec.refresh()
     seen = dec.online.state()[name]
     assert all(s["n"][0] == 1 and not any(s["n"][1:]) for s in seen.values())
 
@@ -481,6 +484,7 @@ def test_the_served_grid_is_the_replayed_correction_of_the_prior(saved, pooled, 
             if d:
                 dec.observe(r, step % (len(d) + 1), len(d))
         dec.refresh()
+    dec.online.refresh(lazy=False)  # lookups read the correction entry by entry; the grid itself is rewritten here
     prior = _decider(saved).tables.chains
     assert any(v["n"][0] for c in dec.online.chains.values() for v in c["correction"].state().values()), \
         "the steps should teach something"
@@ -501,3 +505,29 @@ def test_the_served_grid_is_the_replayed_correction_of_the_prior(saved, pooled, 
             assert moved.all()
         elif not pooled:
             assert set(np.unique(cells[~keep[0] & moved])) <= touched
+
+
+def test_lookups_through_the_correction_decide_as_a_rewritten_grid(saved):
+    """Lookups read the online correction's values entry by entry (OnlineTables.read): every decision equals, and
+    every probability is within float32 rounding of, those read from a grid rewritten whole after each step (the
+    kernel's way; numpy's vectorised exp may round an array's lanes apart from a gather's)."""
+    from calib.tables.online import OnlineSettings
+
+    settings = OnlineSettings(decay=0.99, prior=4.0)
+    lazy, whole = _decider(saved, online=settings), _decider(saved, online=settings)
+    for t in whole.tables.chains.values():
+        t.read = None  # the grid as rewritten
+    for step in range(6):
+        inputs = _inputs(B=6, seed=20 + step)
+        a, b = lazy.decide(inputs), whole.decide(inputs)
+        assert a.drafts == b.drafts and torch.equal(a.probs.isnan(), b.probs.isnan())
+        assert torch.allclose(torch.nan_to_num(a.probs), torch.nan_to_num(b.probs), rtol=0, atol=2e-7)
+        for dec, out in ((lazy, a), (whole, b)):
+            dec.remember(inputs, out)
+            for r, d in zip(inputs.req_ids, out.drafts):
+                if d:
+                    dec.observe(r, step % (len(d) + 1), len(d))
+            dec.refresh()
+        whole.online.refresh(lazy=False)
+        stale = sum(int(c["stale"].sum()) for c in lazy.online.chains.values())
+        assert step == 0 or stale > 0, "the lookups should have read corrected values the grid does not hold"

@@ -17,7 +17,8 @@ import torch
 from calib.chains import NO_CHAIN, Offer, chains
 from calib.serve import StepDecision, StepInputs
 from calib.serve.knobs import ServeKnobs
-from calib.vllm.server import Server, verified_draft_probs
+from calib.vllm.sampled import verified_draft_probs
+from calib.vllm.server import Server
 
 scipy_stats = pytest.importorskip("scipy.stats")
 

@@ -36,8 +36,8 @@ SCRIPT = r"""
 import json, sys
 mode, model_dir, head, seed, spec = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), json.loads(sys.argv[5])
 if mode == "wrong":  # a deliberately wrong rule: substitutes verified against the drafter's own q rows
-    import calib.vllm.server as server_mod
-    server_mod.verified_draft_probs = lambda probs, ids, *rest: (probs, ids)
+    import calib.vllm.sampled as sampled_mod
+    sampled_mod.verified_draft_probs = lambda probs, ids, *rest: (probs, ids)
 from vllm import LLM, SamplingParams
 llm = LLM(model=model_dir, dtype="float32", enforce_eager=True, max_model_len=1024, max_num_seqs=64, seed=seed,
           speculative_config=None if mode == "plain" else {"method": "eagle", "model": head, **spec})

@@ -1,0 +1,80 @@
+"""When calib stands aside: stretches of steps on which deciding would change nothing.
+
+Inside vLLM's step calib's decision costs time (docs/profile.md); on many steps it hands back exactly what
+vLLM proposed (the n-gram engine at low concurrency: every chain verified whole), or nothing at all (high
+concurrency under sampling: the tables price every draft token above its expected gain, so no speculation is
+the step's best). :class:`StandAside` notices such a stretch and skips the decision for a while:
+
+* after ``after`` consecutive decided steps with the same batch (its size and temperatures: what the price
+  of a draft token turns on) whose decision was of one kind, ``"engine"`` (vLLM's own lists, unchanged) or
+  ``"none"`` (no draft token anywhere), the next steps of that batch take that kind without a decision:
+  vLLM's proposal handed through untouched, or no draft tokens scheduled (with a model drafter: no draft
+  pass planned either);
+* every ``every``-th step of the stretch is decided again, and any other batch, or a decision of another
+  kind, ends the stretch at once.
+
+A skipped step costs a dictionary lookup. What it gives up: a request that joins a batch of the same size and
+temperatures mid-stretch is decided at the next re-check, up to ``every - 1`` steps later; the online
+correction learns nothing from a skipped step (the history context still does). Serving logs one line when a
+stretch of each kind first begins, and counts the skipped steps (:class:`calib.vllm.server.ServeStats`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+KINDS = ("engine", "none")  # vLLM's own lists handed through; no draft tokens
+
+
+def batch_key(temperatures: Sequence[float]) -> tuple:
+    """What a stretch is kept for: the batch size and its temperatures (sorted, rounded: the tables' axis)."""
+    return (len(temperatures), tuple(sorted(round(float(t), 3) for t in temperatures)))
+
+
+def decision_kind(drafts: Sequence[Sequence[int]], engine: Sequence[Sequence[int]]) -> str | None:
+    """``"none"`` when nothing is verified, ``"engine"`` when every list is vLLM's own, else None."""
+    if not any(drafts):
+        return "none"
+    if all(list(x) == list(e) for x, e in zip(drafts, engine)):
+        return "engine"
+    return None
+
+
+@dataclass
+class StandAside:
+    """The stretch in progress (see the module docstring); ``after = 0`` never stands aside."""
+
+    after: int = 4  # consecutive decided steps of one kind and batch before standing aside
+    every: int = 16  # while aside, every every-th step is decided again
+    key: tuple | None = field(default=None, init=False)  # the batch of the current streak
+    kind: str | None = field(default=None, init=False)  # its decisions' kind
+    streak: int = field(default=0, init=False)  # consecutive decided steps of that batch and kind
+    skipped: int = field(default=0, init=False)  # steps skipped since the last decided one
+    began: set = field(default_factory=set, init=False)  # kinds whose first stretch has begun (logged once)
+
+    def __post_init__(self):
+        if int(self.after) < 0 or int(self.every) < 1:
+            raise ValueError(f"stand-aside needs after >= 0 and every >= 1, got after={self.after}, every={self.every}")
+
+    def verdict(self, key: tuple) -> str | None:
+        """The kind this step takes without a decision, or None (decide). Counts the step when skipped."""
+        if not self.after or self.kind is None or key != self.key or self.streak < self.after:
+            return None
+        if self.skipped + 1 >= self.every:  # the stretch's re-check
+            return None
+        self.skipped += 1
+        return self.kind
+
+    def record(self, key: tuple, kind: str | None) -> bool:
+        """A decided step of batch ``key`` and decision ``kind``; True when a stretch of that kind begins for
+        the first time in this process (the caller logs it)."""
+        self.skipped = 0
+        if kind is None or key != self.key or kind != self.kind:
+            self.key, self.kind, self.streak = key, kind, (1 if kind is not None else 0)
+            return False
+        self.streak += 1
+        if self.streak == self.after and kind not in self.began:
+            self.began.add(kind)
+            return True
+        return False
