@@ -16,7 +16,9 @@ A job's whole output folder (``train.py``, ``eval.py``, ``serve.py``) goes throu
 :func:`staged_output`: the folder is refused when it holds something else, another job's output or
 (without ``overwrite``) an earlier run, built in a staging folder with the run's log, and published on
 success only; a failed run, Ctrl-C, SIGTERM or SIGHUP leaves the previous folder as it was and removes
-its staging folder.
+its staging folder, and the staging folder of a run killed outright (SIGKILL) is removed by the next run at
+the same place (:mod:`calib.debris`). An out_dir inside a bank or a tables folder is refused; a write error
+that names no file (EFBIG, ENOSPC) is re-raised naming it.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+from calib.debris import _host, _stage_prefix, clean_stale_staging
 
 FILE_MODE, DIR_MODE = 0o644, 0o755
 
@@ -76,8 +80,25 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
         yield Path(tmp)
         set_public_mode(tmp)
         os.replace(tmp, path)
+    except OSError as exc:
+        named = named_os_error(exc, path)
+        if named is exc:
+            raise
+        raise named from exc
     finally:
         Path(tmp).unlink(missing_ok=True)
+
+
+def named_os_error(exc: OSError, path: str | os.PathLike) -> OSError:
+    """``exc`` naming ``path`` where it names no file: a write's "File too large" (a file size limit, EFBIG)
+    or "No space left on device" carry no file name, and a user cannot tell which output hit it. Errors
+    that name a file, or carry no errno (calib's own refusals), are returned as they are."""
+    if exc.filename is not None or not exc.errno:
+        return exc
+    try:
+        return type(exc)(exc.errno, exc.strerror or str(exc), str(path))
+    except TypeError:  # an OSError subclass with another signature
+        return exc
 
 
 @contextmanager
@@ -125,11 +146,14 @@ def write_json_atomic(path: str | os.PathLike, obj) -> Path:
 
 
 def staging_dir(target: str | os.PathLike) -> Path:
-    """A fresh temp folder beside ``target`` (same file system, so it can be renamed onto it)."""
+    """A fresh temp folder beside ``target`` (same file system, so it can be renamed onto it), named
+    ``.NAME.tmp-PID@HOST-*`` after the process that owns it; staging folders that killed runs left beside
+    ``target`` are cleaned first (:func:`clean_stale_staging`)."""
     target = Path(target)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        return Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+        clean_stale_staging(target)
+        return Path(tempfile.mkdtemp(prefix=f"{_stage_prefix(target)}{os.getpid()}@{_host()}-", dir=target.parent))
     except OSError as exc:
         raise OSError(exc.errno, f"cannot create a staging folder beside {target} ({exc.strerror or exc}); "
                                  f"choose an out_dir in a writable folder with free space") from exc
@@ -351,6 +375,7 @@ def staged_output(target: str | os.PathLike, *, overwrite: bool = False, job: st
     Ctrl-C, SIGTERM or SIGHUP the staging folder is removed and ``target`` is left as it was.
     """
     target = resolve_target(target)
+    check_not_inside_an_input(target, job=job)
     check_replaceable(target, job=job, overwrite=overwrite)
     stage = staging_dir(target)
     handler, calib_logger, level = None, logging.getLogger("calib"), None
@@ -370,6 +395,12 @@ def staged_output(target: str | os.PathLike, *, overwrite: bool = False, job: st
                 handler.close()
                 handler = None
             publish_dir(stage, target, job=job, overwrite=overwrite)
+    except OSError as exc:
+        shutil.rmtree(stage, ignore_errors=True)
+        named = named_os_error(exc, f"{target} (staged in {stage.name})")
+        if named is exc:
+            raise
+        raise named from exc
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         raise
@@ -379,6 +410,26 @@ def staged_output(target: str | os.PathLike, *, overwrite: bool = False, job: st
             handler.close()
         if level is not None:
             calib_logger.setLevel(level)
+
+
+# A folder calib reads: a bank (calib.bank.schema.ACCEPTANCE) or tables (calib.tables.io.META; no import: no torch)
+INPUT_MARKERS = {"acceptance.parquet": "bank", "tables.json": "tables folder"}
+
+
+def check_not_inside_an_input(target: str | os.PathLike, *, job: str = "calib", what: str = "out_dir") -> None:
+    """Refuse an output folder inside a bank or a tables folder (``train.py out_dir=<a bank>/sub`` wrote tables
+    into the bank it read, and the bank validator could not tell). The folder itself may be an earlier output
+    (tables replaced with ``overwrite``): only the folders above it are checked.
+
+    Raises:
+        FileExistsError: naming the output folder, the input above it and what marks it as one.
+    """
+    target = Path(os.path.abspath(resolve_target(target)))
+    for parent in target.parents:
+        for marker, kind in INPUT_MARKERS.items():
+            if (parent / marker).is_file():
+                raise FileExistsError(f"{what} {target} lies inside the {kind} {parent} (it holds {marker}): {job} "
+                                      f"never writes into an input; choose an {what} outside {parent}")
 
 
 class Terminated(SystemExit):

@@ -339,3 +339,86 @@ def test_calib_off_is_detected(case, record, why):
 def test_calib_on_and_vllm_policies_are_not_off():
     assert calib_off(CALIB, {"calib": {"steps": 9, "decided": 4, "disabled_reason": None}}) is None
     assert calib_off({"name": "vllm"}, {"calib": None}) is None
+
+
+# -- issue 43: debris of killed runs, outputs inside inputs, errors that name no file ------------------------
+
+
+def test_a_killed_runs_staging_folder_is_removed_by_the_next_run(tmp_path, caplog):
+    target = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_JOB, str(target)], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "staged"
+    proc.kill()  # SIGKILL: no handler runs, the staging folder stays (was: forever)
+    proc.wait(timeout=30)
+    (stale,) = [p for p in tmp_path.iterdir() if p.name.startswith(".out.tmp-")]
+    assert stale.name.startswith(f".out.tmp-{proc.pid}@")
+    with caplog.at_level("WARNING", logger="calib.atomic"):
+        publish(target)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    assert f"removed {stale}: the staging folder of run {proc.pid} on this host, which no longer runs" in caplog.text
+
+
+def test_staging_folders_calib_cannot_vouch_for_are_named_and_kept(tmp_path, caplog):
+    """A live run's staging folder is left silently; one without an owner (an older calib, another host) and a
+    previous output moved aside (``.old-``) are kept and named."""
+    from calib.debris import _host
+
+    target = tmp_path / "out"
+    live = tmp_path / f".out.tmp-{os.getpid()}@{_host()}-abc"
+    unowned, moved = tmp_path / ".out.tmp-k3j4h5", tmp_path / ".out.old-999999"
+    for d in (live, unowned, moved):
+        d.mkdir()
+        (d / "tables.json").write_text("{}")
+    with caplog.at_level("WARNING", logger="calib.atomic"):
+        publish(target)
+    assert all(d.is_dir() for d in (live, unowned, moved))
+    assert f"{unowned} beside {target}: a staging folder of a run that did not finish" in caplog.text
+    assert f"{moved} beside {target}: the previous output moved aside" in caplog.text
+    assert str(live) not in caplog.text
+
+
+@pytest.mark.parametrize("marker, kind", [("acceptance.parquet", "bank"), ("tables.json", "tables folder")])
+def test_an_out_dir_inside_an_input_is_refused(tmp_path, marker, kind):
+    """``train.py out_dir=<a bank>/sub`` wrote tables into the bank it read (issue 43)."""
+    inp = tmp_path / "in"
+    inp.mkdir()
+    (inp / marker).write_bytes(b"PAR1")
+    before = snapshot(tmp_path)
+    with pytest.raises(FileExistsError) as err:
+        publish(inp / "sub" / "deeper")
+    assert str(err.value) == (f"out_dir {inp / 'sub' / 'deeper'} lies inside the {kind} {inp} (it holds {marker}): "
+                              f"train.py never writes into an input; choose an out_dir outside {inp}")
+    assert snapshot(tmp_path) == before
+
+
+FULL_DISK_JOB = r"""
+import resource, signal, sys
+from pathlib import Path
+from calib.atomic import staged_output, write_text_atomic
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # past the limit a write fails with EFBIG instead of a signal
+resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+out = Path(sys.argv[1])
+
+
+def staged():
+    with staged_output(out / "run", job="train.py") as stage:
+        (stage / "t").write_text("x" * 10_000)
+
+
+for call in (lambda: write_text_atomic(out / "big.json", "x" * 10_000), staged):
+    try:
+        call()
+    except OSError as exc:
+        print(exc)
+"""
+
+
+def test_file_too_large_names_the_file(tmp_path):
+    """A file size limit (ulimit -f) fails a write with "File too large" and no file name (issue 43)."""
+    p = subprocess.run([sys.executable, "-c", FULL_DISK_JOB, str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                       timeout=60, check=True)
+    first, second = p.stdout.splitlines()
+    assert first == f"[Errno 27] File too large: '{tmp_path / 'big.json'}'"
+    assert second.startswith(f"[Errno 27] File too large: '{tmp_path / 'run'} (staged in .run.tmp-")
+    assert sorted(x.name for x in tmp_path.iterdir()) == []  # nothing half-written left
