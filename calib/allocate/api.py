@@ -7,7 +7,10 @@ the lower id wins ties (the rules are in :mod:`calib.allocate.reference`).
 
 Both return an :class:`Allocation` whose tensors stay on the input device. ``impl="reference"``
 runs the torch reference (any device); ``impl="triton"`` runs the fused kernel (on CPU under the
-Triton interpreter, for testing only). Both take bit-identical decisions.
+Triton interpreter, for testing only); ``impl="host"`` runs the reference's price mode in numpy
+(:mod:`calib.allocate.host`: a serving step's few requests on a CPU, where torch's per-call cost
+dominates; budget mode falls back to the reference; tensors come back on the CPU). All take
+bit-identical decisions.
 
 Inputs are checked here, at the boundary, the same way for both implementations: the arguments
 declaratively (:data:`ENTRY_CONSTRAINTS`, :func:`calib.params.validate_params`: ``impl`` one of
@@ -35,7 +38,7 @@ from calib.chains import ChainKind, chain, chain_names
 from calib.params import Options, validate_params
 from calib.tables.layout import AcceptanceTables, check_chain_inputs, check_confidences
 
-IMPLEMENTATIONS = ("reference", "triton")
+IMPLEMENTATIONS = ("reference", "triton", "host")
 MAX_CHAINS = 2  # chains one step chooses between (see calib.allocate.reference)
 TEMPERATURE = "temperature"  # the context axis holding each request's sampling temperature (calib.chains.CONTEXT)
 
@@ -98,7 +101,11 @@ def allocate_probs(
         return _empty(first.device)
     second = probs[kinds[1].name] if len(kinds) > 1 else None
     ids = (kinds[0].id, kinds[-1].id)
-    if impl == "reference":
+    if impl == "host" and budget is None:
+        from calib.allocate.host import allocate_host
+
+        return Allocation(*allocate_host(first, second, cost, ids=ids))
+    if impl in ("reference", "host"):
         return Allocation(*allocate_reference(first, second, budget=budget, cost=cost, ids=ids))
     if impl == "triton":
         from calib.allocate.triton_kernels import allocate_triton  # triton is imported lazily
@@ -140,9 +147,9 @@ def allocate(
     if n_requests == 0:
         return _empty(first.device)
     ids = (kinds[0].id, kinds[-1].id)
-    if impl == "reference":
-        p = [tables.chains[k.name].lookup(checked[k.name], k.name) for k in kinds]
-        return Allocation(*allocate_reference(p[0], p[1] if len(p) > 1 else None, budget=budget, cost=cost, ids=ids))
+    if impl in ("reference", "host"):
+        p = {k.name: tables.chains[k.name].lookup(checked[k.name], k.name) for k in kinds}
+        return allocate_probs(p, budget=budget, cost=cost, impl=impl)
     if impl == "triton":
         from calib.allocate.triton_kernels import allocate_triton
 
@@ -242,7 +249,7 @@ def check_cost(cost: torch.Tensor, n_requests: int) -> None:
 
 def _host_readable(x: torch.Tensor, impl: str) -> bool:
     """Whether a value check of ``x`` costs no device sync on this path (see the module docstring)."""
-    return impl == "reference" or x.device.type == "cpu"
+    return impl in ("reference", "host") or x.device.type == "cpu"
 
 
 def check_mode(budget, cost, impl: str, owner: str = "allocate") -> None:

@@ -57,6 +57,8 @@ CHAIN_NAMES = Satisfies("a list of registered chain names (calib.chains)",
                                                                            for c in v))
 K_MAX = Interval(numbers.Integral, 1, None)  # vLLM's num_speculative_tokens
 # decide_step's per-call arguments (and SafeDecider's, below).
+# the implementations whose tables are read by a lookup in this process (the kernel reads them itself)
+HOST_LOOKUPS = ("reference", "host")
 DECIDE_CONSTRAINTS = {"k_max": [K_MAX], "budget": [NoneValue(), Interval(numbers.Integral, 0, None)],
                       "impl": [Options(IMPLEMENTATIONS)]}
 
@@ -242,11 +244,11 @@ def _decide_step(tables, inputs: StepInputs, history: RequestHistory, *, k_max: 
     offered = [k.name for k in chains() if k.name in inputs.offers and k.name in tables.chains]
     _note_unfitted(tables, temps, offered)
     # offers whose probabilities the engine already looked up (the serving plan): the reference path uses them
-    skip = [n for n in offered if inputs.offers[n].probs is not None] if impl == "reference" else []
+    skip = [n for n in offered if inputs.offers[n].probs is not None] if impl in HOST_LOOKUPS else []
     signals, tokens = chain_inputs(tables, inputs, history, k_max=k_max, skip=skip, temperatures=temps)
     given = _given_probs(inputs.offers, {n: tokens[n] for n in skip}, B)
     probs = None
-    if given or impl == "reference":  # the probabilities are kept: the online correction learns from them
+    if given or impl in HOST_LOOKUPS:  # the probabilities are kept: the online correction learns from them
         probs = {**calibrated_probs(tables, signals), **given} if signals else given
         out = allocate_probs(probs, cost=cost, budget=budget, impl=impl)
     else:
@@ -424,7 +426,7 @@ class SafeDecider:
                     p[i, : len(row)] = row
                 drafted = np.array([len(row) for row in probs])
                 self.online.observe(name, p, outcome_rows(np.array(accepted), drafted, width), list(cells))
-            self.online.refresh(lazy=self.impl == "reference")  # the kernel reads the grid without a lookup
+            self.online.refresh(lazy=self.impl in HOST_LOOKUPS)  # the kernel reads the grid without a lookup
         except Exception as exc:  # noqa: BLE001
             self._fail(exc, "refresh")
 

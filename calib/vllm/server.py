@@ -199,6 +199,7 @@ class Server:
         self.max_model_len = getattr(runner, "max_model_len", None)
         dec = SafeDecider(self.tables_dir, model_id=model_id, speculator=speculator, k_max=self.k,
                           method=method, chains=self.chains, cost=cost, identity=engine_identity(runner, sc),
+                          impl="host",  # numpy on the step's few requests (calib/allocate/host.py)
                           online=self.knobs.online_settings())
         self.ngram_own = []
         if self.lookup in dec.chains:
@@ -206,6 +207,10 @@ class Server:
             from calib.serve.decide import feature_names
 
             self.ngram_own = split_context(feature_names(dec.tables, self.lookup), self.lookup)[0]
+            warm = chain(self.lookup).propose_batch
+            if warm is not None:  # compiled now (numba: ~1 s once), not in the first step; vLLM's buffer is int32
+                warm(np.zeros((1, 8), dtype=np.int32), [0], [8], [0], self.ngram, self.max_model_len,
+                     np.zeros((1, 1), dtype=np.int64), np.zeros(1, dtype=np.int64))
         model_drafter = chain(dec.engine_chain).confidence is not None  # its passes are calib's to plan
         if self.knobs.oracle:  # the clock oracle decides from a reference (plan_passes: 0 or vLLM's K)
             from calib.serve.oracle import Oracle, Reference
