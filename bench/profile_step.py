@@ -40,6 +40,7 @@ DEFAULT_ARMS = ["none", "vllm_ngram", "vllm_eagle", "calib_two_drafter"]
 # the parts of a step, in the order of the table (each a wrapper below, or calib's statistics)
 PARTS = ("prepare_inputs", "target_forward", "target_lm_head", "verify_sample", "drafter_first_pass",
          "drafter_more_passes", "drafter_lm_head", "ngram_propose", "calib", "bookkeeping", "other")
+CALIB_PARTS = ("plan", "decide", "observe")  # calib's hooks within the "calib" part (calib_totals)
 BEGIN, END = "<!-- profile:begin -->", "<!-- profile:end -->"
 
 
@@ -141,16 +142,25 @@ def profile_cell(llm, cfg: dict, prompts: list, sampling: dict, concurrency: int
             engine.add_request(f"profile-{concurrency}-{n}", queue.pop(0), params)
             n, inflight = n + 1, inflight + 1
         st = serving.stats()
-        calib0 = sum(st.hook_ms) + sum(st.plan_ms) if st else 0.0
+        before = calib_totals(st)
         TIMER.parts, t0 = {}, time.perf_counter()
         outs = engine.step()
         step_s = time.perf_counter() - t0
-        calib_ms = (sum(st.hook_ms) + sum(st.plan_ms) - calib0) if st else 0.0
+        calib = {k: v - before[k] for k, v in calib_totals(st).items()}
         if TIMER.info:  # a step that ran the model (not a scheduler-only call)
             TIMER.info["running"] = inflight
-            TIMER.finish(step_s, calib_ms)
+            TIMER.info["calib_parts"] = calib
+            TIMER.finish(step_s, sum(calib.values()))
         inflight -= sum(1 for o in outs if o.finished)
     return TIMER.rows
+
+
+def calib_totals(st) -> dict:
+    """calib's hook time so far, ms, by hook: the plan of draft passes, the decision after drafting, the
+    update after verification (history, online correction); zeros where serving is off."""
+    if st is None:
+        return dict.fromkeys(CALIB_PARTS, 0.0)
+    return {"plan": sum(st.plan_ms), "decide": sum(st.hook_ms), "observe": sum(st.observe_ms)}
 
 
 def worker(spec_path: str) -> None:
@@ -182,8 +192,9 @@ def summarise(cell: dict) -> dict:
     """Medians per step over a cell's steady steps (every request in flight decoding: no prefill)."""
     rows = [r for r in decode_rows(cell) if r["running"] == cell["concurrency"]] or cell["steps"]
     med = {p: statistics.median(r["ms"].get(p, 0.0) for r in rows) for p in PARTS}
+    calib = {p: statistics.fmean(r.get("calib_parts", {}).get(p, 0.0) for r in rows) for p in CALIB_PARTS}
     return {"arm": cell["arm"], "concurrency": cell["concurrency"], "steps": len(rows),
-            "step_ms": statistics.median(r["step_ms"] for r in rows), "parts_ms": med,
+            "step_ms": statistics.median(r["step_ms"] for r in rows), "parts_ms": med, "calib_mean_ms": calib,
             "passes_mean": statistics.fmean(r.get("passes", 0) for r in rows),
             "tokens_mean": statistics.fmean(r["tokens"] for r in rows)}
 
@@ -195,6 +206,15 @@ def table(summaries: list[dict]) -> str:
         lines.append(f"| {s['arm']} | {s['concurrency']} | {s['step_ms']:.1f} | "
                      + " | ".join(f"{s['parts_ms'][p]:.1f}" for p in PARTS)
                      + f" | {s['passes_mean']:.2f} | {s['tokens_mean']:.1f} |")
+    calib = [s for s in summaries if any(s.get("calib_mean_ms", {}).values())]
+    if calib:  # calib's own part, hook by hook (means: a stand-aside step costs ~0, a decided one its all)
+        lines += ["", "calib's part by hook (mean ms per steady decode step):", "",
+                  "| arm | c | " + " | ".join(CALIB_PARTS) + " | calib | share of step |", "|" + "---|" * 6]
+        for s in calib:
+            total = sum(s["calib_mean_ms"].values())
+            lines.append(f"| {s['arm']} | {s['concurrency']} | "
+                         + " | ".join(f"{s['calib_mean_ms'][p]:.2f}" for p in CALIB_PARTS)
+                         + f" | {total:.2f} | {100 * total / s['step_ms']:.1f} % |")
     return "\n".join(lines)
 
 

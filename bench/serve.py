@@ -383,6 +383,9 @@ def report(result: dict, args=None, source: str | None = None) -> None:
 
     rows, arms = result["table"], result["arms"]
     print("\n".join(clock.answer_lines(rows)))
+    deploy = clock.deploy_lines(rows)
+    if deploy:
+        print("\nWhere the model drafter does not pay:\n" + "\n".join(deploy))
     print("\nOutput tokens/s, median [min–max] over the repetitions (ratio to the best vLLM arm of the cell, no "
           "speculation included, median of the per-repetition ratios):")
     print(clock.tok_s_table(rows, arms))

@@ -64,3 +64,22 @@ def test_unstable_cells_are_named():
     rows = clock.rows(recs)
     assert clock.unstable(rows, 0.10) == ["code_edit/greedy/c4/calib_ngram"]
     assert clock.unstable(clock.rows(RECORDS), 0.10) == []
+
+
+def test_a_cell_whose_model_drafter_does_not_pay_names_the_engine_to_deploy_instead(capsys):
+    """Issue 42 Must 4: where calib ran (almost) none of the EAGLE head's passes, the bench says to deploy the
+    n-gram engine, with both arms' ratios; a cell where it drafted is not named."""
+    def two(rep, tok_s, planned, engine):
+        return {**_rec("calib_two_drafter", rep, tok_s, 16.0),
+                "calib": {"passes_planned": planned, "passes_engine": engine}}
+
+    idle = RECORDS + [two(0, 55.0, 1, 400), two(1, 57.0, 0, 400)]
+    (row,) = clock.rows(idle)
+    assert row["model_passes_share"] == {"calib_two_drafter": pytest.approx(1 / 800)}
+    (line,) = clock.deploy_lines([row])
+    assert line.startswith("code_edit/greedy/c4: calib_two_drafter ran 0% of the model drafter's passes")
+    assert "deploy the n-gram engine (calib_ngram 1.21× vs calib_two_drafter" in line
+    drafting = RECORDS + [two(0, 55.0, 300, 400), two(1, 57.0, 280, 400)]
+    assert clock.deploy_lines(clock.rows(drafting)) == []
+    _bench().report({"table": [row], "arms": [*ARMS, "calib_two_drafter"], "cost_model": "engine"})
+    assert "Where the model drafter does not pay:" in capsys.readouterr().out

@@ -173,9 +173,45 @@ def rows(records: list, predicted: dict | None = None) -> list[dict]:
                                           for a, p in pred.items() if a != "none"},
                "tok_s_spread": {a: [min(x["tok_s"] for x in rs), max(x["tok_s"] for x in rs)]
                                 for a, rs in by_arm.items()}}
+        row["model_passes_share"] = _passes_share(by_arm)
         row["oracle"] = {a: _oracle_of(a, med) for a in med if a in calib_arms() and _oracle_of(a, med)}
         row["headroom_captured"] = {a: headroom(to_best.get(a), to_best.get(o)) for a, o in row["oracle"].items()}
         out.append(row)
+    return out
+
+
+def _passes_share(by_arm: dict[str, list]) -> dict[str, float]:
+    """Per calib arm that plans the model drafter's passes: the share of vLLM's draft passes it ran, over its
+    repetitions (0: the head ran only its idle first pass, the model drafter's fixed cost)."""
+    out = {}
+    for arm, rs in by_arm.items():
+        stats = [x.get("calib") or {} for x in rs]
+        engine = sum(st.get("passes_engine", 0) for st in stats)
+        if arm in calib_arms() and engine:
+            out[arm] = sum(st.get("passes_planned", 0) for st in stats) / engine
+    return out
+
+
+# below this share of vLLM's draft passes, the model drafter is judged not to pay in a cell
+IDLE_DRAFTER_SHARE = 0.05
+
+
+def deploy_lines(table: list[dict]) -> list[str]:
+    """Per cell where a calib arm with a model drafter ran under :data:`IDLE_DRAFTER_SHARE` of vLLM's draft passes
+    (its tables said the drafter does not pay): which engine to deploy instead, with both arms' ratios; an EAGLE
+    engine then pays its head's idle first pass every step for nothing (docs/profile.md)."""
+    out = []
+    for row in table:
+        for arm, share in (row.get("model_passes_share") or {}).items():
+            if share >= IDLE_DRAFTER_SHARE:
+                continue
+            ratio = row["ratio_to_best_vllm"]
+            alt = [a for a in calib_arms() if a in ratio and a not in row["model_passes_share"]]
+            best_alt = max(alt, key=ratio.get) if alt else None
+            instead = (f"deploy the n-gram engine ({best_alt} {_x(ratio.get(best_alt))} vs {arm} {_x(ratio.get(arm))} "
+                       f"the best vLLM arm)" if best_alt else f"deploy {row['best_vllm']} (the best vLLM arm)")
+            out.append(f"{row['category']}/{row['sampling']}/c{row['concurrency']}: {arm} ran {share:.0%} of the "
+                       f"model drafter's passes, which does not pay here: {instead}")
     return out
 
 
@@ -361,6 +397,10 @@ def render_tables(result: dict, source: str) -> str:
         parts += ["", ("Headroom captured on the clock, per greedy cell: (calib − best vLLM arm) / (oracle − best "
                        "vLLM arm), the fastest oracle arm of the cell (it verifies exactly what the reference output "
                        "accepts); none where the oracle is not 2 % above the best vLLM arm:"), "", head]
+    deploy = deploy_lines(result["table"])
+    if deploy:
+        parts += ["", ("Where the tables say the model drafter does not pay (an EAGLE engine then costs its head's idle "
+                  "first pass every step):"), "", *(f"- {line}" for line in deploy)]
     parts += ["", f"float32 greedy outputs identical to no speculation (concurrency 4): {same}."]
     return "\n".join(parts)
 

@@ -453,7 +453,7 @@ def _stats_delta(a: dict | None, b: dict | None) -> dict | None:
 def _calib_figures(st: dict | None, wall: float) -> dict:
     if st is None:
         return {"allocator_ms_per_step": None, "calib": None}
-    hook_ms = sum(st["hook_ms"]) + sum(st["plan_ms"])
+    hook_ms = sum(st["hook_ms"]) + sum(st["plan_ms"]) + sum(st.get("observe_ms", []))
     return {"allocator_ms_per_step": sum(st["allocator_ms"]) / max(1, st["decided"]),
             "calib_ms_per_step": hook_ms / max(1, st["steps"]),
             "overhead_pct": 100.0 * hook_ms / 1e3 / wall if wall > 0 else None,
@@ -477,6 +477,9 @@ def summary(r: dict) -> str:
         lines.append(f"  calib: {c['decided']} of {c['steps']} steps decided, {c['replaced']} of {c['requests']} "
                      f"request-steps changed ({c['truncated']} truncated, {c['substituted']} substituted, "
                      f"{c['emptied']} emptied); draft tokens {c['tokens_engine']} -> {c['tokens_out']}")
+        if c.get("aside_engine") or c.get("aside_none"):
+            lines.append(f"  stood aside on {c['aside_engine']} steps (vLLM's own drafts handed through) and "
+                         f"{c['aside_none']} (no draft tokens scheduled)")
         if c.get("planned"):
             lines.append(f"  draft passes {c['passes_engine']} -> {c['passes_planned']} on {c['planned']} steps")
         if c.get("oracle"):

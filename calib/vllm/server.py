@@ -50,6 +50,7 @@ class ServeStats:
     plan_ms: list[float] = field(default_factory=list)  # per planned step: n-gram chains + forecast + plan_draft
     draft_ms: list[float] = field(default_factory=list)  # per step: vLLM's drafting (propose_draft_token_ids)
     step_ms: list[float] = field(default_factory=list)  # wall time between consecutive decisions (one engine step)
+    observe_ms: list[float] = field(default_factory=list)  # per verified step: history and online correction
     left_to_vllm: int = 0  # request-steps left to vLLM: target-only logit transforms (calib/transforms.py)
     oracle_known: int = 0  # the clock oracle (knob oracle): request-steps it decided from the reference continuation
     oracle_unknown: int = 0  # ... whose continuation it did not know (vLLM's own draft kept)
@@ -262,6 +263,7 @@ class Server:
         dec = self.decider
         if dec is None:
             return
+        start = time.perf_counter()
         num_draft = spec_decode_metadata.num_draft_tokens
         sampled = sampled_token_ids.cpu()
         accepted = ((sampled != -1).sum(dim=1) - 1).tolist()
@@ -269,7 +271,8 @@ class Server:
             d = int(num_draft[i])
             if d:
                 dec.observe(req_id, max(0, min(int(accepted[i]), d)), d)
-        dec.refresh()  # the online correction, written into the tables once per step before the next lookup
+        dec.refresh()  # the online correction learns the step's outcomes, once per step before the next lookup
+        self.stats.observe_ms.append((time.perf_counter() - start) * 1e3)
 
     def left_to_vllm(self, runner, req_ids) -> list[bool]:
         """Per request: whether its sampling parameters apply target-only logit transforms
@@ -464,6 +467,7 @@ class Server:
             for r, x in zip(req_ids, engine):
                 self.chosen[r] = engine_chain if x else None
             self.planned = {}
+            self.stats.hook_ms.append((time.perf_counter() - start) * 1e3)
             return out
         d = None
         if verdict == "none":  # no draft tokens: the step costs what a step without speculation costs
