@@ -27,10 +27,9 @@ from sklearn.base import clone
 from sklearn.model_selection import GroupKFold, cross_validate
 
 from calib.atomic import staged_output, write_text_atomic
-from calib.bank import load, schema
+from calib.bank import load
 from calib.calibrators.base import DEPTH, with_depth
 from calib.calibrators.context import PerContextCell
-from calib.calibrators.identity import Identity
 from calib.calibrators.selection import NEG_LOG_LOSS, GroupedCVSelection, group_sample
 from calib.chains import (
     CONTEXT,
@@ -40,24 +39,40 @@ from calib.chains import (
     context_axes,
     context_spec,
     resolve_edges,
-    round_inputs,
 )
 from calib.config_checks import check_train
 from calib.labels import prompt_split
-from calib.metrics import auroc, brier, ece, nll
+from calib.metrics import auroc, brier, nll
 from calib.tables import GridTables, save
 from calib.tables.export import chain_forecast, encode_chain, table_predict
-from calib.tables.io import META, TENSORS, bank_fingerprint
 from calib.tracking import make_tracker
+from calib.training_describe import (
+    _candidates,
+    _chain_ids,
+    _choices,
+    _chosen_names,
+    _context_cells,
+    _cv_nll,
+    _describe_choice,
+    _features,
+    _params,
+    _probe_choice,
+    _uses_context,
+    _why,
+)
+from calib.training_report import (
+    _bank_identity,
+    _chain_depths,
+    _log,
+    _metrics,
+    _per_depth,
+    _round_predictions,
+    _target_models,
+    _write_summary,
+    wandb_note,
+)
 
 log = logging.getLogger("calib.train")
-
-
-
-def _metrics(p, y) -> dict:
-    a = auroc(p, y)
-    return {"n": len(y), "nll": nll(p, y), "brier": brier(p, y), "ece": ece(p, y),
-            "auroc": None if np.isnan(a) else a}
 
 
 SELECTION_DEFAULTS = {"n_splits": 5, "rule": "one_se", "max_cv_samples": 30_000, "ece_guard": False}
@@ -176,66 +191,6 @@ def _chain_X(kind: ChainKind, rows: pd.DataFrame, cfg: dict, candidates: dict) -
     reads = [f for e in candidates.values() for f in (e.get_params(deep=False).get("features") or ())
              if f in rows.columns]
     return with_depth(kind.X(rows, cfg, reads=list(dict.fromkeys(reads))), rows.depth.to_numpy())
-
-
-def _selections(est) -> list:
-    return list(est.cells_.values()) + ([est.pooled_] if est.pooled_ is not None else []) \
-        if isinstance(est, PerContextCell) else [est]
-
-
-def _per_cell(est, attr: str) -> dict:
-    """A selection's per-depth ``attr`` (``choice_`` or ``why_``), keyed by context cell for an estimator per
-    cell (``"cell c"``, and ``"pooled (thin cells)"`` where thin cells took the pooled fit)."""
-    def depths(s):
-        return {int(d): v for d, v in getattr(s, attr).items()}
-
-    if not isinstance(est, PerContextCell):
-        return depths(est)
-    out = {f"cell {c}": depths(s) for c, s in sorted(est.cells_.items())}
-    if est.pooled_ is not None:
-        out["pooled (thin cells)"] = depths(est.pooled_)
-    return out
-
-
-def _choices(est) -> dict:
-    """tables.json's ``choice``: the candidate per depth (per context cell for an estimator per cell)."""
-    return _per_cell(est, "choice_")
-
-
-def _why(est) -> dict:
-    """tables.json's ``choice_why``: per depth (per context cell), each richer candidate's held-out NLL and
-    ECE gain over the choice before it, their standard errors, and whether it won."""
-    return _per_cell(est, "why_")
-
-
-def _cv_nll(est) -> dict:
-    """Mean held-out NLL per candidate over folds and depths (pooled over cells, weighted equally)."""
-    out: dict[str, list] = {}
-    for s in _selections(est):
-        for n, sc in s.cv_scores_.items():
-            if np.isfinite(sc).any():
-                out.setdefault(n, []).append(float(np.nanmean(sc)))
-    return {n: float(np.mean(v)) for n, v in out.items()}
-
-
-def _uses_context(kind: ChainKind, est) -> bool:
-    """Whether the table must average the estimator over inputs other than its axes (a model chain
-    estimator reading more than the confidence)."""
-    return bool(kind.confidence) and any(s.uses_context for s in _selections(est))
-
-
-def _probe_choice(est, candidates: dict) -> str | None:
-    """The candidate an optional context axis is tried on: the one chosen at the most (cell, depth) slots,
-    the richer on a tie; the baseline where only it was, unless it is the raw confidence
-    (:class:`Identity`, a fixed map: None, nothing for an axis to refine)."""
-    votes: dict[str, int] = {}
-    for s in _selections(est):
-        for n in s.choice_.values():
-            votes[n] = votes.get(n, 0) + 1
-    order = list(candidates)
-    if any(n != order[0] for n in votes):
-        return max((n for n in votes if n != order[0]), key=lambda n: (votes[n], order.index(n)))
-    return None if isinstance(candidates[order[0]], Identity) else order[0]
 
 
 def _prompt_sample(rows: pd.DataFrame, n: int, seed: int = 0) -> pd.DataFrame:
@@ -367,52 +322,6 @@ def transfer_check(kind: ChainKind, samples: pd.DataFrame, chain_cfg: dict, mode
     return out
 
 
-def _bank_identity(bank) -> list[dict]:
-    out = []
-    for path, man in zip(bank.paths, bank.manifests()):
-        digest = bank_fingerprint(path)  # eval tells training banks from unseen ones by it
-        out.append({"path": str(path), "acceptance_sha256": digest,
-                    **{k: man.get(k) for k in ("model", "speculator", "config", "n_rounds", "engine",
-                                               "engine_version", "method")},
-                    # target/drafter fingerprints (calib/fingerprint.py): what check_bank and serving compare
-                    **({"identity": man["identity"]} if isinstance(man.get("identity"), dict) else {})})
-    return out
-
-
-def _round_predictions(bank, test_prompts: set, table, kind: ChainKind) -> pd.DataFrame:
-    """Test rounds of a drafter with raw confidences with raw and calibrated (``table``, read with the
-    round's inputs as eval reads them: :func:`calib.chains.round_inputs`) expected accepted length."""
-    import torch
-
-    t = bank.rounds()
-    data = round_inputs(kind, t, [a.name for a in table.axes])
-    conf = data.raw
-    keep = ~np.isnan(conf).all(axis=1)
-    keys = list(zip(t.column("category").to_pylist(), t.column("prompt_idx").to_pylist()))
-    keep &= np.array([k in test_prompts for k in keys])
-    conf = conf[keep]
-    accept = t.column("accept").to_numpy(zero_copy_only=False)[keep]
-    cal = table.lookup(torch.from_numpy(data.inputs[keep])).double().numpy()
-
-    def expected(p):
-        return np.nancumprod(np.where(np.isnan(p), 0.0, p), axis=1).sum(axis=1)
-
-    cats = np.asarray(t.column("category").to_pylist(), dtype=object)[keep]
-    return pd.DataFrame({"category": cats, "accept": accept, "raw": expected(conf), "calibrated": expected(cal)})
-
-
-def _target_models(bank) -> list[str]:
-    """The target models the banks were collected with (the ``model`` key of their rounds)."""
-    return sorted(map(str, bank.table(schema.ACCEPTANCE, ["model"]).column("model").unique().to_pylist()))
-
-
-def _chain_depths(bank) -> dict[str, int]:
-    """Drafted depth K per registered chain over the banks (the widest a bank folder records).
-    Recorded so that eval and serving can refuse a deeper bank (whose extra depths would reuse the
-    last row)."""
-    return {kind.name: max((kind.drafted_depth(p) for p in bank.paths), default=0) for kind in chains()}
-
-
 def run(cfg: dict) -> Path:
     """The whole job for a resolved ``conf/train.yaml``; returns the tables folder (``out_dir``).
 
@@ -433,16 +342,20 @@ def run(cfg: dict) -> Path:
     return out_dir
 
 
-def wandb_note(out_dir: Path) -> str:
-    """Where the W&B offline runs ended up: W&B names the staging folder they were written in."""
-    runs = sorted(Path(out_dir).glob("wandb/offline-run-*"))
-    return "".join(f"\nW&B offline run published with the outputs: wandb sync {r}" for r in runs)
-
-
 def _fit_and_export(cfg: dict, stage: Path, out_dir: Path) -> str:
     """Fit, export and log into ``stage`` (published later as ``out_dir``); returns the summary text."""
     # rounds of requests with target-only logit transforms accept differently: left out unless asked (calib/transforms.py)
-    bank = load(cfg["data"]["train"], judged_only=not bool(cfg["data"].get("keep_logit_transforms", False)))
+    judged_only = not bool(cfg["data"].get("keep_logit_transforms", False))
+    if (cfg.get("scale") or {}).get("mode", "memory") != "memory":  # part by part (calib/training_stream.py)
+        from calib.training_stream import streamed
+
+        with streamed(cfg, judged_only) as (bank, refine):
+            tracker = make_tracker(cfg.get("logger"), stage, cfg, job_type="train")
+            try:
+                return _fit_and_export_tracked(cfg, bank, tracker, stage, out_dir, refine)
+            finally:
+                tracker.finish()
+    bank = load(cfg["data"]["train"], judged_only=judged_only)
     if bank.judged_only and (n_out := bank.transformed_keys().num_rows):
         log.info("left out %d rounds of requests with target-only logit transforms "
                  "(data.keep_logit_transforms=true keeps them)", n_out)
@@ -453,13 +366,16 @@ def _fit_and_export(cfg: dict, stage: Path, out_dir: Path) -> str:
         tracker.finish()  # before publishing: the tracker's files are part of the unit
 
 
-def _fit_and_export_tracked(cfg: dict, bank, tracker, stage: Path, out_dir: Path) -> str:
+def _fit_and_export_tracked(cfg: dict, bank, tracker, stage: Path, out_dir: Path, refine=None) -> str:
+    """``refine`` (streamed training, :class:`calib.training_stream.Refiner`): the banks' parts behind the
+    sample ``bank``, whose statistics refit and score the model chain."""
     t_start = time.time()
     split_cfg = cfg["split"]
     fractions, seed = tuple(split_cfg["fractions"]), int(split_cfg["seed"])
-    widths = _chain_depths(bank)
-    meta: dict = {"chains": {}, "banks": _bank_identity(bank), "split": dict(split_cfg),
-                  "target_models": _target_models(bank)}
+    whole = refine.parts_bank if refine is not None else bank  # what the tables describe: every part
+    widths = _chain_depths(whole)
+    meta: dict = {"chains": {}, "banks": _bank_identity(whole), "split": dict(split_cfg),
+                  "target_models": refine.target_models() if refine is not None else _target_models(bank)}
     summary_rows, fit_rows, chain_tables, reports = [], [], {}, {}
 
     for kind in chains():  # one loop: every registered chain kind the config and the banks have
@@ -471,7 +387,8 @@ def _fit_and_export_tracked(cfg: dict, bank, tracker, stage: Path, out_dir: Path
         if not len(samples):
             continue
         samples["split"] = prompt_split(samples.category, samples.prompt_idx, fractions, seed)
-        res, table, chain_meta, per_depth = _train_chain(kind, samples, chain_cfg, bank, widths[kind.name], seed)
+        res, table, chain_meta, per_depth = _train_chain(kind, samples, chain_cfg, bank, widths[kind.name], seed,
+                                                         refine)
         chain_tables[kind.name] = table
         if per_depth is not None:
             summary_rows = per_depth
@@ -491,16 +408,23 @@ def _fit_and_export_tracked(cfg: dict, bank, tracker, stage: Path, out_dir: Path
                     "calibration is the last row's (reuse_last_row=True)", short)
     tables = GridTables(chain_tables, reuse_last_row=bool(short))
     meta["fit"] = fit_rows
+    if refine is not None:
+        meta["scale"] = refine.meta()
     meta["train_wall_s"] = round(time.time() - t_start, 2)
     save(stage, tables, meta)
     _log(tracker, stage, meta, summary_rows, fit_rows, reports)
     return _write_summary(stage, out_dir, meta)
 
 
-def _train_chain(kind: ChainKind, samples: pd.DataFrame, chain_cfg: dict, bank, width: int, seed: int):
+def _train_chain(kind: ChainKind, samples: pd.DataFrame, chain_cfg: dict, bank, width: int, seed: int,
+                 refine=None):
     """Fit one chain (:func:`fit_chain`), encode its table and score it: ``(fit result, table,
-    tables.json's chain entry, per-depth test rows or None for a chain without confidences)``."""
+    tables.json's chain entry, per-depth test rows or None for a chain without confidences)``. With
+    ``refine`` (streamed training) a chain with a raw confidence is refitted, where its choice can be,
+    and scored on every part's statistics (:mod:`calib.training_stats`)."""
     res = fit_chain(kind, samples, chain_cfg)
+    if refine is not None and kind.confidence:
+        refine.refit(kind, res)
     chain_cfg = res["chain_cfg"]  # context axes selected, edges resolved
     best = res["estimator"]
     n_depths = int(samples.depth.max()) + 1
@@ -524,6 +448,8 @@ def _train_chain(kind: ChainKind, samples: pd.DataFrame, chain_cfg: dict, bank, 
         per_depth = _per_depth(te, table_predict(table, te[axes], te.depth), n_depths, kind.confidence)
         chain_meta["val"] = _per_depth(va, table_predict(table, va[axes], va.depth), n_depths, kind.confidence)
         chain_meta["test"] = per_depth
+        if refine is not None:
+            per_depth = refine.report(kind, table, chain_meta, n_depths)
         chain_meta["forecast"] = chain_forecast(table, tr, context_axes(chain_cfg), n_depths)
         rounds = _round_predictions(bank, set(zip(te.category, te.prompt_idx)), table, kind)
         chain_meta["accept_length_test"] = {
@@ -560,144 +486,3 @@ def _selected_axes(chain_cfg: dict) -> list[str]:
     return [a.name for a in context_axes(chain_cfg)] if chain_cfg.get("context") else []
 
 
-def _chosen_names(res: dict) -> set[str]:
-    """Every candidate chosen at some depth (of some context cell)."""
-    ch = res["choice"]
-    per = ch.values() if ch and isinstance(next(iter(ch.values())), dict) else [ch]
-    return {n for c in per for n in c.values()}
-
-
-def _describe_choice(res: dict) -> str:
-    """tables.json's ``estimator``: the candidate chosen, or ``a|b`` where depths (or cells) differ."""
-    return "|".join(n for n in res["eligible"] if n in _chosen_names(res))
-
-
-def _features(kind: ChainKind, est, chain_cfg: dict) -> list[str]:
-    sel = est.estimator if isinstance(est, PerContextCell) else est
-    own = list(kind.feature_names(chain_cfg))
-    cells = _selections(est) if isinstance(est, PerContextCell) else [sel]
-    named = [f for s in cells for f in (s.features_read(own) or own)]
-    return list(dict.fromkeys(named)) or own
-
-
-def _candidates(est) -> dict:
-    return (est.estimator if isinstance(est, PerContextCell) else est).candidates
-
-
-def _params(est) -> dict:
-    """tables.json's ``params``: each candidate's parameters (of the wrapped selection for an estimator
-    per context cell)."""
-    sel = est.estimator if isinstance(est, PerContextCell) else est
-    return {n: {k: (list(v) if isinstance(v, tuple) else v) for k, v in c.get_params(deep=False).items()}
-            for n, c in sel.candidates.items()}
-
-
-def _context_cells(est) -> dict:
-    """tables.json's ``context_cells`` (additive): how an estimator per context cell was fitted."""
-    if not isinstance(est, PerContextCell):
-        return {}
-    return {"context_cells": {"edges": [list(e) for e in est.edges], "min_samples": est.min_samples,
-                              "train_samples": est.cell_samples_,
-                              "cells_fitted": sorted(int(c) for c in est.cells_)}}
-
-
-def _chain_ids(kind: ChainKind, samples: pd.DataFrame) -> dict:
-    """The drafters a chain's tables were fitted on: the banks' speculator names for a chain with a
-    confidence (EAGLE tables must not calibrate a draft model), else the chain's own name."""
-    return {"ids": sorted(set(samples.speculator.astype(str))) if kind.confidence else [kind.name]}
-
-
-def _per_depth(samples: pd.DataFrame, calibrated: np.ndarray, n_depths: int, raw: str = "conf") -> list[dict]:
-    """Raw vs calibrated ECE / NLL / Brier per depth and pooled ("all")."""
-    rows = []
-    for d in ["all", *range(n_depths)]:
-        m = np.ones(len(samples), bool) if d == "all" else (samples.depth == d).to_numpy()
-        if not m.any():
-            continue
-        raw_m, cal = _metrics(samples[raw][m], samples.label[m]), _metrics(calibrated[m], samples.label[m])
-        rows.append({"depth": d, "n": raw_m["n"], "raw_ece": raw_m["ece"], "cal_ece": cal["ece"],
-                     "raw_nll": raw_m["nll"], "cal_nll": cal["nll"], "raw_brier": raw_m["brier"],
-                     "cal_brier": cal["brier"]})
-    return rows
-
-
-def _log(tracker, out_dir: Path, meta: dict, per_depth: list[dict], fit_rows: list[dict],
-         reports: dict[str, pd.DataFrame]) -> None:
-    """Per-depth metrics, the fit table, the reliability picture of the chain with raw confidences
-    (``reports``: its samples, by chain name) and the tables as an artifact."""
-    for name in reports:  # headline scalars: each split pooled over depths (per depth: the tables below)
-        for split in ("val", "test"):
-            for row in meta["chains"][name].get(split, []):
-                if row["depth"] == "all":
-                    tracker.log({f"{name}/{split}/{k}": v for k, v in row.items() if k != "depth"})
-                    tracker.log_table(f"{name}_{split}_per_depth", meta["chains"][name][split])
-    tracker.log_table("fit", fit_rows)
-    if per_depth and reports:
-        tracker.log_table("test_per_depth", per_depth)
-        from calib.presentation import reliability_figure
-        from calib.tables import load as load_tables
-
-        name, samples = next(iter(reports.items()))
-        raw = chain(name).confidence
-        tables = load_tables(out_dir)
-        te = samples[samples.split == "test"]
-        cal = table_predict(tables.table(name), te[tables.feature_names(name)], te.depth)
-        panels = {}
-        for d in [*sorted(te.depth.unique()), "all"]:
-            m = np.ones(len(te), bool) if d == "all" else (te.depth == d).to_numpy()
-            panels["all depths" if d == "all" else f"depth {d}"] = {
-                "raw": (te[raw][m].to_numpy(), te.label[m].to_numpy()), "calibrated": (cal[m], te.label[m].to_numpy())}
-        png = reliability_figure(panels, out_dir / "reliability_test.png",
-                                 f"{name} drafter, test prompts: raw vs {meta['chains'][name]['estimator']}")
-        tracker.log_image("reliability/test", png)
-    tracker.log_artifact("calib-tables", "tables", [out_dir / TENSORS, out_dir / META],
-                         metadata={k: meta[k] for k in ("chains",) if k in meta} | {"banks": meta["banks"]})
-
-
-def _write_summary(stage: Path, out_dir: Path, meta: dict) -> str:
-    """``summary.txt`` in the staging folder; returns its text (printed once published)."""
-    lines = [f"tables written to {out_dir} ({meta['train_wall_s']:.1f}s)"]
-    for name, m in meta["chains"].items():
-        lines += _summary_lines(name, m)
-    text = "\n".join(lines)
-    write_text_atomic(stage / "summary.txt", text + "\n")
-    return text
-
-
-def _choice_text(m: dict) -> str:
-    """How the calibrator was chosen, and what, in one phrase."""
-    sel = m.get("selection") or {}
-    ch = m.get("choice") or {}
-    if ch and isinstance(next(iter(ch.values())), dict):
-        per = "; ".join(f"{c}: " + ", ".join(f"d{d} {n}" for d, n in v.items()) for c, v in ch.items())
-    else:
-        per = ", ".join(f"d{d} {n}" for d, n in ch.items())
-    return (f"chosen per depth by {sel.get('n_splits', '?')}-fold CV grouped by prompt "
-            f"({sel.get('rule', '?')} rule, baseline {sel.get('baseline', '?')}): {per}")
-
-
-def _summary_lines(name: str, m: dict) -> list[str]:
-    """One chain's part of summary.txt: per-depth raw vs calibrated for a chain with raw confidences,
-    estimator vs table otherwise, and the transfer check where one ran."""
-    lines = []
-    if isinstance(m.get("test"), list):
-        lines.append(f"{name} drafter {m['ids']}: {_choice_text(m)}; test split:")
-        lines.append(f"  {'depth':>5} {'n':>7} {'ECE raw':>8} {'ECE cal':>8} {'NLL raw':>8} {'NLL cal':>8}")
-        for r in m["test"]:
-            lines.append(f"  {r['depth']!s:>5} {r['n']:>7} {r['raw_ece']:>8.4f} {r['cal_ece']:>8.4f} "
-                         f"{r['raw_nll']:>8.4f} {r['cal_nll']:>8.4f}")
-        L = m["accept_length_test"]
-        lines.append(f"  accepted length per round: actual {L['actual_mean']:.3f}, predicted raw "
-                     f"{L['raw_predicted_mean']:.3f}, calibrated {L['calibrated_predicted_mean']:.3f} "
-                     f"({L['n_rounds']} test rounds; vLLM's mean acceptance length = 1 + these: actual "
-                     f"{1 + L['actual_mean']:.3f})")
-    else:
-        lines.append(f"{name} drafter: {_choice_text(m)}; test "
-                     + ", ".join(f"{k} Brier {v['brier']:.4f} AUROC {v['auroc']:.3f}" for k, v in m["test"].items()
-                                 if v.get("auroc") is not None))
-    for t in m.get("transfer") or []:
-        lines.append(f"  transfer {'+'.join(t['fit_on'])} -> {'+'.join(t['eval_on'])}: {m['estimator']} "
-                     f"Brier {t['model']['brier']:.4f} AUROC {t['model']['auroc']:.3f} | baseline "
-                     f"({'+'.join(t['baseline']['features'])}) Brier {t['baseline']['brier']:.4f} "
-                     f"AUROC {t['baseline']['auroc']:.3f}")
-    return lines

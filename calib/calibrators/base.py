@@ -205,6 +205,28 @@ class PerDepthCalibrator(Calibrator):
             if m.sum() >= self.min_samples:
                 self.per_depth_[d] = self._fit_one(conf[m], y[m])
 
+    def _fit_one_counts(self, x: np.ndarray, k: np.ndarray, n: np.ndarray):
+        raise NotImplementedError
+
+    def fit_counts(self, depth, x, z, k, n) -> PerDepthCalibrator:
+        """Fit from binned counts instead of rows (:mod:`calib.training_stats`): per bin, its ``depth``,
+        mean confidence ``x``, mean logit ``z``, accepts ``k`` and samples ``n``. The same per-depth and
+        pooled rule as :meth:`fit`, ``min_samples`` counting samples; equal to the row fit up to the
+        spread of the confidences inside a bin."""
+        self._validate_params()
+        depth, x, k, n = (np.asarray(a) for a in (depth, x, k, n))
+        if n.sum() == 0:
+            raise ValueError("no samples to fit")
+        self.pooled_ = self._fit_one_counts(x, k, n)
+        self.n_depths_ = int(depth.max()) + 1
+        self.per_depth_ = {}
+        for d in range(self.n_depths_):
+            m = depth == d
+            if n[m].sum() >= self.min_samples:
+                self.per_depth_[d] = self._fit_one_counts(x[m], k[m], n[m])
+        self.classes_ = np.array([0, 1])
+        return self
+
     def _predict(self, X, depth) -> np.ndarray:
         conf, depth, _, _ = check_inputs(X, depth)
         out = np.empty_like(conf)

@@ -14,6 +14,12 @@ class Identity(Calibrator):
         check_inputs(X, depth, y)
         self.fitted_ = True
 
+    def fit_counts(self, depth, x, z, k, n) -> Identity:
+        """Nothing to learn from counts either (:mod:`calib.training_stats`)."""
+        self.fitted_ = True
+        self.classes_ = np.array([0, 1])
+        return self
+
     def _predict(self, X, depth) -> np.ndarray:
         conf, _, _, _ = check_inputs(X, depth)
         return conf

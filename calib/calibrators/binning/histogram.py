@@ -34,6 +34,17 @@ class HistogramBinning(PerDepthCalibrator):
         values = (k + 2 * self.prior * y.mean()) / (n + 2 * self.prior)
         return edges, values
 
+    def _fit_one_counts(self, x, k, n):
+        """Edges: quantiles of the bins' mean confidences weighted by their counts (inverted CDF: an edge
+        falls on a bin's mean where the row fit's falls inside that bin); values from the counts."""
+        levels = np.linspace(0, 1, self.n_bins + 1)[1:-1]
+        edges = np.unique(np.quantile(x, levels, weights=n, method="inverted_cdf")) if levels.size else np.zeros(0)
+        b = np.searchsorted(edges, x, side="right")
+        nb = np.bincount(b, weights=n, minlength=edges.size + 1)
+        kb = np.bincount(b, weights=k, minlength=edges.size + 1)
+        values = (kb + 2 * self.prior * k.sum() / n.sum()) / (nb + 2 * self.prior)
+        return edges, values
+
     def _predict_one(self, model, conf):
         edges, values = model
         return values[np.searchsorted(edges, conf, side="right")]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numbers
 from typing import ClassVar
 
+import numpy as np
 from sklearn.isotonic import IsotonicRegression
 
 from calib.calibrators.base import Interval, PerDepthCalibrator
@@ -30,6 +31,12 @@ class IsotonicPerDepth(PerDepthCalibrator):
     def _fit_one(self, conf, y):
         return IsotonicRegression(y_min=self.clip, y_max=1.0 - self.clip, increasing=True,
                                   out_of_bounds="clip").fit(conf, y)
+
+    def _fit_one_counts(self, x, k, n):
+        """Weighted isotonic regression on the bins' mean confidences and accept rates (PAV on bins)."""
+        order = np.argsort(x, kind="stable")
+        return IsotonicRegression(y_min=self.clip, y_max=1.0 - self.clip, increasing=True,
+                                  out_of_bounds="clip").fit(x[order], (k / n)[order], sample_weight=n[order])
 
     def _predict_one(self, model, conf):
         return model.predict(conf)

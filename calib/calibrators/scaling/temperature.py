@@ -44,7 +44,10 @@ def _module(n_depths, n_extra, per_depth, optimizer, lr):
             return out
 
         def _nll(self, batch):
-            z, depth, extra, y = batch
+            z, depth, extra, y, *w = batch  # w: samples per row when the rows are bins (fit_counts)
+            if w:  # the rows' NLL: soft targets k/n weighted by n, over the samples
+                return torch.nn.functional.binary_cross_entropy_with_logits(
+                    self(z, depth, extra), y, weight=w[0], reduction="sum") / w[0].sum()
             return torch.nn.functional.binary_cross_entropy_with_logits(self(z, depth, extra), y)
 
         def training_step(self, batch, _):
@@ -127,6 +130,33 @@ class TemperatureScaling(Calibrator):
         self.a_ = module.a.detach().numpy().copy()
         self.b_ = module.b.detach().numpy().copy()
         self.w_ = module.w.detach().numpy().copy()
+
+    def fit_counts(self, depth, x, z, k, n) -> TemperatureScaling:
+        """Fit from binned counts (:mod:`calib.training_stats`): per bin, its ``depth``, mean logit ``z``,
+        accepts ``k`` and samples ``n``. The same Lightning fit as :meth:`fit` (L-BFGS, early stopping on
+        the training NLL) on the bins, each bin's NLL its ``n`` samples' at the bin's mean logit, so both
+        follow the same path; they differ by the spread of the logits inside a bin. Not with context inputs
+        (``extra``): those are not binned."""
+        from torch.utils.data import DataLoader
+
+        from calib.calibrators.lightning_fit import fit_module
+
+        self._validate_params()
+        depth, z, k, n = (np.asarray(a) for a in (depth, z, k, n))
+        if n.sum() == 0:
+            raise ValueError("no samples to fit")
+        self.n_depths_ = int(depth.max()) + 1
+        batch = (torch.from_numpy(np.asarray(z, np.float64)), torch.from_numpy(depth.astype(np.int64)),
+                 torch.zeros((z.size, 0), dtype=torch.float64), torch.from_numpy(k / n), torch.from_numpy(n * 1.0))
+        module = _module(self.n_depths_, 0, self.per_depth, self.optimizer, self.lr)
+        loader = DataLoader([batch], batch_size=None)
+        self.epochs_ = fit_module(module, loader, loader, max_epochs=self.max_epochs, patience=self.patience,
+                                  progress=self.progress, seed=self.seed, min_delta=1e-7)
+        self.a_ = module.a.detach().numpy().copy()
+        self.b_ = module.b.detach().numpy().copy()
+        self.w_ = np.zeros(0)
+        self.classes_ = np.array([0, 1])
+        return self
 
     def _predict(self, X, depth) -> np.ndarray:
         conf, depth, _, extra = check_inputs(X, depth)
