@@ -202,22 +202,36 @@ def answer(answer_rows, path) -> Path | None:
     return _save(fig, path)
 
 
-def warmup_curve(curve: list[dict], path) -> Path:
-    """The online correction's warm-up: relative error of the predicted mean accepted length per window of
-    rounds against rounds seen, tables alone (dashed) vs corrected online (solid), one colour per (bank, chain)."""
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    keys = list(dict.fromkeys((r["bank"], r["chain"]) for r in curve))
+def warmup_figure(curve: list[dict], target: float):
+    """The figure of :func:`warmup_curve`: one panel per chain (its banks one colour each, tables alone dashed,
+    corrected online solid) on a shared error axis, the target drawn and labelled in every panel."""
+    chains = list(dict.fromkeys(r["chain"] for r in curve))
+    banks = list(dict.fromkeys(r["bank"] for r in curve))
     colours = plt.get_cmap("tab10")
-    for i, (bank, chain) in enumerate(keys):
-        pts = [r for r in curve if (r["bank"], r["chain"]) == (bank, chain)]
-        x = [r["rounds_seen"] for r in pts]
-        for v, style in (("tables", "--"), ("online", "-")):
-            y = [np.nan if r[f"error_{v}"] is None else r[f"error_{v}"] for r in pts]
-            ax.plot(x, y, style, color=colours(i % 10), label=f"{bank} · {chain} · {v}")
-    ax.axhline(0.05, color="grey", lw=0.8)
-    ax.set_ylim(bottom=0)
-    ax.set_xlabel("rounds seen (each point: the window of rounds ending there)")
-    ax.set_ylabel("|predicted − actual| / actual mean accepted length")
-    ax.set_title("Online correction warm-up (replay; dashed = tables alone, solid = corrected)")
-    ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    return _save(fig, path)
+    fig, axes = plt.subplots(1, len(chains), figsize=(4.6 * len(chains) + 1.0, 4.2), sharey=True, squeeze=False)
+    for ax, chain in zip(axes[0], chains):
+        for bank in [b for b in banks if any((r["bank"], r["chain"]) == (b, chain) for r in curve)]:
+            pts = [r for r in curve if (r["bank"], r["chain"]) == (bank, chain)]
+            x = [r["rounds_seen"] for r in pts]
+            colour = colours(banks.index(bank) % 10)
+            for v, style in (("tables", "--"), ("online", "-")):
+                y = [np.nan if r[f"error_{v}"] is None else r[f"error_{v}"] for r in pts]
+                ax.plot(x, y, style, color=colour, label=bank if v == "online" else None)  # one legend entry a bank
+        ax.axhline(target, color="black", lw=1.0, ls=":")
+        ax.annotate(f"target {target:.0%}", xy=(1.0, target), xycoords=("axes fraction", "data"), xytext=(-4, 3),
+                    textcoords="offset points", ha="right", va="bottom", fontsize=8)
+        ax.set_title(f"chain {chain}")
+        ax.set_xlabel("rounds seen (window ending there)")
+        ax.legend(fontsize=6, loc="upper right")
+    axes[0][0].set_ylim(bottom=0)
+    axes[0][0].set_ylabel("|predicted − actual| / actual\nmean accepted length")
+    fig.suptitle("Online correction warm-up (replay): dashed = tables alone, solid = corrected online")
+    fig.tight_layout()
+    return fig
+
+
+def warmup_curve(curve: list[dict], path, target: float = 0.05) -> Path:
+    """The online correction's warm-up: relative error of the predicted mean accepted length per window of
+    rounds against rounds seen, one panel per chain (:func:`warmup_figure`); ``target`` is the error the
+    report holds a slice to (:data:`calib.evaluate.report.SLICE_MAX_ERROR`)."""
+    return _save(warmup_figure(curve, target), path)

@@ -144,7 +144,7 @@ def _online(cfg: DictConfig, banks: list, tables, out: Path) -> dict:
     warmup = int(o.get("warmup_rounds", WARMUP_ROUNDS))
     rows, curve = online_rows(banks, tables, settings, split=cfg.split.get("name", "test"), warmup=warmup,
                               n_bins=int(cfg.metrics.n_bins))
-    pic = plots.warmup_curve(curve, out / "online_warmup.png") if curve else None
+    pic = plots.warmup_curve(curve, out / "online_warmup.png", target=SLICE_MAX_ERROR) if curve else None
     return {"settings": {"enabled": settings.enabled, "decay": settings.decay, "prior": settings.prior,
                          "pooled": settings.pooled, "slope": settings.slope, "warmup_rounds": warmup,
                          "cells": ("the table's context cell, under a per-depth offset every cell shares"
