@@ -5,20 +5,27 @@ offline unless WANDB_MODE says otherwise, so nothing leaves the machine by defau
 folder>`` uploads one later; ``WANDB_MODE=online`` logs live). This is calib's one logging path: Lightning's
 own loggers stay off (``calib.calibrators.lightning_fit``). Runs are named ``<job>:<output folder>`` unless
 ``logger.name`` says otherwise, and grouped by ``logger.group`` (the experiment). Lineage: train.py logs
-the tables as an artifact; eval.py declares the tables it evaluates as its input (:meth:`use_artifact`; an
-offline run, which W&B does not let use artifacts, records their digest in its config instead).
+the tables as an artifact; a job declares what it reads as its input (:meth:`Tracker.use_artifact`: eval.py the
+tables it evaluates; a folder such as a bank is declared by reference, checksummed where it lies, not uploaded).
+An offline run, which W&B does not let use artifacts, records each input's name, type, paths and content digest
+in its config (``input_artifacts``); once the run is synced, ``python -m calib.tracking declare-inputs
+OUT_DIR`` declares them on it (:func:`declare_inputs`), refusing inputs whose content changed since the run.
 """
 
 from __future__ import annotations
 
 import csv
+import hashlib
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 
 from calib import envs
-from calib.atomic import atomic_path
+from calib.atomic import atomic_path, write_json_atomic
+
+INPUTS_FILE = "calib_inputs.json"  # an offline run's recorded inputs, in its files folder
 
 
 class Tracker:
@@ -33,7 +40,8 @@ class Tracker:
     def log_artifact(self, name: str, kind: str, paths: list[str | os.PathLike], metadata: dict | None = None) -> None: ...
 
     def use_artifact(self, name: str, kind: str, paths: list[str | os.PathLike], metadata: dict | None = None) -> None:
-        """Declare files this run reads (e.g. the tables eval evaluates) as its input artifact."""
+        """Declare files or folders this run reads (the tables eval evaluates, the banks train fits on) as its
+        input artifact ``name`` of type ``kind``."""
 
     def finish(self) -> None: ...
 
@@ -86,34 +94,61 @@ class WandbTracker(Tracker):
             data = [[str(r.get(c)) if c in mixed else _plain(r.get(c)) for c in cols] for r in rows]
             self.run.log({key: self.wandb.Table(columns=cols, data=data)})
 
-    def _artifact(self, name, kind, paths, metadata):
-        art = self.wandb.Artifact(name, type=kind, metadata=metadata or {})
-        for p in paths:
-            art.add_file(str(p))
-        return art
-
     def log_artifact(self, name, kind, paths, metadata=None):
-        self.run.log_artifact(self._artifact(name, kind, paths, metadata))
+        self.run.log_artifact(_artifact(self.wandb, name, kind, paths, metadata))
 
     def use_artifact(self, name, kind, paths, metadata=None):
         # the same name and content as train.py logged: W&B matches it by digest, so the lineage
         # bank -> tables -> eval is an edge of the online run graph. W&B refuses use_artifact offline
-        # ("Cannot use artifact when in offline mode"): an offline run records its input's name, type and
-        # content digest in its config instead (the same files train.py's artifact holds).
+        # ("Cannot use artifact when in offline mode"): an offline run records its input's name, type, paths
+        # and content digest in its config instead, for declare_inputs once the run is synced.
         if self.run.offline:
-            import hashlib
-
-            digest = hashlib.sha256()
-            for p in sorted(map(str, paths)):
-                digest.update(Path(p).read_bytes())
-            self.run.config.update({"input_artifacts": {name: {"type": kind, "sha256": digest.hexdigest(),
-                                                                "files": [str(p) for p in paths]}}},
-                                   allow_val_change=True)
+            recorded = dict(self.run.config.get("input_artifacts") or {})
+            recorded[name] = {"type": kind, "sha256": content_digest(paths),
+                              "files": [str(Path(p).resolve()) for p in paths]}
+            self.run.config.update({"input_artifacts": recorded}, allow_val_change=True)
+            # the run's files folder travels with it (wandb sync uploads it); declare_inputs reads it back
+            write_json_atomic(Path(self.run.dir) / INPUTS_FILE, {"project": self.run.project, "inputs": recorded})
             return
-        self.run.use_artifact(self._artifact(name, kind, paths, metadata))
+        self.run.use_artifact(_artifact(self.wandb, name, kind, paths, metadata))
 
     def finish(self):
         self.run.finish()
+
+
+def _artifact(wandb, name: str, kind: str, paths, metadata: dict | None = None):
+    """A W&B artifact of ``paths``: files added as they are (their content is the artifact's), folders (banks) as
+    references that W&B checksums where they lie."""
+    art = wandb.Artifact(name, type=kind, metadata=metadata or {})
+    for p in map(Path, paths):
+        if p.is_dir():
+            art.add_reference(p.resolve().as_uri(), name=p.name)
+        else:
+            art.add_file(str(p))
+    return art
+
+
+def _files(paths) -> list[Path]:
+    """The files ``paths`` name, a folder's (recursively, links not followed) in path order."""
+    out = []
+    for p in sorted(map(Path, paths), key=str):
+        if p.is_dir():
+            out += sorted((f for f in p.rglob("*") if f.is_file() and not f.is_symlink()), key=str)
+        elif p.is_file():
+            out.append(p)
+        else:
+            raise FileNotFoundError(f"input {p} does not exist (or is not a file or a folder)")
+    return out
+
+
+def content_digest(paths) -> str:
+    """sha256 over the bytes of every file ``paths`` name (a folder's files in path order), read in blocks."""
+    h = hashlib.sha256()
+    for f in _files(paths):
+        with open(f, "rb") as fh:
+            for block in iter(lambda fh=fh: fh.read(1 << 20), b""):
+                h.update(block)
+    return h.hexdigest()
 
 
 def make_tracker(cfg: dict | None, out_dir: str | os.PathLike, config: dict, job_type: str) -> Tracker:
@@ -148,3 +183,83 @@ def _write_csv(path: Path, rows: list[dict]) -> None:
         w = csv.DictWriter(fh, fieldnames=cols)
         w.writeheader()
         w.writerows(rows)
+
+
+def offline_runs(folder: str | os.PathLike) -> list[Path]:
+    """The W&B offline run folders ``folder`` is or holds (an output folder's ``wandb/offline-run-*``)."""
+    folder = Path(folder)
+    if folder.name.startswith("offline-run-"):
+        return [folder]
+    runs = sorted(folder.glob("wandb/offline-run-*")) + sorted(folder.glob("offline-run-*"))
+    if not runs:
+        raise FileNotFoundError(f"{folder}: no W&B offline run here (expected wandb/offline-run-* in an output folder, "
+                                "or the offline-run-* folder itself)")
+    return runs
+
+
+def recorded_inputs(run_dir: str | os.PathLike) -> dict:
+    """What an offline run recorded of its inputs (its files folder's :data:`INPUTS_FILE`): ``{project,
+    inputs: {name: {type, sha256, files}}}``; no inputs where it recorded none."""
+    from calib.sidefiles import read_json
+
+    return read_json(Path(run_dir) / "files" / INPUTS_FILE, dict, missing_ok=True,
+                     hint="it is what calib's tracker wrote beside the run") or {"inputs": {}}
+
+
+def declare_inputs(folder: str | os.PathLike, project: str | None = None, entity: str | None = None,
+                   wandb=None) -> dict[str, list[str]]:
+    """Declare the inputs each offline run in ``folder`` recorded on the same run online (``wandb sync`` it
+    first): W&B resumes the run by its id and uses an artifact of the same files, so the lineage edge an offline
+    run could not draw appears. Refused, naming the run, the input and both digests: an input whose files are
+    gone or changed since the run (the edge would point at other content). Returns {run folder: names declared}."""
+    if wandb is None:
+        import wandb
+    done = {}
+    for run_dir in offline_runs(folder):
+        record = recorded_inputs(run_dir)
+        inputs = dict(record.get("inputs") or {})
+        for name, rec in inputs.items():
+            now = content_digest(rec["files"])
+            if now != rec["sha256"]:
+                raise ValueError(f"{run_dir}: input {name!r} ({rec['type']}) recorded sha256 {rec['sha256'][:12]}..., "
+                                 f"its files {rec['files']} now hold {now[:12]}...: they changed since the run; "
+                                 "not declared")
+        if not inputs:
+            done[str(run_dir)] = []
+            continue
+        run_id = run_dir.name.rsplit("-", 1)[-1]
+        run = wandb.init(id=run_id, project=project or record.get("project") or "calib", entity=entity,
+                         resume="must", mode="online")
+        try:
+            for name, rec in inputs.items():
+                run.use_artifact(_artifact(wandb, name, rec["type"], rec["files"]))
+        finally:
+            run.finish()
+        done[str(run_dir)] = sorted(inputs)
+    return done
+
+
+def main(argv=None) -> int:
+    """``python -m calib.tracking declare-inputs OUT_DIR [--project P] [--entity E]``."""
+    from calib.cli import parser
+
+    ap = parser(declare_inputs.__doc__, prog="python -m calib.tracking")
+    sub = ap.add_subparsers(dest="command", required=True)
+    d = sub.add_parser("declare-inputs", help="declare an offline run's recorded inputs on the synced run")
+    d.add_argument("folder", help="an output folder holding wandb/offline-run-*, or such a run folder")
+    d.add_argument("--project", default=None, help="the W&B project the run was synced to (default: the "
+                                                   "run's own)")
+    d.add_argument("--entity", default=None, help="the W&B entity (default: yours)")
+    args = ap.parse_args(argv)
+    try:
+        done = declare_inputs(args.folder, args.project, args.entity)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    for run, names in done.items():
+        print(f"{run}: {', '.join(names) if names else 'no recorded inputs'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -84,8 +84,9 @@ def run(cfg: DictConfig) -> dict:
 
 def _wandb_note(out: Path) -> str:
     """Where the W&B offline runs ended up: W&B names the staging folder they were written in."""
-    return "".join(f"\nW&B offline run published with the outputs: wandb sync {r}"
-                   for r in sorted(Path(out).glob("wandb/offline-run-*")))
+    runs = sorted(Path(out).glob("wandb/offline-run-*"))
+    return "".join(f"\nW&B offline run published with the outputs: wandb sync {r}" for r in runs) + (
+        f"\nthen: python -m calib.tracking declare-inputs {out} (the input tables' lineage edge)" if runs else "")
 
 
 def _evaluate(cfg: DictConfig, out: Path) -> dict:
