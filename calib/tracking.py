@@ -239,11 +239,22 @@ def declare_inputs(folder: str | os.PathLike, project: str | None = None, entity
     return done
 
 
+CLI_DOC = """Declare what an offline W&B run read (its input tables, banks) on the run once it is synced: W&B
+cannot use artifacts offline, so calib records them beside the run, and this draws the lineage edges.
+
+    wandb sync runs/eval/default/wandb/offline-run-*
+    python -m calib.tracking declare-inputs runs/eval/default
+
+Inputs whose files changed since the run are refused, naming both digests (the edge would point at other
+content).
+"""
+
+
 def main(argv=None) -> int:
     """``python -m calib.tracking declare-inputs OUT_DIR [--project P] [--entity E]``."""
     from calib.cli import parser
 
-    ap = parser(declare_inputs.__doc__, prog="python -m calib.tracking")
+    ap = parser(CLI_DOC, prog="python -m calib.tracking")
     sub = ap.add_subparsers(dest="command", required=True)
     d = sub.add_parser("declare-inputs", help="declare an offline run's recorded inputs on the synced run")
     d.add_argument("folder", help="an output folder holding wandb/offline-run-*, or such a run folder")

@@ -82,7 +82,7 @@ def test_help_follows_overrides():
 
 
 ARGPARSE = [str(p.relative_to(ROOT)) for p in sorted((ROOT / "bench").glob("*.py"))] + \
-    ["-m calib.bank", "-m calib.drafters.eagle.acceptance"]
+    ["-m calib.bank", "-m calib.drafters.eagle.acceptance", "-m calib.tracking"]
 
 
 @pytest.mark.parametrize("entry", ARGPARSE)
