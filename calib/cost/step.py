@@ -158,14 +158,24 @@ def this_machine() -> str:
     return f"{name}, {os.cpu_count()} cores, {' '.join(isa)}"
 
 
-def other_machine(cost: StepCost) -> str | None:
-    """A sentence when ``cost`` was fitted on another machine than this one (its prices may be far off), else None."""
-    fitted = cost.source.get("cpu")
+def other_machine(cost: StepCost, device: str = "cpu") -> str | None:
+    """A sentence when ``cost`` was fitted on another machine than this one (its prices may be far off), else None.
+
+    ``device``: what the engine steps on (vLLM's ``device_config.device_type``). A CPU engine compares CPUs
+    (model, cores, the vector extensions that decide bf16 speed); any other device is compared by kind, since a
+    step cost records the device it was measured on (``source.device``, "cpu" where it records none)."""
+    refit = "re-run bench/profile_step.py --step-cost PATH on this engine; docs/deployment.md"
+    fitted, fitted_device = cost.source.get("cpu"), str(cost.source.get("device") or "cpu")
+    if device != "cpu":
+        if fitted_device == device:
+            return None
+        return (f"the step cost was fitted on {fitted_device} ({fitted or 'no CPU recorded'}), this engine steps on "
+                f"{device}: its prices are not this engine's ({refit})")
     here = this_machine()
-    if not fitted or fitted == here:
+    if fitted_device == "cpu" and (not fitted or fitted == here):
         return None
-    return (f"the step cost was fitted on {fitted!r}, this machine is {here!r}: its prices may be far off "
-            "(re-run bench/profile_step.py --step-cost PATH here; docs/profile.md)")
+    where = fitted if fitted_device == "cpu" else f"{fitted_device} ({fitted or 'no CPU recorded'})"
+    return f"the step cost was fitted on {where!r}, this machine is {here!r}: its prices may be far off ({refit})"
 
 
 def _nonneg(v) -> bool:

@@ -12,7 +12,11 @@ called, and calib used to do nothing without a word. Now the plugin decides, fro
     calib serve: OFF — vLLM runs Model Runner V2 without adaptive verification; set VLLM_USE_V2_MODEL_RUNNER=0 ...
 
 An engine of several worker processes (tensor parallelism) gets the same line with what calib does across its
-ranks; pipeline parallelism switches serving off (:mod:`calib.vllm.ranks`).
+ranks; pipeline parallelism switches serving off (:mod:`calib.vllm.ranks`). Serving that prices steps with a
+step cost fitted on other hardware (the shipped one is a 2-core CPU's) says so in the line, with how to refit::
+
+    calib serve: ON via V2 adaptive verification (...) — step cost data/cost/...json: the step cost was fitted on
+    cpu (AMD EPYC, 2 cores, ...), this engine steps on cuda: its prices are not this engine's (re-run ...)
 
 :func:`decide` is pure (facts in, states and line out) so that every V1/V2 x sync/async x capture/serve
 combination is tested without an engine; :func:`facts_from_config` reads the facts from a ``VllmConfig``.
@@ -46,6 +50,7 @@ class EngineFacts:
     rejection_sample_method: str = "standard"
     tensor_parallel: int = 1  # parallel_config.tensor_parallel_size: worker processes per pipeline stage
     pipeline_parallel: int = 1  # parallel_config.pipeline_parallel_size
+    cost_note: str = ""  # serving's step cost fitted on other hardware: what and how to refit ("" otherwise)
 
 
 @dataclass(frozen=True)
@@ -58,10 +63,12 @@ class ModeState:
     reason: str = ""
     fix: str = ""
     ranks: str = ""  # what it does across the worker processes of a parallel engine ("" for one process)
+    note: str = ""  # a warning that does not stop the mode (serving's step cost fitted on other hardware)
 
     def text(self) -> str:
         if self.on:
-            return f"ON via {self.via}{self.ranks}" if self.via.startswith("V2") else f"ON ({self.via}{self.ranks})"
+            on = f"ON via {self.via}{self.ranks}" if self.via.startswith("V2") else f"ON ({self.via}{self.ranks})"
+            return on + (f" — {self.note}" if self.note else "")
         return f"OFF — {self.reason}; set {self.fix}"
 
 
@@ -110,12 +117,14 @@ def decide_mode(mode: str, f: EngineFacts) -> ModeState:
             return ModeState(mode, False, reason="vLLM runs Model Runner V2 without adaptive verification, calib's "
                              "entry point there (its acceptance estimator)", fix=ADAPTIVE_FIX)
         return ModeState(mode, True, via=f"V2 adaptive verification (calib's tables as its acceptance estimator, "
-                         f"{spec}; async scheduling {'on' if f.async_scheduling else 'off'})", ranks=ranks)
+                         f"{spec}; async scheduling {'on' if f.async_scheduling else 'off'})", ranks=ranks,
+                         note=f.cost_note)
     if f.async_scheduling:
         why = ("calib decides in take_draft_token_ids, which it bypasses" if mode == "serve"
                else "capture reads each round from a synchronous step")
         return ModeState(mode, False, reason=f"async scheduling on the V1 runner ({why})", fix=SYNC_FIX)
-    return ModeState(mode, True, via=f"V1 runner, sync scheduling, {spec}", ranks=ranks)
+    return ModeState(mode, True, via=f"V1 runner, sync scheduling, {spec}", ranks=ranks,
+                     note=f.cost_note if mode == "serve" else "")
 
 
 def _ranks_note(mode: str, f: EngineFacts) -> str:
@@ -160,4 +169,24 @@ def facts_from_config(vllm_config, capture: bool, serve: bool) -> EngineFacts:
         rejection_sample_method=str(getattr(sc, "rejection_sample_method", "standard") or "standard")
         if method else "standard",
         tensor_parallel=int(getattr(pc, "tensor_parallel_size", 1) or 1),
-        pipeline_parallel=int(getattr(pc, "pipeline_parallel_size", 1) or 1))
+        pipeline_parallel=int(getattr(pc, "pipeline_parallel_size", 1) or 1),
+        cost_note=cost_note(str(getattr(getattr(vllm_config, "device_config", None), "device_type", "cpu") or "cpu"))
+        if serve and method else "")
+
+
+def cost_note(device: str, calib_serve: str | None = None) -> str:
+    """What the engine line says when serving's step cost (``CALIB_SERVE``'s ``cost``, by default the shipped
+    2-core CPU's) was fitted on other hardware than this engine's ``device``; "" when it was fitted here, when
+    the cost is a verify-only curve (it records no machine), or when the knobs or the file cannot be read (the
+    server refuses those itself, by name)."""
+    from calib import envs
+    from calib.cost.serving import step_cost_path
+    from calib.cost.step import load_step_cost, other_machine
+    from calib.serve.knobs import ServeKnobs
+
+    try:
+        path = step_cost_path(ServeKnobs.from_json(calib_serve or envs.CALIB_SERVE or "{}").cost)
+        elsewhere = other_machine(load_step_cost(path), device) if path else None
+    except (TypeError, ValueError, OSError):
+        return ""
+    return f"step cost {path}: {elsewhere}" if elsewhere else ""

@@ -141,6 +141,11 @@ def test_a_step_cost_from_another_machine_is_named_when_serving_reads_it(tmp_pat
     assert other_machine(replace(TRUE, source={"cpu": this_machine()})) is None
     elsewhere = replace(TRUE, source={"cpu": "Some CPU, 64 cores, no AVX-512"})
     assert "Some CPU, 64 cores" in other_machine(elsewhere) and this_machine() in other_machine(elsewhere)
+    # a GPU engine (issue 43): a CPU's step cost is not its own, whatever the host CPU; a cost fitted on cuda is
+    assert "fitted on cpu (Some CPU, 64 cores" in other_machine(elsewhere, "cuda")
+    assert other_machine(replace(TRUE, source={"cpu": this_machine()}), "cuda") is not None
+    assert other_machine(replace(TRUE, source={"cpu": "Host", "device": "cuda"}), "cuda") is None
+    assert "fitted on 'cuda (Host)'" in other_machine(replace(TRUE, source={"cpu": "Host", "device": "cuda"}))
     path = tmp_path / "elsewhere.json"
     save_step_cost(elsewhere, path)
     with caplog.at_level(logging.WARNING, logger="calib.serve"):

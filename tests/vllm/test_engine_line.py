@@ -8,6 +8,7 @@ as the speculator's acceptance estimator when V2's runner has built its KV cache
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from types import SimpleNamespace as NS
@@ -248,3 +249,52 @@ def test_collect_runs_the_v1_runner_with_sync_scheduling_and_says_so(monkeypatch
         runner._engine(compose(), tmp_path, None, tmp_path / "capture", (1, 4, 4))
     assert seen["env"] == "0" and seen["async_scheduling"] is False
     assert "collect: vLLM's V1 model runner with sync scheduling" in caplog.text
+
+
+# --- serving's step cost fitted on other hardware: said in the line (issue 43, Must 2) -------------------------
+
+NOTE = "step cost c.json: the step cost was fitted on cpu (AMD EPYC), this engine steps on cuda: ..."
+
+
+@pytest.mark.parametrize("v2", [False, True])
+def test_a_cost_fitted_elsewhere_is_in_the_serve_line(v2):
+    f = EngineFacts(capture=True, serve=True, v2_runner=v2, async_scheduling=v2, method="eagle", k=4,
+                    adaptive_verification=v2, cost_note=NOTE)
+    states, line = decide(f)
+    assert states["serve"].on and states["serve"].text().endswith(f" — {NOTE}")
+    assert NOTE not in states["capture"].text() and line.count(NOTE) == 1
+
+
+def _cost_file(tmp_path, source: dict):
+    from dataclasses import replace
+
+    from calib.cost.step import load_step_cost, save_step_cost
+    from calib.serve.knobs import DEFAULT_COST
+
+    path = tmp_path / "cost.json"
+    save_step_cost(replace(load_step_cost(DEFAULT_COST), source=source), path)
+    return json.dumps({"tables": "t", "cost": str(path)})
+
+
+def test_cost_note_compares_the_device_and_the_cpu(tmp_path):
+    from calib.cost.step import this_machine
+    from calib.vllm.engine_line import cost_note
+
+    shipped = cost_note("cuda", '{"tables": "t"}')  # the default: the 2-core CPU's step cost
+    assert "data/cost/smollm2-135m-cpu-step.json: the step cost was fitted on cpu (AMD EPYC" in shipped
+    assert "this engine steps on cuda" in shipped and "bench/profile_step.py --step-cost PATH" in shipped
+    assert cost_note("cpu", _cost_file(tmp_path, {"cpu": this_machine()})) == ""
+    assert cost_note("cuda", _cost_file(tmp_path, {"cpu": "Host CPU", "device": "cuda"})) == ""
+    other = cost_note("cpu", _cost_file(tmp_path, {"cpu": "Some CPU, 64 cores, no AVX-512"}))
+    assert "fitted on 'Some CPU, 64 cores, no AVX-512', this machine is" in other
+    assert cost_note("cuda", '{"tables": "t", "cost": "1.0,0.01"}') == ""  # a verify-only curve records no machine
+    assert cost_note("cuda", "not json") == ""  # the server refuses bad knobs itself, by name
+
+
+def test_facts_carry_the_cost_note_of_the_engines_device(monkeypatch):
+    monkeypatch.setenv("CALIB_SERVE", '{"tables": "t"}')
+    cfg = NS(use_v2_model_runner=True, scheduler_config=NS(async_scheduling=True), device_config=NS(device_type="cuda"),
+             speculative_config=NS(method="eagle", num_speculative_tokens=4, enable_adaptive_verification=True,
+                                   rejection_sample_method="standard"))
+    assert "this engine steps on cuda" in facts_from_config(cfg, capture=False, serve=True).cost_note
+    assert facts_from_config(cfg, capture=True, serve=False).cost_note == ""
