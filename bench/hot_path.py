@@ -200,6 +200,7 @@ def run(engine: str, B: int, steps: int, temperature: float, tables: str, cost: 
     row = {"engine": engine, "concurrency": B, "temperature": temperature, "steps": len(total),
            "decided": srv.stats.decided, "passthrough": srv.stats.passthrough, "errors": srv.stats.errors,
            "passes_planned": srv.stats.passes_planned, "planned": srv.stats.planned,
+           "aside_engine": srv.stats.aside_engine, "aside_none": srv.stats.aside_none,
            "ms": {p: statistics.median(v) for p, v in times.items() if v},
            "total_ms": statistics.median(total), "total_p90_ms": float(np.percentile(total, 90))}
     if srv.stats.errors:

@@ -1,0 +1,73 @@
+"""Standing aside (calib/serve/aside.py): stretches of one batch whose decisions change nothing are taken without
+deciding, re-checked every few steps, ended by another batch or another kind of decision. SYNTHETIC decisions;
+the server-level case drives the real serving state through bench/hot_path.py's stand-in runner (real tables,
+real code-edit prompts, no engine)."""
+
+from __future__ import annotations
+
+import pytest
+
+from calib.serve.aside import StandAside, batch_key, decision_kind
+
+
+def test_a_stretch_begins_after_the_streak_and_is_rechecked():
+    aside, key = StandAside(after=3, every=4), batch_key([0.0, 0.0])
+    began = [aside.record(key, "engine") for _ in range(3)]
+    assert began == [False, False, True]  # logged once, when the stretch first begins
+    assert [aside.verdict(key) for _ in range(3)] == ["engine"] * 3
+    assert aside.verdict(key) is None  # the 4th step of the stretch is decided again
+    assert aside.record(key, "engine") is False  # same kind: the stretch goes on, not logged again
+    assert aside.verdict(key) == "engine"
+
+
+def test_another_batch_or_kind_ends_the_stretch():
+    aside, key = StandAside(after=2, every=8), batch_key([0.8] * 4)
+    aside.record(key, "none")
+    aside.record(key, "none")
+    assert aside.verdict(key) == "none"
+    assert aside.verdict(batch_key([0.8] * 5)) is None  # a request joined
+    assert aside.verdict(batch_key([0.0] * 4)) is None  # other temperatures: another price
+    aside.record(key, None)  # the re-check changed something
+    assert aside.verdict(key) is None
+    assert StandAside(after=0).verdict(key) is None  # after=0: always decide
+
+
+def test_decision_kinds():
+    assert decision_kind([[], []], [[1, 2], []]) == "none"
+    assert decision_kind([[1, 2], []], [[1, 2], []]) == "engine"
+    assert decision_kind([[1], []], [[1, 2], []]) is None  # truncated
+    with pytest.raises(ValueError, match="after >= 0 and every >= 1"):
+        StandAside(after=2, every=0)
+
+
+def _sure_tables(path):
+    """SYNTHETIC n-gram tables for SmolLM2-135M-Instruct that accept every draft token with probability 0.99: priced
+    cheaply, every decision verifies vLLM's chains whole."""
+    import math
+
+    import torch
+
+    from calib.chains import Axis
+    from calib.tables.io import save
+    from calib.tables.layout import ChainTable, GridTables
+
+    axes = (Axis("match_n", edges=(1.5, 2.5)), Axis("temperature", edges=(0.4,)))
+    table = ChainTable.build(axes, torch.full((4, 6), 0.99), torch.tensor([[1.5, 2.5], [0.4, math.inf]]),
+                             torch.tensor([2, 1]))
+    meta = {"target_models": ["SmolLM2-135M-Instruct"], "chains": {"ngram": {"ids": ["ngram"], "k": 4}}}
+    return str(save(path, GridTables({"ngram": table}), meta))
+
+
+def test_the_server_hands_vllms_own_lists_through_while_aside(tmp_path):
+    """On the n-gram stand-in every decision verifies vLLM's chains whole; after the streak the server hands vLLM's
+    own lists through without deciding, decides again every aside_every steps, and counts both."""
+    from tests.bench_scripts import load_bench
+
+    hot = load_bench("hot_path")
+    tables = _sure_tables(tmp_path / "tables")
+    on = hot.run("ngram", 4, 45, 0.0, tables, "1.0,0.001", seed=0, aside_after=4)
+    assert on["errors"] == 0 and on["decided"] + on["aside_engine"] + on["aside_none"] == 45
+    # 4 decisions to begin, then 15 steps aside and 1 re-check per 16: 6 decided, 39 aside
+    assert (on["decided"], on["aside_engine"]) == (6, 39), on
+    off = hot.run("ngram", 4, 45, 0.0, tables, "1.0,0.001", seed=0, aside_after=0)
+    assert off["aside_engine"] == 0 and off["decided"] == 45
