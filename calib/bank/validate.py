@@ -6,6 +6,7 @@ import math
 import numbers
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -26,6 +27,7 @@ MANIFEST_FIELDS: dict[str, type] = {"n_rounds": int, "model": str, "speculator":
                                     "identity": dict}
 # run_manifest.json "identity" (calib/fingerprint.py): the target's and drafter's fingerprints, method, K.
 IDENTITY_ROLES = ("target", "drafter")
+JOBS = ("train.py", "eval.py", "serve.py")  # the jobs whose output folders calib.atomic.staged_output publishes
 TEMPERATURE_TOL = 1e-6  # a row's temperature and the manifest's are the same setting within this
 
 
@@ -479,6 +481,18 @@ class _Checker:
                            "rows of another collection in this bank, or a wrong manifest; recollect the bank or "
                            "keep the two temperatures in two banks")
 
+    def outputs_inside(self):
+        """A job's output folder inside the bank (``train.py out_dir=<bank>/sub`` wrote tables there before calib
+        refused outputs inside inputs, calib.atomic.check_not_inside_an_input): named, with its job."""
+        from calib.atomic import OWNED, owner
+
+        for record in sorted(Path(self.dir).rglob(OWNED)):
+            job = owner(record.parent)
+            if record.parent != Path(self.dir) and job in JOBS:  # the bank's own record (write_bank) is at its top
+                rel = record.parent.relative_to(self.dir).as_posix()
+                self.add(rel, None, None, f"holds the output of {job} inside this bank; move that folder out of "
+                                          "the bank (outputs never go inside an input)")
+
     def identity(self, ident: dict | None, k: int | None):
         """The manifest's ``identity``: each role a fingerprint (``calib.fingerprint``) or null, K as the manifest's."""
         from calib.fingerprint import IDENTITY_KEYS
@@ -559,6 +573,7 @@ def validate(bank_dir: str, max_problems: int = 50) -> list[Problem]:
     ck.routing(acc_t, width)
     ck.manifest(acc_t)
     ck.sampling(spec_t)
+    ck.outputs_inside()
     if not ck.problems:  # stats are recomputed from data already known to be sound
         ck.stats(acc_t)
     return ck.problems

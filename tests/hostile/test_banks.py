@@ -113,6 +113,16 @@ def _prompts(tmp: Path, raw: bytes):
     return lambda: load_prompts(["p.jsonl"], root=tmp)
 
 
+def _owned_output(folder: Path) -> None:
+    """A train.py output folder as calib published it (before outputs inside inputs were refused)."""
+    from calib.atomic import publish_dir
+
+    stage = folder.parent / ".stage"
+    stage.mkdir()
+    (stage / "tables.json").write_text("{}")
+    publish_dir(stage, folder, job="train.py")
+
+
 GOOD = b'{"id": "a-0", "category": "chat", "messages": [{"role": "user", "content": "Hi"}]}\n'
 
 
@@ -280,6 +290,8 @@ CASES = [
         _manifest_with(b, sampling={"name": "greedy", "temperature": 0.0}))[2],
          (("{bank}/speculator.parquet, column temperature, row 4: temperature 0.8, but run_manifest.json says "
            "sampling.temperature = 0"), "(2 rows in all)")),
+    Case("train-output-inside-the-bank", lambda tmp, b: (_owned_output(b / "sub"), _findings(b))[1],
+         ("{bank}/sub: holds the output of train.py inside this bank; move that folder out of the bank",)),
     Case("run_manifest.json-temperature-mistyped", lambda tmp, b: _manifest_with(b, sampling={"temperature": "hot"}),
          ("{bank}/run_manifest.json, column sampling.temperature: is 'hot', expected a finite number >= 0",)),
     Case("run_manifest.json-n_rounds-wrong", lambda tmp, b: _manifest_with(b, n_rounds=40),
