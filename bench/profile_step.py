@@ -250,7 +250,7 @@ def main(argv=None) -> None:
         rows = [r for c in result["cells"] for r in decode_rows(c)]
         save_step_cost(fit_step_cost(rows, {"command": result["command"], "date": result["date"],
                                             "arms": sorted({c["arm"] for c in result["cells"]}),
-                                            "steps": len(rows), "cpu": result.get("cpu", "unknown"),
+                                            "steps": len(rows), "cpu": result.get("cpu", "unknown"), "device": "cpu",
                                             "dtype": result.get("dtype", "auto")}), args.step_cost)
         print(f"wrote {args.step_cost} (fitted on {len(rows)} decode steps)")
     if args.docs:

@@ -240,6 +240,12 @@ def _decide_step(tables, inputs: StepInputs, history: RequestHistory, *, k_max: 
     if B == 0:
         return StepDecision([], [], torch.zeros(0, dtype=torch.int8), torch.zeros(0, dtype=torch.int32),
                             torch.zeros(0), (time.perf_counter() - start) * 1e3)
+    if len(set(inputs.req_ids)) != B:  # one list per request id: a duplicate would be decided twice
+        seen: set = set()
+        dup = next(r for r in inputs.req_ids if r in seen or seen.add(r))
+        raise ValueError(f"request id {dup!r} appears {list(inputs.req_ids).count(dup)} times in one step "
+                         f"(positions {[i for i, r in enumerate(inputs.req_ids) if r == dup]}): each request is "
+                         "decided once per step")
     temps = request_temperatures(inputs)
     offered = [k.name for k in chains() if k.name in inputs.offers and k.name in tables.chains]
     _note_unfitted(tables, temps, offered)

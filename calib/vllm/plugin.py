@@ -123,7 +123,7 @@ def engine_start(vllm_config, rank: int = 0):
             oracle = getattr(server, "oracle", None)  # the clock oracle (calib/serve/oracle.py)
             oracle = f", clock oracle {oracle.reference.path}" if oracle is not None else ""
             states["serve"] = ModeState("serve", True, via=f"{serve.via}, tables {server.tables_dir}{oracle}",
-                                        ranks=serve.ranks)
+                                        ranks=serve.ranks, note=serve.note)
         line = line_of(states)
     acts = dict(states)
     if several and serve is not None:
@@ -149,7 +149,8 @@ def engine_start(vllm_config, rank: int = 0):
             wire_v2_estimator(ServeKnobs.from_json(envs.CALIB_SERVE))
     if line is not None and rank == 0:
         ensure_log_handler(log)
-        (log.info if all(s.on for s in states.values()) else log.warning)(line)
+        quiet = all(s.on and not s.note for s in states.values())  # a note (cost fitted elsewhere) is a warning
+        (log.info if quiet else log.warning)(line)
     return states
 
 

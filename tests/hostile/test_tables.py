@@ -446,3 +446,17 @@ def test_decider_logs_an_unfitted_temperature_once_and_decides(folder, caplog):
     assert str(folder) in msgs[0] and "temperatures [0, 0.8]" in msgs[0]
     assert dec.failures == 0 and isinstance(dec.history, RequestHistory)
     assert math.isfinite(float(out.expected_accepted.sum())) and np.isfinite(out.expected_accepted.numpy()).all()
+
+
+def test_a_request_id_twice_in_one_step_is_refused_naming_it(folder):
+    """Two lists for one request id in a step would be decided twice and overwrite each other in the engine:
+    decide_step refuses it naming the id and its positions; the serving decider passes the step through."""
+    from calib.serve import RequestHistory, SafeDecider, decide_step
+
+    step = _step([0.0, 0.0, 0.0])
+    step.req_ids = ["r0", "r1", "r0"]
+    with pytest.raises(ValueError, match=r"request id 'r0' appears 2 times in one step \(positions \[0, 2\]\)"):
+        decide_step(load(folder), step, RequestHistory(), k_max=D, cost=torch.linspace(1.0, 2.0, 16))
+    dec = SafeDecider(folder, model_id="synthetic-model", speculator="eagle:head", method="eagle", k_max=D,
+                      cost=torch.linspace(1.0, 2.0, 16))
+    assert dec.decide(step).passthrough and dec.failures == 1
