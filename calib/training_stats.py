@@ -84,30 +84,66 @@ def empty_stats(spec: StatsSpec) -> dict[str, np.ndarray]:
             **{s: np.zeros(spec.shape, np.float64) for s in FLOAT_STATS}}
 
 
-def _split_ids(category: np.ndarray, prompt_idx: np.ndarray, spec: StatsSpec) -> np.ndarray:
-    """0/1/2 (train/val/test) per row, :func:`calib.labels.prompt_split` computed once per prompt."""
+def _split_ids(category, prompt_idx: np.ndarray, spec: StatsSpec) -> np.ndarray:
+    """0/1/2 (train/val/test) per round, :func:`calib.labels.prompt_split` computed once per prompt."""
+    import pandas as pd
+    import pyarrow as pa
+
     from calib.labels import prompt_split
 
-    cats, cat_id = np.unique(category.astype(str), return_inverse=True)
-    pairs, inv = np.unique(np.stack([cat_id, prompt_idx.astype(np.int64)], 1), axis=0, return_inverse=True)
-    names = prompt_split(cats[pairs[:, 0]], pairs[:, 1], spec.fractions, spec.seed)
+    enc = pa.chunked_array(category).dictionary_encode().combine_chunks()
+    cats = np.asarray(enc.dictionary.to_pylist(), dtype=object)
+    key = enc.indices.to_numpy().astype(np.int64) * (int(prompt_idx.max(initial=0)) + 1) + prompt_idx
+    codes, uniq = pd.factorize(key)
+    names = prompt_split(cats[uniq // (int(prompt_idx.max(initial=0)) + 1)], uniq % (int(prompt_idx.max(initial=0)) + 1),
+                         spec.fractions, spec.seed)
     ids = np.array([SPLITS.index(n) for n in names], dtype=np.int64)
-    return ids[inv.ravel()]
+    return ids[codes]
+
+
+def read_part(part: Path, judged_only: bool = True):
+    """acceptance ⋈ speculator of one part (keys, accept, acc*, conf*, temperature where recorded): the two
+    files side by side where their rows are in the same key order (as calib writes them), else joined on the
+    keys. With ``judged_only`` the rounds whose request carried target-only logit transforms are left out."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    from calib.bank import schema
+    from calib.transforms import COLUMN
+
+    keys = list(schema.KEYS)
+    acc_names = ["accept", *schema.depth_columns(_names(part / schema.ACCEPTANCE), schema.ACC)]
+    spec_all = _names(part / schema.SPECULATOR)
+    spec_names = [*schema.depth_columns(spec_all, schema.CONF), *(["temperature"] if "temperature" in spec_all else [])]
+    spec_names += [COLUMN] if judged_only and COLUMN in spec_all else []
+    acc = pq.read_table(part / schema.ACCEPTANCE, columns=keys + acc_names)
+    spc = pq.read_table(part / schema.SPECULATOR, columns=keys + spec_names)
+    if acc.num_rows == spc.num_rows and all(acc.column(k).equals(spc.column(k)) for k in keys):
+        t = acc
+        for n in spec_names:
+            t = t.append_column(n, spc.column(n))
+    else:
+        t = acc.join(spc, keys=keys, join_type="inner")
+    if COLUMN in t.column_names:
+        v = t.column(COLUMN)
+        t = t.filter(pc.invert(pc.and_(pc.is_valid(v), pc.not_equal(pc.fill_null(v, ""), "")))).drop_columns([COLUMN])
+    return t if isinstance(t, pa.Table) else pa.table(t)
 
 
 def part_stats(part: str | Path, spec: StatsSpec) -> dict[str, np.ndarray]:
     """The statistics of one part (a bank folder; validated first with ``spec.validate``): every sample of
     the model chain (a round's depth reached, with a confidence) binned by split, depth, context cell and
     confidence. Rounds of requests with target-only logit transforms are left out with ``spec.judged_only``."""
-    from calib.bank import Bank, schema
+    from calib.bank import schema
+    from calib.bank.validate import BankError, validate
     from calib.calibrators.context import context_cells
     from calib.labels import censored, round_context
 
-    bank = Bank([part], validate_on_open=spec.validate, judged_only=spec.judged_only)
-    acc_names = [n for n in _names(Path(part) / schema.ACCEPTANCE) if n == "accept" or n.startswith(schema.ACC)]
-    spec_names = [n for n in _names(Path(part) / schema.SPECULATOR)
-                  if n.startswith(schema.CONF) or n == "temperature"]
-    t = bank.rounds([*acc_names, *spec_names])
+    part = Path(part)
+    if spec.validate and (problems := validate(str(part))):
+        raise BankError(problems)
+    t = read_part(part, spec.judged_only)
     out = empty_stats(spec)
     width = schema.width(t.column_names, schema.CONF)
     if not width or t.num_rows == 0:
@@ -120,6 +156,7 @@ def part_stats(part: str | Path, spec: StatsSpec) -> dict[str, np.ndarray]:
     ctx = np.stack([ctx[a][has] for a in spec.axes], 1) if spec.axes else np.zeros((int(has.sum()), 0))
     acc = schema.depth_matrix(t, schema.ACC, schema.width(t.column_names))[has]
     conf = conf[has]
+    round_split = _split_ids(t.column("category"), t.column("prompt_idx").to_numpy(), spec)[has]
     reached, label = censored(acc)
     rows, depth = np.nonzero(reached)
     c = conf[rows, depth]
@@ -128,9 +165,7 @@ def part_stats(part: str | Path, spec: StatsSpec) -> dict[str, np.ndarray]:
         raise ValueError(f"{part}: a reached depth without a confidence (round {i} of the judged rounds); "
                          f"validate the bank (python -m calib.bank validate {part})")
     y = label[rows, depth]
-    keep = np.flatnonzero(has)[rows]
-    split = _split_ids(np.asarray(t.column("category").to_pylist(), dtype=object)[keep],
-                       t.column("prompt_idx").to_numpy()[keep], spec)
+    split = round_split[rows]
     cell = context_cells(ctx[rows], [list(e) for e in spec.edges]) if spec.axes else np.zeros(len(c), np.int64)
     S, D, C, B = spec.shape
     idx = ((split * D + depth) * C + cell) * B + conf_bins(c, B)
