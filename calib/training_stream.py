@@ -135,11 +135,25 @@ class Refiner:
         return {"mode": self.scale["mode"], "parts": len(self.parts), "rounds": self.rounds, **self.sample}
 
 
+def _check(scale: dict) -> None:
+    """Refuse a ``scale`` setting by its dotted key, with the values it may take."""
+    from calib.metrics import ECE_BINS
+
+    if scale["mode"] not in ("memory", "stream", "ray"):
+        raise ValueError(f"scale.mode={scale['mode']!r}: expected memory, stream or ray")
+    for key, low in (("sample_rounds", 1), ("bins", ECE_BINS)):
+        v = scale[key]
+        if isinstance(v, bool) or not isinstance(v, int) or v < low or (key == "bins" and v % ECE_BINS):
+            raise ValueError(f"scale.{key}={v!r}: expected an integer >= {low}"
+                             + (f", a multiple of {ECE_BINS} (the ECE bins)" if key == "bins" else ""))
+
+
 @contextlib.contextmanager
 def streamed(cfg: dict, judged_only: bool):
     """``(sample bank, Refiner)`` for ``cfg``'s banks and fleets (validated as one, :func:`bank_parts`); the
     sample's folder is removed on exit."""
     scale = {**SCALE_DEFAULTS, **(cfg.get("scale") or {})}
+    _check(scale)
     t0 = time.time()
     parts = bank_parts(cfg["data"]["train"], check=True)
     rounds = sum(part_rounds(p) for p in parts)

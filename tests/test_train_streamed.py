@@ -116,3 +116,10 @@ def test_train_py_on_ray_gives_the_single_process_tables(runs, tmp_path):
     for split in ("val", "test"):
         assert meta["chains"]["model"][split] == st["chains"]["model"][split]
     assert np.array_equal(load(out).table("model").grid.numpy(), load(runs / "stream").table("model").grid.numpy())
+
+
+@pytest.mark.parametrize(("override", "key"), [("scale.mode=disk", "scale.mode"), ("scale.bins=100", "scale.bins"),
+                                               ("scale.sample_rounds=0", "scale.sample_rounds")])
+def test_a_scale_setting_is_refused_by_its_key(tmp_path, override, key):
+    with pytest.raises(ValueError, match=key):
+        run(_cfg(tmp_path / "out", "scale.mode=stream", override))
