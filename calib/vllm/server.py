@@ -504,7 +504,7 @@ class Server:
             self.note_kind(key, decision_kind(drafts, engine) if not any(left) else None)
         if sampled:  # the rejection sampler's q rows must follow the lists handed back
             self.rebuild_draft_probs(runner, req_ids, drafts, chain_ids)
-        self.count(drafts, engine)
+        self.count(drafts, engine, decided=d is not None)
         if d is not None:
             self.stats.allocator_ms.append(float(d.allocator_ms))
         self.stats.hook_ms.append((time.perf_counter() - start) * 1e3)
@@ -611,10 +611,11 @@ class Server:
         self.planned = {}
         return offers
 
-    def count(self, drafts: list[list[int]], engine: list[list[int]]) -> None:
-        """Statistics of one decided step: calib's lists against vLLM's."""
+    def count(self, drafts: list[list[int]], engine: list[list[int]], decided: bool = True) -> None:
+        """Statistics of one step calib handed lists back on (``decided``: by a decision, else standing aside):
+        calib's lists against vLLM's."""
         s = self.stats
-        s.decided += 1
+        s.decided += decided
         s.requests += len(drafts)
         for mine, theirs in zip(drafts, engine):
             s.tokens_engine += len(theirs)
