@@ -239,9 +239,15 @@ def main(argv=None) -> None:
                 print(f"{engine:<7}{B:>4}{temp:>5}  " + "".join(f"{r['ms'].get(p, 0.0):>9.2f}" for p in PARTS)
                       + f"{r['total_ms']:>9.2f}{r['total_p90_ms']:>8.2f}", flush=True)
     if args.out:
-        from calib.atomic import write_text
+        import sys
 
-        write_text(args.out, json.dumps({"argv": argv, "rows": rows}, indent=1))
+        from calib.atomic import write_json_atomic
+        from calib.cost.step import this_machine
+
+        write_json_atomic(args.out, {"command": " ".join(["python bench/hot_path.py", *(argv or sys.argv[1:])]),
+                                     "date": time.strftime("%Y-%m-%d"), "cpu": this_machine(),
+                                     "clock": "thread CPU time", "rows": rows})
+        print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

@@ -155,7 +155,10 @@ def this_machine() -> str:
                 "unknown")
     flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
     isa = [f for f in ("avx512f", "avx512_bf16", "amx_bf16") if f in flags] or ["no AVX-512"]
-    return f"{name}, {os.cpu_count()} cores, {' '.join(isa)}"
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    # a process pinned to fewer cores (taskset) steps at another speed: its own machine, as far as prices go
+    cores = f"{os.cpu_count()} cores" if usable == os.cpu_count() else f"{usable} of {os.cpu_count()} cores"
+    return f"{name}, {cores}, {' '.join(isa)}"
 
 
 def other_machine(cost: StepCost, device: str = "cpu") -> str | None:
