@@ -222,36 +222,30 @@ def main(argv=None) -> None:
     ap = plain_parser(__doc__)
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--tables", default="runs/train/default", help="tables folder (python train.py out_dir=DIR)")
-    ap.add_argument("--arms", nargs="+", default=DEFAULT_ARMS, choices=list(ARMS))
-    ap.add_argument("--concurrency", nargs="+", type=int, default=[1, 4, 16, 64])
-    ap.add_argument("--categories", nargs="+", default=["chat", "code_edit"])
-    ap.add_argument("--sampling", nargs="+", default=["greedy", "sampled"], choices=list(SAMPLING))
+    ap.add_argument("--arms", nargs="+", default=DEFAULT_ARMS, choices=list(ARMS), metavar="ARM",
+                    help="e.g. none vllm_ngram calib_ngram (a wrong name lists them all)")
+    ap.add_argument("--concurrency", nargs="+", type=int, default=[1, 4, 16, 64], metavar="C")
+    ap.add_argument("--categories", nargs="+", default=["chat", "code_edit"], metavar="NAME")
+    ap.add_argument("--sampling", nargs="+", default=["greedy", "sampled"], choices=list(SAMPLING), metavar="S")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--min-prompts", type=int, default=8, help="prompts per cell: max(this, 2 x concurrency)")
     ap.add_argument("--identity", action=argparse.BooleanOptionalAction, default=True,
-                    help="float32 greedy output identity against no speculation (concurrency 4)")
+                    help="float32 greedy outputs against no speculation's")
     ap.add_argument("--identity-prompts", type=int, default=8)
-    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
-                    help="serve.py overrides for every arm, e.g. engine.dtype=float32")
+    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="serve.py overrides for every arm")
     ap.add_argument("--out", default="runs/bench/serve.json")
-    ap.add_argument("--work", default="runs/bench/serve-work",
-                    help="where each finished (arm, repetition) is kept, so a rerun of the command resumes")
-    ap.add_argument("--from-json", help="print the table of an earlier run's --out file (runs nothing)")
-    ap.add_argument("--retable", metavar="OUT", help="with --from-json: recompute its table from its records (and "
-                    "the replay it recorded) with this code, and write the whole to OUT")
-    ap.add_argument("--replay", default="runs/eval/default/metrics.json",
-                    help="eval.py's metrics.json whose ladder predicts each cell (the replay's speed-up over none)")
+    ap.add_argument("--work", default="runs/bench/serve-work", help="finished (arm, rep) kept here: a rerun resumes")
+    ap.add_argument("--from-json", help="print an earlier --out file's tables (runs nothing)")
+    ap.add_argument("--retable", metavar="OUT", help="with --from-json: recompute its table with this code, to OUT")
+    ap.add_argument("--replay", default="runs/eval/default/metrics.json", help="eval.py's metrics.json (predictions)")
     ap.add_argument("--cost-model", default="engine", help="the ladder's cost model the prediction reads")
-    ap.add_argument("--readme", nargs="*", default=[],
-                    help="redraw these markdown files' marked blocks that cite --out (or --from-json) from it "
-                         "(calib.evaluate.clock: <!-- clock:KIND JSON --> ... <!-- /clock -->)")
+    ap.add_argument("--readme", nargs="*", default=[], help="redraw these files' marked blocks citing --out")
     ap.add_argument("--oracle", action=argparse.BooleanOptionalAction, default=True,
-                    help="serve the clock oracle's arms (greedy cells only) after a reference run of no speculation")
+                    help="the clock oracle's arms in greedy cells")
     ap.add_argument("--tolerance", type=float, default=0.10,
-                    help="repetitions are added (up to --max-reps) while an arm's per-repetition ratio to the best "
-                         "vLLM arm spreads wider than this either side of its median in some cell")
-    ap.add_argument("--max-reps", type=int, default=None, help="the most repetitions (default: --reps, none added)")
+                    help="add repetitions while a ratio spreads wider than this")
+    ap.add_argument("--max-reps", type=int, default=None, help="the most repetitions (default: --reps)")
     args = ap.parse_args(argv)
     if args.worker:
         return worker(args.worker)
