@@ -8,113 +8,24 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from calib.chains import chain_names
-from calib.cost.serving import cost_curve, step_pass_price
+from calib.cost.serving import cost_curve
 from calib.serve.aside import StandAside, batch_key, decision_kind
 from calib.serve.knobs import ServeKnobs
+from calib.vllm.planning import DraftPlanning
 from calib.vllm.ranks import digest
+from calib.vllm.serve_stats import ServeStats, engine_identity, keep_engine_rows
 
 log = logging.getLogger("calib.serve")
 
 
 
-@dataclass
-class ServeStats:
-    """What serving did in this process (the worker)."""
-
-    steps: int = 0  # take_draft_token_ids calls with drafts
-    decided: int = 0  # steps calib decided (not passed through)
-    passthrough: int = 0  # steps vLLM's own lists were kept (not ready, failed, disabled)
-    probabilistic: int = 0  # steps with probabilistic draft probs (runner._draft_probs), decided or not
-    probabilistic_decided: int = 0  # ... of which calib decided (causal cut, draft probs rebuilt)
-    requests: int = 0  # request-steps decided
-    replaced: int = 0  # request-steps whose list differs from vLLM's
-    truncated: int = 0  # ... a strict non-empty prefix of vLLM's draft
-    substituted: int = 0  # ... the other chain (n-gram for a model drafter, or the reverse)
-    emptied: int = 0  # ... [] where vLLM had a draft
-    tokens_engine: int = 0  # draft tokens vLLM proposed on decided steps
-    tokens_out: int = 0  # draft tokens handed back on decided steps
-    ngram_mismatch: int = 0  # n-gram engine: recomputed chain != vLLM's own (should stay 0)
-    allocator_ms: list[float] = field(default_factory=list)  # per decided step: SafeDecider (inputs + allocate)
-    hook_ms: list[float] = field(default_factory=list)  # per decided step: the whole hook (n-gram recompute too)
-    planned: int = 0  # steps whose draft passes calib chose (plan_draft)
-    plan_decided: int = 0  # decided steps whose allocation was the plan's own (0 passes: no second allocation)
-    passes_engine: int = 0  # draft passes vLLM would have run on those steps
-    passes_planned: int = 0  # ... and the passes calib ran instead
-    plan_ms: list[float] = field(default_factory=list)  # per planned step: n-gram chains + forecast + plan_draft
-    draft_ms: list[float] = field(default_factory=list)  # per step: vLLM's drafting (propose_draft_token_ids)
-    step_ms: list[float] = field(default_factory=list)  # wall time between consecutive decisions (one engine step)
-    observe_ms: list[float] = field(default_factory=list)  # per verified step: history and online correction
-    left_to_vllm: int = 0  # request-steps left to vLLM: target-only logit transforms (calib/transforms.py)
-    oracle_known: int = 0  # the clock oracle (knob oracle): request-steps it decided from the reference continuation
-    oracle_unknown: int = 0  # ... whose continuation it did not know (vLLM's own draft kept)
-    oracle: bool = False  # the clock oracle decided this process's steps (knob oracle)
-    aside_engine: int = 0  # steps calib stood aside on, handing vLLM's own drafts through (calib/serve/aside.py)
-    aside_none: int = 0  # ... scheduling no draft tokens (and, with a model drafter, no draft pass)
-    errors: int = 0  # exceptions caught in the hooks themselves
-    disabled_reason: str | None = None  # why the decider was not built (None: built, or not reached)
-
-    def as_dict(self) -> dict:
-        return asdict(self)
-
-    def summary(self) -> str:
-        ms = self.allocator_ms
-        hk = self.hook_ms
-        mean = (sum(ms) / len(ms)) if ms else math.nan
-        return (f"calib serve: {self.steps} steps, {self.decided} decided, {self.passthrough} passed through "
-                f"({self.probabilistic} probabilistic steps, {self.probabilistic_decided} decided); "
-                f"{self.requests} request-steps, {self.replaced} replaced "
-                f"({self.truncated} truncated, {self.substituted} substituted, {self.emptied} emptied); draft "
-                f"tokens {self.tokens_engine} -> {self.tokens_out}; allocator_ms mean {mean:.2f} max "
-                f"{max(ms, default=math.nan):.2f}; hook_ms mean {(sum(hk) / len(hk)) if hk else math.nan:.2f}; "
-                f"draft passes {self.passes_engine} -> {self.passes_planned} on {self.planned} planned steps "
-                f"({self.plan_decided} allocated by the plan) "
-                f"(plan_ms mean {(sum(self.plan_ms) / len(self.plan_ms)) if self.plan_ms else math.nan:.2f}); "
-                f"{self.left_to_vllm} request-steps left to vLLM (logit transforms); "
-                f"stood aside on {self.aside_engine} steps (vLLM's drafts) and {self.aside_none} (no drafts); "
-                + (f"oracle {self.oracle_known} known / {self.oracle_unknown} unknown; " if self.oracle else "") +
-                f"{self.errors} hook errors" + (f"; OFF: {self.disabled_reason}" if self.disabled_reason else ""))
-
-
-def keep_engine_rows(drafts: list[list[int]], chain_ids: torch.Tensor, engine: list[list[int]], left: list[bool],
-                     engine_chain: str) -> tuple[list[list[int]], torch.Tensor]:
-    """A step's decision with the rows ``left`` to vLLM put back to vLLM's own drafts: ``(drafts [B][<= K],
-    chain ids int8 [B])``, those rows' chain the engine's (or none where vLLM drafted nothing)."""
-    from calib.chains import NO_CHAIN, chain
-
-    out = [list(e) if keep else list(x) for x, e, keep in zip(drafts, engine, left)]
-    ids = chain_ids.clone()
-    engine_id = chain(engine_chain).id
-    for b, keep in enumerate(left):
-        if keep:
-            ids[b] = engine_id if engine[b] else NO_CHAIN
-    return out, ids
-
-
-def engine_identity(runner, sc) -> dict:
-    """The engine's target and drafter by content (:func:`calib.fingerprint.identity`): what the tables'
-    fingerprints are compared with; the drafter is the speculative config's model folder (None for n-gram)."""
-    from calib.chains import chain_of_method
-    from calib.fingerprint import identity
-
-    method = getattr(sc, "method", None)
-    try:
-        model_free = chain_of_method(method).confidence is None  # n-gram: vLLM sets its draft config to the target's
-    except KeyError:
-        model_free = False
-    draft = getattr(sc, "draft_model_config", None)
-    drafter = None if model_free else (getattr(draft, "model", None) or getattr(sc, "model", None))
-    return identity(runner.model_config.model, drafter, method,
-                    getattr(sc, "num_speculative_tokens", None))
-
-
-class Server:
+class Server(DraftPlanning):
     """Per-process serving state: the lazily built decider, drafter confidences, statistics."""
 
     def __init__(self, knobs: ServeKnobs):
@@ -301,137 +212,6 @@ class Server:
             if self.decider is not None:
                 self.decider.finish(r)
 
-    def ngram_chains(self, batch, rows: list[int], extra: list[list[int]] | None = None):
-        """Per batch row in ``rows``: the n-gram chain (``[B][<= K]``) vLLM's proposer would draft from the
-        request's tokens (``token_ids_cpu[:num_tokens_no_spec]``, then ``extra[b]`` when bookkeeping has
-        not appended this step's tokens yet), and its features float32 ``[B, L, F]`` for the tables. The plan
-        (before bookkeeping) and the decision (after it) see the same context: matched once, for every
-        request that needs it in one call (:attr:`calib.chains.ChainKind.propose_batch`)."""
-        from calib.chains import chain
-        from calib.chains.ngram import batch_feature_tensor
-
-        B = len(rows)
-        n_extra = np.array([len(extra[b]) if extra is not None else 0 for b in range(B)], dtype=np.int64)
-        n_buf = np.asarray(batch.num_tokens_no_spec)[rows].astype(np.int64)
-        total = n_buf + n_extra
-        last = [int(extra[b][-1]) if n_extra[b] else (int(batch.token_ids_cpu[i, n_buf[b] - 1]) if n_buf[b] else -1)
-                for b, i in enumerate(rows)]
-        keys = [(batch.req_ids[i], int(total[b]), last[b]) for b, i in enumerate(rows)]
-        miss = [b for b, key in enumerate(keys) if (self.matches.get(key[0]) or (None,))[0] != key]
-        if miss:
-            pad = np.zeros((len(miss), max(1, int(n_extra.max(initial=0)))), dtype=np.int64)
-            for j, b in enumerate(miss):
-                pad[j, : n_extra[b]] = extra[b] if n_extra[b] else []
-            toks, feats = chain(self.lookup).propose_batch(
-                batch.token_ids_cpu, [rows[b] for b in miss], n_buf[miss],
-                np.asarray(batch.num_prompt_tokens)[[rows[b] for b in miss]], self.ngram, self.max_model_len,
-                pad, n_extra[miss])
-            for j, b in enumerate(miss):
-                self.matches[keys[b][0]] = (keys[b], toks[j][: self.k], feats[j])
-        hits = [self.matches[key[0]] for key in keys]
-        tokens = [h[1] for h in hits]
-        width = max(1, max((len(t) for t in tokens), default=0))
-        feats = np.stack([h[2] for h in hits]) if hits else np.zeros((0, 8))
-        return tokens, batch_feature_tensor(feats, [len(t) for t in tokens], self.ngram_own, width)
-
-    def planned_probs(self, req_ids: list[str]) -> torch.Tensor | None:
-        """float32 ``[B, W]``: the n-gram probabilities the plan looked up this step, when it did so for
-        every request on the chain the decision sees now (same match); else None (look them up)."""
-        rows = []
-        for r in req_ids:
-            hit, match = self.planned.get(r), self.matches.get(r)
-            if hit is None or match is None or hit[0] != match[0]:
-                return None
-            rows.append(hit[1])
-        if not rows:
-            return None
-        width = max(x.shape[0] for x in rows)
-        out = torch.full((len(rows), width), math.nan)
-        for b, x in enumerate(rows):
-            out[b, : x.shape[0]] = x
-        return out
-
-    # -- the number of draft passes ----------------------------------------------------------------
-    def plan_passes(self, runner, scheduler_output, sampled_token_ids) -> None:
-        """Before the drafter runs: set this step's draft passes (``num_spec_tokens_to_schedule``,
-        batch-wide, 0..K) to :func:`calib.allocate.plan_draft`'s choice, from the n-gram chain each
-        request will offer (known in full) and the tables' forecast of the model chain in each request's
-        context (design note claim 4). Leaves vLLM's K on anything unexpected.
-
-        The clock oracle (knob ``oracle``) runs no pass where every request's n-gram chain already commits
-        ``min(K, what is left of its reference)`` (no model draft could commit more), else leaves vLLM's K:
-        it cannot know an EAGLE draft before drafting."""
-        dec = self.decider
-        if dec is None or not dec.enabled or not self.planning:
-            return
-        k_sched = int(getattr(scheduler_output, "num_spec_tokens_to_schedule", self.k) or 0)
-        if k_sched <= 0:
-            return
-        start = time.perf_counter()
-        from calib.allocate import calibrated_probs, forecast_probs, plan_draft
-        from calib.chains import Offer
-        from calib.serve.decide import chain_inputs, context_columns
-
-        batch = runner.input_batch
-        req_ids = list(batch.req_ids)
-        B = len(req_ids)
-        if B == 0 or any(self.left_to_vllm(runner, req_ids)):  # a request left to vLLM keeps vLLM's K
-            return
-        rows = list(range(B))
-        temps = [float(batch.temperature_cpu[i]) for i in rows]
-        verdict = None if self.oracle is not None else self.aside.verdict(batch_key(temps))
-        self.aside_now = (tuple(req_ids), verdict)  # the decision after drafting takes the same verdict
-        if verdict == "none":
-            return self.set_passes(scheduler_output, 0, k_sched, start)
-        if verdict == "engine":  # vLLM's K passes, its drafts handed through
-            return
-        extra = None
-        if isinstance(sampled_token_ids, torch.Tensor):  # padded EAGLE: drafting runs before bookkeeping
-            sampled = sampled_token_ids.detach().cpu().tolist()
-            extra = [[t for t in r if t >= 0] for r in sampled[:B]]
-        tables, drafted, lookup = dec.tables, dec.engine_chain, self.lookup
-        if self.oracle is not None:
-            conts = self.oracle.continuations(batch, rows, req_ids, temps, k_sched, extra)
-            toks = self.ngram_chains(batch, rows, extra)[0] if lookup in dec.chains else None
-            return self.set_passes(scheduler_output, self.oracle.passes(toks, conts, k_sched), k_sched, start)
-        known = {drafted: torch.zeros(B, 0)}
-        from calib.serve import StepInputs
-
-        if lookup in dec.chains:
-            toks, feats = self.ngram_chains(batch, rows, extra)
-            inputs = StepInputs(req_ids, temps, {lookup: Offer(toks, feats)})
-            signals, _ = chain_inputs(tables, inputs, dec.history, k_max=self.k)
-            known[lookup] = calibrated_probs(tables, {lookup: signals[lookup]})[lookup].to(torch.float32)
-        else:
-            inputs = StepInputs(req_ids, temps)
-        axes = [a["name"] for a in tables.forecast(drafted)["axes"]]
-        ctx = torch.from_numpy(context_columns(axes, inputs, dec.history))
-        forecast = forecast_probs(tables, drafted, ctx, depths=k_sched)  # [B, k_sched]
-        cost = dec.cost
-        pass_cost = self.pass_prices.get(B)
-        if pass_cost is None:  # an engine step-cost model prices a pass itself; else a fraction of C(B)
-            step = step_pass_price(self.cost_text, B, self.k)
-            pass_cost = self.pass_prices[B] = (step if step is not None
-                                               else self.draft_cost * float(cost[min(B, cost.numel() - 1)]))
-        plan = plan_draft(known, forecast, cost=cost, pass_cost=pass_cost, chain=drafted)
-        passes = max(0, min(int(plan.passes), k_sched))
-        if lookup in known:  # the decision after drafting sees the same chains and history: it reuses these
-            # no pass: the model drafts nothing and the plan's allocation of the n-gram chain is the step's
-            depth = plan.free_depth.tolist() if passes == 0 and plan.free_depth is not None else None
-            self.planned = {r: (self.matches[r][0], known[lookup][b], None if depth is None else depth[b])
-                            for b, r in enumerate(req_ids) if r in self.matches}
-        self.set_passes(scheduler_output, passes, k_sched, start)
-
-    def set_passes(self, scheduler_output, passes: int, k_sched: int, start: float) -> None:
-        """Run ``passes`` draft passes this step (vLLM would run ``k_sched``); counted in the statistics."""
-        scheduler_output.num_spec_tokens_to_schedule = passes
-        s = self.stats
-        s.planned += 1
-        s.passes_planned += passes
-        s.passes_engine += k_sched
-        s.plan_ms.append((time.perf_counter() - start) * 1e3)
-
-    # -- the decision ----------------------------------------------------------------------------
     def step(self, runner, out):
         """vLLM's ``DraftTokenIds`` -> calib's (or ``out`` itself when passing through)."""
         from calib.serve import StepInputs
@@ -531,40 +311,6 @@ class Server:
                      "so calib %s without deciding, deciding again every %d steps or when the batch changes",
                      key[0], sorted(set(key[1])), self.aside.after,
                      "vLLM's own drafts" if kind == "engine" else "no draft tokens", what, self.aside.every)
-
-    def planned_decision(self, inputs, planned: dict):
-        """The plan's own allocation when it ran no draft pass (:attr:`calib.allocate.DraftPlan.free_depth`):
-        the step then offers the recomputed chain alone, on the match the plan saw for every request, and
-        the allocator on it would decide the same; None when any of that does not hold (decide as usual)."""
-        from calib.chains import NO_CHAIN, chain
-        from calib.metrics import expected_accepted_length
-        from calib.serve import StepDecision
-
-        offer = inputs.offers.get(self.lookup)
-        if offer is None or len(inputs.offers) != 1 or not self.decider.enabled:
-            return None
-        if len(planned) != len(inputs.req_ids):  # another batch prices every slot differently (cost[B + m])
-            return None
-        start = time.perf_counter()
-        drafts, probs = [], []
-        for b, r in enumerate(inputs.req_ids):
-            hit, match = planned.get(r), self.matches.get(r)
-            if hit is None or hit[2] is None or match is None or hit[0] != match[0]:
-                return None
-            depth, toks = int(hit[2]), offer.tokens[b]
-            if depth > len(toks):  # the allocator verifies only tokens it was given: a bug if not
-                raise RuntimeError(f"request {r}: planned depth {depth} but the chain has {len(toks)} tokens")
-            drafts.append(list(toks[:depth]))
-            probs.append(hit[1][:depth].tolist())
-        depth = torch.tensor([len(x) for x in drafts], dtype=torch.int32)
-        taken = np.full((len(drafts), max([1, *map(len, drafts)])), np.nan)  # [B, W]: the verified prefixes
-        for b, p in enumerate(probs):
-            taken[b, : len(p)] = p
-        ids = torch.where(depth > 0, chain(self.lookup).id, NO_CHAIN).to(torch.int8)
-        self.stats.plan_decided += 1
-        return StepDecision(list(inputs.req_ids), drafts, ids, depth,
-                            torch.from_numpy(expected_accepted_length(taken)).to(torch.float32),
-                            (time.perf_counter() - start) * 1e3, probs=torch.from_numpy(taken).to(torch.float32))
 
     # -- probabilistic drafting (docs/serving_hooks.md, "Sampled serving"; calib/vllm/sampled.py) ------
     def decide_sampled(self, dec, inputs):

@@ -133,7 +133,10 @@ def test_v1_sync_engine_keeps_both_modes_and_logs_one_line(plugin, caplog):
         plugin.mod.engine_start(_config(False, False))
     want = ("calib: capture ON (V1 runner, sync scheduling, eagle K=4) | serve ON (V1 runner, sync scheduling, "
             "eagle K=4, tables somewhere)")
-    assert _calib_lines(caplog) == [want]
+    (line,) = _calib_lines(caplog)
+    # the default step cost was fitted on one machine: elsewhere the line carries the note, at WARNING
+    assert line == want or (line.startswith(want + " — step cost ") and "re-run bench/profile_step.py" in line), line
+    assert caplog.records[-1].levelno == (logging.INFO if line == want else logging.WARNING)
     assert plugin.ps.subscribers == (plugin.serve, plugin.capture) and not plugin.serve.server.failed
     (view,) = plugin.serve.server.seen  # the tables were checked at engine start, on the engine's config
     assert (view.max_num_reqs, view.max_model_len, view.model_config.model) == (8, 2048, "/m")
