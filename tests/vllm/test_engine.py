@@ -52,6 +52,7 @@ def compose(name: str, *overrides: str) -> dict:
 def test_serve_engine_kwargs_and_knobs(started, monkeypatch, tmp_path):
     import calib.target
     from calib.vllm import serve_runner as runner
+    from calib.vllm.engine import cpu_dtype
 
     monkeypatch.setattr(calib.target, "prepare_target", lambda *a, **k: tmp_path)
     cfg = compose("serve", "policy=calib_two_drafter", "speculative=ngram")
@@ -60,7 +61,7 @@ def test_serve_engine_kwargs_and_knobs(started, monkeypatch, tmp_path):
     e = cfg["engine"]
     spec = cfg["speculative"]
     assert started["kwargs"] == {
-        "model": str(tmp_path), "dtype": str(e["dtype"]), "enforce_eager": bool(e["enforce_eager"]),
+        "model": str(tmp_path), "dtype": cpu_dtype(str(e["dtype"]))[0], "enforce_eager": bool(e["enforce_eager"]),
         "max_model_len": int(e["max_model_len"]), "max_num_seqs": 4, "seed": int(cfg["seed"]),
         "disable_log_stats": False,
         "speculative_config": {"method": "ngram", "num_speculative_tokens": int(spec["num_speculative_tokens"]),
@@ -102,3 +103,17 @@ def test_collect_engine_kwargs(started, tmp_path):
         "max_num_seqs": int(cfg["concurrency"]), "seed": int(cfg["seed"]),
         "per_request_spec_decode_metrics": "detailed",
         "async_scheduling": False}  # capture hooks V1 with sync scheduling (issue 29; VLLM_USE_V2_MODEL_RUNNER=0 too)
+
+
+def test_auto_dtype_on_a_cpu_follows_its_bf16_arithmetic():
+    """Issue 43 Must 4: engine.dtype=auto on a CPU is bf16 where it computes bf16 in hardware, else float32; a set
+    dtype is kept; the reason names the flags."""
+    from calib.vllm.engine import cpu_dtype
+
+    assert cpu_dtype("auto", ["avx2", "avx512f", "avx512_bf16"]) == (
+        "bfloat16", "engine.dtype auto -> bfloat16: this CPU computes bf16 in hardware (avx512_bf16)")
+    assert cpu_dtype("auto", ["avx2", "amx_bf16", "avx512_bf16"])[0] == "bfloat16"
+    dtype, why = cpu_dtype("auto", ["avx2", "fma"])  # a 2-core EPYC without AVX-512: float32 4x faster there
+    assert dtype == "float32" and "no bf16 arithmetic" in why
+    assert cpu_dtype("float32", ["amx_bf16"]) == ("float32", "as set (engine.dtype)")
+    assert cpu_dtype("auto")[0] in ("bfloat16", "float32", "auto")  # this machine's own flags
