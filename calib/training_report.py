@@ -40,15 +40,23 @@ def _log(tracker, out_dir: Path, meta: dict, per_depth: list[dict], fit_rows: li
          reports: dict[str, pd.DataFrame]) -> None:
     """Per-depth metrics, the fit table, the reliability picture of the chain with raw confidences
     (``reports``: its samples, by chain name) and the tables as an artifact."""
-    for name in reports:  # headline scalars: each split pooled over depths (per depth: the tables below)
+    banks = [Path(b["path"]) for b in meta.get("banks", []) if b.get("path") and Path(b["path"]).exists()]
+    if banks:  # the run's inputs: the lineage banks -> tables (an offline run records them for declare-inputs)
+        tracker.use_artifact("calib-banks", "bank", banks)
+    for name, m in meta["chains"].items():  # headline scalars of every chain: each split pooled over depths
         for split in ("val", "test"):
-            for row in meta["chains"][name].get(split, []):
-                if row["depth"] == "all":
-                    tracker.log({f"{name}/{split}/{k}": v for k, v in row.items() if k != "depth"})
-                    tracker.log_table(f"{name}_{split}_per_depth", meta["chains"][name][split])
+            found = m.get(split)
+            if isinstance(found, list):  # per depth, with an "all" row (a chain with raw confidences)
+                for row in found:
+                    if row["depth"] == "all":
+                        tracker.log({f"{name}/{split}/{k}": v for k, v in row.items() if k != "depth"})
+                tracker.log_table(f"{name}_{split}_per_depth", found)
+            elif isinstance(found, dict):  # per predictor (the n-gram chain: its model and its table)
+                tracker.log({f"{name}/{split}/{who}/{k}": v for who, metrics in found.items()
+                             if isinstance(metrics, dict) for k, v in metrics.items()
+                             if isinstance(v, (int, float)) and not isinstance(v, bool)})
     tracker.log_table("fit", fit_rows)
-    if per_depth and reports:
-        tracker.log_table("test_per_depth", per_depth)
+    if per_depth and reports:  # the per-depth table is logged above, once (as <chain>_test_per_depth)
         from calib.presentation import reliability_figure
         from calib.tables import load as load_tables
 
