@@ -173,7 +173,8 @@ class CalibOffError(RuntimeError):
 def calib_off(policy: dict, record: dict) -> str | None:
     """Why a calib policy's ``record`` (a :func:`serve_cell` record) was served with calib off, or None:
     the serving hooks never installed in the engine's process, refused the tables at engine start
-    (``disabled_reason``), or decided no step of a run that had steps. None for the other policies."""
+    (``disabled_reason``), or decided no step of a run that had steps and stood aside on none (calib/serve/aside.py).
+    None for the other policies."""
     if not policy.get("calib"):
         return None
     st = record.get("calib")
@@ -181,7 +182,8 @@ def calib_off(policy: dict, record: dict) -> str | None:
         return "the serving hooks were never installed: the calib plugin did not load in the engine's process"
     if st.get("disabled_reason"):
         return str(st["disabled_reason"])
-    if st.get("steps", 0) > 0 and st.get("decided", 0) == 0:
+    stood_aside = st.get("aside_engine", 0) + st.get("aside_none", 0)  # steps taken without deciding, on purpose
+    if st.get("steps", 0) > 0 and st.get("decided", 0) == 0 and not stood_aside:
         return f"none of {st['steps']} engine steps was decided ({st.get('errors', 0)} hook errors)"
     return None
 

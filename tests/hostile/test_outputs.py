@@ -339,6 +339,9 @@ def test_calib_off_is_detected(case, record, why):
 def test_calib_on_and_vllm_policies_are_not_off():
     assert calib_off(CALIB, {"calib": {"steps": 9, "decided": 4, "disabled_reason": None}}) is None
     assert calib_off({"name": "vllm"}, {"calib": None}) is None
+    # a cell served inside a stand-aside stretch (calib/serve/aside.py) decided nothing on purpose: calib was on
+    aside = {"steps": 9, "decided": 0, "aside_engine": 9, "aside_none": 0, "disabled_reason": None}
+    assert calib_off(CALIB, {"calib": aside}) is None
 
 
 # -- issue 43: debris of killed runs, outputs inside inputs, errors that name no file ------------------------
