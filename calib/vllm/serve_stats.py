@@ -14,7 +14,7 @@ class ServeStats:
     """What serving did in this process (the worker)."""
 
     steps: int = 0  # take_draft_token_ids calls with drafts
-    decided: int = 0  # steps calib decided (not passed through)
+    decided: int = 0  # steps calib decided (not passed through, not stood aside)
     passthrough: int = 0  # steps vLLM's own lists were kept (not ready, failed, disabled)
     probabilistic: int = 0  # steps with probabilistic draft probs (runner._draft_probs), decided or not
     probabilistic_decided: int = 0  # ... of which calib decided (causal cut, draft probs rebuilt)

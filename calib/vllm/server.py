@@ -24,7 +24,6 @@ from calib.vllm.serve_stats import ServeStats, engine_identity, keep_engine_rows
 log = logging.getLogger("calib.serve")
 
 
-
 class Server(DraftPlanning):
     """Per-process serving state: the lazily built decider, drafter confidences, statistics."""
 
