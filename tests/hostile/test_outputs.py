@@ -275,8 +275,10 @@ SLOW_JOB = r"""
 import signal, sys, time
 from pathlib import Path
 from calib.atomic import staged_output
-# A shell starts background jobs with SIGINT ignored (CI, make &): restore Ctrl-C as a terminal has it.
+# A shell starts background jobs with SIGINT ignored (CI, make &), and nohup ignores SIGHUP (calib then keeps it
+# ignored, as a nohup'd job should): restore both as a terminal has them.
 signal.signal(signal.SIGINT, signal.default_int_handler)
+signal.signal(signal.SIGHUP, signal.SIG_DFL)
 with staged_output(Path(sys.argv[1]), overwrite=True, job="train.py") as stage:
     (stage / "tables.json").write_text("half")
     print("staged", flush=True)
