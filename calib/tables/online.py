@@ -240,6 +240,14 @@ def replay_online(p, acc, cells, settings: OnlineSettings | None = None, batch: 
     return out
 
 
+def _host_values(c: dict, rows, cols, scale, delta) -> np.ndarray:
+    """float64 corrected values of an :class:`OnlineTables` chain ``c`` at grid entries ``(rows, cols)`` (index
+    arrays that broadcast): ``σ(scale·logit prior + delta)``, the prior where kept (:func:`_corrected` on the
+    chain's precomputed host logits). What a lookup reads and what a rewrite writes: one formula."""
+    out = _sigmoid(c["host_logit"][rows, cols] * scale + delta)
+    return np.where(c["host_keep"][rows, cols], c["host_prior"][rows, cols], out)
+
+
 def outcome_row(accepted: int, drafted: int) -> np.ndarray:
     """``[drafted]`` outcomes of one verified round: 1 for the accepted prefix, 0 at the first rejection,
     NaN after it (never judged)."""
@@ -368,8 +376,7 @@ class OnlineTables:
             return c["prior"][rows, cols]
         D = c["logit"].shape[0]
         delta = corr.offset((k // c["width"]).ravel(), D)[np.arange(k.size), r.ravel()].reshape(k.shape)
-        out = 1.0 / (1.0 + np.exp(-(c["host_logit"][r, k] * corr.scale(D)[r] + delta)))
-        value = np.where(c["host_keep"][r, k], c["host_prior"][r, k], out).astype(np.float32)
+        value = _host_values(c, r, k, corr.scale(D)[r], delta).astype(np.float32)
         return torch.from_numpy(value).to(c["prior"].device)
 
     def _write(self, c: dict, cells: np.ndarray) -> None:
@@ -383,8 +390,7 @@ class OnlineTables:
         scale = corr.scale(D)[:, None]  # [D, 1]
         grid = c["table"].grid
         if grid.device.type == "cpu" and grid.dtype == c["host_logit"].dtype:
-            out = 1.0 / (1.0 + np.exp(-(c["host_logit"][:, cols] * scale + delta)))
-            grid.numpy()[:, cols] = np.where(c["host_keep"][:, cols], c["host_prior"][:, cols], out)
+            grid.numpy()[:, cols] = _host_values(c, np.arange(D)[:, None], cols[None, :], scale, delta)
             return
         import torch
 

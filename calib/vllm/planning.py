@@ -101,7 +101,7 @@ class DraftPlanning:
             return
         rows = list(range(B))
         temps = [float(batch.temperature_cpu[i]) for i in rows]
-        verdict = None if self.oracle is not None else self.aside.verdict(batch_key(temps))
+        verdict = self.fresh_verdict(batch_key(temps))
         self.aside_now = (tuple(req_ids), verdict)  # the decision after drafting takes the same verdict
         if verdict == "none":
             return self.set_passes(scheduler_output, 0, k_sched, start)

@@ -296,6 +296,11 @@ class Server(DraftPlanning):
         seen, self.aside_now = self.aside_now, None
         if seen is not None and seen[0] == tuple(req_ids):
             return seen[1]
+        return self.fresh_verdict(key, any_left)
+
+    def fresh_verdict(self, key: tuple, any_left: bool = False) -> str | None:
+        """:meth:`calib.serve.aside.StandAside.verdict` for batch ``key``; never with the clock oracle, nor with a
+        request left to vLLM (decide)."""
         if self.oracle is not None or any_left:
             return None
         return self.aside.verdict(key)

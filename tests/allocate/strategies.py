@@ -83,3 +83,9 @@ def pair(model_p, ngram_p=None) -> dict:
     """The allocator's chain mapping for the model chain and, if given, the n-gram chain."""
     return {"model": model_p} | ({} if ngram_p is None else {"ngram": ngram_p})
 
+
+def assert_same(ref, other):
+    """Two allocations take the same decisions bit for bit; their expected lengths agree to float32 rounding."""
+    assert torch.equal(ref.drafter, other.drafter), (ref.drafter, other.drafter)
+    assert torch.equal(ref.depth, other.depth), (ref.depth, other.depth)
+    torch.testing.assert_close(ref.expected_accepted, other.expected_accepted, rtol=1e-6, atol=1e-6)

@@ -6,18 +6,12 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from strategies import cost_curve, instance, pair, two_chain_tables
+from strategies import assert_same, cost_curve, instance, pair, two_chain_tables
 
 from calib.allocate import GridTables, allocate, allocate_probs
 
 # The interpreter is slow: few, small cases here; the reference carries the heavy property tests.
 FEW = settings(max_examples=25, deadline=None)
-
-
-def assert_same(ref, ker):
-    assert torch.equal(ref.drafter, ker.drafter), (ref.drafter, ker.drafter)
-    assert torch.equal(ref.depth, ker.depth), (ref.depth, ker.depth)
-    torch.testing.assert_close(ref.expected_accepted, ker.expected_accepted, rtol=1e-6, atol=1e-6)
 
 
 @FEW
