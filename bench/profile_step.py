@@ -174,13 +174,25 @@ def worker(spec_path: str) -> None:
     prompts = load_prompts(cfg["prompts"]["files"], root=ROOT)
     sampling = {**cfg["sampling"], "max_tokens": spec["max_tokens"]}
     profile_cell(llm, cfg, prompts[:2], {**sampling, "max_tokens": 8}, 2)  # warm-up, off the record
+    # what the engine steps on (vLLM's device_config): the step cost records it, and serving's engine line compares it
+    device = str(getattr(getattr(llm.llm_engine.vllm_config, "device_config", None), "device_type", None) or "cpu")
     out = []
     for c in spec["concurrency"]:
         rows = profile_cell(llm, cfg, prompts[: max(spec["min_prompts"], 2 * c)], sampling, c)
-        out.append({"arm": spec["arm"], "concurrency": c, "steps": rows})
+        out.append({"arm": spec["arm"], "concurrency": c, "device": device, "steps": rows})
         print(f"  {spec['arm']:<18} c={c:<3} {len(rows)} steps, median {statistics.median(r['step_ms'] for r in rows):.1f} ms",
               flush=True)
     Path(spec["out"]).write_text(json.dumps(out))
+
+
+def step_device(result: dict) -> str:
+    """The device the profiled engine stepped on (its cells' ``device``; "cpu" for files written before it was
+    recorded); a profile whose cells ran on different devices fits no one engine's step cost."""
+    devices = {str(c.get("device", "cpu")) for c in result["cells"]}
+    if len(devices) != 1:
+        raise SystemExit(f"the profile's cells ran on {sorted(devices)}: fit a step cost per device "
+                         "(profile into a fresh --out on each machine)")
+    return devices.pop()
 
 
 def decode_rows(cell: dict) -> list[dict]:
@@ -250,7 +262,7 @@ def main(argv=None) -> None:
         rows = [r for c in result["cells"] for r in decode_rows(c)]
         save_step_cost(fit_step_cost(rows, {"command": result["command"], "date": result["date"],
                                             "arms": sorted({c["arm"] for c in result["cells"]}),
-                                            "steps": len(rows), "cpu": result.get("cpu", "unknown"), "device": "cpu",
+                                            "steps": len(rows), "cpu": result.get("cpu", "unknown"), "device": step_device(result),
                                             "dtype": result.get("dtype", "auto")}), args.step_cost)
         print(f"wrote {args.step_cost} (fitted on {len(rows)} decode steps)")
     if args.docs:
