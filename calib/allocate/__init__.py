@@ -12,6 +12,7 @@ switches on with ``TRITON_INTERPRET=1`` before triton is first imported (nothing
 from calib.allocate.api import MAX_CHAINS, Allocation, allocate, allocate_probs, calibrated_probs, check_cost
 from calib.allocate.draft import DraftPlan, forecast_probs, plan_draft
 from calib.allocate.reference import SCALE
+from calib.allocate.shape import ShapePrice
 from calib.chains import NO_CHAIN
 from calib.tables.layout import AcceptanceTables, ChainTable, GridTables
 
@@ -24,6 +25,7 @@ __all__ = [
     "ChainTable",
     "DraftPlan",
     "GridTables",
+    "ShapePrice",
     "allocate",
     "allocate_probs",
     "calibrated_probs",

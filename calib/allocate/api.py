@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from calib.allocate.reference import BUDGET, COST, allocate_reference
+from calib.allocate.shape import ShapePrice
 from calib.chains import ChainKind, chain, chain_names
 from calib.params import Options, validate_params
 from calib.tables.layout import AcceptanceTables, check_chain_inputs, check_confidences
@@ -70,6 +71,7 @@ def allocate_probs(
     budget: int | torch.Tensor | None = None,
     cost: torch.Tensor | None = None,
     impl: str = "reference",
+    price: ShapePrice | None = None,
 ) -> Allocation:
     """Allocate verification from already-calibrated conditional acceptance probabilities.
 
@@ -85,10 +87,16 @@ def allocate_probs(
             entries, positive, +inf = a total the engine cannot run; entries below ``B`` unused).
             Totals beyond ``len(cost) - 1`` are infeasible.
         impl: "reference" or "triton".
+        price: a :class:`calib.allocate.ShapePrice` (shape-aware price mode, :mod:`calib.allocate.shape`):
+            the step costs ``price.base + sum_i price.table[i, depth_i]``, e.g. an MoE target's expert
+            reads (``calib.cost.moe.MoECost.tangent_price``); exact goodput rule, one or two chains;
+            ``impl="host"`` runs the reference here.
 
-    Exactly one of ``budget`` and ``cost`` must be given. See :mod:`calib.allocate.reference`
+    Exactly one of ``budget``, ``cost`` and ``price`` must be given. See :mod:`calib.allocate.reference`
     for the decision rules.
     """
+    if price is not None:
+        return _allocate_shaped(probs, price, budget, cost, impl)
     check_mode(budget, cost, impl, "allocate_probs")
     kinds = chain_kinds_of(probs, "probs")
     for kind in kinds:
@@ -121,6 +129,7 @@ def allocate(
     budget: int | torch.Tensor | None = None,
     cost: torch.Tensor | None = None,
     impl: str = "reference",
+    price: ShapePrice | None = None,
 ) -> Allocation:
     """Allocate verification from raw engine signals through calibrated ``tables``.
 
@@ -132,11 +141,14 @@ def allocate(
             Feature 0 NaN = no token at that depth. ``A`` must be the table's; the depth may not
             exceed the table's rows ``D`` unless the tables say that their last row stands for deeper
             depths (``tables.reuse_last_row``).
-        budget, cost, impl: as in :func:`allocate_probs`.
+        budget, cost, impl, price: as in :func:`allocate_probs` (with ``price`` the tables are read by the
+            reference lookup, then the shape kernel runs on the probabilities).
 
     Input that does not match the tables is a ``ValueError`` naming both sides; so is a request whose
     sampling temperature (on a table axis named ``temperature``) is NaN, infinite or negative.
     """
+    if price is not None:
+        return allocate_probs(calibrated_probs(tables, signals), price=price, budget=budget, cost=cost, impl=impl)
     check_mode(budget, cost, impl, "allocate")
     kinds = chain_kinds_of(signals, "signals")
     checked = _checked_signals(tables, signals, kinds, impl)
@@ -157,6 +169,33 @@ def allocate(
         return Allocation(*allocate_triton(first, second, budget=budget, cost=cost, ids=ids,
                                            tables=[tables.chains[k.name] for k in kinds]))
     raise ValueError(f"impl must be one of {IMPLEMENTATIONS}, got {impl!r}")
+
+
+def _allocate_shaped(probs, price, budget, cost, impl: str) -> Allocation:
+    """:func:`allocate_probs` in shape-aware price mode (:mod:`calib.allocate.shape`)."""
+    from calib.allocate.shape import allocate_shape_reference, check_price, quantized
+
+    if budget is not None or cost is not None:
+        raise ValueError("give exactly one of `budget` (token budget), `cost` (verify-cost curve) and `price` "
+                         "(shape-aware price)")
+    validate_params("allocate_probs", {"impl": impl}, {"impl": ENTRY_CONSTRAINTS["impl"]})
+    kinds = chain_kinds_of(probs, "probs")
+    for kind in kinds:
+        check_probs(probs[kind.name], kind.name)
+    n_requests = batch_size_of(probs, kinds)
+    check_price(price, n_requests)
+    first = probs[kinds[0].name]
+    if n_requests == 0:
+        return _empty(first.device)
+    second = probs[kinds[1].name] if len(kinds) > 1 else None
+    ids = (kinds[0].id, kinds[-1].id)
+    if impl == "triton":
+        from calib.allocate.shape_triton import allocate_shape_triton
+
+        width = max(first.shape[1], 0 if second is None else second.shape[1], 1)
+        return Allocation(*allocate_shape_triton(first, second, quantized(price, n_requests, width, first.device),
+                                                 ids=ids))
+    return Allocation(*allocate_shape_reference(first, second, price, ids=ids))
 
 
 def calibrated_probs(tables: AcceptanceTables, signals: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -63,3 +63,22 @@ def best_goodput(all_options, cost, n_requests: int) -> float:
     for combo in itertools.product(*all_options):
         best = max(best, goodput([(d, v) for _, d, v in combo], cost, n_requests))
     return best
+
+
+def shape_goodput(choices, base: float, table, n_requests: int) -> float:
+    """Goodput of one option per request ``choices`` [(drafter, depth, value)] under the shape price
+    ``base + sum_i table[i][depth_i]`` (``table`` rows as lists; +inf = not allowed)."""
+    cost = base + sum(table[i][d] for i, (_, d, _) in enumerate(choices))
+    if math.isinf(cost):
+        return -math.inf
+    return (n_requests + sum(v for _, _, v in choices)) / cost
+
+
+def best_shape_goodput(all_options, base: float, table, n_requests: int) -> float:
+    """Enumerate every combination of options under the shape price (tiny instances only)."""
+    best = -math.inf
+    for combo in itertools.product(*all_options):
+        if any(d >= len(table[i]) for i, (_, d, _) in enumerate(combo)):
+            continue
+        best = max(best, shape_goodput(combo, base, table, n_requests))
+    return best
