@@ -41,7 +41,7 @@ BANK_JOB = "calib.bank.write_bank"  # the job named in a bank folder's ownership
 
 
 def write_bank(bank_dir: str | os.PathLike, acceptance: pa.Table, speculator: pa.Table,
-               ngram: pa.Table | None = None, manifest: dict | None = None,
+               *chain_tables: pa.Table | None, manifest: dict | None = None,
                overwrite: bool = False, routing: tuple[np.ndarray, pa.Table] | None = None) -> Path:
     """Write a bank atomically: a temp folder beside ``bank_dir``, validated, then renamed.
 
@@ -49,7 +49,8 @@ def write_bank(bank_dir: str | os.PathLike, acceptance: pa.Table, speculator: pa
     wrote, unchanged since (:func:`calib.atomic.check_replaceable`); anything else is refused, naming
     what else the folder holds.
 
-    ``stats.json`` is computed from the data. A bank that fails validation is not written.
+    ``chain_tables``: each chain kind's own file (None: skipped), named by the registered layout whose length
+    column it holds (:func:`calib.bank.schema.chain_file_of`). ``stats.json`` is computed from the data. A bank that fails validation is not written.
     ``routing`` = (uint8 [N, layers, top_k] expert ids, routing_meta table) adds a routing capture
     (describe it in ``manifest["routing"]``, see :data:`schema.ROUTING_INFO`).
     """
@@ -61,8 +62,12 @@ def write_bank(bank_dir: str | os.PathLike, acceptance: pa.Table, speculator: pa
         acceptance = _canonical(acceptance, schema.ACCEPTANCE)
         pq.write_table(acceptance, tmp / schema.ACCEPTANCE)
         pq.write_table(_canonical(speculator, schema.SPECULATOR), tmp / schema.SPECULATOR)
-        if ngram is not None:
-            pq.write_table(_canonical(ngram, schema.NGRAM), tmp / schema.NGRAM)
+        for table in chain_tables:
+            if table is not None:
+                file = schema.chain_file_of(table).file
+                if (tmp / file).exists():
+                    raise ValueError(f"two chain tables for {file}")
+                pq.write_table(_canonical(table, file), tmp / file)
         if routing is not None:
             experts, meta = routing
             if experts.dtype != np.uint8 or experts.ndim != 3:

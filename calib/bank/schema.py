@@ -33,7 +33,9 @@ holds ``accept`` or ``accept + 1`` rows. ``run_manifest.json`` may describe the 
 
 from __future__ import annotations
 
+import math
 import re
+from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
@@ -110,6 +112,82 @@ NGRAM_ROUND: dict[str, pa.DataType] = {
 LABEL_SOURCES = ("verified", "counterfactual", "none")
 NGRAM_TOK = "ngram_tok"
 
+
+@dataclass(frozen=True)
+class ChainFile:
+    """The layout of a chain kind's own bank file (one row per round, keyed by :data:`KEYS`): the chain the
+    context offered at that round, its features and, when known, its accept mask. The bank writer and the
+    validator read every registered layout the same way (:func:`register_chain_file`); a chain kind declares
+    its own (:attr:`calib.chains.ChainKind.bank`).
+
+    Columns: ``{length}`` (int64 tokens in the chain, 0: none), ``{token}{j}`` (int64 token ids, set exactly
+    on the first ``length`` depths), ``acc{j}`` (int8 accept mask, the acceptance.parquet rules), ``accept``
+    (int64, null when unlabelled), ``verified`` (bool: the engine verified this chain), ``label_source``
+    (:data:`LABEL_SOURCES`), each round feature of ``features`` (null only on an empty chain) and each
+    per-depth feature family ``{name}{j}`` of ``depth_features`` (float64, set exactly where a token is)."""
+
+    file: str
+    length: str
+    token: str
+    features: dict  # name -> (arrow type, low, high): a round feature and its range
+    depth_features: dict = field(default_factory=dict)  # prefix -> (low, high): float64 per depth
+
+    def round_columns(self) -> dict[str, pa.DataType]:
+        return {self.length: pa.int64(), **{n: t for n, (t, _, _) in self.features.items()},
+                "accept": pa.int64(), "verified": pa.bool_(), "label_source": pa.string()}
+
+    def column_type(self, name: str) -> pa.DataType | None:
+        cols = self.round_columns()
+        if name in cols:
+            return cols[name]
+        if depth_columns([name], self.token):
+            return pa.int64()
+        if depth_columns([name], ACC):
+            return pa.int8()
+        if any(depth_columns([name], p) for p in self.depth_features):
+            return pa.float64()
+        return None
+
+    def column_names(self, width: int) -> list[str]:
+        """Every column of the file for a chain ``width`` tokens wide, in the order the writer lays out."""
+        return (list(KEYS) + list(self.round_columns()) + [f"{self.token}{j}" for j in range(width)]
+                + [f"{p}{j}" for p in self.depth_features for j in range(width)] + [f"{ACC}{j}" for j in range(width)])
+
+
+NGRAM_FILE = ChainFile(NGRAM, "ngram_len", NGRAM_TOK,
+                       {n: (t, 0.0, 1.0 if n == "agreement" else math.inf) for n, t in NGRAM_FEATURES.items()})
+_CHAIN_FILES: dict[str, ChainFile] = {NGRAM: NGRAM_FILE}  # the public layout's own extension, always known
+
+
+def register_chain_file(spec: ChainFile) -> ChainFile:
+    """Make the writer and the validator know a chain kind's bank file (:func:`calib.chains.register_chain`
+    calls it); the same layout again is a no-op, another layout under a known file name a ``ValueError``."""
+    known = _CHAIN_FILES.get(spec.file)
+    if known is not None and known != spec:
+        raise ValueError(f"bank file {spec.file!r} is already registered with another layout")
+    _CHAIN_FILES[spec.file] = spec
+    return spec
+
+
+def unregister_chain_file(file: str) -> None:
+    if file != NGRAM:
+        _CHAIN_FILES.pop(file, None)
+
+
+def chain_files() -> tuple[ChainFile, ...]:
+    """Every registered chain file layout, by file name."""
+    return tuple(_CHAIN_FILES[f] for f in sorted(_CHAIN_FILES))
+
+
+def chain_file_of(table: pa.Table) -> ChainFile:
+    """The registered layout a chain table follows (the one whose length column it holds); a ``ValueError``
+    names the columns and the known layouts otherwise."""
+    found = [s for s in chain_files() if s.length in table.column_names]
+    if len(found) != 1:
+        raise ValueError(f"a chain table with columns {table.column_names[:12]} matches {len(found)} registered "
+                         f"chain files (by length column: {[(s.file, s.length) for s in chain_files()]})")
+    return found[0]
+
 ROUTING_META_COLUMNS: dict[str, pa.DataType] = {
     "routing_idx": pa.int64(),
     "routing_block_idx": pa.int64(),
@@ -156,14 +234,8 @@ def column_type(name: str, file: str) -> pa.DataType | None:
         return KEY_TYPES[name]
     if file == ROUTING_META:
         return ROUTING_META_COLUMNS.get(name)
-    if file == NGRAM:
-        if name in NGRAM_ROUND:
-            return NGRAM_ROUND[name]
-        if name.startswith(NGRAM_TOK) and depth_columns([name], NGRAM_TOK):
-            return pa.int64()
-        if depth_columns([name], ACC):
-            return pa.int8()
-        return None
+    if file in _CHAIN_FILES:
+        return _CHAIN_FILES[file].column_type(name)
     for cname, (typ, home, _) in ROUND_COLUMNS.items():
         if cname == name and home == file:
             return typ

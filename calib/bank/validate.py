@@ -228,31 +228,40 @@ class _Checker:
                 self.first_bad(file, "temperature", valid & (raw < 0), table,
                                "negative temperature (a sampling temperature is >= 0; 0 is greedy)")
 
-    def ngram(self, table: pa.Table, acceptance: pa.Table):
-        f = schema.NGRAM
+    def chain_file(self, spec: schema.ChainFile, table: pa.Table, acceptance: pa.Table):
+        """A chain kind's own bank file against its registered layout (:class:`calib.bank.schema.ChainFile`)."""
+        f, length = spec.file, spec.length
         if not self.keys(f, table):
             return
-        self.columns(f, table, schema.NGRAM_ROUND)
-        if any(c not in table.column_names for c in ("ngram_len", "accept", "label_source")):
+        self.columns(f, table, spec.round_columns())
+        if any(c not in table.column_names for c in (length, "accept", "label_source")):
             return
         self.partners(f, table, schema.ACCEPTANCE, acceptance)
         self.partners(schema.ACCEPTANCE, acceptance, f, table)
-        n = _floats(table.column("ngram_len"))
-        self.first_bad(f, "ngram_len", np.isnan(n) | (n < 0), table, "ngram_len is null or negative")
+        n = _floats(table.column(length))
+        self.first_bad(f, length, np.isnan(n) | (n < 0), table, f"{length} is null or negative")
         n = np.nan_to_num(n).astype(np.int64)
-        toks = schema.depth_columns(table.column_names, schema.NGRAM_TOK)
+        toks = schema.depth_columns(table.column_names, spec.token)
         if toks:
             present = np.stack([~np.isnan(_floats(table.column(c))) for c in toks], axis=1)
             depth = np.arange(len(toks))
-            self.first_bad(f, "ngram_len", n > len(toks), table, f"ngram_len exceeds the {len(toks)} "
-                           "ngram_tok columns")
+            self.first_bad(f, length, n > len(toks), table, f"{length} exceeds the {len(toks)} "
+                           f"{spec.token} columns")
             wrong = present != (depth[None, :] < n[:, None])
             for k in np.flatnonzero(wrong.any(axis=0)):
                 self.first_bad(f, toks[k], wrong[:, k], table,
-                               "ngram_tok must be set exactly on the first ngram_len depths")
+                               f"{spec.token} must be set exactly on the first {length} depths")
+            for prefix, (lo, hi) in spec.depth_features.items():
+                for k, c in enumerate(schema.depth_columns(table.column_names, prefix)):
+                    v = _floats(table.column(c))
+                    on = k < n
+                    self.first_bad(f, c, on & np.isnan(v), table, f"{prefix} is null at a depth of the chain")
+                    self.first_bad(f, c, ~on & ~np.isnan(v), table, f"{prefix} is set beyond {length}")
+                    with np.errstate(invalid="ignore"):
+                        self.first_bad(f, c, (v < lo) | (v > hi) | np.isinf(v), table, f"{prefix} outside [{lo}, {hi}]")
         else:
-            self.first_bad(f, "ngram_len", n > 0, table, "ngram_len is above 0 but the file has no "
-                           "ngram_tok columns (the chain's tokens)")
+            self.first_bad(f, length, n > 0, table, f"{length} is above 0 but the file has no "
+                           f"{spec.token} columns (the chain's tokens)")
         src = np.asarray(table.column("label_source").to_pylist(), dtype=object)
         self.first_bad(f, "label_source", ~np.isin(src, schema.LABEL_SOURCES), table,
                        f"label_source not one of {schema.LABEL_SOURCES}")
@@ -270,19 +279,16 @@ class _Checker:
         if acc.shape[1]:
             width = self.prefix_mask(f, table, np.where(labelled[:, None], acc, np.nan),
                                      np.where(labelled, np.nan_to_num(accept_raw), 0).astype(np.int64))
-            self.first_bad(f, "ngram_len", labelled & (width > n), table,
-                           "acc is set beyond ngram_len")
+            self.first_bad(f, length, labelled & (width > n), table, f"acc is set beyond {length}")
             self.first_bad(f, "acc0", ~labelled & ~np.isnan(acc).all(axis=1), table,
                            "acc is set but label_source is 'none'")
-        for name, typ in schema.NGRAM_FEATURES.items():
+        for name, (typ, lo, hi) in spec.features.items():
             if name not in table.column_names or pa.types.is_boolean(typ):
                 continue
             v = _floats(table.column(name))
             self.first_bad(f, name, (n > 0) & np.isnan(v), table, "feature is null on a non-empty chain")
             with np.errstate(invalid="ignore"):
-                hi = 1.0 if name == "agreement" else np.inf
-                self.first_bad(f, name, (v < 0) | (v > hi) | np.isinf(v), table,
-                               f"feature outside [0, {hi}]")
+                self.first_bad(f, name, (v < lo) | (v > hi) | np.isinf(v), table, f"feature outside [{lo:g}, {hi}]")
 
     def routing(self, acceptance: pa.Table, width: np.ndarray):
         has_npy = os.path.exists(os.path.join(self.dir, schema.ROUTING))
@@ -567,9 +573,10 @@ def validate(bank_dir: str, max_problems: int = 50) -> list[Problem]:
     spec_width = width[_partner_rows(spec_t, acc_t)]
     ck.confidences(S, spec_t, spec_width)
     ck.extensions(S, spec_t, spec_width)
-    ngram_t = ck.read(schema.NGRAM, required=False)
-    if ngram_t is not None:
-        ck.ngram(ngram_t, acc_t)
+    for spec in schema.chain_files():  # each chain kind's own file, by its registered layout
+        chain_t = ck.read(spec.file, required=False)
+        if chain_t is not None:
+            ck.chain_file(spec, chain_t, acc_t)
     ck.routing(acc_t, width)
     ck.manifest(acc_t)
     ck.sampling(spec_t)

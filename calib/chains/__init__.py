@@ -16,6 +16,7 @@ from calib.chains.base import (
     context_axes,
     context_spec,
     offer_inputs,
+    recomputed_chains,
     register_chain,
     resolve_edges,
     split_context,
@@ -30,5 +31,5 @@ register_chain(MODEL)
 register_chain(NGRAM)
 
 __all__ = ["CONTEXT", "NO_CHAIN", "Axis", "ChainKind", "Offer", "RoundData", "chain", "chain_names",
-           "chain_of_method", "chains", "confidence_chain", "context_axes", "context_spec", "offer_inputs", "register_chain",
+           "chain_of_method", "chains", "confidence_chain", "context_axes", "context_spec", "offer_inputs", "recomputed_chains", "register_chain",
            "resolve_edges", "round_inputs", "split_context", "unregister_chain", "verified_chain"]

@@ -75,6 +75,26 @@ class ChainKind:
     # their counts [B]) -> (tokens [B][<= k], features float64 [B, F]): ``propose`` for a whole step at once
     # (serving's hot path); None: ``propose`` per request
     propose_batch: Callable | None = None
+    # the layout of ``bank_file`` (calib.bank.schema.ChainFile): registered with the kind, so that the bank
+    # writer and the validator know the file (None: the chain has no file of its own)
+    bank: object = None
+    # (settings, k) -> a stateful recomputation of the chain per request (capture and serving): ``.propose(req_id,
+    # token ids, prompt length, max_model_len) -> (tokens, features dict or None)``, ``.finish(req_id)``;
+    # its features are ``bank``'s round features and per-depth lists of its depth features (None: ``propose``)
+    proposer: Callable | None = None
+    # (given settings or None, k) -> the kind's settings, validated, defaults filled (what ``propose`` and
+    # ``proposer`` take); None: the kind has none
+    settings: Callable | None = None
+
+    def recompute(self, settings, k: int):
+        """The kind's per-request recomputation (:attr:`proposer`, else a stateless wrapper of :attr:`propose`)
+        with its settings resolved (:attr:`settings`); None for a chain that is not recomputed."""
+        resolved = self.settings(settings, k) if self.settings is not None else settings
+        if self.proposer is not None:
+            return self.proposer(resolved, k)
+        if self.propose is not None:
+            return _Stateless(self.propose, resolved)
+        return None
 
     @property
     def config(self) -> str:
@@ -94,6 +114,19 @@ class ChainKind:
             raise ValueError(f"chain {self.name!r}: the samples lack feature columns {missing} "
                              f"(they have {sorted(map(str, samples.columns))})")
         return samples[names]
+
+
+class _Stateless:
+    """A ``propose`` function as a per-request recomputation (:meth:`ChainKind.recompute`)."""
+
+    def __init__(self, propose: Callable, settings):
+        self.fn, self.settings = propose, settings
+
+    def propose(self, req_id: str, context, prompt_len: int, max_model_len: int | None):
+        return self.fn(context, self.settings, prompt_len, max_model_len)
+
+    def finish(self, req_id: str) -> None:
+        pass
 
 
 @dataclass(frozen=True)
@@ -181,13 +214,29 @@ def register_chain(kind: ChainKind, *, replace: bool = False) -> ChainKind:
             raise ValueError(f"chain id {kind.id} is taken by {other.name!r}")
     if kind.name in _REGISTRY and not replace:
         raise ValueError(f"chain {kind.name!r} is already registered")
+    if kind.bank is not None:  # the bank writer and validator learn its file
+        from calib.bank.schema import register_chain_file
+
+        if kind.bank.file != kind.bank_file:
+            raise ValueError(f"chain {kind.name!r}: bank layout {kind.bank.file!r} is not its bank_file {kind.bank_file!r}")
+        register_chain_file(kind.bank)
     _REGISTRY[kind.name] = kind
     return kind
 
 
 def unregister_chain(name: str) -> None:
-    """Remove a chain kind (tests register temporary ones)."""
-    _REGISTRY.pop(name, None)
+    """Remove a chain kind (tests register temporary ones), and its bank file's layout."""
+    kind = _REGISTRY.pop(name, None)
+    if kind is not None and kind.bank is not None:
+        from calib.bank.schema import unregister_chain_file
+
+        unregister_chain_file(kind.bank.file)
+
+
+def recomputed_chains() -> tuple[ChainKind, ...]:
+    """The registered kinds calib recomputes from a request's tokens (capture records them beside every round;
+    serving offers them): those with a ``proposer`` or a ``propose`` and a bank layout."""
+    return tuple(k for k in chains() if (k.proposer is not None or k.propose is not None) and k.bank is not None)
 
 
 def chains() -> tuple[ChainKind, ...]:

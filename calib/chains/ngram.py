@@ -142,6 +142,19 @@ def batch_feature_tensor(features: np.ndarray, lengths: Sequence[int], names: Se
     return torch.from_numpy(out.astype(np.float32))
 
 
+def ngram_settings(given, k: int) -> tuple[int, int, int]:
+    """``(prompt_lookup_min, prompt_lookup_max, k)``: a 3-sequence as given, a mapping ``{min_n, max_n, k}``,
+    or None (1, 4, ``k``)."""
+    if given is None:
+        return (1, 4, int(k))
+    if isinstance(given, Mapping):
+        return (int(given.get("min_n", 1)), int(given.get("max_n", 4)), int(given.get("k", k)))
+    lo, hi, kk = (int(x) for x in given)
+    if not 1 <= lo <= hi or kk < 1:
+        raise ValueError(f"n-gram settings {given!r}: expected 1 <= min_n <= max_n and k >= 1")
+    return (lo, hi, kk)
+
+
 NGRAM = ChainKind(
     id=2, name="ngram", samples=ngram_samples, config_key="ngram_model",
     feature_names=lambda cfg: NGRAM_SAMPLE_FEATURES,
@@ -150,5 +163,5 @@ NGRAM = ChainKind(
                             *context_axes(cfg)),
     drafted_depth=ngram_drafted_depth, round_data=ngram_round_data,
     bank_file=schema.NGRAM, column_prefix=PREFIX, manifest_key="ngram_chain", engine_methods=("ngram",),
-    propose=propose, propose_batch=propose_batch,
+    propose=propose, propose_batch=propose_batch, bank=schema.NGRAM_FILE, settings=ngram_settings,
     description="prompt lookup (vLLM ngram): match features of the chain the context offered")

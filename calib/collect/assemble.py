@@ -29,9 +29,13 @@ class RunKeys:
     speculator: str
     config: str
     width: int  # D: acc/conf columns (num_speculative_tokens)
-    ngram_width: int  # n-gram chain columns
-    ngram_verified: bool  # the engine verified the n-gram chain (method == "ngram")
+    chain_width: int  # columns of every recomputed chain's own file (its K)
+    # the engine verified the recomputed chain kind named by ``speculator`` (vLLM's method drafts it)
+    chain_verified: bool
     temperature: float
+
+    def engine_verifies(self, chain: str) -> bool:
+        return self.chain_verified and self.speculator == chain
 
 
 def _capture_records(f: Path):
@@ -100,25 +104,32 @@ def reconcile(captured: dict[int, list[dict]], reference: dict[int, tuple[list[i
 
 
 def build_tables(rounds: dict[int, list[dict]], categories: dict[int, str],
-                 final_tokens: dict[int, list[int]], keys: RunKeys) -> tuple[pa.Table, pa.Table, pa.Table]:
-    """acceptance, speculator and ngram tables for the rounds of a set of prompts."""
-    D, L = keys.width, keys.ngram_width
+                 final_tokens: dict[int, list[int]], keys: RunKeys) -> tuple[pa.Table, ...]:
+    """acceptance and speculator tables for the rounds of a set of prompts, then one table per recomputed chain
+    kind the records carry (:func:`calib.chains.recomputed_chains`, its capture fragment ``{name}_tokens`` and
+    ``{name}``), in registry order."""
+    from calib.chains import recomputed_chains
+
+    kinds = [k for k in recomputed_chains()
+             if any(f"{k.name}_tokens" in rec for recs in rounds.values() for rec in recs)]
+    D = keys.width
     acc_cols: dict[str, list] = defaultdict(list)
     spec_cols: dict[str, list] = defaultdict(list)
-    ng_cols: dict[str, list] = defaultdict(list)
+    chain_cols: dict[str, dict[str, list]] = {k.name: defaultdict(list) for k in kinds}
     for idx in sorted(rounds):
         for r_idx, rec in enumerate(rounds[idx]):
             key = {"model": keys.model, "speculator": keys.speculator, "config": keys.config,
                    "category": categories[idx], "prompt_idx": idx, "turn": 0, "round_idx": r_idx}
-            for table in (acc_cols, spec_cols, ng_cols):
+            for table in (acc_cols, spec_cols, *chain_cols.values()):
                 for k, v in key.items():
                     table[k].append(v)
             drafted, a = rec["drafted"], rec["accepted"]
-            # Serving on while collecting: calib may have verified the n-gram chain instead of the
+            # Serving on while collecting: calib may have verified a recomputed chain instead of the
             # speculator's draft. Then the speculator's columns stay empty (its draft was not
-            # verified) and the n-gram row carries the verdict, so each chain's labels stay its own.
-            substituted = (rec.get("verified_chain") == "ngram" and not keys.ngram_verified and bool(drafted)
-                           and list(rec["ngram_tokens"])[: len(drafted)] == list(drafted))
+            # verified) and that chain's row carries the verdict, so each chain's labels stay its own.
+            chosen = rec.get("verified_chain")
+            substituted = (chosen in chain_cols and not keys.engine_verifies(chosen) and bool(drafted)
+                           and list(rec.get(f"{chosen}_tokens") or [])[: len(drafted)] == list(drafted))
             if substituted:
                 drafted, a = [], 0
             d = len(drafted)
@@ -133,10 +144,12 @@ def build_tables(rounds: dict[int, list[dict]], categories: dict[int, str],
                     spec_cols[f"{name}{k}"].append(float(vals[k]) if vals is not None and k < d else None)
             spec_cols["batch_size"].append(rec["batch_size"])
             spec_cols["temperature"].append(keys.temperature)
-            spec_cols["verified_chain"].append(rec.get("verified_chain"))
+            spec_cols["verified_chain"].append(chosen)
             lt = rec.get("logit_transforms")  # names (calib/transforms.py); absent: not recorded
             spec_cols["logit_transforms"].append(None if lt is None else ",".join(lt))
-            _ngram_row(ng_cols, rec, idx, r_idx, final_tokens[idx], keys, verified=keys.ngram_verified or substituted)
+            for kind in kinds:
+                verified = keys.engine_verifies(kind.name) or (substituted and chosen == kind.name)
+                _chain_row(chain_cols[kind.name], kind, rec, idx, r_idx, final_tokens[idx], keys, verified)
     order = list(schema.KEYS)
     acceptance = pa.table({c: acc_cols[c] for c in order + ["accept"] + [f"acc{k}" for k in range(D)]})
     spec_names = order + [f"{p}{k}" for p in ("conf", "tok", "entropy", "margin") for k in range(D)]
@@ -147,20 +160,24 @@ def build_tables(rounds: dict[int, list[dict]], categories: dict[int, str],
         round_names.append("logit_transforms")
     speculator = pa.table({c: spec_cols[c] for c in spec_names + round_names},
                           schema=_schema(spec_names + round_names, schema.SPECULATOR))
-    ng_names = (order + list(schema.NGRAM_ROUND) + [f"{schema.NGRAM_TOK}{j}" for j in range(L)]
-                + [f"acc{j}" for j in range(L)])
-    ngram = pa.table({c: ng_cols[c] for c in ng_names}, schema=_schema(ng_names, schema.NGRAM))
-    return acceptance, speculator, ngram
+    chain_tables = []
+    for kind in kinds:
+        names = kind.bank.column_names(keys.chain_width)
+        chain_tables.append(pa.table({c: chain_cols[kind.name][c] for c in names}, schema=_schema(names, kind.bank_file)))
+    return (acceptance, speculator, *chain_tables)
 
 
-def _ngram_row(cols, rec, idx, r_idx, final, keys: RunKeys, verified: bool) -> None:
-    L = keys.ngram_width
-    chain = list(rec["ngram_tokens"])
+def _chain_row(cols, kind, rec, idx, r_idx, final, keys: RunKeys, verified: bool) -> None:
+    """One round of a recomputed chain's own file (its layout: :attr:`calib.chains.ChainKind.bank`): the chain
+    the capture recorded, its features, and its labels (verified by the engine, else counterfactual)."""
+    spec, L = kind.bank, keys.chain_width
+    chain = list(rec.get(f"{kind.name}_tokens") or [])[:L]
+    feats = rec.get(kind.name) or {}
     if verified:
         drafted = rec["drafted"]
         if chain[: len(drafted)] != drafted:
             raise ReconciliationError(
-                f"prompt {idx} round {r_idx}: recomputed n-gram chain {chain} does not reproduce "
+                f"prompt {idx} round {r_idx}: recomputed {kind.name} chain {chain} does not reproduce "
                 f"vLLM's draft {drafted}")
         chain, source, accept = drafted, "verified", rec["accepted"]
         mask = [1 if j < accept else 0 for j in range(len(chain))]
@@ -169,14 +186,17 @@ def _ngram_row(cols, rec, idx, r_idx, final, keys: RunKeys, verified: bool) -> N
         accept, mask = label_chain(chain, rec["context_len"], final)
     else:
         source, accept, mask = "none", None, []
-    cols["ngram_len"].append(len(chain))
-    for name, v in rec["ngram"].items():
-        cols[name].append(v if chain else None)
+    cols[spec.length].append(len(chain))
+    for name in spec.features:
+        cols[name].append(feats.get(name) if chain else None)
     cols["accept"].append(accept)
     cols["verified"].append(verified)
     cols["label_source"].append(source)
     for j in range(L):
-        cols[f"{schema.NGRAM_TOK}{j}"].append(chain[j] if j < len(chain) else None)
+        cols[f"{spec.token}{j}"].append(chain[j] if j < len(chain) else None)
+        for prefix in spec.depth_features:
+            vals = feats.get(prefix) or []
+            cols[f"{prefix}{j}"].append(float(vals[j]) if j < len(chain) and j < len(vals) else None)
         cols[f"acc{j}"].append(mask[j] if j < len(mask) else None)
 
 

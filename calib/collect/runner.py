@@ -34,6 +34,7 @@ from tqdm.std import tqdm as plain_tqdm
 
 from calib.atomic import write_json_atomic
 from calib.bank import load, write_bank
+from calib.chains import recomputed_chains
 from calib.collect.assemble import RunKeys, build_tables, engine_request_prefix, read_capture, reconcile
 from calib.fingerprint import identity
 from calib.prompts import encode_chat, load_prompts
@@ -248,7 +249,8 @@ def _collect(cfg: dict, prompts: list, folder: RunFolder) -> Path | None:
     temperature = float(sampling["temperature"])
     keys = RunKeys(model=model_name, speculator=speculator,
                    config=f"{spec_cfg['name']}-k{k}-t{temperature:g}", width=k,
-                   ngram_width=ngram_params[2], ngram_verified=spec_cfg["method"] == "ngram",
+                   chain_width=ngram_params[2],  # the engine drafts a recomputed chain: its labels are verified
+                   chain_verified=any(c.name == speculator for c in recomputed_chains()),
                    temperature=temperature)
 
     part_size = int(cfg["part_size"])
@@ -362,7 +364,8 @@ def _merge(folder: RunFolder, cfg: dict, keys: RunKeys, spec: dict, model_dir: P
     if not parts:
         raise RuntimeError(f"no rounds were collected in {folder.dir}: nothing was drafted")
     bank = load(parts)
-    tables = [bank.table(f) for f in ("acceptance.parquet", "speculator.parquet", "ngram.parquet")]
+    recomputed = [k for k in recomputed_chains() if bank.has(k.bank_file)]
+    tables = [bank.table(f) for f in ("acceptance.parquet", "speculator.parquet", *(k.bank_file for k in recomputed))]
     manifest = {
         "model": keys.model, "speculator": keys.speculator, "config": keys.config,
         "engine": "vllm-cpu" if _is_cpu() else "vllm", "engine_version": vllm.__version__,
@@ -371,8 +374,9 @@ def _merge(folder: RunFolder, cfg: dict, keys: RunKeys, spec: dict, model_dir: P
         "speculative_config": {k: v for k, v in spec.items() if k != "model"},
         "drafter": Path(spec["model"]).name if "model" in spec else None,
         "identity": folder.identity,  # target/drafter fingerprints, method, K (calib/fingerprint.py)
-        "ngram_chain": {"width": keys.ngram_width, "verified": keys.ngram_verified,
-                        "labels": "verified" if keys.ngram_verified else "counterfactual"},
+        **{k.manifest_key: {"width": keys.chain_width, "verified": keys.engine_verifies(k.name),
+                            "labels": "verified" if keys.engine_verifies(k.name) else "counterfactual"}
+           for k in recomputed if k.manifest_key},
         "sampling": dict(cfg["sampling"]), "seed": cfg["seed"], "concurrency": cfg["concurrency"],
         "prompt_set": cfg["prompts"]["name"], "prompt_files": list(cfg["prompts"]["files"]),
         "categories": sorted({c for c in tables[0].column("category").to_pylist()}),
@@ -380,7 +384,7 @@ def _merge(folder: RunFolder, cfg: dict, keys: RunKeys, spec: dict, model_dir: P
         "output_tokens": out_tokens, "generate_wall_s": round(gen_wall, 2),
         "wall_time_s": round(wall, 2), "config_hash": folder.hash,
         "calib_version": _calib_version(), "extensions": ["tok", "entropy", "margin", "batch_size",
-                                                          "temperature", "ngram.parquet"],
+                                                          "temperature", *(k.bank_file for k in recomputed)],
     }
     out = write_bank(folder.dir / "bank", *tables, manifest=manifest, overwrite=True)
     _summary(out, manifest)

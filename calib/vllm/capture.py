@@ -1,7 +1,7 @@
 """Capture: every speculative round as one JSON line, a subscriber of :mod:`calib.vllm.patches`.
 
-Drafting (per-depth confidence, entropy, margin), verification (accepted tokens, the recomputed
-n-gram chain) and, for MoE targets, the routing of verified positions (docs/vllm_wing.md). Capture
+Drafting (per-depth confidence, entropy, margin), verification (accepted tokens, each recomputed
+chain kind's fragment: :func:`calib.chains.recomputed_chains`) and, for MoE targets, the routing of verified positions (docs/vllm_wing.md). Capture
 never raises into the engine and never changes what it computes.
 """
 
@@ -16,7 +16,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from calib.ngram import find_match
 from calib.sidefiles import field, read_json
 from calib.transforms import target_only_transforms
 from calib.vllm.patches import RunnerSubscriber
@@ -27,14 +26,19 @@ log = logging.getLogger("calib.collect")
 class Recorder:
     """Per-process capture state."""
 
-    def __init__(self, out_dir: str, ngram: tuple[int, int, int], serving=None):
+    def __init__(self, out_dir: str, chain_settings: dict, k: int, serving=None):
         self.serving = serving  # calib's serving state in this process (its decisions), or None
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.out_dir / f"capture-{os.getpid()}.jsonl"
         self._fh = None  # opened at the first record: a process that never records (the engine's front end,
         # a tensor-parallel rank other than the output rank) leaves no empty file
-        self.ngram = ngram
+        # name -> the recomputation of each recomputed chain kind (calib.chains.ChainKind.recompute): its
+        # capture fragment, ``{name}_tokens`` and ``{name}`` (features), beside every round
+        from calib.chains import recomputed_chains
+
+        self.recompute = {kind.name: kind.recompute(chain_settings.get(kind.name), k) for kind in recomputed_chains()}
+        self.active: set[str] = set()  # requests a recomputation has seen (finished when they leave the batch)
         self.step = 0
         self.errors = 0
         self.local = threading.local()
@@ -98,7 +102,6 @@ class Recorder:
             routing = np.stack([r.cpu().numpy() for r in self.moe_rows], axis=1)  # [tokens, layers, top_k]
             token_starts = runner.query_start_loc.np[: n_active + 1]
             positions = runner.positions[: int(token_starts[-1])].cpu().numpy()
-        min_n, max_n, k = self.ngram
         max_model_len = getattr(runner, "max_model_len", None)
         serving = self.serving if self.serving is not None and self.serving.decider is not None else None
         requests = getattr(runner, "requests", None)  # req_id -> CachedRequestState (its sampling_params)
@@ -112,13 +115,15 @@ class Recorder:
             context_len = int(batch.num_tokens_no_spec[i])
             context = batch.token_ids_cpu[i, :context_len]
             prompt_len = int(batch.num_prompt_tokens[i])
-            match = find_match(context, min_n, max_n, k, prompt_len, max_model_len)
             rec = {
                 "req": req_id, "step": self.step, "batch_size": n_active,
                 "drafted": drafts[starts[i]: starts[i + 1]].tolist(), "accepted": accepted,
                 "context_len": context_len, "prompt_len": prompt_len,
-                "ngram_tokens": match.tokens, "ngram": match.features(),
             }
+            for name, chain in self.recompute.items():  # each recomputed chain's fragment
+                tokens, feats = chain.propose(req_id, context, prompt_len, max_model_len)
+                rec[f"{name}_tokens"], rec[name] = [int(t) for t in tokens], feats
+            self.active.add(req_id)
             if signals is not None:
                 rec.update({name: v[:d] for name, v in signals.items()})
             # target-only logit transforms of the request (calib/transforms.py): the bank marks the round
@@ -132,6 +137,11 @@ class Recorder:
                 rec["routing_start"] = int(positions[lo])
             self.fh.write(json.dumps(rec) + "\n")
         self.fh.flush()
+        gone = self.active - set(batch.req_ids)
+        for req_id in gone:
+            for chain in self.recompute.values():
+                chain.finish(req_id)
+        self.active -= gone
 
 
 class CaptureSubscriber(RunnerSubscriber):
@@ -182,15 +192,16 @@ class CaptureSubscriber(RunnerSubscriber):
             self.rec.error("draft", exc)
 
 
-def start_capture(out_dir: str, ngram: tuple[int, int, int], routing: bool = False,
+def start_capture(out_dir: str, chain_settings: dict, k: int, routing: bool = False,
                   shadow_router: str | None = None, serving=None) -> CaptureSubscriber:
     """This process's recorder, as a subscriber of the patch set.
 
-    ``ngram``: (min_n, max_n, k) of the n-gram chain recorded beside each round. ``routing``: also
+    ``chain_settings``: name -> the settings of a recomputed chain kind recorded beside each round (a kind not
+    named takes its defaults), ``k`` their depth. ``routing``: also
     record the MoE routing of every verified position; with ``shadow_router`` the routing of a dense
     target's shadow routers instead. ``serving``: the serving state whose choices are recorded.
     """
-    rec = Recorder(out_dir, ngram, serving=serving)
+    rec = Recorder(out_dir, chain_settings, k, serving=serving)
     subscriber = CaptureSubscriber(rec, shadow_router if routing else None)
     if routing and subscriber.shadow is None:
         install_routing(rec)

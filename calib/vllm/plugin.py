@@ -70,7 +70,10 @@ def subscribers() -> list:
     if envs.CALIB_COLLECT_DIR:
         from calib.vllm.capture import start_capture
 
-        subs.append(start_capture(envs.CALIB_COLLECT_DIR, envs.CALIB_NGRAM, routing=envs.CALIB_ROUTING,
+        # CALIB_NGRAM (calib/envs.py) carries the n-gram kind's settings and the run's K; every other
+        # recomputed chain kind records with its own defaults at that K
+        ngram = tuple(envs.CALIB_NGRAM)
+        subs.append(start_capture(envs.CALIB_COLLECT_DIR, {"ngram": ngram}, ngram[2], routing=envs.CALIB_ROUTING,
                                   shadow_router=envs.CALIB_SHADOW_ROUTER,
                                   serving=serving.server if serving is not None else None))
         _MODES["capture"] = subs[-1]

@@ -15,8 +15,8 @@ from calib.collect.assemble import (
 )
 from calib.collect.runner import SUCCESS, RunFolder
 
-KEYS = RunKeys(model="m", speculator="draft_model:x", config="c", width=3, ngram_width=3,
-               ngram_verified=False, temperature=0.0)
+KEYS = RunKeys(model="m", speculator="draft_model:x", config="c", width=3, chain_width=3,
+               chain_verified=False, temperature=0.0)
 
 
 def _rec(step, drafted, accepted, ngram_tokens=(), context_len=4, conf=True):
@@ -44,7 +44,7 @@ def test_build_tables_counterfactual(tmp_path):
 
 
 def test_verified_ngram_must_reproduce_draft():
-    keys = RunKeys("m", "ngram", "c", 3, 3, ngram_verified=True, temperature=0.0)
+    keys = RunKeys("m", "ngram", "c", 3, 3, chain_verified=True, temperature=0.0)
     good = {0: [_rec(1, [5, 6], 1, ngram_tokens=[5, 6, 7], conf=False)]}
     _, _, ng = build_tables(good, {0: "chat"}, {0: [1, 2, 3, 4, 5, 9]}, keys)
     assert ng.column("label_source").to_pylist() == ["verified"]

@@ -110,13 +110,13 @@ def test_plugin_passes_routing_to_the_hooks(monkeypatch):
     from calib.vllm import capture, patches, plugin
 
     got, installed = {}, []
-    monkeypatch.setattr(capture, "start_capture", lambda out_dir, ngram, **kw: got.update(out_dir=out_dir, ngram=ngram,
-                                                                                          **kw) or "capture")
+    monkeypatch.setattr(capture, "start_capture", lambda out_dir, chain_settings, k, **kw: got.update(
+        out_dir=out_dir, chain_settings=chain_settings, k=k, **kw) or "capture")
     monkeypatch.setattr(patches, "install", installed.append)
     envs.export({"CALIB_COLLECT_DIR": "/tmp/x", "CALIB_NGRAM": (2, 3, 5), "CALIB_ROUTING": True,
                  "CALIB_SHADOW_ROUTER": "/tmp/r"})
     plugin.register()
-    assert got == {"out_dir": "/tmp/x", "ngram": (2, 3, 5), "routing": True, "shadow_router": "/tmp/r",
+    assert got == {"out_dir": "/tmp/x", "chain_settings": {"ngram": (2, 3, 5)}, "k": 5, "routing": True, "shadow_router": "/tmp/r",
                    "serving": None}
     assert installed == [["capture"]]  # one patch set, capture its only subscriber
 
