@@ -1,7 +1,8 @@
 """Models of the number of distinct experts a verify shape routes to, per MoE layer.
 
 Three models (uniform coupon collector, independent non-uniform, pairwise maximum entropy), as
-scikit-learn-style estimators fitted on routing trajectories. Design notes: docs/cost.md.
+scikit-learn-style estimators fitted on routing trajectories, and :class:`ChainTransfer`, which carries a
+fitted model's depth sharing onto another MoE shape. Design notes: docs/cost.md, docs/moe.md.
 """
 
 from __future__ import annotations
@@ -162,6 +163,47 @@ def ipf_chain(marginals: np.ndarray, pair_rates: np.ndarray, d: int, max_iter: i
             if err < tol:
                 break
     return table.reshape(shape + (1 << d,)), it, err
+
+
+class ChainTransfer(_DistinctModel):
+    """(d) a capture's depth sharing carried onto another MoE shape (a target whose routing is not at hand).
+
+    From a model fitted on a capture of ``L_s`` layers x ``E_s`` experts, top-``k_s`` (``source``), the
+    *novelty* of the n-th position of one sequence, ``nu(l, n) = (D_s(l, n) - D_s(l, n - 1)) / k_s`` (the
+    share of its k experts no earlier position of the chain used; ``nu(l, 1) = 1``), is read per source
+    layer; the target's layer ``l'`` takes source layer ``floor(l' * L_s / L)``, and one sequence of ``n``
+    positions uses ``D(l', n) = min(E, k * sum_{j<=n} nu(l_s, j))`` experts, each expert alike:
+    ``P_absent = 1 - D / E``. Sequences stay independent (the cross-sequence union is the coupon
+    collector's), and the capture's expert popularity is not carried over (every target expert alike).
+    """
+
+    name = "transfer"
+
+    def __init__(self, source: _DistinctModel, layers: int, n_experts: int, top_k: int, source_top_k: int,
+                 max_positions: int = 64):
+        self.source, self.layers, self.n_experts, self.top_k = source, layers, n_experts, top_k
+        self.source_top_k, self.max_positions = source_top_k, max_positions
+
+    def fit(self, trajectories=None):
+        if not 0 < self.top_k <= self.n_experts:
+            raise ValueError(f"top_k must be in [1, n_experts={self.n_experts}], got {self.top_k}")
+        single = np.stack([(1.0 - np.exp(self.source.log_absent(n))).sum(axis=-1)
+                           for n in range(1, self.max_positions + 1)])  # [N, L_s]: one chain's distinct
+        novelty = np.diff(single, axis=0, prepend=0.0) / self.source_top_k  # [N, L_s]
+        src_layers = single.shape[1]
+        pick = (np.arange(self.layers) * src_layers) // self.layers
+        self.novelty_ = np.clip(novelty[:, pick], 0.0, 1.0)  # [N, L]
+        self.distinct_ = np.minimum(self.n_experts, self.top_k * np.cumsum(self.novelty_, axis=0))  # [N, L]
+        return self
+
+    def log_absent(self, d: int) -> np.ndarray:
+        if d <= 0:
+            return np.zeros((self.layers, self.n_experts))
+        row = self.distinct_[min(d, self.max_positions) - 1]  # beyond: the last novelty repeats
+        if d > self.max_positions:
+            row = np.minimum(self.n_experts, row + (d - self.max_positions) * self.top_k * self.novelty_[-1])
+        absent = np.maximum(1.0 - row / self.n_experts, 1e-300)
+        return np.repeat(np.log(absent)[:, None], self.n_experts, axis=1)
 
 
 MODELS = {"uniform": UniformCoupon, "independent": IndependentNonUniform, "maxent": MaxEntPairwise}

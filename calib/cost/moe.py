@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from calib.cost.distinct import MODELS, UniformCoupon
+from calib.cost.distinct import MODELS, ChainTransfer, UniformCoupon
 
 
 class MoECost:
@@ -43,11 +43,16 @@ class MoECost:
 
             path = Path(routing) if Path(routing).is_absolute() else Path(root) / routing
             tr = Trajectories.from_bank(path)
-            if (tr.n_experts, tr.top_k, tr.layers) != (self.n_experts, self.top_k, self.layers):
-                raise ValueError(f"{path}: capture has {tr.layers} layers x {tr.n_experts} experts, top-{tr.top_k}; "
-                                 f"the cost config says {self.layers} x {self.n_experts}, top-{self.top_k}")
             kwargs = {"max_chain": int(d.get("max_chain", 8))} if self.model_name == "maxent" else {}
+            same = (tr.n_experts, tr.top_k, tr.layers) == (self.n_experts, self.top_k, self.layers)
+            if not same and not d.get("transfer", False):
+                raise ValueError(f"{path}: capture has {tr.layers} layers x {tr.n_experts} experts, top-{tr.top_k}; "
+                                 f"the cost config says {self.layers} x {self.n_experts}, top-{self.top_k} "
+                                 "(distinct.transfer: true carries its depth sharing over, docs/moe.md)")
             self.model = MODELS[self.model_name](**kwargs).fit(tr)
+            if not same:  # the capture's depth sharing on this target's shape (calib.cost.distinct.ChainTransfer)
+                self.model = ChainTransfer(self.model, self.layers, self.n_experts, self.top_k, tr.top_k).fit()
+                self.model_name = f"transfer({self.model_name})"
 
     # -- shapes ------------------------------------------------------------------------------------
     def experts_read(self, counts: np.ndarray) -> np.ndarray:
@@ -64,6 +69,37 @@ class MoECost:
 
     def shape_cost(self, positions_per_sequence) -> float:
         return float(self.step_cost(shape_counts([positions_per_sequence]))[0])
+
+    def memory_bound(self, counts: np.ndarray) -> np.ndarray:
+        """[S] whether each shape's pass is limited by its weight reads (not by its FLOPs)."""
+        counts = np.atleast_2d(np.asarray(counts, dtype=np.float64))
+        positions = counts @ np.arange(counts.shape[1])
+        memory = (self.dense_bytes + self.expert_bytes * self.experts_read(counts)) / self.bandwidth
+        return memory >= positions * self.flops / self.peak
+
+    def tangent_price(self, reference: np.ndarray, width: int) -> tuple[float, np.ndarray]:
+        """A separable price for the allocator (``calib.allocate.ShapePrice``'s ``(base, table [width + 1])``,
+        seconds) from the step's reference draft depths ``reference`` int [B].
+
+        The expected experts read, ``sum_{l,e} 1 - exp(x_le)`` with ``x_le = sum_i log P_absent(l, e, 1 + d_i)``,
+        is concave in ``x``; its tangent at the reference shape's ``x0`` is linear in ``x``, hence a sum over
+        requests, an upper bound everywhere and exact at the reference: request ``i`` verifying ``d`` drafts
+        adds ``-sum_le w_le (log P_absent(1 + d) - log P_absent(1))`` experts, ``w = exp(x0)`` the chance the
+        reference shape leaves the expert unread (experts the batch reads anyway cost nothing more). Where
+        the reference pass is compute-bound the price is its FLOPs line instead (exact: linear in positions).
+        """
+        ref = np.asarray(reference, dtype=np.int64)
+        B = ref.size
+        table = self.model.log_absent_table(max(width, int(ref.max(initial=0))) + 1)  # [n, L, E], n positions
+        if not self.memory_bound(depth_counts(ref[None], int(ref.max(initial=0))))[0]:
+            per = self.flops / self.peak
+            return B * per, per * np.arange(width + 1, dtype=np.float64)
+        x0 = table[1 + ref].sum(axis=0)  # [L, E]
+        w = np.exp(x0)
+        anyway = (1.0 - w + w * x0).sum() - B * (w * table[1]).sum()  # every request at its bonus position
+        extra = -(w[None] * (table[1: width + 2] - table[1][None])).sum(axis=(1, 2))  # [width + 1] experts
+        scale = self.expert_bytes / self.bandwidth
+        return (self.dense_bytes / self.bandwidth + scale * anyway), np.maximum(scale * extra, 0.0)
 
     def even_curve(self, batch: int, t_max: int) -> np.ndarray:
         """[t_max + 1] cost of ``batch`` sequences verifying T positions in all, spread as evenly as
