@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +22,8 @@ DRAFTER_PARTS = {"idle": ("drafter_first_pass",), "lm_head": ("drafter_lm_head",
                  "more": ("drafter_more_passes",)}
 CHAIN_PARTS = ("ngram_propose",)
 CALIB_PARTS = ("calib",)
-STEP_COST_VERSION = 1
+STEP_COST_VERSION = 2  # 2 added the ``sampled`` term; a version-1 file reads with it zero
+READABLE_VERSIONS = (1, 2)
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,10 @@ class StepCost:
         chain: a model-free chain's proposer per step (vLLM's n-gram lookup; of ``B``).
         calib: calib's hooks per step when it serves (decision, plan, n-gram recompute; of ``B``).
         source: what it was fitted on (the profile's command, date, engine).
+        sampled: what a step under sampling (any request at T > 0) spends beyond ``verify`` when it
+            verifies ``D >= 1`` draft tokens (of ``D``): the rejection sampler's random path (a softmax
+            over the vocabulary at every draft position, the recovered tokens' draw), which a greedy step
+            and a step without draft tokens skip. Zero where no sampled profile was fitted.
     """
 
     verify: Linear
@@ -62,6 +67,12 @@ class StepCost:
     chain: Linear
     calib: Linear
     source: dict
+    sampled: Linear = field(default_factory=lambda: Linear(0.0, {"D": 0.0}))
+
+    def speculating_sampled(self, draft_tokens) -> np.ndarray:
+        """Seconds a sampled step adds for verifying ``draft_tokens`` (0 for none: no jump without drafts)."""
+        d = np.asarray(draft_tokens, dtype=np.float64)
+        return np.where(d > 0, self.sampled(D=d), 0.0)
 
     def draft(self, passes, batch: int) -> np.ndarray:
         """Seconds of ``passes`` model draft passes over ``batch`` rows (the idle forward not included)."""
@@ -89,18 +100,26 @@ def _part_ms(row: dict, parts) -> float:
 
 def fit_step_cost(rows: list[dict], source: dict) -> StepCost:
     """Fit :class:`StepCost` to profile rows ``{"batch", "tokens", "passes", "step_ms", "ms": {part: ms}}``
-    (bench/profile_step.py's steady decode steps; every arm's rows together)."""
+    (bench/profile_step.py's steady decode steps; every arm's rows together), each optionally with
+    ``"draft_tokens"`` (default ``tokens - batch``) and ``"sampled"`` (a step under sampling; default False).
+    ``verify`` is fitted on the rows without the sampled path's extra work (greedy steps, and sampled steps
+    without draft tokens); ``sampled`` on what the sampled steps with draft tokens spent beyond it."""
     if not rows:
         raise ValueError("fit_step_cost: no profile rows (run bench/profile_step.py)")
     B = np.array([r["batch"] for r in rows], dtype=np.float64)
     T = np.array([r["tokens"] for r in rows], dtype=np.float64)
+    D = np.array([r.get("draft_tokens", r["tokens"] - r["batch"]) for r in rows], dtype=np.float64)
+    jumped = np.array([bool(r.get("sampled", False)) for r in rows]) & (D > 0)
     passes = np.array([r.get("passes", 0) for r in rows], dtype=np.float64)
     drafter = [p for parts in DRAFTER_PARTS.values() for p in parts]
     own = (*drafter, *CHAIN_PARTS, *CALIB_PARTS)
     verify_s = np.array([r["step_ms"] - _part_ms(r, own) for r in rows]) / 1e3
     idle_s = np.array([_part_ms(r, DRAFTER_PARTS["idle"]) for r in rows]) / 1e3
     loaded = idle_s > 0
-    fits = {"verify": _fit(np.column_stack([T, B]), verify_s, ("T", "B"))}
+    plain = ~jumped if (~jumped).any() else np.ones(len(rows), dtype=bool)
+    fits = {"verify": _fit(np.column_stack([T[plain], B[plain]]), verify_s[plain], ("T", "B"))}
+    fits["sampled"] = (_fit(D[jumped, None], verify_s[jumped] - fits["verify"](T=T[jumped], B=B[jumped]), ("D",))
+                       if jumped.any() and (~jumped).any() else Linear(0.0, {"D": 0.0}))
     fits["idle"] = _fit(T[loaded, None], idle_s[loaded], ("T",)) if loaded.any() else Linear(0.0, {"T": 0.0})
     for name, mask, denom in (("lm_head", passes > 0, passes), ("more", passes > 1, passes - 1)):
         y = np.array([_part_ms(r, DRAFTER_PARTS[name]) for r in rows]) / 1e3
@@ -127,12 +146,15 @@ def load_step_cost(path) -> StepCost:
     from calib.sidefiles import read_json
 
     doc = read_json(Path(path), hint="an engine step-cost model is written by bench/profile_step.py --step-cost")
-    if doc.get("version") != STEP_COST_VERSION:
-        raise ValueError(f"{path}: version {doc.get('version')!r}; this calib reads step-cost version "
-                         f"{STEP_COST_VERSION} (re-run bench/profile_step.py --step-cost {path})")
+    if doc.get("version") not in READABLE_VERSIONS:
+        raise ValueError(f"{path}: version {doc.get('version')!r}; this calib reads step-cost versions "
+                         f"{list(READABLE_VERSIONS)} (re-run bench/profile_step.py --step-cost {path})")
     terms = {}
-    for key in ("verify", "idle", "lm_head", "more", "chain", "calib"):
+    optional = ("sampled",) if doc["version"] == 1 else ()
+    for key in ("verify", "idle", "lm_head", "more", "chain", "calib", "sampled"):
         term = doc.get(key)
+        if term is None and key in optional:
+            continue
         ok = (isinstance(term, dict) and isinstance(term.get("slopes"), dict)
               and all(_nonneg(v) for v in [term.get("intercept"), *term["slopes"].values()]))
         if not ok:
@@ -188,24 +210,36 @@ def _nonneg(v) -> bool:
 class EngineStepCurve(CostCurve):
     """:class:`StepCost` as the replay's cost curve: ``values[T]`` is a step's verify over ``T`` positions
     of the current batch (:meth:`for_batch`), plus the idle drafter's forward when a model drafter is
-    loaded (:meth:`with_drafter`); :meth:`draft`, :meth:`chain` and :meth:`calib` price the rest."""
+    loaded (:meth:`with_drafter`), plus, for a step under sampling (:meth:`with_sampling`), the sampled
+    path's extra work at every ``T`` above the batch; :meth:`draft`, :meth:`chain` and :meth:`calib` price
+    the rest."""
 
     def __init__(self, name: str, cost: StepCost, t_max: int, unit: str = "s", batch: int = 1,
-                 drafter: bool = False):
+                 drafter: bool = False, sampled: bool = False):
         t = np.arange(t_max + 1, dtype=np.float64)
         t[0] = 1
         values = cost.verify(T=t, B=batch) + (cost.idle(T=t) if drafter else 0.0)
+        if sampled:
+            values = values + cost.speculating_sampled(np.maximum(t - batch, 0))
         super().__init__(name, np.asarray(values, dtype=np.float64), unit)
-        self.cost, self.t_max, self.batch, self.drafter = cost, t_max, batch, drafter
+        self.cost, self.t_max, self.batch, self.drafter, self.sampled = cost, t_max, batch, drafter, sampled
+
+    def _with(self, **change) -> EngineStepCurve:
+        now = {"batch": self.batch, "drafter": self.drafter, "sampled": self.sampled}
+        if all(now[k] == v for k, v in change.items()):
+            return self
+        return EngineStepCurve(self.name, self.cost, self.t_max, self.unit, **{**now, **change})
 
     def for_batch(self, batch: int) -> EngineStepCurve:
-        return self if batch == self.batch else EngineStepCurve(self.name, self.cost, self.t_max, self.unit,
-                                                                batch, self.drafter)
+        return self._with(batch=batch)
 
     def with_drafter(self, loaded: bool) -> EngineStepCurve:
         """This curve with a model drafter loaded (its idle forward in every step) or not."""
-        return self if loaded == self.drafter else EngineStepCurve(self.name, self.cost, self.t_max, self.unit,
-                                                                   self.batch, loaded)
+        return self._with(drafter=bool(loaded))
+
+    def with_sampling(self, sampled: bool) -> EngineStepCurve:
+        """This curve for steps under sampling (the sampled path's extra work priced) or greedy ones."""
+        return self._with(sampled=bool(sampled))
 
     def draft(self, passes) -> np.ndarray:
         return self.cost.draft(passes, self.batch)

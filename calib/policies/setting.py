@@ -104,6 +104,8 @@ class Setting:
         self.sb, self.cfg = sb, cfg
         self.engine = isinstance(curve, EngineStepCurve)
         self.model_primary = chain(sb.names[0]).confidence is not None  # its passes are model forwards
+        if self.engine:  # a bank under sampling pays the sampled path's extra work wherever it verifies drafts
+            curve = curve.with_sampling(bool(sb.bank.temperature))
         self.plain = curve.with_drafter(False) if self.engine else curve  # no speculation: nothing loaded
         self.curve = curve.with_drafter(self.model_primary) if self.engine else curve
         self.train_curve = train_curve  # [K]
