@@ -245,6 +245,8 @@ def main(argv=None) -> None:
     ap.add_argument("--out", default="runs/bench/profile.json")
     ap.add_argument("--docs", help="regenerate this markdown file's profile block (docs/profile.md)")
     ap.add_argument("--from-json", help="summarise an earlier --out file (runs nothing)")
+    ap.add_argument("--with-json", nargs="+", default=[], metavar="FILE",
+                    help="--step-cost also fits these earlier --out files' steps (a greedy profile beside a sampled one)")
     ap.add_argument("--step-cost", help="fit the replay's engine step-cost model (calib.cost.step) to every "
                     "decode step profiled and write it here (data/cost/smollm2-135m-cpu-step.json)")
     args = ap.parse_args(argv)
@@ -259,11 +261,19 @@ def main(argv=None) -> None:
     if args.step_cost:
         from calib.cost.step import fit_step_cost, save_step_cost
 
-        rows = [r for c in result["cells"] for r in decode_rows(c)]
-        save_step_cost(fit_step_cost(rows, {"command": result["command"], "date": result["date"],
-                                            "arms": sorted({c["arm"] for c in result["cells"]}),
-                                            "steps": len(rows), "cpu": result.get("cpu", "unknown"), "device": step_device(result),
-                                            "dtype": result.get("dtype", "auto")}), args.step_cost)
+        results = [result, *(json.loads(Path(f).read_text()) for f in args.with_json)]
+        rows = [{**r, "sampled": res.get("sampling") == "sampled"}  # the sampled path's jump is fitted apart
+                for res in results for c in res["cells"] for r in decode_rows(c)]
+        machine = {(res.get("cpu", "unknown"), step_device(res), res.get("dtype", "auto")) for res in results}
+        if len(machine) != 1:
+            raise SystemExit(f"--with-json: the profiles ran on {sorted(machine)} (cpu, device, dtype): fit one "
+                             "engine's step cost from profiles of that one engine")
+        cpu, device, dtype = machine.pop()
+        save_step_cost(fit_step_cost(rows, {"command": " + ".join(r["command"] for r in results),
+                                            "date": result["date"], "steps": len(rows), "cpu": cpu,
+                                            "arms": sorted({c["arm"] for r in results for c in r["cells"]}),
+                                            "sampling": sorted({r.get("sampling", "greedy") for r in results}),
+                                            "device": device, "dtype": dtype}), args.step_cost)
         print(f"wrote {args.step_cost} (fitted on {len(rows)} decode steps)")
     if args.docs:
         bench_serve.write_block(Path(args.docs), f"Made by `{result['command']}` on {result['date']} "
