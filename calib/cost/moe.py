@@ -55,6 +55,13 @@ class MoECost:
                 self.model_name = f"transfer({self.model_name})"
 
     # -- shapes ------------------------------------------------------------------------------------
+    def log_absent_table(self, positions: int) -> np.ndarray:
+        """The distinct model's ``log P_absent`` [positions + 1, L, E] (row n: one sequence of n positions), kept."""
+        cached = getattr(self, "_log_absent", None)
+        if cached is None or cached.shape[0] < positions + 1:
+            cached = self._log_absent = self.model.log_absent_table(max(positions, 8))
+        return cached[: positions + 1]
+
     def experts_read(self, counts: np.ndarray) -> np.ndarray:
         """[S] distinct experts summed over layers for each shape (counts [S, D + 1])."""
         counts = np.atleast_2d(np.asarray(counts, dtype=np.float64))
@@ -90,11 +97,13 @@ class MoECost:
         """
         ref = np.asarray(reference, dtype=np.int64)
         B = ref.size
-        table = self.model.log_absent_table(max(width, int(ref.max(initial=0))) + 1)  # [n, L, E], n positions
-        if not self.memory_bound(depth_counts(ref[None], int(ref.max(initial=0))))[0]:
+        top = max(width, int(ref.max(initial=0))) + 1
+        table = self.log_absent_table(top)  # [top + 1, L, E]: row n = n positions of one sequence
+        counts = np.bincount(1 + ref, minlength=top + 1).astype(np.float64)  # sequences by positions
+        if not self.memory_bound(counts[None])[0]:
             per = self.flops / self.peak
             return B * per, per * np.arange(width + 1, dtype=np.float64)
-        x0 = table[1 + ref].sum(axis=0)  # [L, E]
+        x0 = np.tensordot(counts, table, axes=(0, 0))  # [L, E]
         w = np.exp(x0)
         anyway = (1.0 - w + w * x0).sum() - B * (w * table[1]).sum()  # every request at its bonus position
         extra = -(w[None] * (table[1: width + 2] - table[1][None])).sum(axis=(1, 2))  # [width + 1] experts
