@@ -96,19 +96,26 @@ class MoECost:
         the reference pass is compute-bound the price is its FLOPs line instead (exact: linear in positions).
         """
         ref = np.asarray(reference, dtype=np.int64)
-        B = ref.size
-        top = max(width, int(ref.max(initial=0))) + 1
+        const, per_sequence = self.tangent_per_sequence(1 + ref, width + 1)
+        base = const + ref.size * per_sequence[1]  # every request at its bonus position
+        return base, np.maximum(per_sequence[1:] - per_sequence[1], 0.0)
+
+    def tangent_per_sequence(self, positions: np.ndarray, n_max: int) -> tuple[float, np.ndarray]:
+        """The tangent of :meth:`tangent_price` per sequence: ``(const, phi [n_max + 1])`` seconds, a step whose
+        sequences verify ``n_s`` positions costing ``const + sum_s phi[n_s]`` (``phi[0] = 0``: not in the step),
+        exact at the reference shape ``positions`` int [B] (positions per sequence) and above the cost elsewhere
+        (memory-bound there; else the FLOPs line, ``const = 0``)."""
+        ref = np.asarray(positions, dtype=np.int64)
+        top = max(n_max, int(ref.max(initial=0)))
         table = self.log_absent_table(top)  # [top + 1, L, E]: row n = n positions of one sequence
-        counts = np.bincount(1 + ref, minlength=top + 1).astype(np.float64)  # sequences by positions
+        counts = np.bincount(ref, minlength=top + 1).astype(np.float64)  # sequences by positions
         if not self.memory_bound(counts[None])[0]:
-            per = self.flops / self.peak
-            return B * per, per * np.arange(width + 1, dtype=np.float64)
+            return 0.0, self.flops / self.peak * np.arange(n_max + 1, dtype=np.float64)
         x0 = np.tensordot(counts, table, axes=(0, 0))  # [L, E]
         w = np.exp(x0)
-        anyway = (1.0 - w + w * x0).sum() - B * (w * table[1]).sum()  # every request at its bonus position
-        extra = -(w[None] * (table[1: width + 2] - table[1][None])).sum(axis=(1, 2))  # [width + 1] experts
         scale = self.expert_bytes / self.bandwidth
-        return (self.dense_bytes / self.bandwidth + scale * anyway), np.maximum(scale * extra, 0.0)
+        phi = -scale * (w[None] * table[: n_max + 1]).sum(axis=(1, 2))  # [n_max + 1] experts -> seconds
+        return self.dense_bytes / self.bandwidth + scale * (1.0 - w + w * x0).sum(), phi
 
     def even_curve(self, batch: int, t_max: int) -> np.ndarray:
         """[t_max + 1] cost of ``batch`` sequences verifying T positions in all, spread as evenly as
