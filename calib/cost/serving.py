@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -87,33 +88,37 @@ def cost_curve(text: str, t_max: int, drafter_loaded: bool = False) -> torch.Ten
     return (w + p * torch.arange(t_max + 1, dtype=torch.float64)).to(torch.float32)
 
 
-def sampled_extra(text: str, t_max: int) -> torch.Tensor | None:
-    """What a step under sampling adds to the ``cost`` knob's price at ``D`` draft tokens, float32
-    ``[t_max + 1]`` (0 at ``D = 0``), from an engine step-cost model's ``sampled`` term; None for the other
-    knobs, or where that term is zero (a model fitted on greedy steps only)."""
+@dataclass(frozen=True)
+class SampledPrice:
+    """What a step under sampling adds to the price once it verifies ``D >= 1`` draft tokens, in the cost
+    knob's unit: ``fixed + per_draft · D + per_request · B`` (an engine step cost's ``sampled`` term)."""
+
+    fixed: float
+    per_draft: float
+    per_request: float
+
+    def __post_init__(self):
+        vals = (self.fixed, self.per_draft, self.per_request)
+        if not all(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0 for v in vals):
+            raise ValueError(f"SampledPrice needs finite numbers >= 0, got {vals}")
+
+
+def sampled_price(text: str) -> SampledPrice | None:
+    """The ``cost`` knob's :class:`SampledPrice`: from an engine step-cost model's ``sampled`` term; None for
+    the other knobs, or where that term is zero (a model fitted on greedy steps only)."""
     path = step_cost_path(text)
     if path is None:
         return None
-    extra = serving_step_cost(path).speculating_sampled(np.arange(t_max + 1))
-    if not extra.any():
-        return None
-    return torch.from_numpy(np.ascontiguousarray(extra)).to(torch.float32)
+    term = serving_step_cost(path).sampled
+    price = SampledPrice(term.intercept, term.slopes.get("D", 0.0), term.slopes.get("B", 0.0))
+    return price if any((price.fixed, price.per_draft, price.per_request)) else None
 
 
-def check_sampled_extra(extra: torch.Tensor, cost: torch.Tensor | None) -> None:
-    """``extra`` must be what a step under sampling adds to the price at ``D`` draft tokens, float ``[len(cost)]``,
-    finite, ``>= 0`` and 0 at ``D = 0`` (:func:`calib.cost.serving.sampled_extra`); a ``ValueError`` if not."""
-    if cost is None:
-        raise ValueError("sampled_extra prices a sampled step's drafts: it needs `cost` (price mode), not a budget")
-    if not (isinstance(extra, torch.Tensor) and extra.ndim == 1 and extra.shape == cost.shape
-            and bool(torch.isfinite(extra).all()) and bool((extra >= 0).all()) and float(extra[0]) == 0.0):
-        raise ValueError(f"sampled_extra must be a finite tensor >= 0 of the cost's shape {tuple(cost.shape)} with "
-                         f"sampled_extra[0] == 0 (no draft token, no extra), got {extra!r:.120}")
-
-
-def sampled_cost(cost: torch.Tensor, extra: torch.Tensor, n_requests: int) -> torch.Tensor:
-    """``cost`` [T_max + 1] for a step of ``n_requests`` under sampling: ``extra[D]`` added at ``T = n_requests + D``
-    (the rejection sampler's random path runs only where some draft token is verified: docs/cost.md)."""
+def sampled_cost(cost: torch.Tensor, price: SampledPrice, n_requests: int) -> torch.Tensor:
+    """``cost`` [T_max + 1] for a step of ``n_requests`` under sampling: ``price`` added at every
+    ``T = n_requests + D`` with ``D >= 1`` (the rejection sampler's random path runs only where some draft
+    token is verified: docs/cost.md)."""
     out = cost.clone()
-    out[n_requests:] += extra[: out.numel() - n_requests].to(out.dtype)
+    d = torch.arange(1, out.numel() - n_requests, dtype=out.dtype)
+    out[n_requests + 1:] += price.fixed + price.per_request * n_requests + price.per_draft * d
     return out

@@ -55,9 +55,10 @@ class StepCost:
         calib: calib's hooks per step when it serves (decision, plan, n-gram recompute; of ``B``).
         source: what it was fitted on (the profile's command, date, engine).
         sampled: what a step under sampling (any request at T > 0) spends beyond ``verify`` when it
-            verifies ``D >= 1`` draft tokens (of ``D``): the rejection sampler's random path (a softmax
-            over the vocabulary at every draft position, the recovered tokens' draw), which a greedy step
-            and a step without draft tokens skip. Zero where no sampled profile was fitted.
+            verifies ``D >= 1`` draft tokens (of ``D`` and ``B``): the rejection sampler's random path (a
+            softmax over the vocabulary at every draft position, a vocabulary of exponentials drawn for
+            every request), which a greedy step and a step without draft tokens skip. Zero where no sampled
+            profile was fitted.
     """
 
     verify: Linear
@@ -67,12 +68,13 @@ class StepCost:
     chain: Linear
     calib: Linear
     source: dict
-    sampled: Linear = field(default_factory=lambda: Linear(0.0, {"D": 0.0}))
+    sampled: Linear = field(default_factory=lambda: Linear(0.0, {"D": 0.0, "B": 0.0}))
 
-    def speculating_sampled(self, draft_tokens) -> np.ndarray:
-        """Seconds a sampled step adds for verifying ``draft_tokens`` (0 for none: no jump without drafts)."""
+    def speculating_sampled(self, draft_tokens, batch) -> np.ndarray:
+        """Seconds a sampled step of ``batch`` requests adds for verifying ``draft_tokens`` (0 for none: no
+        jump without drafts)."""
         d = np.asarray(draft_tokens, dtype=np.float64)
-        return np.where(d > 0, self.sampled(D=d), 0.0)
+        return np.where(d > 0, self.sampled(D=d, B=batch), 0.0)
 
     def draft(self, passes, batch: int) -> np.ndarray:
         """Seconds of ``passes`` model draft passes over ``batch`` rows (the idle forward not included)."""
@@ -118,8 +120,9 @@ def fit_step_cost(rows: list[dict], source: dict) -> StepCost:
     loaded = idle_s > 0
     plain = ~jumped if (~jumped).any() else np.ones(len(rows), dtype=bool)
     fits = {"verify": _fit(np.column_stack([T[plain], B[plain]]), verify_s[plain], ("T", "B"))}
-    fits["sampled"] = (_fit(D[jumped, None], verify_s[jumped] - fits["verify"](T=T[jumped], B=B[jumped]), ("D",))
-                       if jumped.any() and (~jumped).any() else Linear(0.0, {"D": 0.0}))
+    fits["sampled"] = (_fit(np.column_stack([D[jumped], B[jumped]]),
+                            verify_s[jumped] - fits["verify"](T=T[jumped], B=B[jumped]), ("D", "B"))
+                       if jumped.any() and (~jumped).any() else Linear(0.0, {"D": 0.0, "B": 0.0}))
     fits["idle"] = _fit(T[loaded, None], idle_s[loaded], ("T",)) if loaded.any() else Linear(0.0, {"T": 0.0})
     for name, mask, denom in (("lm_head", passes > 0, passes), ("more", passes > 1, passes - 1)):
         y = np.array([_part_ms(r, DRAFTER_PARTS[name]) for r in rows]) / 1e3
@@ -220,7 +223,7 @@ class EngineStepCurve(CostCurve):
         t[0] = 1
         values = cost.verify(T=t, B=batch) + (cost.idle(T=t) if drafter else 0.0)
         if sampled:
-            values = values + cost.speculating_sampled(np.maximum(t - batch, 0))
+            values = values + cost.speculating_sampled(np.maximum(t - batch, 0), batch)
         super().__init__(name, np.asarray(values, dtype=np.float64), unit)
         self.cost, self.t_max, self.batch, self.drafter, self.sampled = cost, t_max, batch, drafter, sampled
 

@@ -47,7 +47,7 @@ from calib.chains import (
     split_context,
     verified_chain,
 )
-from calib.cost.serving import check_sampled_extra, sampled_cost
+from calib.cost.serving import SampledPrice, sampled_cost
 from calib.params import TEXT, Interval, NoneValue, Options, Satisfies, validate_params
 from calib.serve.history import RequestHistory
 
@@ -60,6 +60,7 @@ K_MAX = Interval(numbers.Integral, 1, None)  # vLLM's num_speculative_tokens
 # decide_step's per-call arguments (and SafeDecider's, below).
 # the implementations whose tables are read by a lookup in this process (the kernel reads them itself)
 HOST_LOOKUPS = ("reference", "host")
+SAMPLED_PRICE = [NoneValue(), Satisfies("a calib.cost.serving.SampledPrice", lambda v: isinstance(v, SampledPrice))]
 DECIDE_CONSTRAINTS = {"k_max": [K_MAX], "budget": [NoneValue(), Interval(numbers.Integral, 0, None)],
                       "impl": [Options(IMPLEMENTATIONS)]}
 
@@ -223,24 +224,25 @@ def _given_probs(offers: Mapping[str, Offer], tokens: dict, B: int) -> dict[str,
 
 def decide_step(tables, inputs: StepInputs, history: RequestHistory, *, k_max: int,
                 cost: torch.Tensor | None = None, budget: int | None = None,
-                impl: str = "reference", sampled_extra: torch.Tensor | None = None) -> StepDecision:
+                impl: str = "reference", sampled_price: SampledPrice | None = None) -> StepDecision:
     """Allocate this step's verification and return the new draft lists (see the module docstring).
 
     Uses every chain the engine offers (``inputs.offers``) that the tables calibrate, one or two. ``cost`` (price mode) or ``budget`` (an int ``>= 0``) as in :func:`calib.allocate.allocate`;
     ``k_max`` an int ``>= 1`` (:data:`DECIDE_CONSTRAINTS`). Raises on anything off, a NaN, infinite or
     negative request temperature included (wrap it in :class:`SafeDecider` inside an engine); a
     temperature outside the tables' fitted range is decided and logged once (see the module docstring).
-    ``sampled_extra`` (price mode; :func:`check_sampled_extra`) is added to ``cost`` on a step where any
-    request samples."""
-    validate_params("decide_step", {"k_max": k_max, "budget": budget, "impl": impl}, DECIDE_CONSTRAINTS)
-    if sampled_extra is not None:
-        check_sampled_extra(sampled_extra, cost)
+    ``sampled_price`` (price mode; :class:`calib.cost.serving.SampledPrice`) is added to ``cost`` on a step
+    where any request samples."""
+    validate_params("decide_step", {"k_max": k_max, "budget": budget, "impl": impl, "sampled_price": sampled_price},
+                    {**DECIDE_CONSTRAINTS, "sampled_price": SAMPLED_PRICE})
+    if sampled_price is not None and cost is None:
+        raise ValueError("sampled_price prices a sampled step's drafts: it needs `cost` (price mode), not a budget")
     return _decide_step(tables, inputs, history, k_max=k_max, cost=cost, budget=budget, impl=impl,
-                        sampled_extra=sampled_extra)
+                        sampled_price=sampled_price)
 
 
 def _decide_step(tables, inputs: StepInputs, history: RequestHistory, *, k_max: int, cost, budget, impl: str,
-                 sampled_extra: torch.Tensor | None = None):
+                 sampled_price: SampledPrice | None = None):
     """:func:`decide_step` on arguments already checked (:class:`SafeDecider` checks them once, at construction)."""
     start = time.perf_counter()
     B = len(inputs.req_ids)
@@ -254,8 +256,8 @@ def _decide_step(tables, inputs: StepInputs, history: RequestHistory, *, k_max: 
                          f"(positions {[i for i, r in enumerate(inputs.req_ids) if r == dup]}): each request is "
                          "decided once per step")
     temps = request_temperatures(inputs)
-    if sampled_extra is not None and (temps > 0).any():  # vLLM takes the sampled path for the whole step
-        cost = sampled_cost(cost, sampled_extra, B)
+    if sampled_price is not None and (temps > 0).any():  # vLLM takes the sampled path for the whole step
+        cost = sampled_cost(cost, sampled_price, B)
     offered = [k.name for k in chains() if k.name in inputs.offers and k.name in tables.chains]
     _note_unfitted(tables, temps, offered)
     # offers whose probabilities the engine already looked up (the serving plan): the reference path uses them
@@ -319,6 +321,7 @@ class SafeDecider:
                                           lambda v: type(v).__name__ == "OnlineSettings")],
         "identity": [NoneValue(), Satisfies("an identity dict (calib.fingerprint.identity)",
                                             lambda v: isinstance(v, dict))],
+        "sampled_price": SAMPLED_PRICE,
         **DECIDE_CONSTRAINTS,
     }
 
@@ -326,7 +329,7 @@ class SafeDecider:
                  chains: Sequence[str] | None = None, cost: torch.Tensor | None = None,
                  budget: int | None = None, impl: str = "reference", max_failures: int = 3,
                  history: RequestHistory | None = None, identity: dict | None = None, online=None,
-                 sampled_extra: torch.Tensor | None = None) -> None:
+                 sampled_price: SampledPrice | None = None) -> None:
         from calib.tables import load
         from calib.tables.online import OnlineTables
 
@@ -334,15 +337,15 @@ class SafeDecider:
         validate_params("SafeDecider", {"model_id": model_id, "speculator": speculator, "method": method,
                                         "chains": chains, "max_failures": max_failures, "history": history,
                                         "k_max": k_max, "budget": budget, "impl": impl, "identity": identity,
-                                        "online": online},
+                                        "online": online, "sampled_price": sampled_price},
                         self._parameter_constraints)
         if (cost is None) == (budget is None):
             raise ValueError("give exactly one of `cost` (verify-cost curve) and `budget`")
         if cost is not None:
             check_cost(cost, 1)
-        if sampled_extra is not None:
-            check_sampled_extra(sampled_extra, cost)
-        self.sampled_extra = sampled_extra  # [T_max + 1] a sampled step's extra price at D draft tokens, or None
+        if sampled_price is not None and cost is None:
+            raise ValueError("sampled_price prices a sampled step's drafts: it needs `cost` (price mode), not a budget")
+        self.sampled_price = sampled_price  # what a step under sampling adds once it verifies a draft token
         self.tables = tables if hasattr(tables, "check_bank") else load(tables)
         self.engine_chain = verified_chain(speculator, method)
         offered = [c for c in dict.fromkeys([self.engine_chain, *chains])]
@@ -381,7 +384,7 @@ class SafeDecider:
                 picked = StepInputs(inputs.req_ids, inputs.temperature,
                                     {n: o for n, o in inputs.offers.items() if n in self.chains})
                 out = _decide_step(self.tables, picked, self.history, k_max=self.k_max, cost=self.cost,
-                                   budget=self.budget, impl=self.impl, sampled_extra=self.sampled_extra)
+                                   budget=self.budget, impl=self.impl, sampled_price=self.sampled_price)
                 self.consecutive_failures = 0
                 return out
             except Exception as exc:  # noqa: BLE001 - the serving rule: never raise into the engine

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from calib.chains import chain_names
-from calib.cost.serving import cost_curve, sampled_extra
+from calib.cost.serving import cost_curve, sampled_price
 from calib.serve.aside import StandAside, batch_key, decision_kind
 from calib.serve.knobs import ServeKnobs
 from calib.vllm.planning import DraftPlanning
@@ -106,14 +106,13 @@ class Server(DraftPlanning):
             lo, hi, k = self.default_ngram
             self.ngram = (lo, hi, min(k, self.k))
         loaded = drafted.confidence is not None  # a model drafter: an engine step cost charges its idle forward
-        t_max = int(runner.max_num_reqs) * (self.k + 1)
-        cost = cost_curve(self.cost_text, t_max, drafter_loaded=loaded)
+        cost = cost_curve(self.cost_text, int(runner.max_num_reqs) * (self.k + 1), drafter_loaded=loaded)
         self.max_model_len = getattr(runner, "max_model_len", None)
         dec = SafeDecider(self.tables_dir, model_id=model_id, speculator=speculator, k_max=self.k,
                           method=method, chains=self.chains, cost=cost, identity=engine_identity(runner, sc),
                           impl="host",  # numpy on the step's few requests (calib/allocate/host.py)
                           online=self.knobs.online_settings(),
-                          sampled_extra=sampled_extra(self.cost_text, t_max))  # priced where a step samples
+                          sampled_price=sampled_price(self.cost_text))  # priced where a step samples
         self.ngram_own = []
         if self.lookup in dec.chains:
             from calib.chains import split_context
