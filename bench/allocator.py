@@ -3,6 +3,8 @@ CUDA device the fused Triton kernel next to the torch reference.
 
     python bench/allocator.py               # CPU table (and the GPU table when CUDA is present)
     python bench/allocator.py --threads 2   # torch intra-op threads for the CPU part (default 1)
+    TRITON_INTERPRET=1 python bench/allocator.py --shape   # shape-aware price kernel vs today's price kernel
+                                                           # (CPU: Triton's interpreter; GPU: do_bench)
 
 The baseline only computes survival products and takes the global top-N (with two drafters, over
 both chains at once, which ignores the one-chain-per-request rule): it is the speed floor of any
@@ -23,7 +25,7 @@ from functools import partial
 from calib.cli import parser as plain_parser
 
 # torch and the allocator are imported by main() after parsing (--help answers without them) and bound here
-torch = allocate_probs = plan_draft = None
+torch = allocate_probs = plan_draft = ShapePrice = None
 
 BATCHES = (1, 4, 64, 256, 1024)
 WIDTHS = (4, 8, 16)
@@ -110,6 +112,44 @@ def gpu_table() -> None:
                 print(f"{b:>5} {k:>3} {2 if two else 1:>8} {mode:>6} {t_kernel:>8.1f} {t_graph:>8} {t_ref:>10.1f}")
 
 
+def shape_inputs(b: int, k: int, two: bool):
+    """The flat inputs of :func:`make_inputs` and an MoE-like shape price (each deeper position cheaper)."""
+    model_p, ngram_p, _, cost = make_inputs(b, k)
+    probs = {"model": model_p} | ({"ngram": ngram_p} if two else {})
+    steps = 0.02 * 0.8 ** torch.arange(k, dtype=torch.float64)  # concave in depth
+    price = ShapePrice(1.0, torch.cat([torch.zeros(1, dtype=torch.float64), steps.cumsum(0)]))
+    return probs, cost, price
+
+
+def shape_table() -> None:
+    """The shape-aware price kernel next to today's price-mode kernel on the same chains (and the two references)."""
+    cuda = torch.cuda.is_available()
+    dev = torch.device("cuda" if cuda else "cpu")
+    if cuda:
+        import triton.testing
+
+        def clock(fn):
+            return triton.testing.do_bench(fn, warmup=25, rep=100) * 1e3  # us
+    else:
+        def clock(fn):
+            return median_ms(fn, min_time=1.0, max_reps=20) * 1e3  # us
+    where = "GPU (do_bench)" if cuda else "CPU, Triton interpreter"
+    print(f"\nShape-aware price (ShapePrice) vs flat price (cost curve), {where}: median us per call")
+    print(f"{'B':>5} {'K':>3} {'drafters':>8} {'flat kernel':>12} {'shape kernel':>13} {'ratio':>6} "
+          f"{'flat ref':>9} {'shape ref':>10}")
+    for b, k in ((4, 4), (16, 4), (64, 8)) if not cuda else ((64, 16), (256, 16), (1024, 16)):
+        for two in (False, True):
+            probs, cost, price = shape_inputs(b, k, two)
+            probs = {n: p.to(dev) for n, p in probs.items()}
+            cost = cost.to(dev)
+            flat = clock(partial(allocate_probs, probs, cost=cost, impl="triton"))
+            shaped = clock(partial(allocate_probs, probs, price=price, impl="triton"))
+            flat_ref = clock(partial(allocate_probs, probs, cost=cost))
+            shape_ref = clock(partial(allocate_probs, probs, price=price))
+            print(f"{b:>5} {k:>3} {2 if two else 1:>8} {flat:>12.0f} {shaped:>13.0f} {shaped / flat:>6.2f} "
+                  f"{flat_ref:>9.0f} {shape_ref:>10.0f}")
+
+
 def _graph_us(fn) -> str:
     """Replay time of the kernel captured in a CUDA graph (launch overhead removed)."""
     try:
@@ -132,13 +172,18 @@ def main() -> None:
     parser = plain_parser(__doc__)
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     parser.add_argument("--skip-cpu", action="store_true", help="only the GPU table")
+    parser.add_argument("--shape", action="store_true", help="only the shape-aware vs flat price kernel table "
+                        "(on CPU set TRITON_INTERPRET=1)")
     args = parser.parse_args()
-    global torch, allocate_probs, plan_draft
+    global torch, allocate_probs, plan_draft, ShapePrice
     import torch
 
-    from calib.allocate import allocate_probs, plan_draft
+    from calib.allocate import ShapePrice, allocate_probs, plan_draft
 
     torch.set_num_threads(args.threads)
+    if args.shape:
+        shape_table()
+        return
     if not args.skip_cpu:
         cpu_table()
         plan_table()
