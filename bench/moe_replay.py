@@ -40,7 +40,32 @@ def load_banks(cfg, tables):
     return banks
 
 
-def figure(rows, path: Path) -> None:
+def width_depth_rows(banks, costs, cfg) -> list[dict]:
+    """The width-against-depth policy (calib/evaluate/replay/width_depth.py) on each bank's primary chain, per
+    (running requests, budget) and MoE cost: goodput of the policy, width first and depth first."""
+    from calib.evaluate.replay.width_depth import break_even, replay_budget
+
+    out = []
+    for bank in banks:
+        c = bank.chains[bank.primary]
+        if c.p_cal is None:
+            continue
+        test = bank.split == "test"
+        for cname, cost in costs.items():
+            for running, budget in cfg.width_depth.settings:
+                res = replay_budget(cost, c.p_cal[test], c.accept[test], int(running), int(budget),
+                                    int(cfg.width_depth.steps), int(cfg.replay.seed))
+                out.append({"bank": bank.name, "cost_model": cname, "running": int(running), "budget": int(budget),
+                            "break_even_alpha": break_even(cost),
+                            **{f"{k}_goodput": v["goodput"] for k, v in res.items()},
+                            "gain_vs_width_first": res["policy"]["goodput"] / res["width_first"]["goodput"] - 1,
+                            "gain_vs_depth_first": res["policy"]["goodput"] / res["depth_first"]["goodput"] - 1})
+                print(f"width/depth {bank.name:<28} {cname:<18} R={running} T={budget}: "
+                      f"{100 * out[-1]['gain_vs_width_first']:+.2f}% vs width first", flush=True)
+    return out
+
+
+def figure(rows, path: Path, wd_rows=()) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -48,7 +73,8 @@ def figure(rows, path: Path) -> None:
     import numpy as np
 
     costs = sorted({r["cost_model"] for r in rows})
-    fig, axes = plt.subplots(1, len(costs), figsize=(6 * len(costs), 4.2), sharey=True, squeeze=False)
+    n_rows = 2 if wd_rows else 1
+    fig, axes = plt.subplots(n_rows, len(costs), figsize=(6 * len(costs), 4.2 * n_rows), squeeze=False)
     for ax, cname in zip(axes[0], costs):
         for pol, style in (("shape_primary", "-o"), ("shape_both", "-s"), ("oracle_shape_primary", ":o"),
                            ("oracle_shape_both", ":s")):
@@ -67,6 +93,22 @@ def figure(rows, path: Path) -> None:
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("goodput gain vs even-spread pricing (%)\nmean over banks, band = min..max")
     axes[0][-1].legend(fontsize=8)
+    for ax, cname in zip(axes[1] if wd_rows else [], costs):
+        sel = [r for r in wd_rows if r["cost_model"] == cname]
+        keys = sorted({(r["running"], r["budget"]) for r in sel})
+        for col, label in (("gain_vs_width_first", "policy vs width first"), ("gain_vs_depth_first", "policy vs depth first")):
+            vals = [[100 * r[col] for r in sel if (r["running"], r["budget"]) == k] for k in keys]
+            x = np.arange(len(keys))
+            line = ax.plot(x, [float(np.mean(v)) for v in vals], "-o", label=label)[0]
+            ax.fill_between(x, [min(v) for v in vals], [max(v) for v in vals], color=line.get_color(), alpha=0.12)
+        ax.set_xticks(np.arange(len(keys)), [f"R={r}\nT={t}" for r, t in keys])
+        ax.axhline(0, color="k", lw=0.6)
+        ax.set_title(f"{cname}: width against depth under a budget of T positions")
+        ax.grid(alpha=0.3)
+        ax.set_yscale("symlog", linthresh=10)
+    if wd_rows:
+        axes[1][0].set_ylabel("goodput gain (%), mean over banks\n(R running requests, queue never empty)")
+        axes[1][-1].legend(fontsize=8)
     fig.suptitle("Shape-aware vs even-spread MoE pricing (calib allocator, replay, roofline on H200)")
     fig.tight_layout()
     tmp = path.with_suffix(".tmp.png")
@@ -103,14 +145,15 @@ def main(argv: list[str]) -> None:
               f"{gains}", flush=True)
 
     rows = replay_moe(banks, costs, rcfg, progress=progress)
+    wd_rows = width_depth_rows(banks, costs, cfg)
     out = ROOT / cfg.out
     out.parent.mkdir(parents=True, exist_ok=True)
     doc = {"command": "python bench/moe_replay.py " + " ".join(argv), "config": OmegaConf.to_container(cfg),
-           "seconds": round(time.time() - t0, 1), "rows": rows}
+           "seconds": round(time.time() - t0, 1), "rows": rows, "width_depth": wd_rows}
     tmp = out.with_suffix(".tmp.json")
     tmp.write_text(json.dumps(doc, indent=1))
     os.replace(tmp, out.with_suffix(".json"))
-    figure(rows, out.with_suffix(".png"))
+    figure(rows, out.with_suffix(".png"), wd_rows)
     print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')} in {time.time() - t0:.0f}s")
 
 
