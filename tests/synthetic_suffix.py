@@ -1,6 +1,7 @@
-"""A SYNTHETIC third chain kind, ``suffix``, as one file: everything calib needs to know about it.
+"""A SYNTHETIC chain kind, ``synthetic_suffix``, as one file: everything calib needs to know about it.
 
-Modelled on vLLM's suffix decoding, but SYNTHETIC: its bank file ``suffix.parquet`` holds, per round,
+Modelled on suffix decoding (the real kind is calib/chains/suffix.py), but SYNTHETIC: its bank file
+``synthetic_suffix.parquet`` holds, per round,
 ``suffix_len`` (the chain's length) and ``suffix_score`` (a score written by :func:`add_to_bank` from the
 round's accepted length plus noise, not by any engine); its labels are the verified chain's accept mask.
 Registering :data:`SUFFIX` (``calib.chains.register_chain``) takes it through the bank, training, export,
@@ -16,8 +17,8 @@ import numpy as np
 from calib.bank import schema
 from calib.chains import Axis, ChainKind, RoundData, offer_inputs
 
-BANK_FILE = "suffix.parquet"  # SYNTHETIC: keys, suffix_len, suffix_score per round
-PREFIX = "sfx_"  # its columns in Bank.rounds(chains=...)
+BANK_FILE = "synthetic_suffix.parquet"  # SYNTHETIC: keys, suffix_len, suffix_score per round
+PREFIX = "syn_"  # its columns in Bank.rounds(chains=...)
 SCORE = "suffix_score"
 EDGES = (0.25, 0.5, 0.75)
 
@@ -73,7 +74,7 @@ def suffix_step_inputs(offer, own, B, lengths, what):
 
 
 SUFFIX = ChainKind(
-    id=3, name="suffix", samples=suffix_samples, feature_names=lambda cfg: (SCORE,),
+    id=9, name="synthetic_suffix", samples=suffix_samples, feature_names=lambda cfg: (SCORE,),
     table_axes=lambda cfg: (Axis(SCORE, edges=EDGES),), drafted_depth=suffix_depth, round_data=suffix_round_data,
     bank_file=BANK_FILE, column_prefix=PREFIX, step_inputs=suffix_step_inputs,
     description="SYNTHETIC test chain: suffix decoding's per-round score")

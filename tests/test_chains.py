@@ -45,15 +45,15 @@ def _bank(tmp_path):
 
 
 def test_registry_ids_and_names():
-    assert [(c.id, c.name) for c in chains()][:2] == [(1, "model"), (2, "ngram")]
+    assert [(c.id, c.name) for c in chains()][:3] == [(1, "model"), (2, "ngram"), (3, "suffix")]
     assert chain(1) is chain("model") and chain("ngram").config == "ngram_model"
     with pytest.raises(ValueError, match="already registered"):
         register_chain(chain("model"))
     with pytest.raises(ValueError, match="id 1 is taken by 'model'"):
         register_chain(ChainKind(id=1, name="other", samples=None, feature_names=None, table_axes=None,
                                  drafted_depth=None))
-    with pytest.raises(KeyError, match="no chain kind 'suffix'"):
-        chain("suffix")
+    with pytest.raises(KeyError, match="no chain kind 'synthetic_suffix'"):
+        chain("synthetic_suffix")
 
 
 def test_a_third_chain_is_one_registration(tmp_path, suffix_chain):
@@ -64,7 +64,7 @@ def test_a_third_chain_is_one_registration(tmp_path, suffix_chain):
     from calib.tables import load
     from calib.training import run
 
-    assert chain_names() == ("model", "ngram", "suffix")
+    assert chain_names() == ("model", "ngram", "suffix", "synthetic_suffix")
     bank = _bank(tmp_path)
     # bank: the chain's own file is joined (prefixed) when the chain is asked for, and only then
     assert f"{PREFIX}{SCORE}" in load_bank(bank).rounds(chains=[SUFFIX]).column_names
@@ -75,18 +75,18 @@ def test_a_third_chain_is_one_registration(tmp_path, suffix_chain):
                                           "calibrator=isotonic", "ngram_model=logistic", "trainer.progress=false"])
     cfg = OmegaConf.to_container(cfg, resolve=True)
     # The chain's config group: its candidate estimators (any estimator of the one protocol).
-    cfg["suffix"] = {"candidates": {"histogram": {"_target_": "calib.calibrators.binning.HistogramBinning",
+    cfg["synthetic_suffix"] = {"candidates": {"histogram": {"_target_": "calib.calibrators.binning.HistogramBinning",
                                                   "min_samples": 20}}}
 
     # train -> export -> load
     tables = load(run(cfg))
-    entry = tables.meta["chains"]["suffix"]
-    assert entry["id"] == 3 and entry["estimator"] == "histogram" and entry["k"] == 4
+    entry = tables.meta["chains"]["synthetic_suffix"]
+    assert entry["id"] == 9 and entry["estimator"] == "histogram" and entry["k"] == 4
     assert entry["axes"] == [{"name": SCORE, "kind": "bins", "edges": list(EDGES)}]
-    assert tables.feature_names("suffix") == [SCORE]
+    assert tables.feature_names("synthetic_suffix") == [SCORE]
     # one candidate and no baseline: it is the baseline, chosen at every depth
     assert entry["choice"] == {str(d): "histogram" for d in range(entry["depths"])}
-    assert ("suffix drafter: chosen per depth by 5-fold CV grouped by prompt (one_se rule, baseline histogram): "
+    assert ("synthetic_suffix drafter: chosen per depth by 5-fold CV grouped by prompt (one_se rule, baseline histogram): "
             "d0 histogram") in (tmp_path / "out" / "summary.txt").read_text()
     # check_bank reads the chain's own bank file: a bank whose suffix.parquet lacks the score is refused
     import shutil
@@ -99,16 +99,16 @@ def test_a_third_chain_is_one_registration(tmp_path, suffix_chain):
         tables.check_bank(bank)
     broken = Path(shutil.copytree(bank, tmp_path / "broken"))
     pq.write_table(pq.read_table(broken / BANK_FILE).drop([SCORE]), broken / BANK_FILE)
-    with pytest.raises(TablesError, match=rf"suffix features: .* read \['{SCORE}'\], bank .*{BANK_FILE} lacks"):
+    with pytest.raises(TablesError, match=rf"synthetic_suffix features: .* read \['{SCORE}'\], bank .*{BANK_FILE} lacks"):
         tables.check_bank(broken)
-    grid = tables.chains["suffix"].grid
+    grid = tables.chains["synthetic_suffix"].grid
     assert grid.shape == (4, len(EDGES) + 1) and (grid[0].diff() >= 0).all() and grid[0, -1] > grid[0, 0]  # rises
 
     # look up: a score in bucket b at depth d reads grid[d, b]; NaN = no token
     x = torch.tensor([[[0.1], [0.6], [float("nan")]], [[0.9], [0.3], [0.8]]])
-    p = tables.accept_prob("suffix", x)
+    p = tables.accept_prob("synthetic_suffix", x)
     assert p[0, 0] == grid[0, 0] and p[0, 1] == grid[1, 2] and torch.isnan(p[0, 2]) and p[1, 2] == grid[2, 3]
-    assert tables.accept_prob("suffix", torch.tensor([[0.6]]), depth=1)[0] == grid[1, 2]
+    assert tables.accept_prob("synthetic_suffix", torch.tensor([[0.6]]), depth=1)[0] == grid[1, 2]
 
     # allocate: the suffix chain against the model chain, ids from the registry, kernel == reference
     torch.manual_seed(0)
@@ -124,27 +124,27 @@ def test_a_third_chain_is_one_registration(tmp_path, suffix_chain):
     else:
         impls = ("reference",)  # the kernel on CPU needs the interpreter set before triton is imported
     for mode in ({"budget": 9}, {"cost": 1.0 + 0.05 * torch.arange(40.0)}):
-        outs = [allocate(tables, {"suffix": score, "model": conf}, impl=impl, **mode) for impl in impls]
-        assert set(outs[0].drafter.tolist()) <= {0, 1, 3} and 3 in outs[0].drafter.tolist()
+        outs = [allocate(tables, {"synthetic_suffix": score, "model": conf}, impl=impl, **mode) for impl in impls]
+        assert set(outs[0].drafter.tolist()) <= {0, 1, 9} and 9 in outs[0].drafter.tolist()
         for other in outs[1:]:
             assert torch.equal(outs[0].drafter, other.drafter) and torch.equal(outs[0].depth, other.depth)
             assert torch.equal(outs[0].expected_accepted, other.expected_accepted)
         probs = allocate_probs({"model": tables.accept_prob("model", conf),
-                                "suffix": tables.accept_prob("suffix", score)}, **mode)
+                                "synthetic_suffix": tables.accept_prob("synthetic_suffix", score)}, **mode)
         assert torch.equal(probs.drafter, outs[0].drafter) and torch.equal(probs.depth, outs[0].depth)
 
     # evaluate + replay: the bank read as eval.py reads it has the suffix chain, calibrated by its table;
     # replayed as the second chain beside the model chain
     with pytest.warns(UserWarning):  # the synthetic bank's manifest records no model/speculator
         eb = load_eval_bank(bank, tables)
-    assert list(eb.chains) == ["model", "ngram", "suffix"] and eb.primary == "model"
-    suffix = eb.chains.pop("suffix")
+    assert list(eb.chains) == ["model", "ngram", "synthetic_suffix"] and eb.primary == "model"
+    suffix = eb.chains.pop("synthetic_suffix")
     drafted = ~np.isnan(suffix.acc)
     assert np.isfinite(suffix.p_cal[drafted]).all() and np.isnan(suffix.p_cal[~drafted]).all()
-    eb.chains = {"model": eb.chains["model"], "suffix": suffix}
+    eb.chains = {"model": eb.chains["model"], "synthetic_suffix": suffix}
     eb.split[:] = "test"
     rcfg = ReplayConfig(batch_sizes=[4], policies=["no_spec", "two_drafter", "oracle"], min_steps=4, max_steps=4,
-                        draft_cost={"model": 0.1, "suffix": 0.0})
+                        draft_cost={"model": 0.1, "synthetic_suffix": 0.0})
     curve = make_curve("parametric", {"kind": "parametric", "weight_read": 1.0, "per_position": 0.01}, 64)
     rows = replay([eb], {"parametric": curve}, rcfg, progress=False)
     shares = [r["ngram_share"] for r in rows if r["policy"] == "two_drafter" and r["category"] != "all"]
@@ -161,20 +161,20 @@ def _serving_decision(tables):
     B, cost = 6, 1.0 + 0.01 * torch.arange(64.0)
     model = Offer([[1, 2, 3, 4]] * B, torch.full((B, 4), 0.02))  # a weak model draft
     suffix = Offer([[10 + i, 11, 12, 13] if i % 3 else [] for i in range(B)], torch.full((B,), 0.95))
-    step = StepInputs([f"req-{i}" for i in range(B)], torch.zeros(B), {"model": model, "suffix": suffix})
+    step = StepInputs([f"req-{i}" for i in range(B)], torch.zeros(B), {"model": model, "synthetic_suffix": suffix})
     history = RequestHistory()
     out = decide_step(tables, step, history, k_max=4, cost=cost)
-    assert chain("suffix").id in out.chain.tolist()
+    assert chain("synthetic_suffix").id in out.chain.tolist()
     for i, (cid, d) in enumerate(zip(out.chain.tolist(), out.drafts)):
-        offered = {chain("model").id: model.tokens[i], chain("suffix").id: suffix.tokens[i]}.get(cid, [])
-        assert d == offered[: len(d)] and (cid != chain("suffix").id or suffix.tokens[i])
+        offered = {chain("model").id: model.tokens[i], chain("synthetic_suffix").id: suffix.tokens[i]}.get(cid, [])
+        assert d == offered[: len(d)] and (cid != chain("synthetic_suffix").id or suffix.tokens[i])
     signals, _ = chain_inputs(tables, step, history, k_max=4)
-    assert signals["suffix"].shape == (B, 4, 1) and torch.isnan(signals["suffix"][0]).all()  # request 0: none
+    assert signals["synthetic_suffix"].shape == (B, 4, 1) and torch.isnan(signals["synthetic_suffix"][0]).all()  # request 0: none
     ref = allocate(tables, signals, cost=cost)
     assert torch.equal(out.chain, ref.drafter) and torch.equal(out.depth, ref.depth)
     # SafeDecider: every registered chain the tables calibrate, the suffix chain included
     dec = SafeDecider(tables, model_id=tables.target_models[0], speculator=tables.meta["chains"]["model"]["ids"][0],
                       method="eagle", k_max=4, cost=cost)
-    assert dec.chains == ["model", "ngram", "suffix"]
+    assert dec.chains == ["model", "ngram", "synthetic_suffix"]
     got = dec.decide(step)
     assert not got.passthrough and got.drafts == out.drafts and torch.equal(got.chain, out.chain)

@@ -85,6 +85,9 @@ class ChainKind:
     # (given settings or None, k) -> the kind's settings, validated, defaults filled (what ``propose`` and
     # ``proposer`` take); None: the kind has none
     settings: Callable | None = None
+    # (features dicts [B] (None: no chain), lengths [B], own feature names, width) -> float32 [B, width, F]: the
+    # table's own inputs from what ``proposer``/``propose`` returned, as ``round_data`` lays a bank's rounds out
+    step_features: Callable | None = None
 
     def recompute(self, settings, k: int):
         """The kind's per-request recomputation (:attr:`proposer`, else a stateless wrapper of :attr:`propose`)
@@ -117,7 +120,10 @@ class ChainKind:
 
 
 class _Stateless:
-    """A ``propose`` function as a per-request recomputation (:meth:`ChainKind.recompute`)."""
+    """A ``propose`` function as a per-request recomputation (:meth:`ChainKind.recompute`): stateless, so
+    recomputed whenever asked."""
+
+    stateful = False
 
     def __init__(self, propose: Callable, settings):
         self.fn, self.settings = propose, settings

@@ -164,4 +164,5 @@ NGRAM = ChainKind(
     drafted_depth=ngram_drafted_depth, round_data=ngram_round_data,
     bank_file=schema.NGRAM, column_prefix=PREFIX, manifest_key="ngram_chain", engine_methods=("ngram",),
     propose=propose, propose_batch=propose_batch, bank=schema.NGRAM_FILE, settings=ngram_settings,
+    step_features=step_feature_tensor,
     description="prompt lookup (vLLM ngram): match features of the chain the context offered")

@@ -37,8 +37,14 @@ class Recorder:
         # capture fragment, ``{name}_tokens`` and ``{name}`` (features), beside every round
         from calib.chains import recomputed_chains
 
-        self.recompute = {kind.name: kind.recompute(chain_settings.get(kind.name), k) for kind in recomputed_chains()}
+        self.recompute = {}
+        for kind in recomputed_chains():
+            try:
+                self.recompute[kind.name] = kind.recompute(chain_settings.get(kind.name), k)
+            except ImportError as exc:  # an optional implementation (the suffix tree's) is not installed
+                log.warning("calib capture: the %s chain is not recorded (%s)", kind.name, exc)
         self.active: set[str] = set()  # requests a recomputation has seen (finished when they leave the batch)
+        self.proposed: dict[tuple, tuple] = {}  # (chain, req_id) -> (context length, tokens, features) of this step
         self.step = 0
         self.errors = 0
         self.local = threading.local()
@@ -121,7 +127,11 @@ class Recorder:
                 "context_len": context_len, "prompt_len": prompt_len,
             }
             for name, chain in self.recompute.items():  # each recomputed chain's fragment
-                tokens, feats = chain.propose(req_id, context, prompt_len, max_model_len)
+                seen = self.proposed.get((name, req_id))
+                if seen is not None and seen[0] == context_len:  # a stateful chain, proposed when vLLM's drafter was
+                    tokens, feats = seen[1:]
+                else:
+                    tokens, feats = chain.propose(req_id, context, prompt_len, max_model_len)
                 rec[f"{name}_tokens"], rec[name] = [int(t) for t in tokens], feats
             self.active.add(req_id)
             if signals is not None:
@@ -137,7 +147,32 @@ class Recorder:
                 rec["routing_start"] = int(positions[lo])
             self.fh.write(json.dumps(rec) + "\n")
         self.fh.flush()
-        gone = self.active - set(batch.req_ids)
+        if not any(getattr(c, "stateful", True) for c in self.recompute.values()):
+            self.finish_gone(batch.req_ids)
+
+    def propose_step(self, runner) -> None:
+        """Once per engine step, after bookkeeping (where vLLM's own proposer of a model-free chain runs): each
+        stateful recomputed chain proposes for every request of the batch in batch order, as vLLM's suffix
+        proposer does (its trees see the same tokens in the same order, so the chain is the one vLLM drafts)."""
+        stateful = {n: c for n, c in self.recompute.items() if getattr(c, "stateful", True)}
+        if not stateful:
+            return
+        batch = runner.input_batch
+        max_model_len = getattr(runner, "max_model_len", None)
+        self.proposed = {}
+        for i, req_id in enumerate(batch.req_ids):
+            n, prompt_len = int(batch.num_tokens_no_spec[i]), int(batch.num_prompt_tokens[i])
+            if n <= prompt_len or (max_model_len is not None and n >= max_model_len):
+                continue  # a prefill that has sampled nothing yet, or a request at the length limit
+            context = batch.token_ids_cpu[i, :n]
+            for name, chain in stateful.items():
+                self.proposed[name, req_id] = (n, *chain.propose(req_id, context, prompt_len, max_model_len))
+            self.active.add(req_id)
+        self.finish_gone(batch.req_ids)
+
+    def finish_gone(self, req_ids) -> None:
+        """The recomputations forget the requests that left the batch."""
+        gone = self.active - set(req_ids)
         for req_id in gone:
             for chain in self.recompute.values():
                 chain.finish(req_id)
@@ -151,6 +186,12 @@ class CaptureSubscriber(RunnerSubscriber):
     def __init__(self, recorder: Recorder, shadow_router: str | None = None):
         self.rec = recorder
         self.shadow = {"dir": str(shadow_router), "hooked": False} if shadow_router else None
+
+    def before_take(self, runner) -> None:
+        try:
+            self.rec.propose_step(runner)
+        except Exception as exc:  # noqa: BLE001 - capture must never break the engine
+            self.rec.error("propose_step", exc)
 
     def before_verify(self, runner) -> None:
         rec = self.rec

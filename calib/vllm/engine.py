@@ -28,6 +28,10 @@ def speculative_config(spec: dict, model_dir: Path, cache_dir: Path | None) -> t
         out.update(prompt_lookup_min=int(spec["prompt_lookup_min"]),
                    prompt_lookup_max=int(spec["prompt_lookup_max"]))
         return out, "ngram"
+    if method == "suffix":  # vLLM's suffix decoding (arctic-inference: make install-suffix)
+        out.update({f"suffix_decoding_{k}": spec[k] for k in ("max_tree_depth", "max_spec_factor", "min_token_prob",
+                                                              "max_cached_requests") if spec.get(k) is not None})
+        return out, "suffix"
     if spec.get("draft_sample_method"):  # "probabilistic": drafts drawn from q, verified against q (T > 0)
         out["draft_sample_method"] = str(spec["draft_sample_method"])
     if method == "draft_model":
@@ -44,7 +48,7 @@ def speculative_config(spec: dict, model_dir: Path, cache_dir: Path | None) -> t
         if spec.get("draft_load_format"):  # "dummy": random head weights (plumbing checks only)
             out["draft_load_config"] = {"load_format": spec["draft_load_format"]}
         return out, f"{method}:{name}"
-    raise ValueError(f"speculative.method={method!r} is not supported; use ngram, draft_model, "
+    raise ValueError(f"speculative.method={method!r} is not supported; use ngram, suffix, draft_model, "
                      "eagle or eagle3")
 
 
