@@ -375,7 +375,7 @@ def test_safe_decider_passes_a_step_with_a_bad_temperature_through(saved, caplog
     ({"max_failures": 0}, r"parameter max_failures=0 is invalid"),
     ({"model_id": ""}, r"parameter model_id='' is invalid; it must be a non-empty string"),
     ({"impl": "gpu"}, r"parameter impl='gpu' is invalid; it must be one of 'reference', 'triton'"),
-    ({"chains": ["model", "suffix"]}, r"parameter chains=\['model', 'suffix'\] is invalid; it must be a list of registered"),
+    ({"chains": ["model", "lookahead"]}, r"parameter chains=\['model', 'lookahead'\] is invalid; it must be a list of registered"),
     ({"cost": None, "budget": -1}, r"parameter budget=-1 is invalid; it must be None or an integer in \[0, inf\)"),
     ({"history": {}}, r"parameter history=\{\} is invalid; it must be None or a RequestHistory"),
 ])
