@@ -101,7 +101,7 @@ def test_round_data_reads_its_features(tmp_path):
     recs = _records(toks, engine_draft=[1, 2, 3])  # another drafter's rounds: the suffix chain is counterfactual
     bank = write_bank(tmp_path / "b", *build_tables({0: recs}, {0: "chat"}, {0: list(toks)}, keys))
     rounds = load(bank).rounds(chains=[SUFFIX])
-    data = suffix_round_data(rounds, ["suffix_cond", "match_len"])
+    data = suffix_round_data(rounds, ["conf", "match_n"])
     length = rounds.column("sx_suffix_len").to_numpy()
     assert data.inputs.shape == (rounds.num_rows, 3, 2)
     has = length > 0

@@ -9,9 +9,9 @@ every other drafter's round. Its bank file ``suffix.parquet`` (:data:`SUFFIX_FIL
 ``match_len`` (context tokens the tree matched), ``score`` (the tree's expected accepted length: the sum of
 its path probabilities), ``from_global`` (drafted from earlier responses, not the request's own tokens),
 ``tree_seqs`` (sequences in the tree drafted from: its support) and per depth ``suffix_prob{j}``: the tree's
-estimate that the path up to token j is right (a product of count ratios). Its table reads ``suffix_cond``,
-the tree's conditional estimate at depth j (``suffix_prob{j} / suffix_prob{j-1}``: what the table calibrates),
-and round features, then the context axes.
+estimate that the path up to token j is right (a product of count ratios). Its table reads ``conf``, the
+tree's conditional estimate at depth j (``suffix_prob{j} / suffix_prob{j-1}``: what the table calibrates, and
+the raw probability eval compares it with), and round features (:data:`FEATURES`), then the context axes.
 """
 
 from __future__ import annotations
@@ -33,8 +33,13 @@ SUFFIX_FILE = schema.ChainFile(
      "context_len": (pa.int64(), 0.0, math.inf)},
     {"suffix_prob": (0.0, 1.0)})
 PREFIX = "sx_"  # of suffix.parquet's columns in Bank.rounds(chains=...)
-ROUND_FEATURES = ("match_len", "score", "from_global", "tree_seqs")
-FEATURES = ("suffix_cond", *ROUND_FEATURES)  # what a table may read, per depth
+# What a table may read, per depth, by the names calib's feature estimators know (calib/calibrators/features):
+# ``conf`` the tree's conditional estimate of the token at that depth (its raw probability), ``match_n`` the
+# context tokens it matched (suffix.parquet's match_len), ``context_len``; then round features no estimator
+# reads yet (their names are not in calib.calibrators.features.models.FEATURE_NAMES).
+ROUND_COLUMNS = {"match_n": "match_len", "context_len": "context_len", "score": "score", "from_global": "from_global",
+                 "tree_seqs": "tree_seqs"}  # feature -> suffix.parquet column
+FEATURES = ("conf", *ROUND_COLUMNS)
 # vLLM 0.32's SpeculativeConfig defaults (suffix_decoding_*), the settings capture and serving recompute with
 DEFAULTS = {"max_tree_depth": 24, "max_cached_requests": 10000, "max_spec_factor": 1.0, "min_token_prob": 0.1}
 
@@ -123,9 +128,9 @@ def _features(table: pa.Table, width: int, prefix: str = "") -> dict[str, np.nda
                            .astype(np.float64))
     beyond = np.arange(width)[None, :] >= length[:, None]
     prob = schema.depth_matrix(table, f"{prefix}suffix_prob", width)
-    out = {"suffix_cond": conditional(prob)}
-    for name in ROUND_FEATURES:
-        col = table.column(f"{prefix}{name}")
+    out = {"conf": conditional(prob)}
+    for name, column in ROUND_COLUMNS.items():
+        col = table.column(f"{prefix}{column}")
         if pa.types.is_boolean(col.type):
             col = col.cast(pa.int8())
         out[name] = np.repeat(col.to_numpy(zero_copy_only=False).astype(np.float64)[:, None], width, axis=1)
@@ -136,14 +141,17 @@ def _features(table: pa.Table, width: int, prefix: str = "") -> dict[str, np.nda
 
 def suffix_samples(bank):
     """One row per (labelled suffix chain, depth reached): keys, depth, the table features, the context columns
-    (:func:`calib.labels.round_context` of the verified rounds), label. A bank without suffix.parquet yields
-    nothing."""
+    (:func:`calib.labels.round_context` of the verified rounds), label; from the folders of ``bank`` that hold
+    suffix.parquet (none: nothing)."""
     import pandas as pd
 
     from calib.labels import CONTEXT_COLUMNS, per_depth_samples, with_round_context
 
-    if not bank.has(SUFFIX_FILE.file):
+    paths = [p for p in bank.paths if (Path(p) / SUFFIX_FILE.file).exists()]
+    if not paths:
         return pd.DataFrame()
+    if len(paths) < len(bank.paths):  # trained beside banks of other drafters: the banks that record the chain
+        bank = type(bank)(paths, validate_on_open=False, judged_only=bank.judged_only)
     t = with_round_context(bank.table(SUFFIX_FILE.file), bank)
     src = np.asarray(t.column("label_source").to_pylist(), dtype=object)
     t = t.filter(pa.array(src != "none"))
@@ -178,7 +186,7 @@ def suffix_round_data(rounds, axis_names=None):
         if unknown:
             raise KeyError(f"unknown suffix feature(s) {unknown}; known: {FEATURES}")
         inputs = np.stack([feats[a] for a in axis_names], axis=2).astype(np.float32)  # [R, K, A]
-    return RoundData(acc, inputs, feats["suffix_cond"])
+    return RoundData(acc, inputs, feats["conf"])
 
 
 def suffix_step_features(features: Sequence[Mapping | None], lengths: Sequence[int], names: Sequence[str],
@@ -194,7 +202,7 @@ def suffix_step_features(features: Sequence[Mapping | None], lengths: Sequence[i
             continue
         cond = conditional(np.asarray(f["suffix_prob"][:n], dtype=np.float64))
         for c, name in enumerate(names):
-            out[i, :n, c] = cond if name == "suffix_cond" else float(f[name])
+            out[i, :n, c] = cond if name == "conf" else float(f[ROUND_COLUMNS[name]])
     return torch.from_numpy(out.astype(np.float32))
 
 
