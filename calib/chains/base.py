@@ -88,6 +88,9 @@ class ChainKind:
     # (features dicts [B] (None: no chain), lengths [B], own feature names, width) -> float32 [B, width, F]: the
     # table's own inputs from what ``proposer``/``propose`` returned, as ``round_data`` lays a bank's rounds out
     step_features: Callable | None = None
+    # (vLLM's speculative config) -> the kind's settings where vLLM drafts this chain itself (its method), so that
+    # calib's recomputation is vLLM's draft; None: its defaults
+    engine_settings: Callable | None = None
 
     def recompute(self, settings, k: int):
         """The kind's per-request recomputation (:attr:`proposer`, else a stateless wrapper of :attr:`propose`)

@@ -56,6 +56,11 @@ def suffix_settings(given, k: int) -> dict:
     return out
 
 
+def suffix_engine_settings(sc) -> dict:
+    """The settings of vLLM's suffix proposer in its speculative config (``suffix_decoding_*``)."""
+    return {name: getattr(sc, f"suffix_decoding_{name}") for name in DEFAULTS}
+
+
 class SuffixProposer:
     """vLLM's suffix proposer over one ``arctic_inference`` cache, per request: the prompt starts the request's
     tree, later tokens extend it (and the global tree of responses), and the draft is whichever tree's scores
@@ -215,6 +220,7 @@ SUFFIX = ChainKind(
     drafted_depth=suffix_drafted_depth, round_data=suffix_round_data,
     bank_file=SUFFIX_FILE.file, column_prefix=PREFIX, manifest_key="suffix_chain", engine_methods=("suffix",),
     bank=SUFFIX_FILE, proposer=SuffixProposer, settings=suffix_settings, step_features=suffix_step_features,
+    engine_settings=suffix_engine_settings,
     description="suffix decoding (vLLM suffix, arctic-inference): the suffix tree's estimates of its chain")
 
 

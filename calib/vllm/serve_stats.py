@@ -25,7 +25,8 @@ class ServeStats:
     emptied: int = 0  # ... [] where vLLM had a draft
     tokens_engine: int = 0  # draft tokens vLLM proposed on decided steps
     tokens_out: int = 0  # draft tokens handed back on decided steps
-    ngram_mismatch: int = 0  # n-gram engine: recomputed chain != vLLM's own (should stay 0)
+    ngram_mismatch: int = 0  # a recomputed chain's engine: calib's recomputation != vLLM's own draft (should stay 0)
+    chains_left_out: int = 0  # recomputed chains not offered at a step (more than two chains: Server.two_chains)
     allocator_ms: list[float] = field(default_factory=list)  # per decided step: SafeDecider (inputs + allocate)
     hook_ms: list[float] = field(default_factory=list)  # per decided step: the whole hook (n-gram recompute too)
     planned: int = 0  # steps whose draft passes calib chose (plan_draft)

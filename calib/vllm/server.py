@@ -46,6 +46,8 @@ class Server(DraftPlanning):
         self.chosen: dict[str, str] = {}  # req_id -> the chain handed back for its next verify (capture reads it)
         self.last_take: float | None = None  # perf_counter at the previous decision (step_ms)
         self.matches: dict[str, tuple] = {}  # req_id -> ((req_id, context length, last token), chain, features [F])
+        self.recomputed: dict[str, object] = {}  # other recomputed chain kinds -> their recomputation (recompute_others)
+        self.own: dict[str, list[str]] = {}  # those chains -> their tables' own feature names
         # req_id -> (match key, n-gram probs [L], n-gram depth the plan verifies or None) from this step's plan
         self.planned: dict[str, tuple] = {}
         self.pass_prices: dict[int, float] = {}  # batch size -> the price of one draft pass (plan_passes)
@@ -123,6 +125,7 @@ class Server(DraftPlanning):
             if warm is not None:  # compiled now (numba: ~1 s once), not in the first step; vLLM's buffer is int32
                 warm(np.zeros((1, 8), dtype=np.int32), [0], [8], [0], self.ngram, self.max_model_len,
                      np.zeros((1, 1), dtype=np.int64), np.zeros(1, dtype=np.int64))
+        self.recompute_others(dec, drafted, sc)
         model_drafter = chain(dec.engine_chain).confidence is not None  # its passes are calib's to plan
         if self.knobs.oracle:  # the clock oracle decides from a reference (plan_passes: 0 or vLLM's K)
             from calib.serve.oracle import Oracle, Reference
@@ -135,6 +138,71 @@ class Server(DraftPlanning):
             log.warning("calib serve: the tables hold no forecast of the model chain (re-run train.py): vLLM "
                         "keeps drafting K=%d passes per step; calib only truncates or substitutes", self.k)
         return dec
+
+    def recompute_others(self, dec, drafted, sc) -> None:
+        """Every other recomputed chain kind the tables calibrate (:func:`calib.chains.recomputed_chains`; the suffix
+        chain): its per-request recomputation, with the engine's settings where vLLM drafts it, and its table's own
+        feature names. Offered beside the others at each decided step (:meth:`offers`)."""
+        from calib.chains import recomputed_chains, split_context
+        from calib.serve.decide import feature_names
+
+        self.recomputed, self.own = {}, {}
+        for kind in recomputed_chains():
+            if kind.name == self.lookup or kind.name not in dec.chains:
+                continue
+            given = kind.engine_settings(sc) if kind.name == drafted.name and kind.engine_settings else None
+            try:
+                self.recomputed[kind.name] = kind.recompute(given, self.k)
+            except ImportError as exc:  # its implementation is not installed: not offered
+                log.warning("calib serve: the %s chain is not offered (%s)", kind.name, exc)
+                continue
+            self.own[kind.name] = split_context(feature_names(dec.tables, kind.name), kind.name)[0]
+
+    def recomputed_offers(self, dec, req_ids: list[str], engine: list[list[int]], batch, rows: list[int]) -> dict:
+        """``{chain: Offer}`` of :meth:`recompute_others`' chains for this step's requests (tokens ``[B][<= K]``,
+        the table's own features ``[B, W, F]``)."""
+        from calib.chains import Offer, chain
+
+        offers = {}
+        for name, rc in self.recomputed.items():
+            tokens, feats = [], []
+            for r, i in zip(req_ids, rows):
+                n = int(batch.num_tokens_no_spec[i])
+                t, f = rc.propose(r, batch.token_ids_cpu[i, :n], int(batch.num_prompt_tokens[i]), self.max_model_len)
+                tokens.append([int(x) for x in t[: self.k]])
+                feats.append(f)
+            if dec.engine_chain == name:
+                self.stats.ngram_mismatch += sum(a != b for a, b in zip(tokens, engine))
+            width = max(1, max(map(len, tokens), default=0))
+            offers[name] = Offer(tokens, chain(name).step_features(feats, [len(t) for t in tokens], self.own[name], width))
+        return offers
+
+    def two_chains(self, dec, offers: dict, req_ids: list[str], temps: list[float]) -> dict:
+        """The allocator chooses between at most two chains per request (calib.allocate.MAX_CHAINS): with more
+        offered, the model drafter's and the recomputed chain whose calibrated expected accepted length over this
+        step's requests is the largest (all of them free to draft) stay; the others are left out this step."""
+        if len(offers) <= 2:
+            return offers
+        from calib.allocate import calibrated_probs
+        from calib.serve import StepInputs
+        from calib.serve.decide import chain_inputs
+
+        free = [n for n in offers if n == self.lookup or n in self.recomputed]
+        fixed = [n for n in offers if n not in free]
+        best, best_value = None, -1.0
+        for name in free:
+            offer = offers[name]
+            if offer.probs is not None:
+                probs = torch.as_tensor(offer.probs, dtype=torch.float64)
+            else:
+                signals, _ = chain_inputs(dec.tables, StepInputs(req_ids, temps, {name: offer}), dec.history,
+                                          k_max=self.k)
+                probs = calibrated_probs(dec.tables, {name: signals[name]})[name].to(torch.float64)
+            value = float(torch.nan_to_num(torch.cumprod(torch.nan_to_num(probs, nan=0.0), dim=1)).sum())
+            if value > best_value:
+                best, best_value = name, value
+        self.stats.chains_left_out += len(free) - 1
+        return {n: offers[n] for n in (*fixed, best)}
 
     def error(self, where: str, exc: BaseException) -> None:
         self.stats.errors += 1
@@ -207,6 +275,8 @@ class Server(DraftPlanning):
             self.conf.pop(r, None)
             self.matches.pop(r, None)
             self.chosen.pop(r, None)
+            for rc in self.recomputed.values():
+                rc.finish(r)
             if self.oracle is not None:
                 self.oracle.finish(r)
             if self.decider is not None:
@@ -352,7 +422,7 @@ class Server(DraftPlanning):
                     conf[b, : len(c)] = torch.tensor(c[:K])
             # a chain with no token anywhere cannot be chosen: beside the n-gram chain, leave it out and the
             # (cheaper) one-chain rule decides the same
-            if any(model_tokens) or self.lookup not in dec.chains:
+            if any(model_tokens) or (self.lookup not in dec.chains and not self.recomputed):
                 offers[dec.engine_chain] = Offer(model_tokens, conf)
         if self.lookup in dec.chains:
             ngram_tokens, ngram_feats = self.ngram_chains(batch, rows)
@@ -360,6 +430,9 @@ class Server(DraftPlanning):
                 self.stats.ngram_mismatch += sum(a != b for a, b in zip(ngram_tokens, engine))
             offers[self.lookup] = Offer(ngram_tokens, ngram_feats, self.planned_probs(req_ids))
         self.planned = {}
+        if self.recomputed:
+            offers.update(self.recomputed_offers(dec, req_ids, engine, batch, rows))
+            offers = self.two_chains(dec, offers, req_ids, [float(batch.temperature_cpu[i]) for i in rows])
         return offers
 
     def count(self, drafts: list[list[int]], engine: list[list[int]], decided: bool = True) -> None:

@@ -1,0 +1,70 @@
+"""Server offers every recomputed chain kind the tables calibrate (no chain named in Server): the suffix chain
+recomputed per request from the engine's token buffer, and at most two chains handed to the allocator."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from calib.chains import Offer, chain
+from calib.serve.knobs import ServeKnobs
+from calib.vllm.server import Server
+
+pytest.importorskip("arctic_inference.suffix_decoding", reason="arctic-inference: make install-suffix")
+
+
+def _batch(requests):
+    """Stands for vLLM's InputBatch: (prompt, output) token lists per row."""
+    width = max(len(p) + len(o) for p, o in requests) + 8
+    buf = np.zeros((len(requests), width), dtype=np.int32)
+    for i, (p, o) in enumerate(requests):
+        buf[i, : len(p) + len(o)] = p + o
+    return SimpleNamespace(req_ids=[f"r{i}" for i in range(len(requests))], token_ids_cpu=buf,
+                           num_tokens_no_spec=np.array([len(p) + len(o) for p, o in requests]),
+                           num_prompt_tokens=np.array([len(p) for p, _ in requests]),
+                           temperature_cpu=np.zeros(len(requests)))
+
+
+def _server():
+    srv = Server(ServeKnobs("unused-tables"))
+    srv.k, srv.max_model_len, srv.lookup = 4, 2048, chain("ngram").name
+    dec = SimpleNamespace(chains=["model", "ngram", "suffix"], engine_chain="model", tables=None)
+    srv.recomputed = {"suffix": chain("suffix").recompute(None, 4)}  # what recompute_others builds from the tables
+    srv.own = {"suffix": ["conf", "match_n"]}
+    return srv, dec
+
+
+def test_the_suffix_chain_is_offered_as_its_recomputation_drafts_it():
+    motif = [7, 8, 9, 10, 11, 12]
+    reqs = [(motif + [1, 2] + motif[:3], [10]), ([3, 4, 5, 3, 4], [5]), ([1], [2])]
+    srv, dec = _server()
+    batch = _batch(reqs)
+    offers = srv.recomputed_offers(dec, batch.req_ids, [[], [], []], batch, [0, 1, 2])
+    mine = chain("suffix").recompute(None, 4)
+    for b, (p, o) in enumerate(reqs):
+        want, feats = mine.propose(f"r{b}", np.array(p + o, dtype=np.int32), len(p), 2048)
+        assert offers["suffix"].tokens[b] == want
+    sig = offers["suffix"].signal  # [B, W, F]: conf (the tree's conditional estimate), match_n; NaN beyond the chain
+    assert sig.shape[0] == 3 and sig.shape[2] == 2
+    n0 = len(offers["suffix"].tokens[0])
+    assert n0 > 0 and torch.isfinite(sig[0, :n0]).all() and (sig[0, :n0, 1] >= 1).all()
+    assert torch.isnan(sig[0, n0:]).all()
+    srv.finished(["r0"])
+    assert "r0" not in srv.recomputed["suffix"].seen
+
+
+def test_at_most_two_chains_reach_the_allocator():
+    srv, dec = _server()
+    B = 2
+    model = Offer([[1, 2], [3, 4]], torch.full((B, 2), 0.5))
+    weak = Offer([[5], [6]], None, probs=torch.tensor([[0.1], [0.2]]))
+    strong = Offer([[7, 8], [9]], None, probs=torch.tensor([[0.9, 0.8], [0.7, float("nan")]]))
+    got = srv.two_chains(dec, {"model": model, "ngram": weak, "suffix": strong}, ["a", "b"], [0.0, 0.0])
+    assert list(got) == ["model", "suffix"] and srv.stats.chains_left_out == 1
+    got = srv.two_chains(dec, {"model": model, "ngram": strong, "suffix": weak}, ["a", "b"], [0.0, 0.0])
+    assert list(got) == ["model", "ngram"]
+    two = {"ngram": weak, "suffix": strong}
+    assert srv.two_chains(dec, two, ["a", "b"], [0.0, 0.0]) == two  # two offered: both stay
