@@ -45,7 +45,7 @@ def test_the_suffix_chain_is_offered_as_its_recomputation_drafts_it():
     offers = srv.recomputed_offers(dec, batch.req_ids, [[], [], []], batch, [0, 1, 2])
     mine = chain("suffix").recompute(None, 4)
     for b, (p, o) in enumerate(reqs):
-        want, feats = mine.propose(f"r{b}", np.array(p + o, dtype=np.int32), len(p), 2048)
+        want, _ = mine.propose(f"r{b}", np.array(p + o, dtype=np.int32), len(p), 2048)
         assert offers["suffix"].tokens[b] == want
     sig = offers["suffix"].signal  # [B, W, F]: conf (the tree's conditional estimate), match_n; NaN beyond the chain
     assert sig.shape[0] == 3 and sig.shape[2] == 2
