@@ -84,7 +84,8 @@ def figure(rows, path: Path, wd_rows=()) -> None:
             bs = sorted({r["batch_size"] for r in sel})
             gains = [[100 * r["gain_vs_even"] for r in sel if r["batch_size"] == b] for b in bs]
             mean = [float(np.mean(g)) for g in gains]
-            line = ax.plot(bs, mean, style, label=pol.replace("_", " "))[0]
+            label = pol.replace("_", " ") + (" (exact 2-chain rule)" if pol == "oracle_shape_both" else "")
+            line = ax.plot(bs, mean, style, label=label)[0]
             ax.fill_between(bs, [min(g) for g in gains], [max(g) for g in gains], color=line.get_color(), alpha=0.12)
         ax.axhline(0, color="k", lw=0.6)
         ax.set_xscale("log", base=2)
@@ -103,13 +104,13 @@ def figure(rows, path: Path, wd_rows=()) -> None:
             ax.fill_between(x, [min(v) for v in vals], [max(v) for v in vals], color=line.get_color(), alpha=0.12)
         ax.set_xticks(np.arange(len(keys)), [f"R={r}\nT={t}" for r, t in keys])
         ax.axhline(0, color="k", lw=0.6)
-        ax.set_title(f"{cname}: width against depth under a budget of T positions")
+        ax.set_title(f"{cname}: width vs depth, budget T")
         ax.grid(alpha=0.3)
         ax.set_yscale("symlog", linthresh=10)
     if wd_rows:
         axes[1][0].set_ylabel("goodput gain (%), mean over banks\n(R running requests, queue never empty)")
         axes[1][-1].legend(fontsize=8)
-    fig.suptitle("Shape-aware vs even-spread MoE pricing (calib allocator, replay, roofline on H200)")
+    fig.suptitle("Shape-aware vs even-spread MoE pricing (calib allocator, replay, roofline on H200; testbed routing)")
     fig.tight_layout()
     tmp = path.with_suffix(".tmp.png")
     fig.savefig(tmp, dpi=120)
