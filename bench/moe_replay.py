@@ -5,7 +5,8 @@ and ``<out>.png`` (the goodput gain against batch size).
     python bench/moe_replay.py                                 # conf/eval_moe.yaml
     python bench/moe_replay.py replay.max_steps=24 out=/tmp/x  # OmegaConf dot-list overrides
 
-Why not Hydra: one config file and a few overrides, no config groups; OmegaConf reads the same YAML.
+Why argparse, not Hydra: one config file and a few dot-list overrides, no config groups, no run folder;
+OmegaConf reads the same YAML.
 """
 
 from __future__ import annotations
@@ -118,9 +119,11 @@ def figure(rows, path: Path, wd_rows=()) -> None:
 
 
 def main(argv: list[str]) -> None:
-    if any(a in ("-h", "--help") for a in argv):
-        print(__doc__)
-        return
+    from calib.cli import parser as plain_parser
+
+    ap = plain_parser(__doc__)
+    ap.add_argument("overrides", nargs="*", help="OmegaConf dot-list overrides of conf/eval_moe.yaml (key=value)")
+    argv = ap.parse_args(argv).overrides
     from omegaconf import OmegaConf
 
     cfg = OmegaConf.merge(OmegaConf.load(ROOT / "conf" / "eval_moe.yaml"), OmegaConf.from_dotlist(argv))
