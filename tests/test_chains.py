@@ -160,7 +160,7 @@ def _serving_decision(tables):
 
     B, cost = 6, 1.0 + 0.01 * torch.arange(64.0)
     model = Offer([[1, 2, 3, 4]] * B, torch.full((B, 4), 0.02))  # a weak model draft
-    suffix = Offer([[10 + i, 11, 12, 13] if i % 3 else [] for i in range(B)], torch.full((B,), 0.95))
+    suffix = Offer([[10 + i, 11, 12, 13] if i % 3 else [] for i in range(B)], torch.full((B, 4), 0.95))
     step = StepInputs([f"req-{i}" for i in range(B)], torch.zeros(B), {"model": model, "synthetic_suffix": suffix})
     history = RequestHistory()
     out = decide_step(tables, step, history, k_max=4, cost=cost)
@@ -178,3 +178,96 @@ def _serving_decision(tables):
     assert dec.chains == ["model", "ngram", "synthetic_suffix"]
     got = dec.decide(step)
     assert not got.passthrough and got.drafts == out.drafts and torch.equal(got.chain, out.chain)
+    _served_by_the_server(dec)
+
+
+# -- collection and serving through calib's vLLM layer (capture, assembly, the bank writer and validator,
+# Server): the same one file and one registration, nothing else names the kind -------------------------------
+FINALS = {0: [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 1, 2, 5, 6, 7, 8, 9, 3, 5, 6, 7, 8, 9, 4, 5, 6, 7, 8, 9, 5, 6, 7],
+          1: [3, 1, 4, 1, 5, 9, 2, 6, 3, 1, 4, 1, 5, 9, 2, 6, 3, 1, 4, 1, 5, 9, 2, 6, 3, 1, 4, 1, 5, 9, 2, 6]}
+PROMPT = 8
+
+
+def _batch(ctx: dict):
+    """Stands for vLLM's InputBatch over requests at context lengths ``ctx`` (their final tokens: FINALS)."""
+    from types import SimpleNamespace
+
+    rows = sorted(ctx)
+    buf = np.zeros((len(rows), 40), dtype=np.int32)
+    for b, i in enumerate(rows):
+        buf[b, : ctx[i]] = FINALS[i][: ctx[i]]
+    return SimpleNamespace(req_ids=[f"{i}-abcdefgh" for i in rows], token_ids_cpu=buf,
+                           num_tokens_no_spec=np.array([ctx[i] for i in rows]),
+                           num_prompt_tokens=np.array([PROMPT] * len(rows)), temperature_cpu=np.zeros(len(rows)))
+
+
+def test_collected_from_the_engine_and_served_by_calib_with_its_one_file(tmp_path, suffix_chain):
+    from types import SimpleNamespace
+
+    from calib.bank import validate
+    from calib.collect.assemble import RunKeys, build_tables, engine_request_prefix, read_capture
+    from calib.vllm.capture import Recorder
+
+    # counted: the kind is one file; no file of the project's code or config names it; one registration added it
+    root = Path(__file__).resolve().parents[1]
+    defined = Path(__import__(SUFFIX.samples.__module__, fromlist=["x"]).__file__).resolve()
+    assert defined == root / "tests" / "synthetic_suffix.py"
+    naming = [p for d in ("calib", "conf", "bench") for p in (root / d).rglob("*") if p.is_file()
+              and p.suffix in (".py", ".yaml") and SUFFIX.name in p.read_text(errors="ignore")]
+    naming += [p for p in root.glob("*.py") if SUFFIX.name in p.read_text()]
+    assert naming == []
+    assert [k.name for k in chains()].count(SUFFIX.name) == 1
+
+    # capture: vLLM's runner stood in for (a model drafter whose drafts accept two tokens of three)
+    rec = Recorder(str(tmp_path / "capture"), {}, 3)
+    assert SUFFIX.name in rec.recompute
+    ctx = {0: PROMPT + 1, 1: PROMPT + 1}
+    for step in range(1, 7):
+        batch = _batch(ctx)
+        runner = SimpleNamespace(input_batch=batch, requests={}, max_model_len=2048)
+        rec.propose_step(runner)  # after bookkeeping: where vLLM's own model-free proposers run
+        drafts = [FINALS[i][ctx[i]: ctx[i] + 2] + [99] for i in sorted(ctx)]
+        meta = SimpleNamespace(num_draft_tokens=[3] * len(drafts),
+                               draft_token_ids=torch.tensor([t for d in drafts for t in d]))
+        sampled = torch.tensor([FINALS[i][ctx[i]: ctx[i] + 3] + [-1] for i in sorted(ctx)])
+        rec.record_verify(runner, meta, sampled)
+        ctx = {i: n + 3 for i, n in ctx.items()}
+    rounds = {int(engine_request_prefix(r)): recs for r, recs in read_capture(tmp_path / "capture").items()}
+    keys = RunKeys("synthetic-model", "eagle:x", "eagle-k3-t0", 3, 3, chain_verified=False, temperature=0.0)
+    tables = build_tables(rounds, {0: "code_edit", 1: "chat"}, FINALS, keys)
+    bank = write_bank(tmp_path / "collected", *tables)
+    assert validate(str(bank)) == []  # the bank writer and the validator know its file from the registration
+    t = load_bank(bank).rounds(chains=[SUFFIX])
+    src = t.column(f"{PREFIX}label_source").to_pylist()
+    assert src.count("counterfactual") >= 6  # the repeating motifs offer chains, labelled from the final tokens
+    for r, recs in rounds.items():  # what capture recorded is what the kind proposes from the same tokens
+        for x in recs:
+            want = SUFFIX.propose(np.array(FINALS[r][: x["context_len"]]), {"k": 3})[0]
+            assert x[f"{SUFFIX.name}_tokens"] == want
+    # a broken file of the kind is refused, naming its file and column
+    import pyarrow.parquet as pq
+
+    bad = pq.read_table(bank / BANK_FILE)
+    pq.write_table(bad.drop([SCORE]), bank / BANK_FILE)
+    assert any(p.column == SCORE and p.file.endswith(BANK_FILE) for p in validate(str(bank)))
+
+
+def _served_by_the_server(dec):
+    """Server recomputes the kind from the engine's token buffer and offers it; the decider verifies it."""
+    from calib.serve import StepInputs
+    from calib.serve.knobs import ServeKnobs
+    from calib.vllm.server import Server
+
+    srv = Server(ServeKnobs("unused-tables"))
+    srv.k, srv.max_model_len = 4, 2048
+    srv.lookup = next(k.name for k in chains() if k.propose is not None)  # what construction sets: the n-gram chain
+    srv.recompute_others(dec, chain("model"), None)
+    assert list(srv.recomputed) == [SUFFIX.name] and srv.own == {SUFFIX.name: [SCORE]}
+    batch = _batch({0: 20, 1: 20})
+    offers = srv.recomputed_offers(dec, batch.req_ids, [[], []], batch, [0, 1])
+    want = [SUFFIX.propose(np.array(FINALS[i][:20]), {"k": 4})[0] for i in (0, 1)]
+    assert offers[SUFFIX.name].tokens == want and all(want)
+    model = Offer([[1, 2, 3, 4]] * 2, torch.full((2, 4), 0.02))
+    got = dec.decide(StepInputs(batch.req_ids, [0.0, 0.0], {"model": model, **offers}))
+    assert chain(SUFFIX.name).id in got.chain.tolist()
+    srv.finished(batch.req_ids)

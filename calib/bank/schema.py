@@ -165,6 +165,9 @@ def register_chain_file(spec: ChainFile) -> ChainFile:
     known = _CHAIN_FILES.get(spec.file)
     if known is not None and known != spec:
         raise ValueError(f"bank file {spec.file!r} is already registered with another layout")
+    twin = next((s.file for s in _CHAIN_FILES.values() if s.file != spec.file and s.length == spec.length), None)
+    if twin is not None:  # the writer tells a chain table's file by its length column
+        raise ValueError(f"bank file {spec.file!r}: its length column {spec.length!r} is {twin}'s already")
     _CHAIN_FILES[spec.file] = spec
     return spec
 
