@@ -46,7 +46,7 @@ def test_the_shape_rule_reaches_the_exact_model_optimum_on_small_steps(cost):
         p = rng.uniform(0.2, 1.0, (B, 4)) ** 0.5
         pricer = StepPricer(cost, B, 4, 0.0)
         start = pricer.even({"model": p})
-        dr, de, _, tokens = pricer.shaped({"model": p}, start, 3, "reference")
+        _, de, _, tokens = pricer.shaped({"model": p}, start, 3, "reference")
         got = tokens / pricer.actual(de)[0]
         best = exhaustive(pricer, p)
         assert got <= best * (1 + 1e-6)
