@@ -129,3 +129,21 @@ def test_refusals():
         allocate_probs({"model": p}, price=ShapePrice(1.0, torch.zeros(3, 2, dtype=torch.float64)))
     with pytest.raises(ValueError, match="exactly one"):
         allocate_probs({"model": p}, price=ShapePrice(1.0, torch.tensor([0.0, 0.2])), budget=2)
+
+
+def test_allocate_from_raw_signals_takes_the_same_price():
+    """``allocate(tables, signals, price=...)`` = the shape rule on the tables' calibrated probabilities, both impls."""
+    from test_triton_matches_reference import random_tables
+
+    from calib.allocate import allocate, calibrated_probs
+
+    gen = torch.Generator().manual_seed(3)
+    tables = random_tables(gen)
+    b, k, l = 6, 5, 4
+    conf = torch.rand(b, k, generator=gen)
+    feats = torch.rand(b, l, 2, generator=gen) * torch.tensor([3.0, 2.0])
+    price = random_price(gen, b, k, "concave")
+    signals = pair(conf, feats)
+    ref = allocate_probs(calibrated_probs(tables, signals), price=price)
+    assert_same(ref, allocate(tables, signals, price=price))
+    assert_same(ref, allocate(tables, signals, price=price, impl="triton"))
