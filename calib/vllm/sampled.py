@@ -101,3 +101,49 @@ def _one_hot_substitutes(probs, prob_req_ids, req_ids, drafts, from_model, row_o
         probs[row, : len(x)] = 0
         probs[row, torch.arange(len(x)), torch.tensor(x, device=probs.device)] = 1
     return probs, ids
+
+
+def sample_recovered_tokens(max_spec_len, num_draft_tokens, cu_num_draft_tokens, draft_token_ids, draft_probs,
+                            target_probs, sampling_metadata, device, use_fp64_gumbel=False):
+    """vLLM's ``rejection_sampler.sample_recovered_tokens`` (same contract, same kernel), drawing its vocabulary of
+    exponentials only for the requests that have draft tokens, and nothing at all on a step without any.
+
+    vLLM draws ``q [batch_size, vocab_size]`` for every request of a step under sampling (and a speculative engine
+    runs the rejection sampler on every step, draft tokens or none), while its kernel reads ``inv_q`` only at a
+    request's draft positions. On a CPU that draw was most of a sampled step's extra cost (1.1 ms per request at
+    SmolLM2's 49,152 tokens, docs/profile.md), paid even when calib verified nothing. The rows read are drawn as
+    vLLM draws them (a seeded request from its own generator, the same values; the others from the global
+    generator, in fewer calls), so what is sampled keeps its distribution."""
+    import torch
+    from vllm.v1.sample import rejection_sampler as rs
+
+    recovered = torch.empty_like(draft_token_ids)  # [num_tokens]
+    if draft_token_ids.numel() == 0:
+        return recovered
+    vocab_size = target_probs.shape[-1]
+    dtype = torch.float64 if use_fp64_gumbel else torch.float32
+    inv_q = torch.ones((len(num_draft_tokens), vocab_size), dtype=dtype, device=device)  # [B, V]; unread rows: 1
+    drafting = [i for i, n in enumerate(num_draft_tokens) if n > 0]
+    unseeded = [i for i in drafting if i not in sampling_metadata.generators]
+    if unseeded:
+        draw = torch.empty((len(unseeded), vocab_size), dtype=dtype, device=device).exponential_()
+        inv_q[torch.tensor(unseeded, device=device)] = draw.reciprocal_()
+    for i, generator in sampling_metadata.generators.items():
+        if num_draft_tokens[i] > 0:
+            inv_q[i] = torch.empty(vocab_size, dtype=dtype, device=device).exponential_(generator=generator).reciprocal_()
+    rs._sample_recovered_tokens(recovered, cu_num_draft_tokens, draft_token_ids, draft_probs, target_probs, inv_q,
+                                max_spec_len=max_spec_len)
+    return recovered
+
+
+def apply_lean_recovered_draw() -> bool:
+    """Replace vLLM's ``sample_recovered_tokens`` by :func:`sample_recovered_tokens` (serving only: calib's arms,
+    never vLLM's own; ``CALIB_LEAN_RECOVERED_DRAW=0`` keeps vLLM's). Returns whether it replaced it."""
+    from calib import envs
+
+    if not envs.CALIB_LEAN_RECOVERED_DRAW:
+        return False
+    from vllm.v1.sample import rejection_sampler as rs
+
+    rs.sample_recovered_tokens = sample_recovered_tokens
+    return True

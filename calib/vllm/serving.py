@@ -125,6 +125,9 @@ def start_serving(knobs: ServeKnobs) -> ServingSubscriber:
     global _SERVER
     if _SERVER is None:
         _SERVER = Server(knobs)
+        from calib.vllm.sampled import apply_lean_recovered_draw
+
+        apply_lean_recovered_draw()  # a step calib drafts nothing on costs what a plain step costs, sampled too
         _ensure_log_handler()
         atexit.register(_log_summary)
         # debug only: whether the hooks act in this engine is the engine line's to say (calib.vllm.engine_line)
