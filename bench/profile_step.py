@@ -99,7 +99,8 @@ def install_timers() -> None:
     def note_batch(runner, scheduler_output, *a, **k):
         so = scheduler_output
         TIMER.info = {"batch": len(so.num_scheduled_tokens), "tokens": int(so.total_num_scheduled_tokens),
-                      "draft_tokens": sum(len(v) for v in so.scheduled_spec_decode_tokens.values()), "passes": 0}
+                      "draft_tokens": sum(len(v) for v in so.scheduled_spec_decode_tokens.values()),
+                      "drafting": sum(1 for v in so.scheduled_spec_decode_tokens.values() if v), "passes": 0}
 
     def reset_drafter(runner, *a, **k):
         TIMER.drafter_calls = 0

@@ -90,17 +90,23 @@ def cost_curve(text: str, t_max: int, drafter_loaded: bool = False) -> torch.Ten
 
 @dataclass(frozen=True)
 class SampledPrice:
-    """What a step under sampling adds to the price once it verifies ``D >= 1`` draft tokens, in the cost
-    knob's unit: ``fixed + per_draft · D + per_request · B`` (an engine step cost's ``sampled`` term)."""
+    """What a step under sampling adds to the price once it verifies draft tokens, in the cost knob's unit:
+    ``per_drafting_request`` for each request with ``d >= 1`` draft tokens plus ``per_draft · d`` (an engine step
+    cost's ``sampled`` term; its intercept, a once-per-step jump, is charged to each drafting request: an upper
+    bound that keeps the price separable over requests)."""
 
-    fixed: float
     per_draft: float
-    per_request: float
+    per_drafting_request: float
 
     def __post_init__(self):
-        vals = (self.fixed, self.per_draft, self.per_request)
+        vals = (self.per_draft, self.per_drafting_request)
         if not all(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0 for v in vals):
             raise ValueError(f"SampledPrice needs finite numbers >= 0, got {vals}")
+
+    def added(self, width: int) -> torch.Tensor:
+        """float64 ``[width + 1]``: what one request verifying ``d`` draft tokens adds (0 at ``d = 0``)."""
+        d = torch.arange(width + 1, dtype=torch.float64)
+        return torch.where(d > 0, self.per_drafting_request + self.per_draft * d, torch.zeros_like(d))
 
 
 def sampled_price(text: str) -> SampledPrice | None:
@@ -110,15 +116,18 @@ def sampled_price(text: str) -> SampledPrice | None:
     if path is None:
         return None
     term = serving_step_cost(path).sampled
-    price = SampledPrice(term.intercept, term.slopes.get("D", 0.0), term.slopes.get("B", 0.0))
-    return price if any((price.fixed, price.per_draft, price.per_request)) else None
+    price = SampledPrice(term.slopes.get("D", 0.0), term.intercept + term.slopes.get("R", 0.0))
+    return price if any((price.per_draft, price.per_drafting_request)) else None
 
 
-def sampled_cost(cost: torch.Tensor, price: SampledPrice, n_requests: int) -> torch.Tensor:
-    """``cost`` [T_max + 1] for a step of ``n_requests`` under sampling: ``price`` added at every
-    ``T = n_requests + D`` with ``D >= 1`` (the rejection sampler's random path runs only where some draft
-    token is verified: docs/cost.md)."""
-    out = cost.clone()
-    d = torch.arange(1, out.numel() - n_requests, dtype=out.dtype)
-    out[n_requests + 1:] += price.fixed + price.per_request * n_requests + price.per_draft * d
-    return out
+def sampled_shape_price(cost: torch.Tensor, price: SampledPrice, n_requests: int, width: int):
+    """The price of a step of ``n_requests`` under sampling, as the allocator's separable shape price
+    (:class:`calib.allocate.ShapePrice`): ``cost`` [T_max + 1] is an engine step cost's curve, affine in the
+    positions, so each request's draft tokens add its slope per token, plus :meth:`SampledPrice.added` (the
+    sampler's random path runs only for requests with draft tokens where calib serves: docs/cost.md)."""
+    from calib.allocate import ShapePrice
+
+    base = float(cost[n_requests])
+    slope = float(cost[n_requests + 1] - cost[n_requests]) if cost.numel() > n_requests + 1 else 0.0
+    d = torch.arange(width + 1, dtype=torch.float64)
+    return ShapePrice(base, slope * d + price.added(width))

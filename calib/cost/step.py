@@ -55,10 +55,12 @@ class StepCost:
         calib: calib's hooks per step when it serves (decision, plan, n-gram recompute; of ``B``).
         source: what it was fitted on (the profile's command, date, engine).
         sampled: what a step under sampling (any request at T > 0) spends beyond ``verify`` when it
-            verifies ``D >= 1`` draft tokens (of ``D`` and ``B``): the rejection sampler's random path (a
-            softmax over the vocabulary at every draft position, a vocabulary of exponentials drawn for
-            every request), which a greedy step and a step without draft tokens skip. Zero where no sampled
-            profile was fitted.
+            verifies ``D >= 1`` draft tokens (of ``D`` and ``R``, the requests with draft tokens): the
+            rejection sampler's random path (a softmax over the vocabulary at every draft position, a
+            vocabulary of exponentials per request drawn: ``R`` of them where calib serves,
+            calib.vllm.sampled; vLLM's own draw takes every request of the step, so a profile of vLLM's arms
+            records ``R = B``), which a greedy step and a step without draft tokens skip. Zero where no
+            sampled profile was fitted.
     """
 
     verify: Linear
@@ -68,13 +70,13 @@ class StepCost:
     chain: Linear
     calib: Linear
     source: dict
-    sampled: Linear = field(default_factory=lambda: Linear(0.0, {"D": 0.0, "B": 0.0}))
+    sampled: Linear = field(default_factory=lambda: Linear(0.0, {"D": 0.0, "R": 0.0}))
 
-    def speculating_sampled(self, draft_tokens, batch) -> np.ndarray:
-        """Seconds a sampled step of ``batch`` requests adds for verifying ``draft_tokens`` (0 for none: no
+    def speculating_sampled(self, draft_tokens, drafting) -> np.ndarray:
+        """Seconds a sampled step adds for verifying ``draft_tokens`` from ``drafting`` requests (0 for none: no
         jump without drafts)."""
         d = np.asarray(draft_tokens, dtype=np.float64)
-        return np.where(d > 0, self.sampled(D=d, B=batch), 0.0)
+        return np.where(d > 0, self.sampled(D=d, R=drafting), 0.0)
 
     def draft(self, passes, batch: int) -> np.ndarray:
         """Seconds of ``passes`` model draft passes over ``batch`` rows (the idle forward not included)."""
@@ -111,6 +113,8 @@ def fit_step_cost(rows: list[dict], source: dict) -> StepCost:
     B = np.array([r["batch"] for r in rows], dtype=np.float64)
     T = np.array([r["tokens"] for r in rows], dtype=np.float64)
     D = np.array([r.get("draft_tokens", r["tokens"] - r["batch"]) for r in rows], dtype=np.float64)
+    # the exponentials drawn: for the requests with drafts (calib's lean draw, recorded), else for every request
+    R = np.array([r.get("drafting", r["batch"]) for r in rows], dtype=np.float64)
     jumped = np.array([bool(r.get("sampled", False)) for r in rows]) & (D > 0)
     passes = np.array([r.get("passes", 0) for r in rows], dtype=np.float64)
     drafter = [p for parts in DRAFTER_PARTS.values() for p in parts]
@@ -120,9 +124,9 @@ def fit_step_cost(rows: list[dict], source: dict) -> StepCost:
     loaded = idle_s > 0
     plain = ~jumped if (~jumped).any() else np.ones(len(rows), dtype=bool)
     fits = {"verify": _fit(np.column_stack([T[plain], B[plain]]), verify_s[plain], ("T", "B"))}
-    fits["sampled"] = (_fit(np.column_stack([D[jumped], B[jumped]]),
-                            verify_s[jumped] - fits["verify"](T=T[jumped], B=B[jumped]), ("D", "B"))
-                       if jumped.any() and (~jumped).any() else Linear(0.0, {"D": 0.0, "B": 0.0}))
+    fits["sampled"] = (_fit(np.column_stack([D[jumped], R[jumped]]),
+                            verify_s[jumped] - fits["verify"](T=T[jumped], B=B[jumped]), ("D", "R"))
+                       if jumped.any() and (~jumped).any() else Linear(0.0, {"D": 0.0, "R": 0.0}))
     fits["idle"] = _fit(T[loaded, None], idle_s[loaded], ("T",)) if loaded.any() else Linear(0.0, {"T": 0.0})
     for name, mask, denom in (("lm_head", passes > 0, passes), ("more", passes > 1, passes - 1)):
         y = np.array([_part_ms(r, DRAFTER_PARTS[name]) for r in rows]) / 1e3
@@ -158,6 +162,9 @@ def load_step_cost(path) -> StepCost:
         term = doc.get(key)
         if term is None and key in optional:
             continue
+        if key == "sampled" and isinstance(term, dict) and not set(term.get("slopes") or {}) <= {"D", "R"}:
+            raise ValueError(f"{path}: sampled: slopes over {sorted(term['slopes'])}; this calib reads D (draft tokens) "
+                             f"and R (requests with draft tokens) (re-run bench/profile_step.py --step-cost {path})")
         ok = (isinstance(term, dict) and isinstance(term.get("slopes"), dict)
               and all(_nonneg(v) for v in [term.get("intercept"), *term["slopes"].values()]))
         if not ok:
@@ -223,7 +230,8 @@ class EngineStepCurve(CostCurve):
         t[0] = 1
         values = cost.verify(T=t, B=batch) + (cost.idle(T=t) if drafter else 0.0)
         if sampled:
-            values = values + cost.speculating_sampled(np.maximum(t - batch, 0), batch)
+            drafts = np.maximum(t - batch, 0)  # the requests drafting are not known from T: at most min(B, D)
+            values = values + cost.speculating_sampled(drafts, np.minimum(drafts, batch))
         super().__init__(name, np.asarray(values, dtype=np.float64), unit)
         self.cost, self.t_max, self.batch, self.drafter, self.sampled = cost, t_max, batch, drafter, sampled
 
@@ -243,6 +251,15 @@ class EngineStepCurve(CostCurve):
     def with_sampling(self, sampled: bool) -> EngineStepCurve:
         """This curve for steps under sampling (the sampled path's extra work priced) or greedy ones."""
         return self._with(sampled=bool(sampled))
+
+    def charge(self, depth: np.ndarray) -> np.ndarray:
+        """A step's cost given its verified draft depths ``[S, B]``; under sampling the sampled path's extra work
+        at the step's own draft tokens and drafting requests (the curve's values assume the most requests)."""
+        if not self.sampled:
+            return super().charge(depth)
+        depth = np.asarray(depth)
+        plain = self._with(sampled=False)
+        return plain.charge(depth) + self.cost.speculating_sampled(depth.sum(axis=-1), (depth > 0).sum(axis=-1))
 
     def draft(self, passes) -> np.ndarray:
         return self.cost.draft(passes, self.batch)

@@ -47,7 +47,7 @@ from calib.chains import (
     split_context,
     verified_chain,
 )
-from calib.cost.serving import SampledPrice, sampled_cost
+from calib.cost.serving import SampledPrice, sampled_shape_price
 from calib.params import TEXT, Interval, NoneValue, Options, Satisfies, validate_params
 from calib.serve.history import RequestHistory
 
@@ -256,8 +256,9 @@ def _decide_step(tables, inputs: StepInputs, history: RequestHistory, *, k_max: 
                          f"(positions {[i for i, r in enumerate(inputs.req_ids) if r == dup]}): each request is "
                          "decided once per step")
     temps = request_temperatures(inputs)
-    if sampled_price is not None and (temps > 0).any():  # vLLM takes the sampled path for the whole step
-        cost = sampled_cost(cost, sampled_price, B)
+    shape = None  # a step under sampling: the sampler's random path, priced per drafting request
+    if sampled_price is not None and (temps > 0).any():
+        shape, cost = sampled_shape_price(cost, sampled_price, B, k_max), None
     offered = [k.name for k in chains() if k.name in inputs.offers and k.name in tables.chains]
     _note_unfitted(tables, temps, offered)
     # offers whose probabilities the engine already looked up (the serving plan): the reference path uses them
@@ -267,9 +268,9 @@ def _decide_step(tables, inputs: StepInputs, history: RequestHistory, *, k_max: 
     probs = None
     if given or impl in HOST_LOOKUPS:  # the probabilities are kept: the online correction learns from them
         probs = {**calibrated_probs(tables, signals), **given} if signals else given
-        out = allocate_probs(probs, cost=cost, budget=budget, impl=impl)
+        out = allocate_probs(probs, cost=cost, budget=budget, impl=impl, price=shape)
     else:
-        out = allocate(tables, signals, cost=cost, budget=budget, impl=impl)
+        out = allocate(tables, signals, cost=cost, budget=budget, impl=impl, price=shape)
     ids = out.drafter.cpu().tolist()
     depths = out.depth.cpu().tolist()
     by_id = {chain(n).id: t for n, t in tokens.items()}
