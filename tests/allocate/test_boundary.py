@@ -208,7 +208,7 @@ def test_plan_and_forecast_arguments():
     for kwargs, match in [({"pass_cost": NAN}, r"plan_draft: parameter pass_cost=nan is invalid; it must be a finite"),
                           ({"pass_cost": 0.1, "sunk": -1.0}, r"parameter sunk=-1.0 is invalid"),
                           ({"pass_cost": 0.1, "impl": "fast"}, r"parameter impl='fast' is invalid"),
-                          ({"pass_cost": 0.1, "chain": "suffix"}, r"parameter chain='suffix' is invalid; it must be one of 'model'")]:
+                          ({"pass_cost": 0.1, "chain": "lookahead"}, r"parameter chain='lookahead' is invalid; it must be one of 'model'")]:
         with pytest.raises(ValueError, match=match):
             plan_draft(known, fc, cost=cost, **kwargs)
 
