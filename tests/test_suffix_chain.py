@@ -40,7 +40,7 @@ def test_the_proposer_drafts_what_vllms_suffix_proposer_drafts():
             assert tokens == list(want.token_ids), (r, n)
             if tokens:
                 drafted += 1
-                assert feats["match_len"] == want.match_len and feats["score"] == pytest.approx(want.score)
+                assert feats["match_n"] == want.match_len and feats["score"] == pytest.approx(want.score)
                 assert feats["suffix_prob"] == pytest.approx(list(want.probs))
         theirs.stop_request(req)
         mine.finish(req)
@@ -106,6 +106,6 @@ def test_round_data_reads_its_features(tmp_path):
     assert data.inputs.shape == (rounds.num_rows, 3, 2)
     has = length > 0
     assert np.isfinite(data.raw[has, 0]).all() and np.isnan(data.raw[~has]).all()
-    assert (data.inputs[has, 0, 1] == rounds.column("sx_match_len").to_numpy()[has]).all()
+    assert (data.inputs[has, 0, 1] == rounds.column("sx_match_n").to_numpy()[has]).all()
     src = set(rounds.column("sx_label_source").to_pylist())
     assert src <= {"counterfactual", "none"} and "counterfactual" in src

@@ -6,7 +6,7 @@ optional install step: ``make install-suffix``): one :class:`SuffixProposer` per
 (``vllm/v1/spec_decode/suffix_decoding.py``: the request's prompt tree, a global tree of responses, the draft of
 whichever scores higher), so capture reproduces vLLM's draft when vLLM verifies it and recomputes it beside
 every other drafter's round. Its bank file ``suffix.parquet`` (:data:`SUFFIX_FILE`) holds per round the chain,
-``match_len`` (context tokens the tree matched), ``score`` (the tree's expected accepted length: the sum of
+``match_n`` (context tokens the tree matched), ``agreement`` (its estimate of the first token), ``score`` (the tree's expected accepted length: the sum of
 its path probabilities), ``from_global`` (drafted from earlier responses, not the request's own tokens),
 ``tree_seqs`` (sequences in the tree drafted from: its support) and per depth ``suffix_prob{j}``: the tree's
 estimate that the path up to token j is right (a product of count ratios). Its table reads ``conf``, the
@@ -28,17 +28,18 @@ from calib.chains.base import Axis, ChainKind, RoundData, context_axes
 
 SUFFIX_FILE = schema.ChainFile(
     "suffix.parquet", "suffix_len", "suffix_tok",
-    {"match_len": (pa.int64(), 0.0, math.inf), "score": (pa.float64(), 0.0, math.inf),
+    {"match_n": (pa.int64(), 0.0, math.inf), "agreement": (pa.float64(), 0.0, 1.0), "score": (pa.float64(), 0.0, math.inf),
      "from_global": (pa.bool_(), 0.0, 1.0), "tree_seqs": (pa.int64(), 0.0, math.inf),
      "context_len": (pa.int64(), 0.0, math.inf)},
     {"suffix_prob": (0.0, 1.0)})
 PREFIX = "sx_"  # of suffix.parquet's columns in Bank.rounds(chains=...)
-# What a table may read, per depth, by the names calib's feature estimators know (calib/calibrators/features):
-# ``conf`` the tree's conditional estimate of the token at that depth (its raw probability), ``match_n`` the
-# context tokens it matched (suffix.parquet's match_len), ``context_len``; then round features no estimator
-# reads yet (their names are not in calib.calibrators.features.models.FEATURE_NAMES).
-ROUND_COLUMNS = {"match_n": "match_len", "context_len": "context_len", "score": "score", "from_global": "from_global",
-                 "tree_seqs": "tree_seqs"}  # feature -> suffix.parquet column
+# What a table or an estimator may read, per depth, by the names calib's feature estimators know where they mean
+# the same (calib/calibrators/features): ``conf`` the tree's conditional estimate of the token at that depth (its
+# raw probability; derived from suffix_prob, so an estimator's input, not a table axis: check_bank looks a table's
+# axes up among the file's columns), ``match_n`` the context tokens it matched, ``agreement`` the share of the
+# matched context's continuations that go on with the chain's first token (the tree's estimate at depth 0),
+# ``context_len``; then round features no estimator reads yet (not in ...features.models.FEATURE_NAMES).
+ROUND_COLUMNS = ("match_n", "agreement", "context_len", "score", "from_global", "tree_seqs")  # suffix.parquet's
 FEATURES = ("conf", *ROUND_COLUMNS)
 # vLLM 0.32's SpeculativeConfig defaults (suffix_decoding_*), the settings capture and serving recompute with
 DEFAULTS = {"max_tree_depth": 24, "max_cached_requests": 10000, "max_spec_factor": 1.0, "min_token_prob": 0.1}
@@ -106,9 +107,10 @@ class SuffixProposer:
         tokens = [int(t) for t in d.token_ids]
         if not tokens:
             return [], None
-        return tokens, {"match_len": int(d.match_len), "score": float(d.score), "from_global": bool(glob),
+        probs = [min(1.0, max(0.0, float(p))) for p in d.probs]
+        return tokens, {"match_n": int(d.match_len), "agreement": probs[0], "score": float(d.score), "from_global": bool(glob),
                         "tree_seqs": int(trees[int(glob)].num_seqs()), "context_len": n,
-                        "suffix_prob": [min(1.0, max(0.0, float(p))) for p in d.probs]}
+                        "suffix_prob": probs}
 
     def finish(self, req_id: str) -> None:
         if req_id in self.cache.active_requests:
@@ -134,8 +136,8 @@ def _features(table: pa.Table, width: int, prefix: str = "") -> dict[str, np.nda
     beyond = np.arange(width)[None, :] >= length[:, None]
     prob = schema.depth_matrix(table, f"{prefix}suffix_prob", width)
     out = {"conf": conditional(prob)}
-    for name, column in ROUND_COLUMNS.items():
-        col = table.column(f"{prefix}{column}")
+    for name in ROUND_COLUMNS:
+        col = table.column(f"{prefix}{name}")
         if pa.types.is_boolean(col.type):
             col = col.cast(pa.int8())
         out[name] = np.repeat(col.to_numpy(zero_copy_only=False).astype(np.float64)[:, None], width, axis=1)
@@ -207,7 +209,7 @@ def suffix_step_features(features: Sequence[Mapping | None], lengths: Sequence[i
             continue
         cond = conditional(np.asarray(f["suffix_prob"][:n], dtype=np.float64))
         for c, name in enumerate(names):
-            out[i, :n, c] = cond if name == "conf" else float(f[ROUND_COLUMNS[name]])
+            out[i, :n, c] = cond if name == "conf" else float(f[name])
     return torch.from_numpy(out.astype(np.float32))
 
 
