@@ -8,7 +8,6 @@ The parametric ``weight_read,per_position`` (conf/cost/parametric.yaml), a measu
 from __future__ import annotations
 
 import functools
-import logging
 import math
 from dataclasses import dataclass
 
@@ -38,14 +37,11 @@ def step_cost_path(text: str) -> str | None:
 
 @functools.lru_cache(maxsize=4)
 def serving_step_cost(path: str):
-    """The step-cost model a serving process prices with, read and checked once per process."""
-    from calib.cost.step import load_step_cost, other_machine
+    """The step-cost model a serving process prices with, read and checked once per process. A model fitted on
+    other hardware is said once, in the engine line (calib.vllm.engine_line.cost_note), not here."""
+    from calib.cost.step import load_step_cost
 
-    cost = load_step_cost(path)
-    elsewhere = other_machine(cost)
-    if elsewhere:  # once per process (cached): serving still prices with it
-        logging.getLogger("calib.serve").warning("calib serve: %s: %s", path, elsewhere)
-    return cost
+    return load_step_cost(path)
 
 
 def step_pass_price(text: str, batch: int, passes: int) -> float | None:

@@ -129,8 +129,9 @@ def test_serving_prices_with_the_same_step_cost(tmp_path):
     assert step_pass_price("data/cost/x.csv:seconds", 4, 4) is None
 
 
-def test_a_step_cost_from_another_machine_is_named_when_serving_reads_it(tmp_path, caplog):
-    """The fit records the CPU it was measured on; serving on another one warns once, naming both."""
+def test_a_step_cost_from_another_machine_is_named_once_in_the_engine_line(tmp_path, caplog):
+    """The fit records the CPU it was measured on; serving on another one says so once, in the engine line,
+    naming both and how to refit (reading the cost logs nothing of its own)."""
     import logging
     from dataclasses import replace
 
@@ -150,6 +151,8 @@ def test_a_step_cost_from_another_machine_is_named_when_serving_reads_it(tmp_pat
     save_step_cost(elsewhere, path)
     with caplog.at_level(logging.WARNING, logger="calib.serve"):
         serving_step_cost(str(path))
-        serving_step_cost(str(path))  # read once per process
-    warned = [r.getMessage() for r in caplog.records if "fitted on" in r.getMessage()]
-    assert len(warned) == 1 and str(path) in warned[0] and "bench/profile_step.py" in warned[0]
+    assert not [r for r in caplog.records if "fitted on" in r.getMessage()]
+    from calib.vllm.engine_line import cost_note
+
+    note = cost_note("cpu", json.dumps({"tables": "unused", "cost": str(path)}))
+    assert str(path) in note and "fitted on" in note and "bench/profile_step.py" in note
