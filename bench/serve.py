@@ -7,7 +7,8 @@ Arms (each servable policy's ``Serving.arms`` in calib.policies, + conf/speculat
 ``vllm_eagle`` and ``vllm_ngram`` (fixed: vLLM, K=4), ``vllm_dynamic`` (vllm_dsd: vLLM Dynamic SD, EAGLE,
 K by batch size), ``calib_ragged`` (ragged_calibrated: EAGLE, calib truncates and picks the draft passes)
 and ``calib_two_drafter`` (two_drafter: EAGLE + the n-gram chain, calib picks chain, depth and passes);
-``--arms ... calib_ngram`` adds calib cutting vLLM's n-gram drafts. Each (arm, repetition) is one process (calib's hooks install once per process)
+``--arms ... calib_ngram`` adds calib cutting vLLM's n-gram drafts; ``vllm_suffix`` (vLLM's suffix decoding) and
+``calib_three_chain`` (EAGLE + the n-gram and the suffix chain) are the third drafter's (make install-suffix). Each (arm, repetition) is one process (calib's hooks install once per process)
 that builds its engine once (``max_num_seqs`` = the largest concurrency) and serves every cell (category x
 sampling x concurrency) in a shuffled order after a short warm-up; repetitions rotate the arms' order, so
 arms alternate on the clock. A cell at concurrency ``c`` serves ``max(min_prompts, 2c)`` prompts (at
