@@ -195,7 +195,9 @@ def predictions(records: list, metrics: dict | None, cost_model: str) -> dict:
             continue
         from calib.evaluate.clock import arms
 
-        a = arms()[r["arm"]]
+        a = arms().get(r["arm"])
+        if a is None:  # an arm no policy registers (SUFFIX_ARMS): the replay has no prediction for it
+            continue
         row = replay_row(a.policy, a.family, int(r["num_speculative_tokens"]) or 1, a.dynamic, c["concurrency"])
         out[key] = predicted_speedup(metrics, row=row,
                                      method=a.method, temperature=float(r["temperature"]), category=c["category"],
