@@ -271,3 +271,27 @@ def _served_by_the_server(dec):
     got = dec.decide(StepInputs(batch.req_ids, [0.0, 0.0], {"model": model, **offers}))
     assert chain(SUFFIX.name).id in got.chain.tolist()
     srv.finished(batch.req_ids)
+
+
+def test_a_bank_records_its_chain_files_layouts(tmp_path):
+    """A bank written while the kind was registered is validated by its recorded layout where no registered kind
+    describes the file (python -m calib.bank validate imports no chain kind)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from calib.bank import validate
+
+    acceptance, speculator, ngram = synthetic_tables(n_prompts=6, rounds_per_prompt=8)
+    table = pq.read_table(add_to_bank(write_bank(tmp_path / "plain", acceptance, speculator, ngram)) / BANK_FILE)
+    register_chain(SUFFIX)
+    try:
+        bank = write_bank(tmp_path / "bank", acceptance, speculator, ngram, table, manifest={"model": "synthetic-model"})
+    finally:
+        unregister_chain(SUFFIX.name)
+    with pytest.raises(KeyError):
+        chain(SUFFIX.name)
+    assert validate(str(bank)) == []
+    broken = table.set_column(table.column_names.index(SCORE), SCORE, pa.array(np.full(table.num_rows, 1.5)))
+    pq.write_table(broken, bank / BANK_FILE)
+    found = validate(str(bank))
+    assert found and found[0].file.endswith(BANK_FILE) and found[0].column == SCORE and "outside" in found[0].message

@@ -62,12 +62,16 @@ def write_bank(bank_dir: str | os.PathLike, acceptance: pa.Table, speculator: pa
         acceptance = _canonical(acceptance, schema.ACCEPTANCE)
         pq.write_table(acceptance, tmp / schema.ACCEPTANCE)
         pq.write_table(_canonical(speculator, schema.SPECULATOR), tmp / schema.SPECULATOR)
+        layouts = {}  # file -> its layout, recorded in the manifest: the bank names its own chain files
         for table in chain_tables:
             if table is not None:
-                file = schema.chain_file_of(table).file
-                if (tmp / file).exists():
-                    raise ValueError(f"two chain tables for {file}")
-                pq.write_table(_canonical(table, file), tmp / file)
+                spec = schema.chain_file_of(table)
+                if spec.file in layouts:
+                    raise ValueError(f"two chain tables for {spec.file}")
+                layouts[spec.file] = spec.to_json()
+                pq.write_table(_canonical(table, spec.file), tmp / spec.file)
+        if manifest is not None and layouts:
+            manifest = {**manifest, "chain_files": layouts}
         if routing is not None:
             experts, meta = routing
             if experts.dtype != np.uint8 or experts.ndim != 3:

@@ -148,6 +148,25 @@ class ChainFile:
             return pa.float64()
         return None
 
+    def to_json(self) -> dict:
+        """The layout as run_manifest.json's ``chain_files`` holds it (so that a bank names its own layouts)."""
+        def bound(x):
+            return None if math.isinf(x) else float(x)
+
+        return {"length": self.length, "token": self.token,
+                "features": {n: [str(t), bound(lo), bound(hi)] for n, (t, lo, hi) in self.features.items()},
+                "depth_features": {p: [bound(lo), bound(hi)] for p, (lo, hi) in self.depth_features.items()}}
+
+    @classmethod
+    def from_json(cls, file: str, d: dict) -> ChainFile:
+        def bound(x, inf):
+            return inf if x is None else float(x)
+
+        return cls(file, str(d["length"]), str(d["token"]),
+                   {n: (pa.type_for_alias(t), bound(lo, -math.inf), bound(hi, math.inf))
+                    for n, (t, lo, hi) in d["features"].items()},
+                   {p: (bound(lo, -math.inf), bound(hi, math.inf)) for p, (lo, hi) in d.get("depth_features", {}).items()})
+
     def column_names(self, width: int) -> list[str]:
         """Every column of the file for a chain ``width`` tokens wide, in the order the writer lays out."""
         return (list(KEYS) + list(self.round_columns()) + [f"{self.token}{j}" for j in range(width)]

@@ -228,6 +228,20 @@ class _Checker:
                 self.first_bad(file, "temperature", valid & (raw < 0), table,
                                "negative temperature (a sampling temperature is >= 0; 0 is greedy)")
 
+    def chain_layouts(self) -> list:
+        """The registered chain file layouts, and those the bank's run_manifest.json records (``chain_files``:
+        what write_bank wrote) for files no registered kind describes here."""
+        specs = {s.file: s for s in schema.chain_files()}
+        recorded = (self.read_json(schema.MANIFEST) or {}).get("chain_files") or {}
+        for file, d in recorded.items() if isinstance(recorded, dict) else ():
+            if file in specs:
+                continue
+            try:
+                specs[file] = schema.ChainFile.from_json(file, d)
+            except (KeyError, TypeError, ValueError) as exc:
+                self.add(schema.MANIFEST, "chain_files", None, f"{file}: not a chain file layout ({exc!r})")
+        return list(specs.values())
+
     def chain_file(self, spec: schema.ChainFile, table: pa.Table, acceptance: pa.Table):
         """A chain kind's own bank file against its registered layout (:class:`calib.bank.schema.ChainFile`)."""
         f, length = spec.file, spec.length
@@ -573,7 +587,7 @@ def validate(bank_dir: str, max_problems: int = 50) -> list[Problem]:
     spec_width = width[_partner_rows(spec_t, acc_t)]
     ck.confidences(S, spec_t, spec_width)
     ck.extensions(S, spec_t, spec_width)
-    for spec in schema.chain_files():  # each chain kind's own file, by its registered layout
+    for spec in ck.chain_layouts():  # each chain kind's own file, by its registered (or recorded) layout
         chain_t = ck.read(spec.file, required=False)
         if chain_t is not None:
             ck.chain_file(spec, chain_t, acc_t)
