@@ -319,9 +319,12 @@ def _slice_section(slices, pics, out) -> list[str]:
 def _beats_raw_lines(pooled) -> list[str]:
     """One plain sentence per chain with a raw confidence: does calibration beat it, per temperature?"""
     out = []
-    for chain in dict.fromkeys(r["chain"] for r in pooled if r.get("ece_raw") is not None):
+    scored = [r for r in pooled if r.get("ece_raw") is not None and r.get("nll_calibrated") is not None]
+    for chain in dict.fromkeys(r["chain"] for r in pooled if r.get("ece_raw") is not None and r not in scored):
+        out += [f"**The {chain} chain** is in the banks, not in these tables: nothing to set beside its raw confidence.", ""]
+    for chain in dict.fromkeys(r["chain"] for r in scored):
         parts = []
-        for r in (r for r in pooled if r["chain"] == chain and r.get("ece_raw") is not None):
+        for r in (r for r in scored if r["chain"] == chain):
             t = "T = ?" if r["temperature"] is None else f"T = {r['temperature']:g}"
             e_ok = r["ece_calibrated"] <= r["ece_raw"]
             n_ok = r.get("nll_raw") is None or r["nll_calibrated"] <= r["nll_raw"]
