@@ -49,10 +49,13 @@ def test_versions_are_ranges_outside_the_cpu_engine():
 
 
 def test_make_install_installs_every_extra():
-    """The CPU path (make run, make test) needs the union of the roles."""
-    line = next(x for x in (ROOT / "Makefile").read_text().splitlines() if "-c constraints.txt -e" in x)
-    installed = set(re.search(r"\.\[([^\]]+)\]", line).group(1).split(","))
+    """The CPU path (make run, make test) needs the union of the roles: the install line's extras, and the suffix
+    chain's build requirements in install-suffix, which make install calls."""
+    make = (ROOT / "Makefile").read_text()
+    installed = {e for line in make.splitlines() if "-c constraints.txt -e" in line
+                 for e in re.search(r"\.\[([^\]]+)\]", line).group(1).split(",")}
     assert installed == set(EXTRAS)
+    assert "$(MAKE) install-suffix" in make.split("install-suffix:")[0]
 
 
 BLOCK = r"""
