@@ -117,13 +117,11 @@ def sampled_price(text: str) -> SampledPrice | None:
 
 
 def sampled_shape_price(cost: torch.Tensor, price: SampledPrice, n_requests: int, width: int):
-    """The price of a step of ``n_requests`` under sampling, as the allocator's separable shape price
-    (:class:`calib.allocate.ShapePrice`): ``cost`` [T_max + 1] is an engine step cost's curve, affine in the
-    positions, so each request's draft tokens add its slope per token, plus :meth:`SampledPrice.added` (the
+    """The price of a step of ``n_requests`` under sampling as a separable shape price ``(base, table [width + 1])``
+    (:class:`calib.allocate.ShapePrice`'s arguments): ``cost`` [T_max + 1] is an engine step cost's curve, affine in
+    the positions, so each request's draft tokens add its slope per token, plus :meth:`SampledPrice.added` (the
     sampler's random path runs only for requests with draft tokens where calib serves: docs/cost.md)."""
-    from calib.allocate import ShapePrice
-
     base = float(cost[n_requests])
     slope = float(cost[n_requests + 1] - cost[n_requests]) if cost.numel() > n_requests + 1 else 0.0
     d = torch.arange(width + 1, dtype=torch.float64)
-    return ShapePrice(base, slope * d + price.added(width))
+    return base, slope * d + price.added(width)

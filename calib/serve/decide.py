@@ -35,7 +35,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from calib.allocate import allocate, allocate_probs, calibrated_probs, check_cost
+from calib.allocate import ShapePrice, allocate, allocate_probs, calibrated_probs, check_cost
 from calib.allocate.api import IMPLEMENTATIONS
 from calib.chains import (
     NO_CHAIN,
@@ -258,7 +258,7 @@ def _decide_step(tables, inputs: StepInputs, history: RequestHistory, *, k_max: 
     temps = request_temperatures(inputs)
     shape = None  # a step under sampling: the sampler's random path, priced per drafting request
     if sampled_price is not None and (temps > 0).any():
-        shape, cost = sampled_shape_price(cost, sampled_price, B, k_max), None
+        shape, cost = ShapePrice(*sampled_shape_price(cost, sampled_price, B, k_max)), None
     offered = [k.name for k in chains() if k.name in inputs.offers and k.name in tables.chains]
     _note_unfitted(tables, temps, offered)
     # offers whose probabilities the engine already looked up (the serving plan): the reference path uses them

@@ -77,9 +77,9 @@ def test_serving_prices_each_drafting_request(tmp_path):
     price = sampled_price(str(path))
     assert price == SampledPrice(0.0005, 0.030 + 0.0004)  # the once-per-step jump charged per drafting request
     cost = torch.linspace(1.0, 2.0, 21, dtype=torch.float64)  # affine: 0.05 per position
-    shape = sampled_shape_price(cost, price, n_requests=4, width=3)
-    assert shape.base == pytest.approx(float(cost[4]))
-    assert shape.table.tolist() == pytest.approx([0.0, 0.05 + 0.0305 + 0.0004, 0.10 + 0.0310 + 0.0004,
+    base, table = sampled_shape_price(cost, price, n_requests=4, width=3)
+    assert base == pytest.approx(float(cost[4]))
+    assert table.tolist() == pytest.approx([0.0, 0.05 + 0.0305 + 0.0004, 0.10 + 0.0310 + 0.0004,
                                                   0.15 + 0.0315 + 0.0004])
     save_step_cost(TRUE, path)  # greedy-only: nothing to add
     serving_step_cost.cache_clear()
