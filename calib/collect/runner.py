@@ -39,7 +39,12 @@ from calib.collect.assemble import RunKeys, build_tables, engine_request_prefix,
 from calib.fingerprint import identity
 from calib.prompts import encode_chat, load_prompts
 from calib.sidefiles import field, read_json
-from calib.vllm.engine import build_engine, speculative_config
+from calib.vllm.engine import (  # capture hooks V1 with sync scheduling
+    SYNC_SCHEDULING,
+    V1_RUNNER,
+    build_engine,
+    speculative_config,
+)
 
 log = logging.getLogger("calib.collect")
 
@@ -289,11 +294,6 @@ def _collect(cfg: dict, prompts: list, folder: RunFolder) -> Path | None:
     return _merge(folder, cfg, keys, spec, model_dir, time.time() - t_start)
 
 
-# Capture hooks vLLM's V1 model runner with synchronous scheduling (calib/vllm/engine_line.py); vLLM 0.32
-# picks Model Runner V2 and async scheduling wherever Triton is present (every GPU build), so collect asks
-# for V1 and sync scheduling explicitly, on every platform.
-V1_RUNNER = {"VLLM_USE_V2_MODEL_RUNNER": False}
-SYNC_SCHEDULING = {"async_scheduling": False}
 
 
 def _engine(cfg, model_dir, spec, capture_dir, ngram_params):

