@@ -105,7 +105,8 @@ class Setting:
         self.engine = isinstance(curve, EngineStepCurve)
         self.model_primary = chain(sb.names[0]).confidence is not None  # its passes are model forwards
         if self.engine:  # a bank under sampling pays the sampled path's extra work wherever it verifies drafts
-            curve = curve.with_sampling(bool(sb.bank.temperature))
+            t = sb.bank.temperature  # None or NaN: not recorded, priced as greedy
+            curve = curve.with_sampling(t is not None and bool(np.isfinite(t)) and t > 0)
         self.plain = curve.with_drafter(False) if self.engine else curve  # no speculation: nothing loaded
         self.curve = curve.with_drafter(self.model_primary) if self.engine else curve
         self.train_curve = train_curve  # [K]
