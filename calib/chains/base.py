@@ -183,6 +183,14 @@ def context_axes(chain_cfg: dict) -> tuple[Axis, ...]:
     return tuple(Axis(n, edges=tuple(float(e) for e in edges[n])) for n in names)
 
 
+def binned_table_axes(chain_cfg: dict) -> tuple[Axis, ...]:
+    """A model-free chain's table axes: its ``table.features`` binned at ``table.edges``, then its context axes
+    (:func:`context_axes`); the ``table_axes`` of a chain kind without a raw confidence."""
+    table = chain_cfg["table"]
+    return (*(Axis(f, edges=tuple(float(x) for x in e)) for f, e in zip(table["features"], table["edges"])),
+            *context_axes(chain_cfg))
+
+
 def split_context(names, chain_name: str) -> tuple[list[str], list[str]]:
     """``(own, context)`` of a chain table's axis names: the chain's own axes, then the :data:`CONTEXT`
     axes, which must come last (a ``ValueError`` naming the chain otherwise)."""

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from calib.bank import schema
-from calib.chains.base import Axis, ChainKind, RoundData, context_axes
+from calib.chains.base import ChainKind, RoundData, binned_table_axes
 
 NGRAM_SAMPLE_FEATURES = tuple(schema.NGRAM_FEATURES)
 PREFIX = "ng_"  # of ngram.parquet's columns in Bank.rounds(chains=...)
@@ -158,9 +158,7 @@ def ngram_settings(given, k: int) -> tuple[int, int, int]:
 NGRAM = ChainKind(
     id=2, name="ngram", samples=ngram_samples, config_key="ngram_model",
     feature_names=lambda cfg: NGRAM_SAMPLE_FEATURES,
-    table_axes=lambda cfg: (*(Axis(f, edges=tuple(float(x) for x in e))
-                              for f, e in zip(cfg["table"]["features"], cfg["table"]["edges"])),
-                            *context_axes(cfg)),
+    table_axes=binned_table_axes,
     drafted_depth=ngram_drafted_depth, round_data=ngram_round_data,
     bank_file=schema.NGRAM, column_prefix=PREFIX, manifest_key="ngram_chain", engine_methods=("ngram",),
     propose=propose, propose_batch=propose_batch, bank=schema.NGRAM_FILE, settings=ngram_settings,

@@ -24,7 +24,7 @@ import numpy as np
 import pyarrow as pa
 
 from calib.bank import schema
-from calib.chains.base import Axis, ChainKind, RoundData, context_axes
+from calib.chains.base import ChainKind, RoundData, binned_table_axes
 
 SUFFIX_FILE = schema.ChainFile(
     "suffix.parquet", "suffix_len", "suffix_tok",
@@ -216,9 +216,7 @@ def suffix_step_features(features: Sequence[Mapping | None], lengths: Sequence[i
 SUFFIX = ChainKind(
     id=3, name="suffix", samples=suffix_samples, config_key="suffix_model",
     feature_names=lambda cfg: FEATURES,
-    table_axes=lambda cfg: (*(Axis(f, edges=tuple(float(x) for x in e))
-                              for f, e in zip(cfg["table"]["features"], cfg["table"]["edges"])),
-                            *context_axes(cfg)),
+    table_axes=binned_table_axes,
     drafted_depth=suffix_drafted_depth, round_data=suffix_round_data,
     bank_file=SUFFIX_FILE.file, column_prefix=PREFIX, manifest_key="suffix_chain", engine_methods=("suffix",),
     bank=SUFFIX_FILE, proposer=SuffixProposer, settings=suffix_settings, step_features=suffix_step_features,
