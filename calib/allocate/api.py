@@ -98,17 +98,11 @@ def allocate_probs(
     if price is not None:
         return _allocate_shaped(probs, price, budget, cost, impl)
     check_mode(budget, cost, impl, "allocate_probs")
-    kinds = chain_kinds_of(probs, "probs")
-    for kind in kinds:
-        check_probs(probs[kind.name], kind.name)
-    n_requests = batch_size_of(probs, kinds)
+    first, second, ids, n_requests = _checked_chains(probs)
     if cost is not None and _host_readable(cost, impl):
         check_cost(cost, n_requests)
-    first = probs[kinds[0].name]
     if n_requests == 0:
         return _empty(first.device)
-    second = probs[kinds[1].name] if len(kinds) > 1 else None
-    ids = (kinds[0].id, kinds[-1].id)
     if impl == "host" and budget is None:
         from calib.allocate.host import allocate_host
 
@@ -120,6 +114,16 @@ def allocate_probs(
 
         return Allocation(*allocate_triton(first, second, budget=budget, cost=cost, ids=ids))
     raise ValueError(f"impl must be one of {IMPLEMENTATIONS}, got {impl!r}")
+
+
+def _checked_chains(probs: Mapping[str, torch.Tensor]):
+    """``probs`` checked (registered chains, probabilities in [0, 1] or NaN, one batch size) as the rules take
+    them: ``(first [B, K_1], second [B, K_2] or None, (first id, second id), B)``, chains in registry order."""
+    kinds = chain_kinds_of(probs, "probs")
+    for kind in kinds:
+        check_probs(probs[kind.name], kind.name)
+    second = probs[kinds[1].name] if len(kinds) > 1 else None
+    return probs[kinds[0].name], second, (kinds[0].id, kinds[-1].id), batch_size_of(probs, kinds)
 
 
 def allocate(
@@ -179,16 +183,10 @@ def _allocate_shaped(probs, price, budget, cost, impl: str) -> Allocation:
         raise ValueError("give exactly one of `budget` (token budget), `cost` (verify-cost curve) and `price` "
                          "(shape-aware price)")
     validate_params("allocate_probs", {"impl": impl}, {"impl": ENTRY_CONSTRAINTS["impl"]})
-    kinds = chain_kinds_of(probs, "probs")
-    for kind in kinds:
-        check_probs(probs[kind.name], kind.name)
-    n_requests = batch_size_of(probs, kinds)
+    first, second, ids, n_requests = _checked_chains(probs)
     check_price(price, n_requests)
-    first = probs[kinds[0].name]
     if n_requests == 0:
         return _empty(first.device)
-    second = probs[kinds[1].name] if len(kinds) > 1 else None
-    ids = (kinds[0].id, kinds[-1].id)
     if impl == "triton":
         from calib.allocate.shape_triton import allocate_shape_triton
 
