@@ -62,7 +62,13 @@ K_MAX = Interval(numbers.Integral, 1, None)  # vLLM's num_speculative_tokens
 HOST_LOOKUPS = ("reference", "host")
 SAMPLED_PRICE = [NoneValue(), Satisfies("a calib.cost.serving.SampledPrice", lambda v: isinstance(v, SampledPrice))]
 DECIDE_CONSTRAINTS = {"k_max": [K_MAX], "budget": [NoneValue(), Interval(numbers.Integral, 0, None)],
-                      "impl": [Options(IMPLEMENTATIONS)]}
+                      "impl": [Options(IMPLEMENTATIONS)], "sampled_price": SAMPLED_PRICE}
+
+
+def check_price_mode(cost, sampled_price) -> None:
+    """A sampled step's price is added to a cost curve: ``sampled_price`` needs ``cost`` (price mode)."""
+    if sampled_price is not None and cost is None:
+        raise ValueError("sampled_price prices a sampled step's drafts: it needs `cost` (price mode), not a budget")
 
 
 def request_temperatures(inputs: StepInputs) -> np.ndarray:
@@ -234,9 +240,8 @@ def decide_step(tables, inputs: StepInputs, history: RequestHistory, *, k_max: i
     ``sampled_price`` (price mode; :class:`calib.cost.serving.SampledPrice`) is added to ``cost`` on a step
     where any request samples."""
     validate_params("decide_step", {"k_max": k_max, "budget": budget, "impl": impl, "sampled_price": sampled_price},
-                    {**DECIDE_CONSTRAINTS, "sampled_price": SAMPLED_PRICE})
-    if sampled_price is not None and cost is None:
-        raise ValueError("sampled_price prices a sampled step's drafts: it needs `cost` (price mode), not a budget")
+                    DECIDE_CONSTRAINTS)
+    check_price_mode(cost, sampled_price)
     return _decide_step(tables, inputs, history, k_max=k_max, cost=cost, budget=budget, impl=impl,
                         sampled_price=sampled_price)
 
@@ -322,7 +327,6 @@ class SafeDecider:
                                           lambda v: type(v).__name__ == "OnlineSettings")],
         "identity": [NoneValue(), Satisfies("an identity dict (calib.fingerprint.identity)",
                                             lambda v: isinstance(v, dict))],
-        "sampled_price": SAMPLED_PRICE,
         **DECIDE_CONSTRAINTS,
     }
 
@@ -344,8 +348,7 @@ class SafeDecider:
             raise ValueError("give exactly one of `cost` (verify-cost curve) and `budget`")
         if cost is not None:
             check_cost(cost, 1)
-        if sampled_price is not None and cost is None:
-            raise ValueError("sampled_price prices a sampled step's drafts: it needs `cost` (price mode), not a budget")
+        check_price_mode(cost, sampled_price)
         self.sampled_price = sampled_price  # what a step under sampling adds once it verifies a draft token
         self.tables = tables if hasattr(tables, "check_bank") else load(tables)
         self.engine_chain = verified_chain(speculator, method)
