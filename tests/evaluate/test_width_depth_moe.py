@@ -64,13 +64,18 @@ def test_founding_toy_from_the_shipped_capture(costs, capsys):
 
 
 @pytest.fixture(scope="module")
-def ngram_rounds():
+def ngram_rounds(tmp_path_factory):
+    """The shipped n-gram bank's test rounds, calibrated by stand-in tables fitted on its train split (a clean
+    checkout has no ``runs/``: train.py's tables are not shipped)."""
     import calib.tables
     from calib.evaluate.data import load_eval_bank
+    from tests.evaluate.fit_tables import fit_tables
 
+    path = ROOT / "data" / "banks" / "ngram-chat_code-t0"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        bank = load_eval_bank(ROOT / "data" / "banks" / "ngram-chat_code-t0", calib.tables.load(ROOT / "runs" / "train" / "default"))
+        tables = calib.tables.load(fit_tables([path], tmp_path_factory.mktemp("tables"), split="train"))
+        bank = load_eval_bank(path, tables)
     c = bank.chains[bank.primary]
     test = bank.split == "test"
     return c.p_cal[test], c.accept[test]

@@ -66,7 +66,9 @@ def test_serve_engine_kwargs_and_knobs(started, monkeypatch, tmp_path):
         "disable_log_stats": False,
         "speculative_config": {"method": "ngram", "num_speculative_tokens": int(spec["num_speculative_tokens"]),
                                "prompt_lookup_min": int(spec["prompt_lookup_min"]),
-                               "prompt_lookup_max": int(spec["prompt_lookup_max"])}}
+                               "prompt_lookup_max": int(spec["prompt_lookup_max"])},
+        "async_scheduling": False}  # a calib arm serves through the V1 hooks: sync scheduling and the V1 runner
+    assert started["env"]["VLLM_USE_V2_MODEL_RUNNER"] == "0"
     knobs = ServeKnobs.from_json(started["env"]["CALIB_SERVE"])
     assert knobs.tables == str(ROOT / cfg["tables"]) and knobs.cost == str(ROOT / cfg["serve"]["cost"])
     assert knobs.chains == tuple(cfg["policy"]["chains"]) and knobs.draft_cost == float(cfg["serve"]["draft_cost"])
@@ -75,6 +77,8 @@ def test_serve_engine_kwargs_and_knobs(started, monkeypatch, tmp_path):
     with pytest.raises(Stop):
         runner.build_engine(compose("serve", "policy=none"), ROOT, max_num_seqs=2)
     assert started["env"]["CALIB_SERVE"] is None and started["kwargs"]["speculative_config"] is None
+    # vLLM's own arms keep vLLM's defaults (what a user deploys): no scheduling or runner asked for
+    assert "async_scheduling" not in started["kwargs"] and started["env"]["VLLM_USE_V2_MODEL_RUNNER"] is None
 
 
 def test_recipe_engines_kwargs(started, tmp_path):
