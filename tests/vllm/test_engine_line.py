@@ -301,3 +301,23 @@ def test_facts_carry_the_cost_note_of_the_engines_device(monkeypatch):
                                    rejection_sample_method="standard"))
     assert "this engine steps on cuda" in facts_from_config(cfg, capture=False, serve=True).cost_note
     assert facts_from_config(cfg, capture=True, serve=False).cost_note == ""
+
+
+def test_dtype_note_names_the_banks_dtype_and_the_served_one(tmp_path, monkeypatch):
+    """Issue 43: tables from banks collected in bf16, served in float32 (or the other way), are said in the line."""
+    from calib.vllm.engine_line import decide, dtype_note
+
+    def tables(*dtypes):
+        d = tmp_path / "-".join(map(str, dtypes))
+        d.mkdir()
+        (d / "tables.json").write_text(json.dumps({"banks": [{"path": "b", "dtype": t} for t in dtypes]}))
+        return json.dumps({"tables": str(d)})
+
+    note = dtype_note("torch.float32", tables("bfloat16", "float32"))
+    assert "collected in bfloat16, this engine serves in float32" in note and "engine.dtype=float32" in note
+    assert dtype_note("torch.bfloat16", tables("bfloat16")) == ""
+    assert dtype_note("torch.float32", tables(None)) == ""  # banks before the manifest recorded a dtype
+    assert dtype_note("torch.float32", json.dumps({"tables": str(tmp_path / "missing")})) == ""
+    facts = EngineFacts(capture=False, serve=True, v2_runner=False, async_scheduling=False, method="ngram", k=4,
+                        dtype_note=note)
+    assert note in decide(facts)[1]
