@@ -67,6 +67,15 @@ class StepTimer:
 TIMER = StepTimer()
 
 
+def _sync() -> None:
+    """Wait for the GPU's queued work, so that a part's time is its kernels' and not their launch's (a GPU runs
+    asynchronously; a CPU engine has nothing to wait for). The waits add a little to the step on a GPU."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 def _timed(cls, name: str, part, before=None):
     """Wrap ``cls.name`` so each call adds its time to ``part`` (a name, or a function of self -> name)."""
     import functools
@@ -78,11 +87,13 @@ def _timed(cls, name: str, part, before=None):
         if before is not None:
             before(self, *args, **kwargs)
         key = part(self) if callable(part) else part
+        _sync()
         t0 = time.perf_counter()
         try:
             return original(self, *args, **kwargs)
         finally:
             if key is not None:
+                _sync()
                 TIMER.add(key, time.perf_counter() - t0)
 
     setattr(cls, name, wrapper)

@@ -49,3 +49,21 @@ def test_profiles_of_two_machines_fit_nothing(tmp_path):
     with pytest.raises(SystemExit, match="one engine's step cost"):
         load_bench("profile_step").main(["--from-json", sampled, "--with-json", greedy, "--step-cost", str(out)])
     assert not out.exists()
+
+
+def test_a_timed_part_waits_for_the_device_before_and_after(monkeypatch):
+    """Issue 43: on a GPU a part's time is its kernels' (the timer synchronises before and after), not their
+    launch's. No GPU here: the synchronisation is counted, not run."""
+    prof = load_bench("profile_step")
+    waits = []
+    monkeypatch.setattr(prof, "_sync", lambda: waits.append(len(prof.TIMER.parts)))
+
+    class Runner:
+        def execute(self, x):
+            waits.append("ran")
+            return x + 1
+
+    prof._timed(Runner, "execute", "forward")
+    prof.TIMER.parts = {}
+    assert Runner().execute(1) == 2
+    assert waits == [0, "ran", 0] and set(prof.TIMER.parts) == {"forward"}  # waited before timing and before adding
