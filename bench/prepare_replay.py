@@ -29,6 +29,7 @@ import sys
 from pathlib import Path
 
 from calib.cli import parser as plain_parser
+from calib.evaluate.clock import MIN_CELL_PROMPTS, PROMPTS_PER_REQUEST
 
 ROOT = Path(__file__).resolve().parents[1]
 METHODS = ("eagle", "ngram")
@@ -65,7 +66,10 @@ def commands(args) -> list[tuple[str, list[str], Path]]:
                            *([f"engine.dtype={dtype}"] if dtype else [])], run / "bank" / "run_manifest.json"))
     steps.append(("replay", [py, "eval.py", f"data.test=[{','.join(str(b) for b in banks)}]", f"tables={args.tables}",
                              "cost=engine", f"cost.engine.path={out / 'step-cost.json'}", f"out_dir={out / 'eval'}",
-                             "overwrite=true", "logger=none", "serving_bench=null"], out / "eval" / "metrics.json"))
+                             "overwrite=true", "logger=none", "serving_bench=null",
+                             # each B replays the prompts the bench's cell at concurrency B serves
+                             f"replay.cell_prompts=[{args.min_prompts},{PROMPTS_PER_REQUEST}]"],
+                  out / "eval" / "metrics.json"))
     return steps
 
 
@@ -75,6 +79,7 @@ def main(argv=None) -> None:
     ap.add_argument("--tables", default="runs/train/default", help="the tables the bench serves")
     ap.add_argument("--prompts", default="chat_code", help="the conf/prompts/ set the bench serves")
     ap.add_argument("--max-tokens", type=int, default=64, help="bench/serve.py's --max-tokens")
+    ap.add_argument("--min-prompts", type=int, default=MIN_CELL_PROMPTS, help="bench/serve.py's --min-prompts")
     ap.add_argument("--concurrency", nargs="+", type=int, default=[1, 4, 16], help="profiled concurrencies")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                     help="the bench's serve.py overrides (engine.dtype=... is used for collection too)")

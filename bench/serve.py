@@ -175,8 +175,10 @@ def _tables_digest(tables: str) -> str:
 
 
 def cells_for(args) -> list:
+    from calib.evaluate.clock import cell_prompt_count
+
     return [{"category": cat, "sampling": s, "concurrency": c, "max_tokens": args.max_tokens,
-             "n_prompts": max(args.min_prompts, 2 * c)}
+             "n_prompts": cell_prompt_count(c, args.min_prompts)}
             for cat in args.categories for s in args.sampling for c in args.concurrency]
 
 
@@ -242,7 +244,10 @@ def main(argv=None) -> None:
     ap.add_argument("--sampling", nargs="+", default=["greedy", "sampled"], choices=list(SAMPLING), metavar="S")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--min-prompts", type=int, default=8, help="prompts per cell: max(this, 2 x concurrency)")
+    from calib.evaluate.clock import MIN_CELL_PROMPTS, PROMPTS_PER_REQUEST
+
+    ap.add_argument("--min-prompts", type=int, default=MIN_CELL_PROMPTS,
+                    help=f"prompts per cell: max(this, {PROMPTS_PER_REQUEST} x concurrency)")
     ap.add_argument("--identity", action=argparse.BooleanOptionalAction, default=True,
                     help="float32 greedy outputs against no speculation's")
     ap.add_argument("--identity-prompts", type=int, default=8)

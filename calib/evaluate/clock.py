@@ -23,6 +23,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+# bench/serve.py's cell at concurrency c serves the first max(MIN_CELL_PROMPTS, PROMPTS_PER_REQUEST * c) prompts of
+# its category's file; the replay predicts that cell from the same prompts (eval.py replay.cell_prompts)
+MIN_CELL_PROMPTS, PROMPTS_PER_REQUEST = 8, 2
+
+
+def cell_prompt_count(concurrency: int, min_prompts: int = MIN_CELL_PROMPTS) -> int:
+    """How many prompts a bench cell at ``concurrency`` serves (two per concurrent request, at least ``min_prompts``)."""
+    return max(int(min_prompts), PROMPTS_PER_REQUEST * int(concurrency))
 
 
 @dataclass(frozen=True)

@@ -46,3 +46,28 @@ def test_a_dynamic_sd_arm_is_predicted_as_the_schedule_it_is_served():
     assert replay_row("vllm_dsd", False, 4, ((1, 4, 4), (5, 16, 2), (17, 1024, 0)), 64) == "no_spec"
     assert replay_row("vllm_dsd", False, 2, ((1, 4, 4),), 4) == "fixed_2"  # capped at the engine's K
     assert replay_row("vllm_dsd", False, 4) == "vllm_dsd"  # no schedule: the policy's own row
+
+
+def test_a_cell_is_replayed_on_the_prompts_it_serves():
+    """replay.cell_prompts: at B the replay keeps the first max(min, 2·B) prompts of the category in collection order,
+    as bench/serve.py's cell at concurrency B serves them (SYNTHETIC rows: 20 prompts, 3 rounds each)."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from calib.evaluate.clock import cell_prompt_count
+    from calib.evaluate.replay.config import ReplayConfig
+    from calib.evaluate.replay.driver import cell_rows
+
+    prompt_idx = np.repeat(np.arange(100, 120)[::-1], 3)  # collected in another order than stored
+    bank = SimpleNamespace(prompt_idx=prompt_idx)
+    rows = np.arange(prompt_idx.size)
+    for batch in (1, 4, 16):
+        kept = cell_rows(bank, rows, batch, (8, 2))
+        n = cell_prompt_count(batch)
+        assert sorted(set(prompt_idx[kept])) == list(range(100, 100 + min(n, 20))) and kept.size == 3 * min(n, 20)
+    assert cell_rows(bank, rows, 4, None) is rows
+    assert ReplayConfig(cell_prompts=[8, 2]).cell_prompts == (8, 2) and ReplayConfig().cell_prompts is None
+    for bad in ([8], [0, 2], "8,2", [8, 2.5]):
+        with pytest.raises(ValueError, match="cell_prompts"):
+            ReplayConfig(cell_prompts=bad)

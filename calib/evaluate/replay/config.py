@@ -61,6 +61,10 @@ class ReplayConfig:
         impl: the allocator implementation (``calib.allocate``'s ``IMPLEMENTATIONS``).
         plan: from :data:`PLANS`; when the draft-aware policies (``ragged_calibrated``, ``two_drafter``)
             choose their draft passes: ``step`` once before drafting, as served; ``pass`` before each.
+        cell_prompts: ``(min, per_request)``: a setting at ``B`` replays only the first ``max(min,
+            per_request · B)`` prompts of its category, in the order they were collected, which is what
+            ``bench/serve.py``'s cell at concurrency ``B`` serves (the top of the category's file); None: every
+            prompt. A prediction of a served cell is then of the prompts it served.
     """
 
     batch_sizes: tuple[int, ...] = field(default_factory=_from_yaml("batch_sizes"))
@@ -74,6 +78,7 @@ class ReplayConfig:
     draft_cost: dict = field(default_factory=_from_yaml("draft_cost"))
     impl: str = field(default_factory=_from_yaml("impl"))
     plan: str = field(default_factory=_from_yaml("plan"))
+    cell_prompts: tuple[int, int] | None = field(default_factory=_from_yaml("cell_prompts"))
 
     _constraints: ClassVar[dict] = {  # declarative checks (calib.calibrators.base), batch_sizes below
         "mode": [Options(MODES)],
@@ -105,6 +110,12 @@ class ReplayConfig:
         if not self.batch_sizes or not all(positive.accepts(b) for b in self.batch_sizes):
             raise ValueError(f"ReplayConfig: batch_sizes={list(self.batch_sizes)} is invalid; it must be a "
                              "non-empty list of integers >= 1")
+        if self.cell_prompts is not None:
+            pair = tuple(self.cell_prompts) if isinstance(self.cell_prompts, (list, tuple)) else ()
+            if len(pair) != 2 or not all(positive.accepts(v) for v in pair):
+                raise ValueError(f"ReplayConfig: cell_prompts={self.cell_prompts!r} is invalid; it must be null or "
+                                 "[min, per_request], two integers >= 1 (bench/serve.py's cell: [8, 2])")
+            self.cell_prompts = (int(pair[0]), int(pair[1]))
         if self.min_steps > self.max_steps:
             raise ValueError(f"ReplayConfig: min_steps={self.min_steps} > max_steps={self.max_steps}")
         unknown = sorted(set(self.draft_cost) - set(chain_names()))

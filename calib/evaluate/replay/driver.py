@@ -109,6 +109,18 @@ def ladder_rows(totals: dict, meta: dict, policies) -> list[dict]:
     return rows
 
 
+def cell_rows(bank, rows: np.ndarray, batch: int, cell_prompts: tuple[int, int] | None) -> np.ndarray:
+    """The ``rows`` (of one category) replayed at ``batch``: all of them, or with ``cell_prompts`` = ``(min,
+    per_request)`` those of the first ``max(min, per_request · batch)`` prompts in the order they were collected
+    (``prompt_idx``), the prompts bench/serve.py's cell at that concurrency serves. A prompt that left no round
+    in the bank (nothing drafted) is not counted."""
+    if cell_prompts is None:
+        return rows
+    low, per_request = cell_prompts
+    prompts = np.unique(bank.prompt_idx[rows])  # sorted: the collection's order
+    return rows[np.isin(bank.prompt_idx[rows], prompts[: max(low, per_request * batch)])]
+
+
 def replay(banks, curves: dict[str, CostCurve], cfg: ReplayConfig, progress: bool = True) -> list[dict]:
     """Every (bank, category, B, cost curve) setting; also category "all" (the sum over categories).
     Step policies are replayed setting by setting; hindsight policies are added once every category of a
@@ -121,7 +133,7 @@ def replay(banks, curves: dict[str, CostCurve], cfg: ReplayConfig, progress: boo
         for cat in sorted(set(bank.category[test].tolist())):
             rows = test[bank.category[test] == cat]
             for b in cfg.batch_sizes:
-                settings.append((bank, cat, rows, b))
+                settings.append((bank, cat, cell_rows(bank, rows, b, cfg.cell_prompts), b))
     wanted = closure([*cfg.policies, REFERENCE])
     rng = np.random.default_rng(cfg.seed)
     bar = tqdm(settings, desc="replay", unit="setting", disable=not progress)
