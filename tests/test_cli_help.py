@@ -53,9 +53,9 @@ def groups_listed(text: str) -> set[str]:
 
 HYDRA = {  # entry point -> the groups its primary config's defaults list reads
     "train.py": {"data", "calibrator", "ngram_model", "context", "split", "trainer", "logger"},
-    "eval.py": {"cost", "logger"},
+    "eval.py": {"cost", "logger", "online"},
     "collect.py": {"model", "speculative", "prompts", "sampling"},
-    "serve.py": {"model", "speculative", "prompts", "sampling", "policy"},
+    "serve.py": {"model", "speculative", "prompts", "sampling", "policy", "online"},
     "-m calib.moe": {"logger"},
     "-m calib.drafters.eagle": {"model", "logger"},
     "-m calib.drafters.eagle.reduced_vocab": {"model", "logger"},
@@ -138,7 +138,7 @@ def test_hydra_help_lists_settings_and_points_to_the_full_config():
     assert "--cfg job" in text and "== Config ==" not in text
     full = subprocess.run([sys.executable, "serve.py", "--cfg", "job"], check=True, cwd=ROOT, capture_output=True,
                           text=True, timeout=60).stdout
-    assert "online_decay: 0.99" in full and "online_decay:" not in text  # the full config is one flag away
+    assert "decay: 0.99" in full and "decay:" not in text  # the full config is one flag away
 
 
 def test_help_all_prints_the_whole_docstring():

@@ -11,13 +11,16 @@ rounds seen. Synthetic data never enters here: these are the banks eval was give
 
 from __future__ import annotations
 
+import numbers
+from pathlib import Path
+
 import numpy as np
 
 from calib import metrics as M
 from calib.labels import censored
 from calib.tables.online import OnlineSettings, context_cells, context_of, replay_online
 
-WARMUP_ROUNDS = 200  # the issue's "after the first 200 verified rounds of the run"
+WARMUP_ROUNDS = 200  # the issue's "after the first 200 verified rounds of the run" (metrics.online_warmup_rounds)
 CURVE_WINDOW = 100  # rounds per point of the warm-up curve
 
 
@@ -66,3 +69,25 @@ def online_rows(banks, tables, settings: OnlineSettings, split: str = "test", wa
                 curve.append({"bank": bank.name, "chain": drafter, "rounds_seen": s + CURVE_WINDOW,
                               **{f"error_{v}": (abs(float(pred[v][w].mean()) - a) / a if a else None) for v in pred}})
     return rows, curve
+
+
+def online_metrics(cfg, banks, tables, out: Path) -> dict:
+    """metrics.json's ``online``: the tables alone vs corrected online, per slice, and the warm-up curve (with its
+    figure in ``out``). The settings are ``cfg.online``, read by the schema serving reads ``serve.online`` with
+    (:meth:`calib.tables.online.OnlineSettings.from_config`; both compose conf/online/default.yaml)."""
+    from calib.evaluate import plots
+    from calib.evaluate.report import SLICE_MAX_ERROR
+    from calib.params import Interval, validate_params
+
+    settings = OnlineSettings.from_config(cfg.get("online") or {}, key="online", owner="eval.py config")
+    warmup = cfg.metrics.get("online_warmup_rounds", WARMUP_ROUNDS)
+    validate_params("eval.py config", {"metrics.online_warmup_rounds": warmup},
+                    {"metrics.online_warmup_rounds": [Interval(numbers.Integral, 0, None)]})
+    rows, curve = online_rows(banks, tables, settings, split=cfg.split.get("name", "test"), warmup=int(warmup),
+                              n_bins=int(cfg.metrics.n_bins))
+    pic = plots.warmup_curve(curve, out / "online_warmup.png", target=SLICE_MAX_ERROR) if curve else None
+    cells = ("the table's context cell, under a per-depth offset every cell shares"
+             + (" and a slope on the table's logit" if settings.slope else "")
+             if settings.pooled else "the table's context cell")
+    return {"settings": {**settings.to_config(), "warmup_rounds": int(warmup), "cells": cells},
+            "slices": rows, "warmup_curve": curve, "figure": pic and str(Path(pic).relative_to(out))}

@@ -23,6 +23,7 @@ from calib.evaluate import plots
 from calib.evaluate.calibration import POOLED_ECE_MAX, calibration_rows, length_noise, pooled_calibration_rows
 from calib.evaluate.checks import check_eval
 from calib.evaluate.data import load_eval_bank
+from calib.evaluate.online import online_metrics
 from calib.evaluate.replay import ReplayConfig, replay
 from calib.evaluate.report import (
     SLICE_MAX_ERROR,
@@ -110,7 +111,7 @@ def _evaluate(cfg: DictConfig, out: Path) -> dict:
     notes = ladder_notes(ladder)
     elapsed = time.perf_counter() - t0
     slices = length_slices(length, noise=noise)
-    online = _online(cfg, banks, tables, out)
+    online = online_metrics(cfg, banks, tables, out)  # the online correction, read as serving reads it
     bench = newest_serving_bench(_path(root, cfg.serving_bench) if cfg.get("serving_bench") else None)
     tables_json = _path(root, cfg.tables) / META
     clock_answer = clock_summary(bench, hashlib.sha256(tables_json.read_bytes()).hexdigest()
@@ -131,27 +132,6 @@ def _evaluate(cfg: DictConfig, out: Path) -> dict:
                                                   answer_pic=answer_pic, online=online, clock=clock))
     _track(cfg, out, metrics, pics + ([answer_pic] if answer_pic else []))
     return metrics
-
-
-def _online(cfg: DictConfig, banks: list, tables, out: Path) -> dict:
-    """metrics.json's ``online``: the tables alone vs corrected online, per slice, and the warm-up curve
-    (with its figure)."""
-    from calib.evaluate.online import WARMUP_ROUNDS, online_rows
-    from calib.tables.online import OnlineSettings
-
-    o = cfg.get("online") or {}
-    settings = OnlineSettings(bool(o.get("enabled", True)), float(o.get("decay", 0.99)), float(o.get("prior", 50.0)),
-                              bool(o.get("pooled", True)), bool(o.get("slope", True)))
-    warmup = int(o.get("warmup_rounds", WARMUP_ROUNDS))
-    rows, curve = online_rows(banks, tables, settings, split=cfg.split.get("name", "test"), warmup=warmup,
-                              n_bins=int(cfg.metrics.n_bins))
-    pic = plots.warmup_curve(curve, out / "online_warmup.png", target=SLICE_MAX_ERROR) if curve else None
-    return {"settings": {"enabled": settings.enabled, "decay": settings.decay, "prior": settings.prior,
-                         "pooled": settings.pooled, "slope": settings.slope, "warmup_rounds": warmup,
-                         "cells": ("the table's context cell, under a per-depth offset every cell shares"
-                                   + (" and a slope on the table's logit" if settings.slope else "")
-                                   if settings.pooled else "the table's context cell")},
-            "slices": rows, "warmup_curve": curve, "figure": pic and str(Path(pic).relative_to(out))}
 
 
 def _load_banks(cfg: DictConfig, tables, root) -> list:

@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import json
 import numbers
-from dataclasses import asdict, dataclass, fields
+import warnings
+from collections.abc import Mapping
+from dataclasses import InitVar, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import ClassVar
 
 from calib.cost.draft import DEFAULT_DRAFT_COST, PROJECT_ROOT
 from calib.params import TEXT, Boolean, Each, Interval, NoneValue, Satisfies, validate_params
+from calib.tables.online import OnlineSettings
 
 # The cost serve.py prices with by default (conf/serve.yaml serve.cost), for `vllm serve` too: the engine's
 # step cost measured by bench/profile_step.py (calib/cost/step.py), what the replay's cost kind `engine` reads.
@@ -28,6 +31,38 @@ def _cost_text(text) -> bool:
                                       or bool(parse_cost(text)))
 
 
+# The flat spellings of the online correction's settings before they were one nested value (conf/online/), kept
+# for one release as aliases with a warning: {old knob: its key in ``online``}. ``online=false`` (a bool) likewise.
+DEPRECATED_ONLINE = {"online_decay": "decay", "online_prior": "prior", "online_pooled": "pooled",
+                     "online_slope": "slope"}
+
+
+def _online(node, flat: dict) -> OnlineSettings:
+    """The online correction's settings from the ``online`` knob and the deprecated flat knobs set (``flat``),
+    each warned about with the key to write instead; a flat knob and a nested key set to two values is refused."""
+    if isinstance(node, bool):
+        text = json.dumps(node)
+        warnings.warn(f"serve.online={text} is deprecated: write serve.online.enabled={text} (CALIB_SERVE: "
+                      f"{{\"online\": {{\"enabled\": {text}}}}}); the flat spelling goes in the next release",
+                      FutureWarning, stacklevel=4)
+        node = {"enabled": node}
+    settings = OnlineSettings.from_config(node, key="online", owner="ServeKnobs")
+    if not flat:
+        return settings
+    default, values = OnlineSettings(), settings.to_config()
+    for old, value in flat.items():
+        new = DEPRECATED_ONLINE[old]
+        if values[new] not in (getattr(default, new), value):
+            raise ValueError(f"ServeKnobs: {old}={value!r} and online.{new}={values[new]!r} set one setting twice; "
+                             f"drop {old} (deprecated) and keep online.{new}")
+        text = json.dumps(value)  # as a config or CALIB_SERVE spells it (false, not False)
+        warnings.warn(f"serve.{old}={text} is deprecated: write serve.online.{new}={text} (CALIB_SERVE: "
+                      f"{{\"online\": {{\"{new}\": {text}}}}}); the flat spelling goes in the next release",
+                      FutureWarning, stacklevel=4)
+        values[new] = value
+    return OnlineSettings.from_config(values, key="online", owner="ServeKnobs")
+
+
 @dataclass(frozen=True)
 class ServeKnobs:
     """What serving needs beyond the engine's own config; validated at construction."""
@@ -39,12 +74,14 @@ class ServeKnobs:
     chains: tuple[str, ...] | None = None  # the chains calib may verify (None: every registered chain)
     plan: bool = True  # with a model drafter: choose each step's number of draft passes (plan_draft)
     draft_cost: float = DEFAULT_DRAFT_COST  # one model-drafter pass / the verify pass C(B) (the drafter's export)
-    # the online correction of the tables by verified outcomes (calib/tables/online.py); off: the tables alone
-    online: bool = True
-    online_decay: float = 0.99  # per observed position of a (chain, depth, context cell): ~100 remembered
-    online_prior: float = 50.0  # pseudo-positions holding a cell at the table until it has its own
-    online_pooled: bool = True  # a per-depth offset every cell shares under the cells' own (off: cells apart)
-    online_slope: bool = True  # the shared level also learns a slope on the table's logit (online Platt)
+    # the online correction of the tables by verified outcomes (calib/tables/online.py): one nested value, the
+    # schema eval's replay reads too (conf/online/default.yaml); a mapping (JSON, config) is read into it
+    online: OnlineSettings = field(default_factory=OnlineSettings)
+    # deprecated flat spellings (one release; a warning names the nested key): online_decay=X is online.decay=X
+    online_decay: InitVar[float | None] = None
+    online_prior: InitVar[float | None] = None
+    online_pooled: InitVar[bool | None] = None
+    online_slope: InitVar[bool | None] = None
     # the clock oracle (greedy only, calib/serve/oracle.py): the path of a reference file of no speculation's
     # outputs; each step verifies exactly what the reference accepts instead of deciding from the tables
     oracle: str | None = None
@@ -64,31 +101,31 @@ class ServeKnobs:
         "chains": [Each(TEXT), NoneValue()],
         "plan": [Boolean()],
         "draft_cost": [Interval(numbers.Real, 0, None)],
-        "online": [Boolean()],
-        "online_decay": [Interval(numbers.Real, 0, 1, closed="right")],
-        "online_prior": [Interval(numbers.Real, 0, None, closed="neither")],
-        "online_pooled": [Boolean()],
-        "online_slope": [Boolean()],
+        # a mapping of OnlineSettings' keys (the deprecated bool: online.enabled), each checked by its own
+        # declaration; the check of serve.py's config reuses these entries (calib.config_checks.check_serve)
+        "online": [Satisfies("a mapping of the online correction's settings (conf/online/default.yaml)",
+                             lambda v: isinstance(v, (Mapping, OnlineSettings))), Boolean()],
+        **{f"online.{k}": v for k, v in OnlineSettings._parameter_constraints.items()},
+        **{old: [NoneValue(), *OnlineSettings._parameter_constraints[new]] for old, new in DEPRECATED_ONLINE.items()},
         "aside_after": [Interval(numbers.Integral, 0, None)],
         "aside_every": [Interval(numbers.Integral, 1, None)],
         "oracle": [NoneValue(), Satisfies("None or the path of an existing oracle reference file "
                                           "(calib/serve/oracle.py)", lambda v: isinstance(v, str) and Path(v).is_file())],
     }
 
-    def online_settings(self):
-        """The online correction's settings, or None when switched off."""
-        from calib.tables.online import OnlineSettings
+    def online_settings(self) -> OnlineSettings | None:
+        """The online correction's settings, or None when switched off (what the decider takes)."""
+        return self.online if self.online.enabled else None
 
-        return (OnlineSettings(True, float(self.online_decay), float(self.online_prior), bool(self.online_pooled),
-                               bool(self.online_slope))
-                if self.online else None)
-
-    def __post_init__(self):
+    def __post_init__(self, online_decay, online_prior, online_pooled, online_slope):
         object.__setattr__(self, "ngram", tuple(self.ngram) if isinstance(self.ngram, (list, tuple)) else self.ngram)
         if isinstance(self.chains, list):
             object.__setattr__(self, "chains", tuple(self.chains))
-        validate_params("ServeKnobs", {f.name: getattr(self, f.name) for f in fields(self)},
-                        self._parameter_constraints)
+        flat = {"online_decay": online_decay, "online_prior": online_prior, "online_pooled": online_pooled,
+                "online_slope": online_slope}
+        validate_params("ServeKnobs", {f.name: getattr(self, f.name) for f in fields(self)} | flat,
+                        {k: v for k, v in self._parameter_constraints.items() if "." not in k})
+        object.__setattr__(self, "online", _online(self.online, {k: v for k, v in flat.items() if v is not None}))
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -101,7 +138,7 @@ class ServeKnobs:
         except json.JSONDecodeError as exc:
             raise ValueError(f"CALIB_SERVE={text!r}: not JSON ({exc}); expected e.g. "
                              '\'{"tables": "runs/train/default"}\'') from None
-        names = [f.name for f in fields(cls)]
+        names = [f.name for f in fields(cls)] + list(DEPRECATED_ONLINE)
         if not isinstance(values, dict) or set(values) - set(names):
             raise ValueError(f"CALIB_SERVE={text!r}: expected a JSON object with keys from {', '.join(names)}")
         return cls(**values)

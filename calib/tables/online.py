@@ -39,10 +39,14 @@ are skipped, never counted as rejections. The same object runs in serving
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
+import numbers
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
+from typing import ClassVar
 
 import numpy as np
+
+from calib.params import Boolean, Interval, Satisfies, validate_params
 
 EPS = 1e-6
 MIN_SCALE = 0.1  # the slope's floor on 1 + β: a correction flattens the table, never reverses its order
@@ -53,7 +57,11 @@ class OnlineSettings:
     """``enabled``: off = the tables alone; ``decay``: λ per observed position of a key; ``prior``: κ,
     the pseudo-positions that hold a key at the table until it has seen that many of its own;
     ``pooled``: a per-depth offset shared by every cell under the cells' own (off: cells kept apart);
-    ``slope``: the pooled level also learns a slope on the table's logit (only with ``pooled``)."""
+    ``slope``: the pooled level also learns a slope on the table's logit (only with ``pooled``).
+
+    The one schema of the correction's settings: serving (``serve.online``, :class:`calib.serve.knobs.ServeKnobs`)
+    and eval's replay (``online``) both compose conf/online/default.yaml and read it with :meth:`from_config`;
+    the config checks reuse :attr:`_parameter_constraints`."""
 
     enabled: bool = True
     decay: float = 0.99
@@ -61,11 +69,43 @@ class OnlineSettings:
     pooled: bool = True
     slope: bool = True
 
+    _parameter_constraints: ClassVar[dict] = {
+        "enabled": [Boolean()],
+        "decay": [Interval(numbers.Real, 0, 1, closed="right")],
+        "prior": [Interval(numbers.Real, 0, None, closed="neither")],
+        "pooled": [Boolean()],
+        "slope": [Boolean()],
+    }
+
     def __post_init__(self):
-        if not (0.0 < self.decay <= 1.0):
-            raise ValueError(f"online.decay must be in (0, 1], got {self.decay!r}")
-        if not (self.prior > 0.0 and math.isfinite(self.prior)):
-            raise ValueError(f"online.prior must be a finite number > 0, got {self.prior!r}")
+        validate_params("online", asdict(self), self._parameter_constraints)
+        object.__setattr__(self, "decay", float(self.decay))  # an integer from a config (decay=1) is the float
+        object.__setattr__(self, "prior", float(self.prior))
+
+    @classmethod
+    def from_config(cls, node, key: str = "online", owner: str = "OnlineSettings") -> OnlineSettings:
+        """The settings of a config node (a mapping: a dict, an OmegaConf node, the JSON of ``CALIB_SERVE``);
+        a key it leaves out keeps its default. A node that is no mapping, an unknown key or a bad value is
+        refused naming ``key`` (the node's dotted path, e.g. ``serve.online``) and the value."""
+        if isinstance(node, cls):
+            return node
+        names = [f.name for f in fields(cls)]
+        validate_params(owner, {key: node}, {key: [Satisfies(
+            f"a mapping of the online correction's settings {', '.join(names)} (conf/online/default.yaml; e.g. "
+            f"{key}.enabled=false)", lambda v: isinstance(v, Mapping))]})
+        unknown = sorted(str(k) for k in node if k not in names)
+        if unknown:
+            raise ValueError(f"{owner}: {', '.join(f'{key}.{k}' for k in unknown)} is not a setting of the online "
+                             f"correction; its settings are {', '.join(f'{key}.{n}' for n in names)} "
+                             "(conf/online/default.yaml)")
+        values = {n: node[n] for n in names if n in node}
+        validate_params(owner, {f"{key}.{n}": v for n, v in values.items()},
+                        {f"{key}.{n}": c for n, c in cls._parameter_constraints.items()}, missing_ok=True)
+        return cls(**values)
+
+    def to_config(self) -> dict:
+        """The config node of these settings (what :meth:`from_config` reads back)."""
+        return asdict(self)
 
 
 def verified_mask(acc: np.ndarray) -> np.ndarray:

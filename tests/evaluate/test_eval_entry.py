@@ -21,7 +21,7 @@ def test_eval_compose_run(tmp_path):
     out = tmp_path / "out"
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose("eval", overrides=[f"root={ROOT}", f"data.test=[{bank}]", f"tables={tmp_path / 'tables'}",
-                                         "online.warmup_rounds=0", f"out_dir={out}", "logger=csv", "metrics.n_boot=20",
+                                         "metrics.online_warmup_rounds=0", f"out_dir={out}", "logger=csv", "metrics.n_boot=20",
                                          "replay.batch_sizes=[1,4]", "replay.max_steps=8", "replay.min_steps=4",
                                          "replay.progress=false",
                                          # a bench that records no tables digest, whatever docs/bench's newest is
