@@ -157,6 +157,32 @@ def measure(cmd: list[str]) -> dict:
             "stdout": out}
 
 
+def line_fit(rows: list[dict]) -> dict | None:
+    """``wall = a + b * rounds`` fitted to one mode's points by least squares on the relative deviations (the
+    20 % of the issue is relative) (an affine line: ``a`` is the fixed cost,
+    start-up and the fits on the sample, ``b`` the cost per round) and each point's deviation from it; beside
+    it the line through the origin (``wall = b * rounds``, proportional), so a reader sees what the intercept
+    carries. None with fewer than two points."""
+    if len(rows) < 2:
+        return None
+    x = np.array([r["rounds"] for r in rows], dtype=np.float64)
+    y = np.array([r["wall_s"] for r in rows], dtype=np.float64)
+    b, a = np.polyfit(x, y, 1, w=1 / y)
+    prop = float(np.sum(1 / y) / np.sum(x / y**2))  # argmin_b sum((b x / y - 1)^2)
+
+    def dev(pred):
+        return [{"rounds": int(r), "wall_s": float(w), "line_s": round(float(p), 1), "deviation": round(float(w / p - 1), 3)}
+                for r, w, p in zip(x, y, pred)]
+
+    affine = dev(a + b * x)
+    return {"affine": {"intercept_s": round(float(a), 1), "s_per_million_rounds": round(float(b) * 1e6, 2),
+                       "points": affine, "max_abs_deviation": max(abs(p["deviation"]) for p in affine),
+                       "within_20_percent": all(abs(p["deviation"]) <= 0.2 for p in affine)},
+            "proportional": {"s_per_million_rounds": round(prop * 1e6, 2),
+                             "points": (pts := dev(prop * x)),
+                             "max_abs_deviation": max(abs(p["deviation"]) for p in pts)}}
+
+
 def main() -> None:
     ap = plain_parser(__doc__)
     ap.add_argument("--rounds", type=int, nargs="+", default=[1_000_000, 10_000_000])
@@ -213,6 +239,19 @@ def main() -> None:
     for r in results:
         print(f"{r['rounds']:>12,} {r['mode']:>7} {r['wall_s']:>8.1f} {TARGETS.get(r['rounds']) or '-':>9} "
               f"{r['peak_tree_gb']:>8.2f} {4:>7}")
+    lines = {m: line_fit([r for r in results if r["mode"] == m]) for m in args.modes}
+    for mode, fit in lines.items():
+        if fit is None:
+            continue
+        aff = fit["affine"]
+        print(f"\n{mode}: wall = {aff['intercept_s']:.1f} s + {aff['s_per_million_rounds']:.2f} s per million rounds "
+              f"(an affine line: the intercept is the fixed cost, start-up and the fits on the sample)")
+        for p in aff["points"]:
+            print(f"  {p['rounds']:>12,} rounds: {p['wall_s']:.1f} s measured, {p['line_s']:.1f} s on the line "
+                  f"({p['deviation']:+.1%})")
+        print(f"  on one line within 20 %: {'yes' if aff['within_20_percent'] else 'no'} (largest deviation "
+              f"{aff['max_abs_deviation']:.1%}); through the origin (proportional, no intercept) the largest "
+              f"deviation is {fit['proportional']['max_abs_deviation']:.1%}")
     write_json_atomic(args.out, {
         "bench": "bench/train_scale.py", "date": str(datetime.date.today()), "command": " ".join(sys.argv),
         "machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine()},
@@ -222,7 +261,10 @@ def main() -> None:
                   "train.py's process tree (Ray's raylet, GCS, workers included), sampled every 0.2 s; "
                   "peak_tree_rss_gb: the same with RSS (shared pages counted in every process); "
                   "peak_largest_process_gb: the largest single process's maxrss",
-        "targets": {"wall_s": {str(k): v for k, v in TARGETS.items() if v}, "peak_gb": 4.0}, "results": results})
+        "targets": {"wall_s": {str(k): v for k, v in TARGETS.items() if v}, "peak_gb": 4.0}, "results": results,
+        "line": {m: f for m, f in lines.items() if f},
+        "line_note": "affine: wall = a + b * rounds per mode, least squares on the relative deviations, and each point's deviation from it (a line "
+                     "with an intercept: a is the fixed cost); proportional: the line through the origin, for contrast"})
     print(f"written {args.out}")
 
 

@@ -71,6 +71,7 @@ from calib.training_report import (
     _write_summary,
     wandb_note,
 )
+from calib.training_transfer import transfer_checks, ways
 
 log = logging.getLogger("calib.train")
 
@@ -217,7 +218,7 @@ def _try_axis(kind: ChainKind, rows: pd.DataFrame, cfg: dict, probe: dict, selec
         X = _chain_X(kind, rows, _with_selected(cfg, axes), probe)
         folds = min(sel_cfg["n_splits"], len(np.unique(groups)))
         res = cross_validate(est, X, rows.label.to_numpy(), groups=groups, scoring=NEG_LOG_LOSS,
-                             cv=GroupKFold(folds), error_score="raise")
+                             cv=GroupKFold(folds), error_score="raise", n_jobs=sel_cfg.get("n_jobs", 1))
         scores[label] = -res["test_score"]
     diff = scores["with"] - scores["without"]
     se = float(diff.std(ddof=1) / np.sqrt(diff.size)) if diff.size > 1 else np.inf
@@ -239,17 +240,17 @@ def _transfer_guard(kind: ChainKind, rows: pd.DataFrame, cfg: dict, candidates: 
     if not transfer or not candidates:
         return {}
     out = {}
-    rows = _prompt_sample(rows, int(transfer.get("max_samples") or 0))  # a decision: on a sample of prompts
-    for name, est in candidates.items():
-        est = _with_axes(kind, _readable(kind, est, rows), selected)
+    rows = _prompt_sample(rows, int(transfer.get("max_samples") or 0)).assign(split="train")  # a decision: a sample
+    c = _with_selected(cfg, selected)
+    got = iter(transfer_checks(kind, rows, c, [_with_axes(kind, _readable(kind, e, rows), selected)
+                                                for e in candidates.values()], transfer))
+    for name in candidates:
         entry = {"eligible": True}
-        for src, dst in ((transfer["fit_on"], transfer["eval_on"]), (transfer["eval_on"], transfer["fit_on"])):
-            try:
-                r = transfer_check(kind, rows.assign(split="train"), _with_selected(cfg, selected), est,
-                                   transfer["baseline"], src, dst, context=True)
-            except (ValueError, RuntimeError) as exc:  # cannot be fitted on one side: not a candidate
+        for src, dst in ways(transfer):
+            r = next(got)
+            if isinstance(r, Exception):  # cannot be fitted on one side: not a candidate
                 log.warning("%s chain %s: transfer guard %s -> %s cannot fit it (%s: %s); left out", kind.name,
-                            name, "+".join(src), "+".join(dst), type(exc).__name__, exc)
+                            name, "+".join(src), "+".join(dst), type(r).__name__, r)
                 entry["eligible"] = False
                 continue
             if r is None:
@@ -383,6 +384,7 @@ def _fit_and_export_tracked(cfg: dict, bank, tracker, stage: Path, out_dir: Path
         if chain_cfg is None:
             log.info("%s chain: no `%s` config group, not trained", kind.name, kind.config)
             continue
+        chain_cfg = refine.chain_config(chain_cfg) if refine is not None else chain_cfg
         samples = kind.samples(bank)
         if not len(samples):
             continue
@@ -467,14 +469,11 @@ def _train_chain(kind: ChainKind, samples: pd.DataFrame, chain_cfg: dict, bank, 
         model = GroupedCVSelection(cands, n_own=len(kind.feature_names(chain_cfg)),
                                    **{**SELECTION_DEFAULTS, **(chain_cfg.get("selection") or {})})
         chain_meta["transfer"] = []
-        for src, dst in ((tcfg["fit_on"], tcfg["eval_on"]), (tcfg["eval_on"], tcfg["fit_on"])):
-            try:
-                t = transfer_check(kind, samples, chain_cfg, model, tcfg["baseline"], src, dst, context=True)
-            except (ValueError, RuntimeError) as exc:  # a report, not the tables: say so and go on
+        for (src, dst), t in zip(ways(tcfg), transfer_checks(kind, samples, chain_cfg, [model], tcfg)):
+            if isinstance(t, Exception):  # a report, not the tables: say so and go on
                 log.warning("%s chain: transfer check %s -> %s could not be fitted (%s: %s)", kind.name,
-                            "+".join(src), "+".join(dst), type(exc).__name__, exc)
-                t = None
-            if t:
+                            "+".join(src), "+".join(dst), type(t).__name__, t)
+            elif t:
                 chain_meta["transfer"].append(t)
     if "counterfactual" in samples.columns:
         chain_meta["label_sources"] = samples.groupby("counterfactual").size().rename(

@@ -195,23 +195,36 @@ def add_stats(total: dict, part: dict) -> dict:
 
 
 def stream_stats(parts: list[Path], spec: StatsSpec, mode: str = "stream", ray_cfg: dict | None = None,
-                 progress: bool = False) -> dict[str, np.ndarray]:
-    """The statistics of every part added up in ``parts`` order: here one part at a time (``stream``), or
-    on a Ray cluster (``ray``, :func:`ray_stats`)."""
+                 progress: bool = False, n_jobs: int = 1) -> dict[str, np.ndarray]:
+    """The statistics of every part added up in ``parts`` order: here (``stream``) one part at a time, or
+    ``n_jobs`` parts at once in joblib processes (their results come back in order, so the sum is the
+    same, bit for bit), or on a Ray cluster (``ray``, :func:`ray_stats`)."""
     if mode == "ray":
         return ray_stats(parts, spec, ray_cfg or {}, progress)
     total = empty_stats(spec)
-    for p in _progress(parts, progress, "statistics"):
-        add_stats(total, part_stats(p, spec))
+    for stats in _progress(in_order(part_stats, [(p, spec) for p in parts], n_jobs), progress, "statistics",
+                           len(parts)):
+        add_stats(total, stats)
     return total
 
 
-def _progress(items, on: bool, what: str):
+def in_order(fn, args: list[tuple], n_jobs: int = 1):
+    """``fn(*a)`` for each of ``args``, yielded in their order: in this process with ``n_jobs`` 1, else in
+    that many joblib processes (at most two results waiting per process: memory stays bounded)."""
+    if n_jobs == 1 or len(args) < 2:
+        return (fn(*a) for a in args)
+    from joblib import Parallel, delayed
+
+    return Parallel(n_jobs=min(n_jobs, len(args)), return_as="generator", pre_dispatch="2*n_jobs")(
+        delayed(fn)(*a) for a in args)
+
+
+def _progress(items, on: bool, what: str, total: int | None = None):
     if not on:
         return items
     from tqdm.auto import tqdm
 
-    return tqdm(items, desc=what, unit="part")
+    return tqdm(items, desc=what, unit="part", total=total)
 
 
 def ray_stats(parts: list[Path], spec: StatsSpec, ray_cfg: dict, progress: bool = False) -> dict[str, np.ndarray]:

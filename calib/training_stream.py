@@ -37,12 +37,12 @@ from calib.bank import load, schema, write_bank
 from calib.bank.fleet import bank_parts, part_rounds
 from calib.chains import context_axes
 from calib.sidefiles import read_json
-from calib.training_stats import StatsSpec, per_depth_from_stats, refit_from_stats, stream_stats
+from calib.training_stats import StatsSpec, in_order, per_depth_from_stats, refit_from_stats, stream_stats
 
 log = logging.getLogger("calib.train")
 
 SCALE_DEFAULTS = {"mode": "memory", "sample_rounds": 300_000, "bins": 1920, "seed": 0, "validate_parts": True,
-                  "progress": False, "ray": {}}
+                  "progress": False, "n_jobs": 1, "ray": {}}
 
 
 class PartsBank:
@@ -97,6 +97,15 @@ class Refiner:
         self.parts_bank = PartsBank(parts)
         self.stats, self.spec, self.info = None, None, {}
 
+    def chain_config(self, chain_cfg: dict) -> dict:
+        """``chain_cfg`` with its grouped-CV folds and axis trials fitted ``scale.n_jobs`` at a time (each fit
+        keeps its one thread, so the scores and the choice do not depend on it)."""
+        jobs = int(self.scale["n_jobs"])
+        sel = dict(chain_cfg.get("selection") or {})
+        if jobs <= int(sel.get("n_jobs") or 1):
+            return chain_cfg
+        return {**chain_cfg, "selection": {**sel, "n_jobs": jobs}}
+
     def target_models(self) -> list[str]:
         models: set = set()
         for p in self.parts:
@@ -113,7 +122,7 @@ class Refiner:
                               judged_only=self.judged_only, validate=bool(self.scale["validate_parts"]))
         t0 = time.time()
         self.stats = stream_stats(self.parts, self.spec, self.scale["mode"], dict(self.scale.get("ray") or {}),
-                                  bool(self.scale["progress"]))
+                                  bool(self.scale["progress"]), int(self.scale["n_jobs"]))
         t1 = time.time()
         done = refit_from_stats(res["estimator"], self.stats)
         self.info = {"statistics_wall_s": round(t1 - t0, 2), "refit_wall_s": round(time.time() - t1, 2), **done}
@@ -141,7 +150,7 @@ def _check(scale: dict) -> None:
 
     if scale["mode"] not in ("memory", "stream", "ray"):
         raise ValueError(f"scale.mode={scale['mode']!r}: expected memory, stream or ray")
-    for key, low in (("sample_rounds", 1), ("bins", ECE_BINS)):
+    for key, low in (("sample_rounds", 1), ("bins", ECE_BINS), ("n_jobs", 1)):
         v = scale[key]
         if isinstance(v, bool) or not isinstance(v, int) or v < low or (key == "bins" and v % ECE_BINS):
             raise ValueError(f"scale.{key}={v!r}: expected an integer >= {low}"
@@ -166,11 +175,12 @@ def streamed(cfg: dict, judged_only: bool):
         else:
             fraction = target / rounds
             written, n = [], 0
-            for i, p in enumerate(parts):
-                got = _sample_part(p, tmp / f"part-{i:05d}", fraction, seed)
-                if got:
-                    written.append(tmp / f"part-{i:05d}")
-                    n += got
+            outs = [tmp / f"part-{i:05d}" for i in range(len(parts))]
+            got = in_order(_sample_part, [(p, o, fraction, seed) for p, o in zip(parts, outs)], int(scale["n_jobs"]))
+            for out, k in zip(outs, got):
+                if k:
+                    written.append(out)
+                    n += k
             if not written:
                 raise ValueError(f"scale.sample_rounds={target}: the sample of whole prompts holds no round of "
                                  f"the {rounds} rounds; raise it")

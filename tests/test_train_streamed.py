@@ -119,7 +119,16 @@ def test_train_py_on_ray_gives_the_single_process_tables(runs, tmp_path):
 
 
 @pytest.mark.parametrize(("override", "key"), [("scale.mode=disk", "scale.mode"), ("scale.bins=100", "scale.bins"),
-                                               ("scale.sample_rounds=0", "scale.sample_rounds")])
+                                               ("scale.sample_rounds=0", "scale.sample_rounds"),
+                                               ("scale.n_jobs=0", "scale.n_jobs")])
 def test_a_scale_setting_is_refused_by_its_key(tmp_path, override, key):
     with pytest.raises(ValueError, match=key):
         run(_cfg(tmp_path / "out", "scale.mode=stream", override))
+
+
+def test_statistics_summed_in_two_processes_equal_one_bit_for_bit():
+    one = stream_stats(SHIPPED, _spec(), "stream", n_jobs=1)
+    two = stream_stats(SHIPPED, _spec(), "stream", n_jobs=2)  # joblib processes, results in the parts' order
+    assert one["n"].sum() > 10_000
+    for k in (*INT_STATS, *FLOAT_STATS):
+        assert one[k].dtype == two[k].dtype and np.array_equal(one[k], two[k]), k
