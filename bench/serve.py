@@ -256,7 +256,9 @@ def main(argv=None) -> None:
     ap.add_argument("--work", default="runs/bench/serve-work", help="finished (arm, rep) kept here: a rerun resumes")
     ap.add_argument("--from-json", help="print an earlier --out file's tables (runs nothing)")
     ap.add_argument("--retable", metavar="OUT", help="with --from-json: recompute its table with this code, to OUT")
-    ap.add_argument("--replay", default="runs/eval/default/metrics.json", help="eval.py's metrics.json (predictions)")
+    ap.add_argument("--replay", default=None,
+                    help="eval.py's metrics.json (predictions; default runs/eval/default/metrics.json; with "
+                         "--retable, replaces the run's recorded one)")
     ap.add_argument("--cost-model", default="engine", help="the ladder's cost model the prediction reads")
     ap.add_argument("--readme", nargs="*", default=[], help="redraw these files' marked blocks citing --out")
     ap.add_argument("--oracle", action=argparse.BooleanOptionalAction, default=True,
@@ -267,12 +269,15 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     if args.worker:
         return worker(args.worker)
+    replay_given, args.replay = args.replay is not None, args.replay or "runs/eval/default/metrics.json"
     if args.from_json:
         done = json.loads(Path(args.from_json).read_text())
         if args.retable:  # the table recomputed from the run's records by this code, to a new file
             from calib.atomic import write_text_atomic
             from calib.evaluate import clock
 
+            if replay_given:  # the same clock, predicted by another replay
+                done["replay"] = args.replay
             done["table"] = clock.rows(done["runs"], predictions(done["runs"], _metrics(done.get("replay")),
                                                                  done.get("cost_model", args.cost_model)))
             done["unstable"] = clock.unstable(done["table"], done.get("tolerance", args.tolerance))

@@ -10,7 +10,7 @@ from tests.bench_scripts import load_bench
 def _plan(tmp_path, *extra):
     bench = load_bench("prepare_replay")
     ns = type("A", (), {"out": str(tmp_path / "replay"), "tables": "runs/train/default", "prompts": "chat_code",
-                        "max_tokens": 64, "concurrency": [1, 4], "set": list(extra)})()
+                        "max_tokens": 64, "min_prompts": 8, "concurrency": [1, 4], "set": list(extra)})()
     return bench, bench.commands(ns)
 
 
@@ -26,6 +26,7 @@ def test_the_plan_reads_one_step_cost_and_collects_in_the_served_dtype(tmp_path)
     assert {next(a for a in c if a.startswith("speculative=")) for c in collects} == {"speculative=eagle",
                                                                                         "speculative=ngram"}
     assert f"cost.engine.path={cost}" in replay and "cost=engine" in replay
+    assert "replay.cell_prompts=[8,2]" in replay  # each B replays the prompts the bench's cell serves
     banks = next(a for a in replay if a.startswith("data.test="))
     assert all(str(done) in banks for w, _, done in steps if w.startswith("collect") for done in [done.parent])
 

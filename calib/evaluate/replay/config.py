@@ -12,6 +12,7 @@ from typing import ClassVar
 from calib.allocate.api import IMPLEMENTATIONS
 from calib.calibrators.base import Interval, Options, validate_params
 from calib.chains import chain_names
+from calib.params import Boolean
 from calib.policies import canonical, policy_names
 
 MODES = ("price", "budget")  # price: goodput rule on the cost curve; budget: tokens per request
@@ -65,6 +66,8 @@ class ReplayConfig:
             per_request · B)`` prompts of its category, in the order they were collected, which is what
             ``bench/serve.py``'s cell at concurrency ``B`` serves (the top of the category's file); None: every
             prompt. A prediction of a served cell is then of the prompts it served.
+        undrafted_steps: replay a model-free drafter's steps without a draft too (the gaps between a request's
+            rounds: :mod:`calib.evaluate.replay.undrafted`); off: the recorded rounds only, every step drafted.
     """
 
     batch_sizes: tuple[int, ...] = field(default_factory=_from_yaml("batch_sizes"))
@@ -79,6 +82,7 @@ class ReplayConfig:
     impl: str = field(default_factory=_from_yaml("impl"))
     plan: str = field(default_factory=_from_yaml("plan"))
     cell_prompts: tuple[int, int] | None = field(default_factory=_from_yaml("cell_prompts"))
+    undrafted_steps: bool = field(default_factory=_from_yaml("undrafted_steps"))
 
     _constraints: ClassVar[dict] = {  # declarative checks (calib.calibrators.base), batch_sizes below
         "mode": [Options(MODES)],
@@ -89,6 +93,7 @@ class ReplayConfig:
         "seed": [Interval(numbers.Integral, 0, None)],
         "impl": [Options(IMPLEMENTATIONS)],
         "plan": [Options(PLANS)],
+        "undrafted_steps": [Boolean()],
     }
 
     def __post_init__(self) -> None:

@@ -11,6 +11,7 @@ import numpy as np
 
 from calib.cost import CostCurve
 from calib.evaluate.replay.config import ReplayConfig
+from calib.evaluate.replay.undrafted import with_undrafted_steps
 from calib.labels import censored
 from calib.policies import BASE_TOTALS, REFERENCE, PolicyResult, closure, policy, policy_of_row
 from calib.policies.setting import Setting, StepBatch
@@ -128,6 +129,8 @@ def replay(banks, curves: dict[str, CostCurve], cfg: ReplayConfig, progress: boo
     from tqdm.auto import tqdm
 
     settings = []
+    if cfg.undrafted_steps:  # a model-free drafter's steps without a draft, served too (replay/undrafted.py)
+        banks = [with_undrafted_steps(b) for b in banks]
     for bank in banks:
         test = np.nonzero(bank.split == "test")[0]
         for cat in sorted(set(bank.category[test].tolist())):
