@@ -58,15 +58,11 @@ def _arms():
 
 
 ARMS, DEFAULT_ARMS, VLLM_ARMS, VLLM_SPEC_ARMS, CALIB_ARMS, ORACLE_ARMS = _arms()  # VLLM_ARMS: not speculating too
-# The third drafter's arms, run when --arms names them (the suffix tree: arctic-inference, make install-suffix):
-# vLLM's suffix decoding as configured in conf/speculative/suffix.yaml (K=4), and calib deciding between the EAGLE
-# draft, the n-gram chain and the suffix chain (calib.vllm.server.Server.two_chains: two per step reach the
-# allocator). Not registered with a policy's arms (calib/policies), so the clock's "best vLLM arm" columns
-# (calib.evaluate.clock.vllm_arms) do not count vllm_suffix yet; this bench's own lists do.
-SUFFIX_ARMS = {"vllm_suffix": ["policy=fixed", "speculative=suffix"],
-               "calib_three_chain": ["policy=two_drafter", "speculative=eagle", "policy.chains=[model,ngram,suffix]"]}
+# calib deciding between the EAGLE draft, the n-gram chain and the suffix chain (the suffix tree: arctic-inference,
+# make install-suffix; calib.vllm.server.Server.two_chains: two per step reach the allocator), run when --arms
+# names it. vLLM's own suffix arm (vllm_suffix) is registered with fixed's arms (calib/policies/reference.py).
+SUFFIX_ARMS = {"calib_three_chain": ["policy=two_drafter", "speculative=eagle", "policy.chains=[model,ngram,suffix]"]}
 ARMS = {**ARMS, **{a: o for a, o in SUFFIX_ARMS.items() if a not in ARMS}}
-VLLM_ARMS, VLLM_SPEC_ARMS = (*VLLM_ARMS, "vllm_suffix"), (*VLLM_SPEC_ARMS, "vllm_suffix")
 CALIB_ARMS = (*CALIB_ARMS, "calib_three_chain")
 SAMPLING = {"greedy": "greedy", "sampled": "sampled"}
 

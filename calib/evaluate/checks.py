@@ -19,6 +19,7 @@ from calib.config_checks import (
 )
 from calib.evaluate.replay import ReplayConfig
 from calib.params import TEXT, Boolean, Each, Fractions, Interval, NoneValue, Options
+from calib.tables.online import OnlineSettings
 
 SPLITS = ("train", "val", "test")
 COST_KINDS = ("parametric", "measured", "engine", "moe")
@@ -37,12 +38,9 @@ def _eval_constraints() -> dict:
         "metrics.length_n_boot": [INT_1],
         "metrics.seed": [INT_0],
         "plots.reliability_bins": [INT_1],
-        "online.enabled": [Boolean()],
-        "online.pooled": [Boolean()],  # serve.py checks its serve.online_* the same way (calib.serve.knobs)
-        "online.slope": [Boolean()],
-        "online.decay": [Interval(numbers.Real, 0, 1, closed="right")],
-        "online.prior": [Interval(numbers.Real, 0, None, closed="neither")],
-        "online.warmup_rounds": [INT_0],
+        # the online correction's one schema, which serve.py's serve.online is checked by too
+        **{f"online.{k}": v for k, v in OnlineSettings._parameter_constraints.items()},
+        "metrics.online_warmup_rounds": [INT_0],
         **{f"replay.{k}": v for k, v in ReplayConfig._constraints.items()},  # the replay's own declaration
         "replay.batch_sizes": [Each(INT_1)],
         "replay.progress": [Boolean()],

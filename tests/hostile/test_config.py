@@ -111,7 +111,10 @@ CASES = [
     ("serve", "policy.chains=[model,lookahead]", ["policy.chains=['model', 'lookahead']"]),
     ("serve", "engine.kv_cache_gb=0", ["engine.kv_cache_gb=0"]),
     ("serve", "engine.max_model_len=0", ["engine.max_model_len=0"]),
-    ("serve", "serve.online_slope=garbage", ["serve.online_slope='garbage'", "a bool"]),
+    ("serve", "serve.online_slope=garbage", ["serve.online_slope='garbage'", "a bool"]),  # deprecated flat key
+    ("serve", "serve.online.decay=2", ["online.decay=2"]),
+    ("serve", "serve.online.slope=garbage", ["online.slope='garbage'", "a bool"]),
+    ("eval", "metrics.online_warmup_rounds=-1", ["metrics.online_warmup_rounds=-1"]),
 ]
 
 
