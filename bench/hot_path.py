@@ -149,12 +149,15 @@ def run(engine: str, B: int, steps: int, temperature: float, tables: str, cost: 
     out_type = SimpleNamespace
     sampled_prev = None
     for s in range(steps):
-        if prof is not None and s == 5:
-            prof.enable()
+        on = prof is not None and s >= 5  # calib's parts only: not the stand-in's drafting and bookkeeping
         sched = SimpleNamespace(num_spec_tokens_to_schedule=stand.k if engine == "eagle" else 0)
         t0 = CLOCK()
+        if on:
+            prof.enable()
         if srv.planning:
             srv.plan_passes(runner, sched, sampled_prev)
+        if on:
+            prof.disable()
         t1 = CLOCK()
         if sampled_prev is not None:  # bookkeeping: the tokens the previous verify committed
             for b, row in enumerate(sampled_prev.tolist()):
@@ -167,7 +170,11 @@ def run(engine: str, B: int, steps: int, temperature: float, tables: str, cost: 
             engine_drafts = [propose(runner.input_batch.token_ids_cpu[b, : int(runner.input_batch.num_tokens_no_spec[b])],
                                      (1, 4, stand.k))[0] for b in range(B)]
         t2 = CLOCK()
+        if on:
+            prof.enable()
         out = srv.step(runner, _Drafts(list(stand.batch.req_ids), engine_drafts))
+        if on:
+            prof.disable()
         t3 = CLOCK()
         drafts = out.draft_token_ids
         truth = [stand.next_tokens(b, stand.k + 1) for b in range(B)]
@@ -180,7 +187,11 @@ def run(engine: str, B: int, steps: int, temperature: float, tables: str, cost: 
             sampled[b, : a + 1] = torch.tensor(truth[b][: a + 1])
             num_draft.append(len(x))
         t4 = CLOCK()
+        if on:
+            prof.enable()
         srv.observe(runner, SimpleNamespace(num_draft_tokens=num_draft), sampled)
+        if on:
+            prof.disable()
         t5 = CLOCK()
         sampled_prev = sampled
         if s >= 5:
@@ -192,7 +203,6 @@ def run(engine: str, B: int, steps: int, temperature: float, tables: str, cost: 
         import io
         import pstats
 
-        prof.disable()
         buf = io.StringIO()
         pstats.Stats(prof, stream=buf).sort_stats(os.environ.get("HOT_PATH_SORT", "cumulative")).print_stats(profile)
         print(buf.getvalue())

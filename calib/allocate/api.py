@@ -90,7 +90,7 @@ def allocate_probs(
         price: a :class:`calib.allocate.ShapePrice` (shape-aware price mode, :mod:`calib.allocate.shape`):
             the step costs ``price.base + sum_i price.table[i, depth_i]``, e.g. an MoE target's expert
             reads (``calib.cost.moe.MoECost.tangent_price``); exact goodput rule, one or two chains;
-            ``impl="host"`` runs the reference here.
+            ``impl="host"`` runs its numpy twin (:func:`calib.allocate.host.allocate_shape_host`).
 
     Exactly one of ``budget``, ``cost`` and ``price`` must be given. See :mod:`calib.allocate.reference`
     for the decision rules.
@@ -193,6 +193,10 @@ def _allocate_shaped(probs, price, budget, cost, impl: str) -> Allocation:
         width = max(first.shape[1], 0 if second is None else second.shape[1], 1)
         return Allocation(*allocate_shape_triton(first, second, quantized(price, n_requests, width, first.device),
                                                  ids=ids))
+    if impl == "host":
+        from calib.allocate.host import allocate_shape_host
+
+        return Allocation(*allocate_shape_host(first, second, price, ids=ids))
     return Allocation(*allocate_shape_reference(first, second, price, ids=ids))
 
 
@@ -204,6 +208,19 @@ def calibrated_probs(tables: AcceptanceTables, signals: Mapping[str, torch.Tenso
     kinds = chain_kinds_of(signals, "signals")
     checked = _checked_signals(tables, signals, kinds, "reference")
     return {k.name: tables.chains[k.name].lookup(checked[k.name], k.name) for k in kinds}
+
+
+def built_probs(tables: AcceptanceTables, signals: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """:func:`calibrated_probs` of signals the caller built itself from inputs it checked (the serving decider:
+    float32 ``[B, L, A]`` in the tables' axis order, temperatures checked once per step), so only what they
+    cannot vouch for is checked here (a depth beyond the table); the lookup checks a confidence's range."""
+    reuse = bool(getattr(tables, "reuse_last_row", False))
+    out = {}
+    for name, x in signals.items():
+        table = tables.chains[name]
+        _check_depths(f"signals[{name!r}]", x.shape[1], f"{name}.grid", table.depths, reuse)
+        out[name] = table.lookup(x, name)
+    return out
 
 
 def _checked_signals(tables, signals, kinds, impl: str) -> dict[str, torch.Tensor]:

@@ -6,16 +6,25 @@ time inside vLLM's step (bench/hot_path.py). This module takes the same decision
 arithmetic (gains on the ``2**24`` grid, exact integer sums, float64 goodput, ties broken alike) in numpy,
 whose calls cost a fraction of torch's on small arrays. Its decisions equal the reference's bit for bit and
 its expected accepted lengths to float32 rounding (tests/allocate/test_host_matches_reference.py); budget
-mode is left to the reference (serving prices steps, it does not budget them).
+mode is left to the reference (serving prices steps, it does not budget them). The shape-aware price mode
+(:mod:`calib.allocate.shape`, a sampled step's price) has its numpy twin here too (:func:`allocate_shape_host`:
+the same int64 sums and float64 ratios, so the same Dinkelbach rounds and decisions).
+
+:func:`allocate_chains_host` is the serving decider's entry (calib/serve/decide.py): one or two chains'
+probabilities as looked up this step, the cost curve checked once at construction, and back the decision
+with the chosen chain's probabilities per verified token, all without a torch call per request.
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 import torch
 
 from calib.allocate.reference import SCALE
-from calib.chains import NO_CHAIN
+from calib.allocate.shape import MAX_ITERS, PRICE_SCALE, ShapePrice
+from calib.chains import NO_CHAIN, chain
 
 
 def survival(p: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -74,22 +83,35 @@ def allocate_host(first_p: torch.Tensor, second_p: torch.Tensor | None, cost: to
     """:func:`calib.allocate.reference.allocate_reference` in price mode, on the host: ``(drafter int8 [B],
     depth int32 [B], expected_accepted float32 [B])`` from ``first_p [B, K]``, ``second_p [B, L]`` or None
     and the verify-cost curve (checked by the caller, as :func:`calib.allocate.allocate_probs` does)."""
-    B = first_p.shape[0]
-    width = max(first_p.shape[1], 0 if second_p is None else second_p.shape[1], 1)
     c = cost.detach().cpu().numpy().astype(np.float64)
+    first = first_p.detach().cpu().numpy()
+    second = None if second_p is None else second_p.detach().cpu().numpy()
+    return _as_tensors(*_price_mode(first, second, c, ids)[:3])
 
-    def padded(p):
-        out = np.full((B, width), np.nan, dtype=np.float32)
-        out[:, : p.shape[1]] = p.detach().cpu().numpy()
-        return out
 
-    if second_p is None:
-        surv, q = survival(padded(first_p))
+def _padded(p: np.ndarray, width: int) -> np.ndarray:
+    """float32 ``[B, width]``: ``p`` right-padded with NaN (no token)."""
+    out = np.full((p.shape[0], width), np.nan, dtype=np.float32)
+    out[:, : p.shape[1]] = p
+    return out
+
+
+def _as_tensors(drafter: np.ndarray, depth: np.ndarray, expected: np.ndarray):
+    return torch.from_numpy(drafter), torch.from_numpy(depth), torch.from_numpy(expected)
+
+
+def _price_mode(first: np.ndarray, second: np.ndarray | None, c: np.ndarray, ids: tuple[int, int]):
+    """:func:`allocate_host` on numpy arrays (``c`` float64): ``(drafter int8, depth int32, expected float32,
+    use_second bool)``, each ``[B]``."""
+    B = first.shape[0]
+    width = max(first.shape[1], 0 if second is None else second.shape[1], 1)
+    if second is None:
+        surv, q = survival(_padded(first, width))
         price, bad = price_table(c, B, q.size)
         m, _, threshold = best_sorted_prefix(-np.sort(-q, axis=None), price, bad, B)
         depth, use_second = take_top(q, threshold, m), np.zeros(B, dtype=bool)
     else:
-        surv_both, q_both = survival(np.concatenate([padded(first_p), padded(second_p)]))
+        surv_both, q_both = survival(np.concatenate([_padded(first, width), _padded(second, width)]))
         q = q_both.reshape(2, B, width)
         price, bad = price_table(c, B, q[0].size)
         m_f, good_f, thr_f = best_sorted_prefix(-np.sort(-q[0], axis=None), price, bad, B)
@@ -106,7 +128,118 @@ def allocate_host(first_p: torch.Tensor, second_p: torch.Tensor | None, cost: to
             use_second = np.full(B, winner == 2)
             depth = take_top(q[winner - 1], (thr_f, thr_s)[winner - 1], (m_f, m_s)[winner - 1])
         surv = np.where(use_second[:, None], surv_both[B:], surv_both[:B])
+    return _outcome(surv, depth, use_second, ids) + (use_second,)
+
+
+def _outcome(surv: np.ndarray, depth: np.ndarray, use_second: np.ndarray, ids: tuple[int, int]):
+    """``(drafter int8, depth int32, expected float32)`` from the chosen chain's survival ``[B, W]``."""
+    width = surv.shape[1]
     expected = np.where(np.arange(width)[None, :] < depth[:, None], surv, np.float32(0)).sum(axis=1, dtype=np.float32)
     drafter = np.where(depth > 0, np.where(use_second, ids[1], ids[0]), NO_CHAIN).astype(np.int8)
-    return (torch.from_numpy(drafter), torch.from_numpy(depth.astype(np.int32)),
-            torch.from_numpy(np.asarray(expected, dtype=np.float32)))
+    return drafter, depth.astype(np.int32), np.asarray(expected, dtype=np.float32)
+
+
+# -- shape-aware price mode (calib/allocate/shape.py) -------------------------------------------------
+def quantized_host(price: ShapePrice, n_requests: int, width: int) -> np.ndarray:
+    """:func:`calib.allocate.shape.quantized` in numpy: int64 ``[B, W + 1]`` prices on the ``base / 2**30``
+    grid, -1 (infeasible) beyond the table's width and where an entry is +inf."""
+    t = price.table.detach().cpu().numpy().astype(np.float64)
+    t = np.broadcast_to(t, (n_requests, t.shape[-1]))
+    out = np.full((n_requests, width + 1), -1, dtype=np.int64)
+    cols = min(width + 1, t.shape[1])
+    scaled = np.round(t[:, :cols] * (PRICE_SCALE / float(price.base)))
+    out[:, :cols] = np.where(np.isfinite(scaled), scaled, -1.0).astype(np.int64)
+    return out
+
+
+def dinkelbach_host(q: np.ndarray, price_q: np.ndarray, n_requests: int) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`calib.allocate.shape.dinkelbach` in numpy (the same int64 sums and float64 ratios, so the same
+    rounds): ``(chain index int64 [B], depth int64 [B])`` from gains ``q`` int32 ``[C, B, W]``."""
+    C, B, W = q.shape
+    gained = q.astype(np.int64).cumsum(axis=2)  # [C, B, W]: G at depth d = 1..W
+    prices = np.broadcast_to(price_q[None, :, 1:], (C, B, W))
+    feasible = (q > 0) & (prices >= 0)
+    g64, p64 = gained.astype(np.float64), prices.astype(np.float64)
+    cols = np.arange(1, W + 1)
+    rows = np.arange(B)
+    base_n = n_requests * SCALE
+    choice = np.zeros(B, dtype=np.int64)
+    depth = np.zeros(B, dtype=np.int64)
+    lam = float(base_n) / float(PRICE_SCALE)
+    for _ in range(MAX_ITERS):
+        score = np.where(feasible, g64 - lam * p64, -np.inf)
+        best = score.max(axis=2)  # [C, B]
+        d = np.where(score == best[..., None], cols, W + 1).min(axis=2)
+        d = np.where(best > 0, d, 0)  # ties with verifying nothing: fewer tokens
+        surplus = np.clip(best, 0, None)
+        take = ((surplus[1] > surplus[0]) | ((surplus[1] == surplus[0]) & (d[1] < d[0])) if C > 1
+                else np.zeros(B, dtype=bool))
+        new_choice = take.astype(np.int64)
+        new_depth = d[new_choice, rows]
+        at = np.clip(new_depth - 1, 0, None)
+        num = base_n + int(np.where(new_depth > 0, gained[new_choice, rows, at], 0).sum())
+        den = PRICE_SCALE + int(price_q[rows, new_depth].sum())
+        lam_new = float(num) / float(den)
+        if not lam_new > lam:
+            break
+        choice, depth, lam = new_choice, new_depth, lam_new
+    return choice, depth
+
+
+def _shape_mode(first: np.ndarray, second: np.ndarray | None, price_q: np.ndarray, ids: tuple[int, int]):
+    """:func:`allocate_shape_host` on numpy arrays and quantized prices ``[B, >= W + 1]``: as :func:`_price_mode`."""
+    B = first.shape[0]
+    width = max(first.shape[1], 0 if second is None else second.shape[1], 1)
+    stacked = [_padded(first, width)] + ([] if second is None else [_padded(second, width)])
+    surv, q = survival(np.concatenate(stacked))
+    C = len(stacked)
+    if price_q.shape[1] < width + 1:  # deeper than the price: not allowed
+        price_q = np.pad(price_q, ((0, 0), (0, width + 1 - price_q.shape[1])), constant_values=-1)
+    choice, depth = dinkelbach_host(q.reshape(C, B, width), price_q[:, : width + 1], B)
+    surv = surv.reshape(C, B, width)[choice, np.arange(B)]
+    use_second = choice > 0
+    return _outcome(surv, depth, use_second, ids) + (use_second,)
+
+
+def allocate_shape_host(first_p: torch.Tensor, second_p: torch.Tensor | None, price: ShapePrice,
+                        ids: tuple[int, int] = (1, 2)) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`calib.allocate.shape.allocate_shape_reference` on the host (price checked by the caller)."""
+    first = first_p.detach().cpu().numpy()
+    second = None if second_p is None else second_p.detach().cpu().numpy()
+    width = max(first.shape[1], 0 if second is None else second.shape[1], 1)
+    return _as_tensors(*_shape_mode(first, second, quantized_host(price, first.shape[0], width), ids)[:3])
+
+
+# -- the serving decider's entry ------------------------------------------------------------------------
+def allocate_chains_host(probs: dict, *, cost: np.ndarray | None = None, price_q: np.ndarray | None = None):
+    """One serving step's allocation from ``{chain name: float32 [B, L] probabilities}`` (one or two chains,
+    as looked up this step; NaN = no token) under the flat curve ``cost`` (float64 ``[T_max + 1]``, checked
+    once by the caller: :func:`calib.allocate.check_cost`) or the quantized shape price ``price_q`` (int64
+    ``[B, >= W + 1]``, :func:`quantized_host`). Returns numpy ``(drafter int8 [B], depth int32 [B], expected
+    float32 [B], chosen float32 [B, max(1, max depth)])``, ``chosen`` the verified prefix's probabilities
+    (NaN past each request's depth); the decisions are :func:`calib.allocate.allocate_probs`'."""
+    kinds = sorted((chain(n) for n in probs), key=lambda k: k.id)  # the allocator's tie order
+    if not 1 <= len(kinds) <= 2:
+        raise ValueError(f"one or two chains per step, got {[k.name for k in kinds]}")
+    first = np.asarray(probs[kinds[0].name], dtype=np.float32)
+    second = np.asarray(probs[kinds[1].name], dtype=np.float32) if len(kinds) > 1 else None
+    B = first.shape[0]
+    if second is not None and second.shape[0] != B:
+        raise ValueError(f"the chains have different batch sizes B: {first.shape[0]} and {second.shape[0]}")
+    ids = (kinds[0].id, kinds[-1].id)
+    if B == 0:
+        return (np.zeros(0, np.int8), np.zeros(0, np.int32), np.zeros(0, np.float32), np.zeros((0, 1), np.float32))
+    if price_q is not None:
+        drafter, depth, expected, use_second = _shape_mode(first, second, price_q, ids)
+    else:
+        if cost.shape[0] < B + 1 or not (math.isfinite(cost[B]) and cost[B] > 0):
+            from calib.allocate.api import check_cost  # the clear error
+
+            check_cost(torch.from_numpy(cost), B)
+        drafter, depth, expected, use_second = _price_mode(first, second, cost, ids)
+    width = max(1, int(depth.max()))
+    taken = _padded(first[:, :width], width)
+    if second is not None:
+        taken = np.where(use_second[:, None], _padded(second[:, :width], width), taken)
+    chosen = np.where(np.arange(width)[None, :] < depth[:, None], taken, np.float32(np.nan)).astype(np.float32)
+    return drafter, depth, expected, chosen

@@ -125,3 +125,13 @@ def sampled_shape_price(cost: torch.Tensor, price: SampledPrice, n_requests: int
     slope = float(cost[n_requests + 1] - cost[n_requests]) if cost.numel() > n_requests + 1 else 0.0
     d = torch.arange(width + 1, dtype=torch.float64)
     return base, slope * d + price.added(width)
+
+
+def sampled_price_table(cost: np.ndarray, price: SampledPrice, n_requests: int, width: int) -> tuple[float, np.ndarray]:
+    """:func:`sampled_shape_price` in numpy on the curve's float32 values ``cost [T_max + 1]`` (the same float32
+    difference and float64 products, so the same price): ``(base, table float64 [width + 1])``."""
+    base = float(cost[n_requests])
+    slope = float(cost[n_requests + 1] - cost[n_requests]) if cost.shape[0] > n_requests + 1 else 0.0
+    d = np.arange(width + 1, dtype=np.float64)
+    added = np.where(d > 0, price.per_drafting_request + price.per_draft * d, np.zeros_like(d))
+    return base, slope * d + added

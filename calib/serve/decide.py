@@ -35,7 +35,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from calib.allocate import ShapePrice, allocate, allocate_probs, calibrated_probs, check_cost
+from calib.allocate import ShapePrice, check_cost
 from calib.allocate.api import IMPLEMENTATIONS
 from calib.chains import (
     NO_CHAIN,
@@ -49,6 +49,7 @@ from calib.chains import (
 )
 from calib.cost.serving import SampledPrice, sampled_shape_price
 from calib.params import TEXT, Interval, NoneValue, Options, Satisfies, validate_params
+from calib.serve.allocation import HOST_LOOKUPS, host_decision, torch_decision
 from calib.serve.history import RequestHistory
 
 logger = logging.getLogger("calib.serve")
@@ -58,8 +59,6 @@ CHAIN_NAMES = Satisfies("a list of registered chain names (calib.chains)",
                                                                            for c in v))
 K_MAX = Interval(numbers.Integral, 1, None)  # vLLM's num_speculative_tokens
 # decide_step's per-call arguments (and SafeDecider's, below).
-# the implementations whose tables are read by a lookup in this process (the kernel reads them itself)
-HOST_LOOKUPS = ("reference", "host")
 SAMPLED_PRICE = [NoneValue(), Satisfies("a calib.cost.serving.SampledPrice", lambda v: isinstance(v, SampledPrice))]
 DECIDE_CONSTRAINTS = {"k_max": [K_MAX], "budget": [NoneValue(), Interval(numbers.Integral, 0, None)],
                       "impl": [Options(IMPLEMENTATIONS)], "sampled_price": SAMPLED_PRICE}
@@ -242,6 +241,8 @@ def decide_step(tables, inputs: StepInputs, history: RequestHistory, *, k_max: i
     validate_params("decide_step", {"k_max": k_max, "budget": budget, "impl": impl, "sampled_price": sampled_price},
                     DECIDE_CONSTRAINTS)
     check_price_mode(cost, sampled_price)
+    if cost is not None and inputs.req_ids:  # SafeDecider checks its curve once, at construction
+        check_cost(cost, 1)
     return _decide_step(tables, inputs, history, k_max=k_max, cost=cost, budget=budget, impl=impl,
                         sampled_price=sampled_price)
 
@@ -261,23 +262,22 @@ def _decide_step(tables, inputs: StepInputs, history: RequestHistory, *, k_max: 
                          f"(positions {[i for i, r in enumerate(inputs.req_ids) if r == dup]}): each request is "
                          "decided once per step")
     temps = request_temperatures(inputs)
-    shape = None  # a step under sampling: the sampler's random path, priced per drafting request
-    if sampled_price is not None and (temps > 0).any():
-        shape, cost = ShapePrice(*sampled_shape_price(cost, sampled_price, B, k_max)), None
     offered = [k.name for k in chains() if k.name in inputs.offers and k.name in tables.chains]
     _note_unfitted(tables, temps, offered)
     # offers whose probabilities the engine already looked up (the serving plan): the reference path uses them
     skip = [n for n in offered if inputs.offers[n].probs is not None] if impl in HOST_LOOKUPS else []
     signals, tokens = chain_inputs(tables, inputs, history, k_max=k_max, skip=skip, temperatures=temps)
     given = _given_probs(inputs.offers, {n: tokens[n] for n in skip}, B)
-    probs = None
-    if given or impl in HOST_LOOKUPS:  # the probabilities are kept: the online correction learns from them
-        probs = {**calibrated_probs(tables, signals), **given} if signals else given
-        out = allocate_probs(probs, cost=cost, budget=budget, impl=impl, price=shape)
+    if impl == "host" and budget is None:  # serving: numpy, one lookup per chain (calib/serve/allocation.py)
+        drafter, depth, expected, chosen = host_decision(tables, signals, given, cost, sampled_price, temps, k_max)
+        drafter, depth, expected = torch.from_numpy(drafter), torch.from_numpy(depth), torch.from_numpy(expected)
+        chosen = torch.from_numpy(chosen)
     else:
-        out = allocate(tables, signals, cost=cost, budget=budget, impl=impl, price=shape)
-    ids = out.drafter.cpu().tolist()
-    depths = out.depth.cpu().tolist()
+        shape = None  # a step under sampling: the sampler's random path, priced per drafting request
+        if sampled_price is not None and (temps > 0).any():
+            shape, cost = ShapePrice(*sampled_shape_price(cost, sampled_price, B, k_max)), None
+        drafter, depth, expected, chosen = torch_decision(tables, signals, given, cost, budget, impl, shape)
+    ids, depths = drafter.tolist(), depth.tolist()
     by_id = {chain(n).id: t for n, t in tokens.items()}
     drafts = []
     for i in range(B):
@@ -288,15 +288,8 @@ def _decide_step(tables, inputs: StepInputs, history: RequestHistory, *, k_max: 
         if len(d) != depths[i]:  # the allocator verifies only tokens it was given: a bug if not
             raise RuntimeError(f"request {inputs.req_ids[i]}: depth {depths[i]} but the chain has {len(d)} tokens")
         drafts.append(d)
-    chosen = None
-    if probs is not None:  # [B, W]: each request's verified prefix of its chosen chain
-        chosen = torch.full((B, max([1, *map(len, drafts)])), math.nan)
-        by_name = {chain(n).id: p for n, p in probs.items()}
-        for i, d in enumerate(drafts):
-            if d:
-                chosen[i, : len(d)] = by_name[ids[i]][i, : len(d)].to(torch.float32)
-    return StepDecision(list(inputs.req_ids), drafts, out.drafter.cpu(), out.depth.cpu(),
-                        out.expected_accepted.cpu(), (time.perf_counter() - start) * 1e3, probs=chosen)
+    return StepDecision(list(inputs.req_ids), drafts, drafter, depth, expected, (time.perf_counter() - start) * 1e3,
+                        probs=chosen)
 
 
 class SafeDecider:

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import numpy as np
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import assert_same, cost_curve, instance, pair
+from test_shape_price import random_instance
 
-from calib.allocate import allocate_probs
+from calib.allocate import Allocation, allocate_probs
+from calib.allocate.host import allocate_chains_host, quantized_host
+from calib.chains import chain
 
 
 @settings(max_examples=400, deadline=None)
@@ -27,3 +32,35 @@ def test_budget_mode_is_the_reference(inst, budget):
     ref = allocate_probs(pair(model_p, ngram_p), budget=budget)
     host = allocate_probs(pair(model_p, ngram_p), budget=budget, impl="host")
     assert torch.equal(ref.drafter, host.drafter) and torch.equal(ref.depth, host.depth)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_shape_price_mode(seed):
+    """The shape-aware price mode in numpy (allocate_shape_host) takes the torch reference's decisions bit for bit:
+    6 seeds x 60 random instances (one or two chains, concave, convex, shared and arbitrary prices, +inf depths)."""
+    gen = torch.Generator().manual_seed(7000 + seed)
+    for n in range(60):
+        _, model_p, ngram_p, price = random_instance(gen, n, max_b=16, max_k=5)
+        ref = allocate_probs(pair(model_p, ngram_p), price=price)
+        assert_same(ref, allocate_probs(pair(model_p, ngram_p), price=price, impl="host"))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_serving_entry(seed):
+    """allocate_chains_host (the serving decider's entry, numpy in and out) decides as allocate_probs does under
+    both prices, and its chosen probabilities are the chosen chain's per verified token, NaN beyond."""
+    gen = torch.Generator().manual_seed(9100 + seed)
+    for n in range(40):
+        b, model_p, ngram_p, price = random_instance(gen, n, max_b=16, max_k=5)
+        probs = pair(model_p, ngram_p)
+        cost = 1.0 + 0.02 * torch.arange(b * 12 + 2, dtype=torch.float32) ** 1.1
+        width = max(p.shape[1] for p in probs.values())
+        for ref, kw in ((allocate_probs(probs, cost=cost), {"cost": cost.double().numpy()}),
+                        (allocate_probs(probs, price=price), {"price_q": quantized_host(price, b, width)})):
+            drafter, depth, expected, chosen = allocate_chains_host({k: v.numpy() for k, v in probs.items()}, **kw)
+            assert_same(ref, Allocation(torch.from_numpy(drafter), torch.from_numpy(depth), torch.from_numpy(expected)))
+            by_id = {chain(k).id: v for k, v in probs.items()}
+            for i in range(b):
+                d = int(depth[i])
+                want = by_id[int(drafter[i])][i, :d].numpy() if d else np.zeros(0, np.float32)
+                assert np.array_equal(chosen[i, :d], want) and np.isnan(chosen[i, d:]).all()
