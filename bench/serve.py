@@ -196,7 +196,9 @@ def predictions(records: list, metrics: dict | None, cost_model: str) -> dict:
         a = arms().get(r["arm"])
         if a is None:  # an arm no policy registers (SUFFIX_ARMS): the replay has no prediction for it
             continue
-        row = replay_row(a.policy, a.family, int(r["num_speculative_tokens"]) or 1, a.dynamic, c["concurrency"])
+        family = a.family and a.replay_policy == a.policy  # a row of another policy is that policy's own
+        row = replay_row(a.replay_policy or a.policy, family, int(r["num_speculative_tokens"]) or 1, a.dynamic,
+                         c["concurrency"])
         out[key] = predicted_speedup(metrics, row=row,
                                      method=a.method, temperature=float(r["temperature"]), category=c["category"],
                                      batch=c["concurrency"], cost_model=cost_model, kinds=kinds)

@@ -46,6 +46,7 @@ class ArmInfo:
     oracle: bool  # the clock oracle (greedy only; needs a reference output)
     overrides: tuple[str, ...]  # serve.py overrides
     default: bool
+    replay_policy: str = ""  # the registered policy whose replay row predicts it ("" : ``policy``)
 
 
 @functools.cache
@@ -60,7 +61,7 @@ def arms() -> dict[str, ArmInfo]:
                 arm.name, p.name, p.family, arm.speculative if p.serving.speculate else None, p.serving.dynamic,
                 vllm=not p.serving.calib, oracle=bool(getattr(p.serving, "oracle", False)),
                 overrides=(f"policy={p.name}",) + ((f"speculative={arm.speculative}",) if arm.speculative else ()),
-                default=arm.default)
+                default=arm.default, replay_policy=arm.replay or p.name)
     return out
 
 

@@ -56,11 +56,13 @@ class Totals(TypedDict, total=False):
 @dataclass(frozen=True)
 class Arm:
     """One arm of bench/serve.py: its label and the ``speculative=`` config group it serves with
-    (None: the config's default); ``default``: run unless ``--arms`` names the arms."""
+    (None: the config's default); ``default``: run unless ``--arms`` names the arms; ``replay``: the registered
+    policy whose replay row predicts it (None: the arm's own policy)."""
 
     name: str
     speculative: str | None = None
     default: bool = True
+    replay: str | None = None
 
 
 @dataclass(frozen=True)

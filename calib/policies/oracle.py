@@ -34,6 +34,23 @@ def oracle(s: Setting) -> PolicyResult:
     return PolicyResult(*best, {})
 
 
+def oracle_served(s: Setting) -> PolicyResult:
+    """The clock oracle as served (calib/serve/oracle.py ``passes``): it cannot know a model draft before drafting,
+    so a step pays every draft pass (K), except where every request's second chain (the recomputed n-gram chain)
+    already commits K tokens, where it pays none; then the allocator on the actual accept masks. Where drafting
+    is free or there is no second chain, this is :func:`oracle` at K."""
+    sb, K = s.sb, s.sb.K
+    extra_k = s.draft(K) + (s.second_cost if sb.second else 0.0)
+    tok, cost, pos = _oracle_passes(s, K, extra_k)
+    if sb.second and s.draft(1) != 0 and s.budget is None:
+        _, second = sb.ids
+        skip = (sb.acc[second] >= K).all(axis=1)  # [S] the second chain commits K for every request
+        if skip.any():
+            t0, c0, p0 = _oracle_passes(s, 0, s.second_cost)
+            tok, cost, pos = (np.where(skip, a, b) for a, b in ((t0, tok), (c0, cost), (p0, pos)))
+    return PolicyResult(tok, cost, pos, {})
+
+
 def _oracle_passes(s: Setting, gmax: int, extra: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(tokens, cost, positions) [S] of the allocator on the accept masks with ``gmax`` primary passes drafted."""
     sb, curve = s.sb, s.curve
@@ -57,5 +74,11 @@ register_policy(Policy(
     # accepts (calib/serve/oracle.py, serve.oracle=PATH): on the n-gram engine vLLM's n-gram chain, on the EAGLE
     # engine the better of EAGLE's draft and the recomputed n-gram chain. bench/serve.py writes the reference first.
     serving=Serving(speculate=True, calib=True, chains=("model", "ngram"), plan=False, oracle=True,
-                    arms=(Arm("oracle_ngram", "ngram", default=False),
-                          Arm("oracle_two_drafter", "eagle", default=False)))))
+                    arms=(Arm("oracle_ngram", "ngram", default=False, replay="oracle_served"),
+                          Arm("oracle_two_drafter", "eagle", default=False, replay="oracle_served")))))
+
+register_policy(Policy(
+    "oracle_served", 81, "k", "the clock oracle's rule: the allocator on the actual accept masks with every draft "
+    "pass paid, none where the n-gram chain commits K for every request (a model draft is not known before "
+    "drafting): what the oracle arms serve, and what predicts them", oracle_served, camp="reference",
+    below_no_spec="pays drafting it cannot avoid"))
