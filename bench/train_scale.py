@@ -13,7 +13,9 @@ Then ``train.py`` runs on each fleet in a subprocess; the script reports its wal
 the proportional set size summed over train.py's process tree (Ray's raylet, object store and workers
 included; PSS splits a shared page between the processes sharing it, RSS would count it in each), sampled
 every 0.2 s, and the largest single process's maxrss. Results go to
-``docs/bench/train_scale-<date>.json`` (``--out``).
+``docs/bench/train_scale-<date>.json`` (``--out``), with each mode's line ``wall = a + b * rounds`` (an affine
+line: ``a`` the fixed cost, start-up and the fits on the sample; ``b`` the cost per round) and each point's
+deviation from it, beside the line through the origin (:func:`line_fit`).
 
     python bench/train_scale.py --rounds 1000000 10000000 [100000000] [--modes stream ray] [--keep]
 
@@ -228,6 +230,7 @@ def main() -> None:
                 row = {"rounds": rounds, "parts": len(parts), "bank_gb": round(size / 1e9, 2), "mode": mode,
                        **{k: r[k] for k in ("wall_s", "peak_tree_gb", "peak_tree_rss_gb", "peak_largest_process_gb")},
                        "sample_rounds": meta.get("scale", {}).get("sample_rounds"),
+                       "listing_and_sample_wall_s": meta.get("scale", {}).get("listing_and_sample_wall_s"),
                        "statistics_wall_s": stats.get("statistics_wall_s"), "train_wall_s": meta["train_wall_s"]}
                 results.append(row)
                 print(" ".join(f"{k}={v}" for k, v in row.items()), flush=True)
