@@ -7,7 +7,8 @@ the step's best). :class:`StandAside` notices such a stretch and skips the decis
 
 * after ``after`` consecutive decided steps with the same batch (its size and temperatures: what the price
   of a draft token turns on) whose decision was of one kind, ``"engine"`` (vLLM's own lists, unchanged) or
-  ``"none"`` (no draft token anywhere), the next steps of that batch take that kind without a decision:
+  ``"none"`` (vLLM proposed draft tokens and calib verified none; a step without any proposal counts for
+  neither), the next steps of that batch take that kind without a decision:
   vLLM's proposal handed through untouched, or no draft tokens scheduled (with a model drafter: no draft
   pass planned either);
 * every ``every``-th step of the stretch is decided again, and any other batch, or a decision of another
@@ -25,6 +26,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 KINDS = ("engine", "none")  # vLLM's own lists handed through; no draft tokens
+# A step on which vLLM proposed no draft token at all (no n-gram match anywhere): calib's decision is empty
+# whatever it would decide, so the step neither extends nor ends a stretch. Counted as "none", chat at
+# concurrency 1 (no match on ~40 % of steps) stood aside with "none" and dropped the matches that followed.
+EMPTY = "empty"
 
 
 def batch_key(temperatures: Sequence[float]) -> tuple:
@@ -33,7 +38,10 @@ def batch_key(temperatures: Sequence[float]) -> tuple:
 
 
 def decision_kind(drafts: Sequence[Sequence[int]], engine: Sequence[Sequence[int]]) -> str | None:
-    """``"none"`` when nothing is verified, ``"engine"`` when every list is vLLM's own, else None."""
+    """:data:`EMPTY` when vLLM proposed nothing, ``"none"`` when nothing is verified, ``"engine"`` when every
+    list is vLLM's own, else None."""
+    if not any(engine):
+        return EMPTY
     if not any(drafts):
         return "none"
     if all(list(x) == list(e) for x, e in zip(drafts, engine)):
@@ -68,8 +76,11 @@ class StandAside:
 
     def record(self, key: tuple, kind: str | None) -> bool:
         """A decided step of batch ``key`` and decision ``kind``; True when a stretch of that kind begins for
-        the first time in this process (the caller logs it)."""
+        the first time in this process (the caller logs it). An :data:`EMPTY` step says nothing of either kind:
+        the streak stands as it was."""
         self.skipped = 0
+        if kind == EMPTY:
+            return False
         if kind is None or key != self.key or kind != self.kind:
             self.key, self.kind, self.streak = key, kind, (1 if kind is not None else 0)
             return False

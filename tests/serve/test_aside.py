@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from calib.serve.aside import StandAside, batch_key, decision_kind
+from calib.serve.aside import EMPTY, StandAside, batch_key, decision_kind
 
 
 def test_a_stretch_begins_after_the_streak_and_is_rechecked():
@@ -30,6 +30,20 @@ def test_another_batch_or_kind_ends_the_stretch():
     aside.record(key, None)  # the re-check changed something
     assert aside.verdict(key) is None
     assert StandAside(after=0).verdict(key) is None  # after=0: always decide
+
+
+def test_a_step_without_a_proposal_neither_extends_nor_ends_a_stretch():
+    """Chat at concurrency 1 has no n-gram match on many steps: those must not make a "none" stretch that then drops
+    the matches of the steps after (0.94x vLLM's n-gram arm on the clock before this)."""
+    aside, key = StandAside(after=2, every=8), batch_key([0.0])
+    assert decision_kind([[]], [[]]) == EMPTY
+    for _ in range(5):
+        aside.record(key, decision_kind([[]], [[]]))
+    assert aside.verdict(key) is None  # no stretch from empty steps
+    aside.record(key, "engine")
+    aside.record(key, EMPTY)
+    aside.record(key, "engine")
+    assert aside.verdict(key) == "engine"  # the empty step between did not break the streak
 
 
 def test_decision_kinds():
