@@ -42,7 +42,7 @@ from calib.training_stats import StatsSpec, in_order, per_depth_from_stats, refi
 log = logging.getLogger("calib.train")
 
 SCALE_DEFAULTS = {"mode": "memory", "sample_rounds": 300_000, "bins": 1920, "seed": 0, "validate_parts": True,
-                  "progress": False, "n_jobs": 1, "ray": {}}
+                  "progress": False, "n_jobs": 1, "fit_jobs": 1, "ray": {}}
 
 
 class PartsBank:
@@ -106,9 +106,9 @@ class Refiner:
         self.stats, self.spec, self.info = None, None, {}
 
     def chain_config(self, chain_cfg: dict) -> dict:
-        """``chain_cfg`` with its grouped-CV folds and axis trials fitted ``scale.n_jobs`` at a time (each fit
-        keeps its one thread, so the scores and the choice do not depend on it)."""
-        jobs = int(self.scale["n_jobs"])
+        """``chain_cfg`` with its grouped-CV folds, axis trials and transfer checks fitted ``scale.fit_jobs`` at
+        a time (each fit keeps its one thread, so the scores and the choice do not depend on it)."""
+        jobs = int(self.scale["fit_jobs"])
         sel = dict(chain_cfg.get("selection") or {})
         if jobs <= int(sel.get("n_jobs") or 1):
             return chain_cfg
@@ -158,7 +158,7 @@ def _check(scale: dict) -> None:
 
     if scale["mode"] not in ("memory", "stream", "ray"):
         raise ValueError(f"scale.mode={scale['mode']!r}: expected memory, stream or ray")
-    for key, low in (("sample_rounds", 1), ("bins", ECE_BINS), ("n_jobs", 1)):
+    for key, low in (("sample_rounds", 1), ("bins", ECE_BINS), ("n_jobs", 1), ("fit_jobs", 1)):
         v = scale[key]
         if isinstance(v, bool) or not isinstance(v, int) or v < low or (key == "bins" and v % ECE_BINS):
             raise ValueError(f"scale.{key}={v!r}: expected an integer >= {low}"

@@ -120,7 +120,7 @@ def test_train_py_on_ray_gives_the_single_process_tables(runs, tmp_path):
 
 @pytest.mark.parametrize(("override", "key"), [("scale.mode=disk", "scale.mode"), ("scale.bins=100", "scale.bins"),
                                                ("scale.sample_rounds=0", "scale.sample_rounds"),
-                                               ("scale.n_jobs=0", "scale.n_jobs")])
+                                               ("scale.n_jobs=0", "scale.n_jobs"), ("scale.fit_jobs=0", "scale.fit_jobs")])
 def test_a_scale_setting_is_refused_by_its_key(tmp_path, override, key):
     with pytest.raises(ValueError, match=key):
         run(_cfg(tmp_path / "out", "scale.mode=stream", override))
