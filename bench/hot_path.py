@@ -23,6 +23,7 @@ import json
 import os
 import statistics
 import time
+import zlib
 from pathlib import Path
 
 from calib.cli import parser as plain_parser
@@ -148,6 +149,7 @@ def run(engine: str, B: int, steps: int, temperature: float, tables: str, cost: 
         prof = cProfile.Profile()
     out_type = SimpleNamespace
     sampled_prev = None
+    digest = 0  # CRC-32 of every step's draft lists: a change to calib's speed must not change it
     for s in range(steps):
         on = prof is not None and s >= 5  # calib's parts only: not the stand-in's drafting and bookkeeping
         sched = SimpleNamespace(num_spec_tokens_to_schedule=stand.k if engine == "eagle" else 0)
@@ -177,6 +179,7 @@ def run(engine: str, B: int, steps: int, temperature: float, tables: str, cost: 
             prof.disable()
         t3 = CLOCK()
         drafts = out.draft_token_ids
+        digest = zlib.crc32(repr([list(map(int, x)) for x in drafts]).encode(), digest)  # what was handed back
         truth = [stand.next_tokens(b, stand.k + 1) for b in range(B)]
         sampled = torch.full((B, stand.k + 1), -1, dtype=torch.int64)
         num_draft = []
@@ -210,7 +213,7 @@ def run(engine: str, B: int, steps: int, temperature: float, tables: str, cost: 
     row = {"engine": engine, "concurrency": B, "temperature": temperature, "steps": len(total),
            "decided": srv.stats.decided, "passthrough": srv.stats.passthrough, "errors": srv.stats.errors,
            "passes_planned": srv.stats.passes_planned, "planned": srv.stats.planned,
-           "aside_engine": srv.stats.aside_engine, "aside_none": srv.stats.aside_none,
+           "aside_engine": srv.stats.aside_engine, "aside_none": srv.stats.aside_none, "drafts_crc32": digest,
            "ms": {p: statistics.median(v) for p, v in times.items() if v},
            "total_ms": statistics.median(total), "total_p90_ms": float(np.percentile(total, 90))}
     if srv.stats.errors:

@@ -84,5 +84,14 @@ class RequestHistory:
         unknown = [n for n in names if n not in HISTORY_COLUMNS]
         if unknown:
             raise KeyError(f"no history column {unknown}; known: {HISTORY_COLUMNS}")
-        rows = [self.context(r) for r in req_ids]
-        return {n: np.array([row[n] for row in rows], dtype=np.float64) for n in names}
+        # one pass over the states, no dict per request (a serving step reads this for every request)
+        states = [self._state.get(r) for r in req_ids]
+        rounds = np.array([s.rounds if s is not None else 0 for s in states], dtype=np.float64)
+        accepted = np.array([s.accepted if s is not None else 0 for s in states], dtype=np.float64)
+        last = np.array([s.last if s is not None else 0 for s in states], dtype=np.float64)
+        first = rounds == 0  # a request in its first round (never observed)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            columns = {"prev_accept": np.where(first, np.nan, last),
+                       "mean_accept": np.where(first, np.nan, accepted / rounds),
+                       "position": np.where(first, 0.0, accepted + rounds)}
+        return {n: columns[n] for n in names}

@@ -8,7 +8,6 @@ forecast of the model chain; when it runs none, :meth:`DraftPlanning.planned_dec
 
 from __future__ import annotations
 
-import math
 import time
 
 import numpy as np
@@ -68,10 +67,10 @@ class DraftPlanning:
         if not rows:
             return None
         width = max(x.shape[0] for x in rows)
-        out = torch.full((len(rows), width), math.nan)
+        out = np.full((len(rows), width), np.nan, dtype=np.float32)  # numpy rows: no torch call per request
         for b, x in enumerate(rows):
             out[b, : x.shape[0]] = x
-        return out
+        return torch.from_numpy(out)
 
     # -- the number of draft passes ----------------------------------------------------------------
     def plan_passes(self, runner, scheduler_output, sampled_token_ids) -> None:
@@ -90,7 +89,8 @@ class DraftPlanning:
         if k_sched <= 0:
             return
         start = time.perf_counter()
-        from calib.allocate import calibrated_probs, forecast_probs, plan_draft
+        from calib.allocate import forecast_probs, plan_draft
+        from calib.allocate.api import built_probs
         from calib.chains import Offer
         from calib.serve.decide import chain_inputs, context_columns
 
@@ -122,8 +122,8 @@ class DraftPlanning:
         if lookup in dec.chains:
             toks, feats = self.ngram_chains(batch, rows, extra)
             inputs = StepInputs(req_ids, temps, {lookup: Offer(toks, feats)})
-            signals, _ = chain_inputs(tables, inputs, dec.history, k_max=self.k)
-            known[lookup] = calibrated_probs(tables, {lookup: signals[lookup]})[lookup].to(torch.float32)
+            signals, _ = chain_inputs(tables, inputs, dec.history, k_max=self.k)  # temperatures checked there
+            known[lookup] = built_probs(tables, {lookup: signals[lookup]})[lookup].to(torch.float32)
         else:
             inputs = StepInputs(req_ids, temps)
         axes = [a["name"] for a in tables.forecast(drafted)["axes"]]
@@ -140,7 +140,8 @@ class DraftPlanning:
         if lookup in known:  # the decision after drafting sees the same chains and history: it reuses these
             # no pass: the model drafts nothing and the plan's allocation of the n-gram chain is the step's
             depth = plan.free_depth.tolist() if passes == 0 and plan.free_depth is not None else None
-            self.planned = {r: (self.matches[r][0], known[lookup][b], None if depth is None else depth[b])
+            probs = known[lookup].numpy()  # [B, W] rows as numpy views: no torch call per request
+            self.planned = {r: (self.matches[r][0], probs[b], None if depth is None else depth[b])
                             for b, r in enumerate(req_ids) if r in self.matches}
         self.set_passes(scheduler_output, passes, k_sched, start)
 

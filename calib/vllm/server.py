@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import logging
-import math
 import time
 from pathlib import Path
 
@@ -343,7 +342,7 @@ class Server(DraftPlanning):
                 drafts, chain_ids = keep_engine_rows(drafts, chain_ids, engine, left, dec.engine_chain)
         if len(drafts) != len(req_ids) or any(len(x) > K or any(t < 0 for t in x) for x in drafts):
             raise RuntimeError("decision out of bounds (more than K tokens, or a negative id)")
-        if not self.ranks_agree(digest(drafts), "drafts"):  # before anything this step changes
+        if self.ranks is not None and not self.ranks_agree(digest(drafts), "drafts"):  # before anything changes
             return out
         names = {kind.id: kind.name for kind in chains()}  # one registry read per step, not per request
         for r, cid, x in zip(req_ids, chain_ids.tolist(), drafts):
@@ -414,12 +413,13 @@ class Server(DraftPlanning):
 
         K, offers = self.k, {}
         if chain(dec.engine_chain).confidence is not None:  # a model drafter: its draft with confidences
-            model_tokens, conf = [], torch.full((len(req_ids), K), math.nan)
+            model_tokens, conf = [], np.full((len(req_ids), K), np.nan, dtype=np.float32)
             for b, (r, toks) in enumerate(zip(req_ids, engine)):
                 c = self.conf.get(r, [])[: len(toks)]
                 model_tokens.append(toks[: len(c)])  # a depth without its confidence is not offered
                 if c:
-                    conf[b, : len(c)] = torch.tensor(c[:K])
+                    conf[b, : len(c)] = c[:K]
+            conf = torch.from_numpy(conf)  # float32 [B, K], filled in numpy: no torch call per request
             # a chain with no token anywhere cannot be chosen: beside the n-gram chain, leave it out and the
             # (cheaper) one-chain rule decides the same
             if any(model_tokens) or (self.lookup not in dec.chains and not self.recomputed):

@@ -27,6 +27,11 @@ def _simulate(seed: int):
         if step == 20:
             hist.finish("r1")
             active["r1"], n_rounds["r1"] = (2, 0), 0
+        ids = [*active, "never-seen"]  # values(), vectorised over a step's requests, is context() per request
+        got = hist.values(ids)
+        for b, req in enumerate(ids):
+            want = hist.context(req)
+            assert all(np.array_equal(got[n][b], want[n], equal_nan=True) for n in HISTORY_COLUMNS), (req, got, want)
         for req, (prompt, turn) in active.items():
             if rng.uniform() < 0.2:
                 continue  # not scheduled this step
