@@ -22,7 +22,7 @@ import math
 import numpy as np
 import torch
 
-from calib.allocate.reference import SCALE
+from calib.allocate.reference import SCALE, check_cost
 from calib.allocate.shape import MAX_ITERS, PRICE_SCALE, ShapePrice
 from calib.chains import NO_CHAIN, chain
 
@@ -233,8 +233,6 @@ def allocate_chains_host(probs: dict, *, cost: np.ndarray | None = None, price_q
         drafter, depth, expected, use_second = _shape_mode(first, second, price_q, ids)
     else:
         if cost.shape[0] < B + 1 or not (math.isfinite(cost[B]) and cost[B] > 0):
-            from calib.allocate.api import check_cost  # the clear error
-
             check_cost(torch.from_numpy(cost), B)
         drafter, depth, expected, use_second = _price_mode(first, second, cost, ids)
     width = max(1, int(depth.max()))

@@ -57,6 +57,7 @@ chains. The best goodput among that and the two single-drafter allocations is re
 from __future__ import annotations
 
 import functools
+import math
 import numbers
 
 import torch
@@ -439,3 +440,37 @@ def _pad(p: torch.Tensor, width: int) -> torch.Tensor:
     if p.shape[1] == width:
         return p
     return torch.nn.functional.pad(p, (0, width - p.shape[1]), value=float("nan"))
+
+
+def check_cost(cost: torch.Tensor, n_requests: int) -> None:
+    """Refuse a price-mode cost curve the goodput rule cannot use, naming the entry and why.
+
+    ``cost[T]`` prices a verify pass over ``T`` positions; a step verifies ``T = B + sum(depth)``
+    with ``B = n_requests`` bonus positions, so (the reference's feasibility rule):
+
+    * it needs at least ``B + 1`` entries: with fewer, even the pass without draft tokens has no
+      price and every request would silently verify nothing;
+    * ``cost[B]`` (no draft token) must be finite and positive;
+    * every later entry must be positive; ``+inf`` marks a total the engine cannot run (as does
+      the end of the curve). Zero, negative and NaN entries are errors.
+
+    Entries below ``B`` are never read and not checked. Reads the tensor on the host.
+    """
+    if not isinstance(cost, torch.Tensor) or cost.ndim != 1 or not cost.is_floating_point():
+        raise ValueError("`cost` must be a 1-D float tensor indexed by total positions T, got "
+                         f"{type(cost).__name__}{tuple(getattr(cost, 'shape', ()))}")
+    if cost.numel() < n_requests + 1:
+        raise ValueError(f"`cost` has {cost.numel()} entries (T = 0..{cost.numel() - 1}) but a batch of "
+                         f"B={n_requests} requests needs at least B + 1 = {n_requests + 1}: cost[T] prices "
+                         f"a verify pass over T = B + sum(depth) positions, and cost[{n_requests}] (no draft "
+                         "token) is the least it reads")
+    used = cost[n_requests:].to(torch.float64).cpu()
+    first = float(used[0])
+    if not (math.isfinite(first) and first > 0):
+        raise ValueError(f"cost[{n_requests}] = {first!r}: the verify pass without draft tokens (T = B = "
+                         f"{n_requests}) must have a finite positive cost")
+    bad = torch.isnan(used) | (used <= 0)
+    if bool(bad.any()):
+        t = int(bad.nonzero()[0, 0]) + n_requests
+        raise ValueError(f"cost[{t}] = {float(cost[t])!r}: verify costs must be positive (+inf marks a "
+                         "total the engine cannot run); zero, negative and NaN entries are errors")
