@@ -242,7 +242,7 @@ def _transfer_guard(kind: ChainKind, rows: pd.DataFrame, cfg: dict, candidates: 
     out = {}
     rows = _prompt_sample(rows, int(transfer.get("max_samples") or 0)).assign(split="train")  # a decision: a sample
     c = _with_selected(cfg, selected)
-    got = iter(transfer_checks(kind, rows, c, [_with_axes(kind, _readable(kind, e, rows), selected)
+    got = iter(transfer_checks(transfer_check, kind, rows, c, [_with_axes(kind, _readable(kind, e, rows), selected)
                                                 for e in candidates.values()], transfer))
     for name in candidates:
         entry = {"eligible": True}
@@ -469,7 +469,7 @@ def _train_chain(kind: ChainKind, samples: pd.DataFrame, chain_cfg: dict, bank, 
         model = GroupedCVSelection(cands, n_own=len(kind.feature_names(chain_cfg)),
                                    **{**SELECTION_DEFAULTS, **(chain_cfg.get("selection") or {})})
         chain_meta["transfer"] = []
-        for (src, dst), t in zip(ways(tcfg), transfer_checks(kind, samples, chain_cfg, [model], tcfg)):
+        for (src, dst), t in zip(ways(tcfg), transfer_checks(transfer_check, kind, samples, chain_cfg, [model], tcfg)):
             if isinstance(t, Exception):  # a report, not the tables: say so and go on
                 log.warning("%s chain: transfer check %s -> %s could not be fitted (%s: %s)", kind.name,
                             "+".join(src), "+".join(dst), type(t).__name__, t)
