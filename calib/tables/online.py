@@ -47,8 +47,20 @@ from typing import ClassVar
 import numpy as np
 
 from calib.params import Boolean, Interval, Satisfies, validate_params
+from calib.tables.online_kernels import (
+    EPS,
+    FMAX,
+    colsum,
+    corrected,
+    cut,
+    edge_grid,
+    kept,
+    logit,
+    moved,
+    sigmoid,
+    verified,
+)
 
-EPS = 1e-6
 MIN_SCALE = 0.1  # the slope's floor on 1 + β: a correction flattens the table, never reverses its order
 
 
@@ -130,6 +142,14 @@ class OnlineCorrection:
         # the pooled level's slope: float64 [3, n_depths]: β, its information, the (δ₀, β) cross information
         self._slope = np.zeros((3, self.n_depths))
         self._sloped = self.settings.pooled and self.settings.slope
+        self._learnt = False  # whether an update has seen a position: before it, the tables alone
+        # what a read needs, kept between updates (a step reads many times and learns once): each cell's δ_c
+        # by cell id (0 for cells unseen; the last row stands for every id past them), and caches of
+        # δ₀ + δ_c and of 1 + β, rebuilt after an update
+        self._own = np.zeros((1, self.n_depths))  # [cells + 1, n_depths]
+        self._offsets: np.ndarray | None = None  # [cells + 1, n_depths]
+        self._factor: np.ndarray | None = None  # [n_depths]
+        self._columns: dict[int, np.ndarray] = {}  # width -> its columns' tracked depths
 
     def _cell(self, c: int) -> np.ndarray:
         s = self._state.get(c)
@@ -140,34 +160,47 @@ class OnlineCorrection:
     def _cols(self, width: int | None) -> np.ndarray:
         """Tracked depth of each of ``width`` columns (depths past the tracked ones take the deepest's)."""
         width = self.n_depths if width is None else int(width)
-        return np.minimum(np.arange(width), self.n_depths - 1)
+        cols = self._columns.get(width)
+        if cols is None:
+            cols = self._columns[width] = np.minimum(np.arange(width), self.n_depths - 1)
+        return cols
+
+    def _offset_table(self) -> np.ndarray:
+        """``[cells + 1, n_depths]``: ``δ₀ + δ_c`` by cell id (``δ₀`` alone in the last row)."""
+        if self._offsets is None:
+            self._offsets = self._pooled[0] + self._own
+        return self._offsets
+
+    def _rows_of(self, cells: np.ndarray) -> np.ndarray:
+        """Rows of :meth:`_offset_table` for int64 cell ids (any shape): an id no update saw (past the table,
+        or negative: read as unsigned) takes the last row."""
+        return np.minimum(cells.view(np.uint64), len(self._own) - 1)
+
+    def _scale_all(self) -> np.ndarray:
+        """``[n_depths]``: ``1 + β``."""
+        if self._factor is None:
+            self._factor = 1.0 + self._slope[0]
+        return self._factor
 
     def offset(self, cells, width: int | None = None) -> np.ndarray:
         """Logit offsets ``[B, width]`` for rows in context ``cells [B]`` (the pooled offset where a cell saw
         nothing of its own; depths past the tracked ones take the deepest tracked depth's)."""
         cells = np.asarray(cells, dtype=np.int64).ravel()
-        out = np.zeros((cells.size, self.n_depths))
-        if self.settings.enabled:
-            uniq, where = np.unique(cells, return_inverse=True)
-            zero = np.zeros(self.n_depths)
-            own = np.stack([self._state[c][0] if c in self._state else zero for c in uniq.tolist()])  # [cells, D]
-            out += self._pooled[0] + own[where.ravel()]
-        return out[:, self._cols(width)]
+        if not self.settings.enabled:
+            return np.zeros((cells.size, self.n_depths))[:, self._cols(width)]
+        out = self._offset_table()[self._rows_of(cells)]  # [B, n_depths]
+        return out if width is None or width == self.n_depths else out[:, self._cols(width)]
 
     def scale(self, width: int | None = None) -> np.ndarray:
         """``[width]``: the factor ``1 + β`` on the table's logit per depth (1 without the slope)."""
-        return (1.0 + self._slope[0])[self._cols(width)]
-
-    @property
-    def _learnt(self) -> bool:
-        return bool(self._state or self._pooled[2].any())
+        return self._scale_all().copy() if width is None or width == self.n_depths else self._scale_all()[self._cols(width)]
 
     def apply(self, p, cells) -> np.ndarray:
         """Corrected probabilities ``[B, K]`` of table probabilities ``p [B, K]`` (NaN, 0 and 1 kept)."""
         p = np.asarray(p, dtype=np.float64)
         if not self.settings.enabled or p.size == 0 or not self._learnt:
             return p
-        return _corrected(p, self.scale(p.shape[1]), self.offset(cells, p.shape[1]))
+        return corrected(p, self.scale(p.shape[1]), self.offset(cells, p.shape[1]))
 
     def table_of(self, q, cells) -> np.ndarray:
         """The inverse of :meth:`apply`: the table probabilities ``[B, K]`` that read as ``q [B, K]`` in
@@ -175,35 +208,55 @@ class OnlineCorrection:
         q = np.asarray(q, dtype=np.float64)
         if not self.settings.enabled or q.size == 0 or not self._learnt:
             return q
-        z = (_logit(q) - self.offset(cells, q.shape[1])) / self.scale(q.shape[1])
-        return np.where(_kept(q), q, _sigmoid(z))
+        z = (logit(q) - self.offset(cells, q.shape[1])) / self.scale(q.shape[1])
+        return np.where(moved(q), sigmoid(z), q)
 
     def update(self, p, acc, cells) -> int:
         """One Newton step per level on the verified positions of rounds decided with table probabilities
         ``p [B, K]`` (read through this correction as it stands: :meth:`apply`), outcomes ``acc [B, K]`` (1/0,
-        NaN not drafted) in context ``cells [B]``: the pooled level first, then each cell on what is left;
-        returns the positions used. Positions the correction never moves (NaN, 0 or 1) teach nothing."""
+        NaN not drafted) in context ``cells [B]`` (context cell ids, ≥ 0): the pooled level first, then each
+        cell on what is left; returns the positions used. Positions the correction never moves (NaN, 0 or 1)
+        teach nothing."""
         if not self.settings.enabled:
             return 0
         p, acc = np.asarray(p, dtype=np.float64), np.asarray(acc, dtype=np.float64)
         K = min(p.shape[1], self.n_depths)
         p, acc = p[:, :K], acc[:, :K]
-        seen = verified_mask(acc) & ~_kept(p)
+        seen = verified(acc) & moved(p)  # [B, K]: verified_mask(acc) & ~kept(p)
+        if not seen.any():
+            return 0
         cells = np.asarray(cells, dtype=np.int64).ravel()
-        z = _logit(np.nan_to_num(p, nan=0.5))
-        y = np.nan_to_num(acc)
-        if self.settings.pooled and seen.any():
+        z = logit(np.where(np.isnan(p), 0.5, p))  # [B, K]; ±inf clip as np.nan_to_num's ±max would
+        y = np.minimum(np.maximum(acc, -FMAX), FMAX)  # [B, K]: np.nan_to_num where seen (NaN only where not)
+        if self.settings.pooled:
             self._newton(self._pooled, seen, y, z * self.scale(K) + self.offset(cells, K), K,
                          slope=z if self._sloped else None)
+            self._factor = None  # the slope moved
         base = z * self.scale(K) + self._pooled[0, :K]  # the cells learn what the pooled step left
+        if cells.size == len(seen) and (cells == cells[0]).all():
+            groups = [(int(cells[0]), slice(None))]  # a step's rounds mostly share one cell: no row copies
+        else:
+            groups = [(int(c), cells == c) for c in np.unique(cells)]
         added = 0
-        for c in np.unique(cells):
-            rows = cells == c
-            if seen[rows].any():
-                added += int(seen[rows].sum())
-                s = self._cell(int(c))
+        for c, rows in groups:
+            n = int(np.count_nonzero(seen[rows]))
+            if n:
+                added += n
+                s = self._cell(c)
                 self._newton(s, seen[rows], y[rows], base[rows] + s[0, :K], K, ridge=self.settings.pooled)
+                self._own_row(c)[:] = s[0]
+        self._offsets, self._learnt = None, True
         return added
+
+    def _own_row(self, c: int) -> np.ndarray:
+        """Cell ``c``'s row of :attr:`_own` (grown to hold it)."""
+        if c < 0:
+            raise ValueError(f"online correction: context cell {c} is negative; cells are context cell indices")
+        if c >= len(self._own) - 1:
+            own = np.zeros((max(c + 1, 2 * (len(self._own) - 1)) + 1, self.n_depths))
+            own[: len(self._own) - 1] = self._own[:-1]
+            self._own = own
+        return self._own[c]
 
     def _newton(self, s: np.ndarray, seen, y, u, K: int, ridge: bool = False, slope=None) -> None:
         """One Newton step of a level's state ``s`` [3, n_depths] (δ, H, n) on positions ``seen`` [B, K] with
@@ -212,10 +265,10 @@ class OnlineCorrection:
         while the evidence decays, so its pull towards 0 (``(1 − λ^n)·κ/4·δ``: the part of the balancing
         evidence that decayed) is part of the gradient; under the pooled level this moves what the cells
         share to the pooled offset instead of leaving it split between them."""
-        q = np.clip(_sigmoid(u), EPS, 1 - EPS)
-        cnt = seen.sum(axis=0)
+        q = np.minimum(np.maximum(sigmoid(u), EPS), 1 - EPS)  # np.clip's values, without its wrapper
+        cnt = colsum(seen, axis=0, dtype=np.int64)  # [K] (seen.sum(axis=0))
         r, w = np.where(seen, y - q, 0.0), np.where(seen, q * (1 - q), 0.0)
-        g, h = r.sum(axis=0), w.sum(axis=0)
+        g, h = colsum(r), colsum(w)  # [K]
         info0, fade = self.settings.prior / 4.0, self.settings.decay ** cnt
         if ridge:
             g = g - (1.0 - fade) * info0 * s[0, :K]
@@ -225,9 +278,9 @@ class OnlineCorrection:
             s[0, :K] += g / (s[1, :K] + info0)
             return
         b = self._slope  # β, its information, the cross information
-        b[1, :K] = fade * b[1, :K] + (w * slope * slope).sum(axis=0)
-        b[2, :K] = fade * b[2, :K] + (w * slope).sum(axis=0)
-        g_b = (r * slope).sum(axis=0)
+        b[1, :K] = fade * b[1, :K] + colsum(w * slope * slope)
+        b[2, :K] = fade * b[2, :K] + colsum(w * slope)
+        g_b = colsum(r * slope)
         h_aa, h_bb, h_ab = s[1, :K] + info0, b[1, :K] + info0, b[2, :K]
         det = h_aa * h_bb - h_ab * h_ab  # > 0: the information is positive semi-definite, the prior adds κ/4·I
         s[0, :K] += (h_bb * g - h_ab * g_b) / det
@@ -244,25 +297,6 @@ class OnlineCorrection:
             return cells
         pooled = level(self._pooled)
         return {**cells, "pooled": {**pooled, "slope": self._slope[0].tolist()} if self._sloped else pooled}
-
-
-def _logit(p: np.ndarray) -> np.ndarray:
-    q = np.clip(p, EPS, 1 - EPS)
-    return np.log(q) - np.log1p(-q)
-
-
-def _sigmoid(u: np.ndarray) -> np.ndarray:
-    return 1.0 / (1.0 + np.exp(-u))
-
-
-def _kept(p: np.ndarray) -> np.ndarray:
-    """Where a probability is never corrected: NaN (no token), 0 or 1 (a certainty the table states)."""
-    return np.isnan(p) | (p <= 0) | (p >= 1)
-
-
-def _corrected(p: np.ndarray, scale: np.ndarray, offset: np.ndarray) -> np.ndarray:
-    """``σ(scale·logit p + offset)`` where ``p`` is a probability strictly inside (0, 1); NaN, 0 and 1 kept."""
-    return np.where(_kept(p), p, _sigmoid(_logit(p) * scale + offset))
 
 
 def replay_online(p, acc, cells, settings: OnlineSettings | None = None, batch: int = 1) -> np.ndarray:
@@ -282,9 +316,9 @@ def replay_online(p, acc, cells, settings: OnlineSettings | None = None, batch: 
 
 def _host_values(c: dict, rows, cols, scale, delta) -> np.ndarray:
     """float64 corrected values of an :class:`OnlineTables` chain ``c`` at grid entries ``(rows, cols)`` (index
-    arrays that broadcast): ``σ(scale·logit prior + delta)``, the prior where kept (:func:`_corrected` on the
+    arrays that broadcast): ``σ(scale·logit prior + delta)``, the prior where kept (:func:`corrected` on the
     chain's precomputed host logits). What a lookup reads and what a rewrite writes: one formula."""
-    out = _sigmoid(c["host_logit"][rows, cols] * scale + delta)
+    out = sigmoid(c["host_logit"][rows, cols] * scale + delta)
     return np.where(c["host_keep"][rows, cols], c["host_prior"][rows, cols], out)
 
 
@@ -347,20 +381,27 @@ class OnlineTables:
             self.chains[name] = {"table": t, "prior": prior, "context": ctx, "edges": edges, "n_cells": n_cells,
                                  "width": t.grid.shape[1] // n_cells,
                                  # [D, n_cells * width]; float32: torch's float64 sigmoid is ~10x slower on CPU
-                                 "logit": torch.from_numpy(_logit(host)).float().to(prior.device),
-                                 "keep": torch.from_numpy(_kept(host)).to(prior.device),  # never corrected
+                                 "logit": torch.from_numpy(logit(host)).float().to(prior.device),
+                                 "keep": torch.from_numpy(kept(host)).to(prior.device),  # never corrected
                                  "correction": OnlineCorrection(t.grid.shape[0], settings),
                                  "stale": np.zeros(n_cells, dtype=bool)}  # [n_cells]: to rewrite when read
             # the same on the host, in the grid's dtype: a CPU grid is rewritten in numpy (OnlineTables._write)
-            self.chains[name].update(host_logit=_logit(host).astype(np.float32), host_keep=_kept(host),
+            self.chains[name].update(host_logit=logit(host).astype(np.float32), host_keep=kept(host),
                                      host_prior=host.astype(np.float32))
+            grid, strides = edge_grid(edges)  # [A_ctx, E], [A_ctx]: context_cells' cut, precomputed
+            self.chains[name].update(edge_grid=grid, strides=strides)
             t.read = lambda rows, cols, name=name: self.read(name, rows, cols)
         self._dirty: set[tuple[str, int]] = set()
         self._whole: set[str] = set()  # chains whose pooled level moved: every cell is rewritten
 
     def cells(self, name: str, context) -> np.ndarray:
-        """Context cell ``[B]`` of chain ``name`` for context values ``[B, A_ctx]`` (its context axes' order)."""
-        return context_cells(context, self.chains[name]["edges"])
+        """Context cell ``[B]`` of chain ``name`` for context values ``[B, A_ctx]`` (its context axes' order):
+        :func:`context_cells`, cut in one comparison with the chain's precomputed edges."""
+        c = self.chains[name]
+        if not c["edges"]:
+            return context_cells(context, [])
+        values = np.asarray(context, dtype=np.float64).reshape(-1, len(c["edges"]))  # [B, A_ctx]
+        return cut(values, c["edge_grid"], c["strides"])
 
     def table_of(self, name: str, q, cells) -> np.ndarray:
         """The table probabilities ``[B, K]`` behind probabilities ``q [B, K]`` chain ``name`` served in ``cells``
@@ -411,12 +452,11 @@ class OnlineTables:
 
         c = self.chains[name]
         corr = c["correction"]
-        r, k = rows.cpu().numpy(), cols.cpu().numpy()
         if not corr._learnt:
             return c["prior"][rows, cols]
-        D = c["logit"].shape[0]
-        delta = corr.offset((k // c["width"]).ravel(), D)[np.arange(k.size), r.ravel()].reshape(k.shape)
-        value = _host_values(c, r, k, corr.scale(D)[r], delta).astype(np.float32)
+        r, k = rows.cpu().numpy(), cols.cpu().numpy()  # [B, L]: depth (< the tracked depths), grid column
+        delta = corr._offset_table()[corr._rows_of(k // c["width"]), r]  # [B, L]: corr.offset's, entry by entry
+        value = _host_values(c, r, k, corr._scale_all()[r], delta).astype(np.float32)
         return torch.from_numpy(value).to(c["prior"].device)
 
     def _write(self, c: dict, cells: np.ndarray) -> None:
