@@ -19,13 +19,11 @@ import numpy as np
 
 from calib.evaluate.data import Chain, EvalBank
 
-KEYS = ("prompt_idx", "turn", "round_idx")
-
 
 def undrafted_per_prompt(bank: EvalBank) -> dict[int, int]:
     """``{prompt_idx: steps without a draft between its rounds}`` of a bank whose engine drafted a model-free
     chain (its primary chain's bank file records ``context_len``); ``{}`` for any other bank."""
-    from calib.bank import load
+    from calib.bank import load, schema
     from calib.chains import chain
 
     kind = chain(bank.primary)
@@ -34,11 +32,14 @@ def undrafted_per_prompt(bank: EvalBank) -> dict[int, int]:
     table = load(bank.path).table(kind.bank_file)
     if "context_len" not in table.column_names:
         return {}
-    cols = {k: table.column(k).to_numpy() for k in (*KEYS, "context_len", "accept")}
-    order = np.lexsort([cols[k] for k in reversed(KEYS)])
+    # a request is its round keys but the round (banks read together keep theirs apart: config, speculator, ...)
+    request = [k for k in schema.KEYS if k != "round_idx"]
+    cols = {k: np.asarray(table.column(k).to_pylist() if k in ("model", "speculator", "config", "category")
+                          else table.column(k).to_numpy()) for k in (*schema.KEYS, "context_len", "accept")}
+    order = np.lexsort([cols[k] for k in reversed(schema.KEYS)])
     p, turn = cols["prompt_idx"][order], cols["turn"][order]
     ctx, acc = cols["context_len"][order].astype(np.int64), cols["accept"][order].astype(np.int64)
-    same = (p[1:] == p[:-1]) & (turn[1:] == turn[:-1])  # consecutive rounds of one request
+    same = np.logical_and.reduce([cols[k][order][1:] == cols[k][order][:-1] for k in request])  # one request's
     gaps = np.where(same, ctx[1:] - ctx[:-1] - (acc[:-1] + 1), 0)
     if (gaps < 0).any():
         i = int(np.flatnonzero(gaps < 0)[0])
