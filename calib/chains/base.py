@@ -6,10 +6,11 @@ one file each (:mod:`calib.chains.model`, :mod:`calib.chains.ngram`), registered
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 NO_CHAIN = 0  # Allocation.drafter when a request verifies no draft token
 
@@ -65,7 +66,7 @@ class ChainKind:
     # The run_manifest.json object describing this chain (its "width" = the drafted depth), None: none.
     manifest_key: str | None = None
     engine_methods: tuple[str, ...] = ()  # the engine's (vLLM's) speculative methods that draft this chain
-    # (Offer, own feature names, B, lengths, what) -> float64 [B, W, len(own)]: the table's own inputs
+    # (Offer, own feature names, B, lengths, what) -> float64 [B, W, len(own)] (numpy): the table's own inputs
     # from what the chain offers at a serving step; None: offer_inputs (the offer's signal as given)
     step_inputs: Callable | None = None
     # (request's token ids, settings, prompt length, max_model_len) -> (tokens, features dict or None): the
@@ -310,24 +311,26 @@ class Offer:
     probs: object = None
 
 
-def offer_inputs(x, B: int, lengths: list[int], n_own: int, what: str):
-    """An offer's signal ``x`` as float64 ``[B, W, n_own]`` (W = the longest chain), NaN beyond each
-    request's chain (``[B, L]`` is read as one feature)."""
-    import torch
-
+def offer_inputs(x, B: int, lengths: list[int], n_own: int, what: str) -> np.ndarray:
+    """An offer's signal ``x`` (a tensor, an array or nested lists) as a numpy float64 ``[B, W, n_own]`` (W = the
+    longest chain), NaN beyond each request's chain (``[B, L]`` is read as one feature). numpy: a serving step
+    builds it for a few requests, where a torch call's fixed cost would be most of the time."""
     width = max(lengths, default=0)
     if width == 0:
-        return torch.full((B, 1, n_own), math.nan, dtype=torch.float64)
+        return np.full((B, 1, n_own), np.nan)
     if x is None:
         raise ValueError(f"{what} is None but the chain has tokens")
-    x = torch.as_tensor(x).detach().to("cpu", torch.float64)
+    if not isinstance(x, np.ndarray):
+        import torch
+
+        x = torch.as_tensor(x).detach()  # nested lists read as torch reads them (floats as float32)
+        x = (x if x.dtype in (torch.float32, torch.float64) else x.to(torch.float64)).cpu().numpy()
     if x.ndim == 2:
         x = x[..., None]
     if x.ndim != 3 or x.shape[0] != B or x.shape[2] != n_own:
         raise ValueError(f"{what} must be [B={B}, L, F={n_own}], got {tuple(x.shape)}")
     if x.shape[1] < width:
         raise ValueError(f"{what} has {x.shape[1]} depths, a chain has {width} tokens")
-    x = x[:, :width].clone()
-    beyond = torch.arange(width)[None, :] >= torch.tensor(lengths)[:, None]
-    x[beyond] = math.nan
-    return x
+    out = x[:, :width].astype(np.float64)  # a copy: the offer is left as given
+    out[np.arange(width)[None, :] >= np.asarray(lengths)[:, None]] = np.nan
+    return out

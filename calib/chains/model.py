@@ -64,7 +64,7 @@ def model_round_data(rounds, axis_names=None):
 
 
 def model_step_inputs(offer, own, B: int, lengths: list[int], what: str):
-    """float64 ``[B, W, 1]``: the drafter's raw confidence per depth, the only own input an engine offers."""
+    """float64 ``[B, W, 1]`` (numpy): the drafter's raw confidence per depth, the only own input an engine offers."""
     if own != ["conf"]:
         raise ValueError(f"the model chain's table reads {own} before its context axes; decide_step "
                          "passes the raw confidence only (['conf'])")

@@ -18,11 +18,12 @@ import numpy as np
 import torch
 
 from calib.allocate import allocate, allocate_probs, calibrated_probs
-from calib.allocate.api import built_probs
+from calib.allocate.api import _check_depths
 from calib.allocate.host import allocate_chains_host, quantized_host
 from calib.allocate.shape import MAX_PRICE_RATIO, ShapePrice, check_price
 from calib.chains import chain
 from calib.cost.serving import SampledPrice, sampled_price_table
+from calib.tables.layout import ChainTable, chain_lookup_host, check_chain_inputs
 
 # the implementations whose tables are read by a lookup in this process (the kernel reads them itself)
 HOST_LOOKUPS = ("reference", "host")
@@ -42,18 +43,45 @@ def sampled_price_q(cost: np.ndarray, price: SampledPrice, n_requests: int, widt
 
 
 def host_decision(tables, signals: dict, given: dict, cost: torch.Tensor, sampled_price: SampledPrice | None,
-                  temperatures: np.ndarray, k_max: int):
+                  temperatures: np.ndarray, k_max: int, cache: dict | None = None):
     """``(drafter int8 [B], depth int32 [B], expected float32 [B], chosen float32 [B, W])`` numpy (as
-    :func:`calib.allocate.host.allocate_chains_host`) for the step's ``signals`` (float32 ``[B, L, A]`` per chain,
-    built from checked inputs) and ``given`` probabilities (float32 ``[B, W]``), priced by ``cost`` (checked at
-    construction) plus ``sampled_price`` where a request samples."""
-    probs = {**built_probs(tables, signals), **given} if signals else dict(given)
-    arrays = {n: p.detach().cpu().numpy() for n, p in probs.items()}
-    B = next(iter(arrays.values())).shape[0]
-    curve = cost.detach().cpu().numpy()
+    :func:`calib.allocate.host.allocate_chains_host`) for the step's ``signals`` (numpy float32 ``[B, L, A]`` per
+    chain, built from checked inputs) and ``given`` probabilities (numpy float32 ``[B, W]``), priced by ``cost``
+    (checked at construction) plus ``sampled_price`` where a request samples. ``cache``: a dict the caller keeps
+    for as long as ``cost`` and ``sampled_price`` stay (the decider's): the curve and a batch size's sampled price
+    are computed once there, not every step."""
+    probs = {**host_probs(tables, signals), **given}
+    B = next(iter(probs.values())).shape[0]
+    held = None if cache is None else cache.get("for")
+    if held is None or held[0] is not cost or held[1] is not sampled_price:  # kept for these very objects
+        cache = {} if cache is None else cache
+        cache.clear()
+        raw = cost.detach().cpu().numpy()  # [T_max + 1], the curve's dtype (float32)
+        cache.update({"for": (cost, sampled_price), "raw": raw, "curve": raw.astype(np.float64)})
     if sampled_price is not None and (temperatures > 0).any():  # the sampler's random path, priced per request
-        return allocate_chains_host(arrays, price_q=sampled_price_q(curve, sampled_price, B, k_max))
-    return allocate_chains_host(arrays, cost=curve.astype(np.float64))
+        key = ("price_q", B, k_max)
+        if key not in cache:
+            cache[key] = sampled_price_q(cache["raw"], sampled_price, B, k_max)
+        return allocate_chains_host(probs, price_q=cache[key])
+    return allocate_chains_host(probs, cost=cache["curve"])
+
+
+def host_probs(tables, signals: dict) -> dict[str, np.ndarray]:
+    """:func:`calib.allocate.api.built_probs` in numpy: float32 ``[B, L]`` per chain of numpy float32 signals
+    ``[B, L, A]`` (:func:`calib.tables.layout.chain_lookup_host` where the table is on the host, else the tensor
+    lookup)."""
+    reuse = bool(getattr(tables, "reuse_last_row", False))
+    out = {}
+    for name, x in signals.items():
+        table = tables.chains[name]
+        _check_depths(f"signals[{name!r}]", x.shape[1], f"{name}.grid", table.depths, reuse)
+        if isinstance(table, ChainTable) and table.grid.device.type == "cpu" and (
+                table.read is None or table.read_host is not None):
+            out[name] = chain_lookup_host(table, check_chain_inputs(x, table, f"signals[{name!r}]"), name,
+                                          checked=True)
+        else:
+            out[name] = table.lookup(torch.from_numpy(x), name).detach().cpu().numpy()
+    return out
 
 
 def torch_decision(tables, signals: dict, given: dict, cost, budget, impl: str, shape):

@@ -166,12 +166,10 @@ def context_columns(ctx: Sequence[str], inputs: StepInputs, history: RequestHist
 def _tokens(tokens, B: int, k_max: int, what: str) -> list[list[int]]:
     if len(tokens) != B:
         raise ValueError(f"{what} has {len(tokens)} lists for B={B} requests")
-    out = []
-    for i, t in enumerate(tokens):
-        t = [int(x) for x in t][:k_max]
-        if any(x < 0 for x in t):
+    out = [list(map(int, t[:k_max])) for t in tokens]
+    for i, t in enumerate(out):
+        if t and min(t) < 0:
             raise ValueError(f"{what}[{i}] holds a negative token id: {t}")
-        out.append(t)
     return out
 
 
@@ -181,48 +179,63 @@ def chain_inputs(tables, inputs: StepInputs, history: RequestHistory, *, k_max: 
     both the engine (``inputs.offers``) and the tables have, in registry order: the chain's own inputs
     (:attr:`calib.chains.ChainKind.step_inputs` of its offer), then the context axes the tables hold
     (``tables.feature_names(chain)`` order), NaN where a request has no token. Temperatures are checked
-    (:func:`request_temperatures`) unless given already checked."""
+    (:func:`request_temperatures`) unless given already checked. Tensors; :func:`chain_inputs_host` in numpy."""
+    signals, tokens = chain_inputs_host(tables, inputs, history, k_max=k_max, skip=skip, temperatures=temperatures)
+    return {n: torch.from_numpy(x) for n, x in signals.items()}, tokens
+
+
+def chain_inputs_host(tables, inputs: StepInputs, history: RequestHistory, *, k_max: int,
+                      skip: Sequence[str] = (), temperatures: np.ndarray | None = None):
+    """:func:`chain_inputs` with numpy float32 ``[B, L, A]`` signals (the serving decider's host path)."""
     B = len(inputs.req_ids)
     if temperatures is None:
         temperatures = request_temperatures(inputs)
     signals, tokens = {}, {}
+    columns: dict[tuple, np.ndarray] = {}  # context axes -> their columns: read once per step
     for kind in chains():
         name, offer = kind.name, inputs.offers.get(kind.name)
         if offer is None or name not in tables.chains:
             continue
         toks = _tokens(offer.tokens, B, k_max, f"{name}_tokens")
+        tokens[name] = toks
         if name in skip:  # the caller has this chain's probabilities already
-            tokens[name] = toks
             continue
         own, ctx = split_context(feature_names(tables, name), name)
         lengths, what = [len(t) for t in toks], f"the {name} chain's signal"
-        x = (kind.step_inputs or _offered)(offer, own, B, lengths, what)
-        c = torch.from_numpy(context_columns(ctx, inputs, history, temperatures))  # [B, A_ctx]
-        x = torch.cat([x, c[:, None, :].expand(B, x.shape[1], len(ctx))], dim=2)
-        signals[name], tokens[name] = x.to(torch.float32), toks
+        x = np.asarray((kind.step_inputs or _offered)(offer, own, B, lengths, what), dtype=np.float64)
+        n_own = x.shape[2]
+        out = np.empty((B, x.shape[1], n_own + len(ctx)), dtype=np.float32)  # [B, L, A]
+        out[..., :n_own] = x  # float64 -> float32, rounded as torch's .to(float32)
+        if ctx:
+            key = tuple(ctx)
+            if key not in columns:
+                columns[key] = context_columns(ctx, inputs, history, temperatures)  # [B, A_ctx]
+            out[..., n_own:] = columns[key][:, None, :]
+        signals[name] = out
     if not signals and not tokens:
         raise ValueError(f"no chain to decide on: the engine offers {list(inputs.offers)}, the tables calibrate "
                          f"{sorted(tables.chains)}")
     return signals, tokens
 
 
-def _offered(offer: Offer, own: list[str], B: int, lengths: list[int], what: str) -> torch.Tensor:
+def _offered(offer: Offer, own: list[str], B: int, lengths: list[int], what: str) -> np.ndarray:
     """A chain's own table inputs as offered (its signal holds them in the table's axis order)."""
     return offer_inputs(offer.signal, B, lengths, len(own), what)
 
 
-def _given_probs(offers: Mapping[str, Offer], tokens: dict, B: int) -> dict[str, torch.Tensor]:
+def _given_probs(offers: Mapping[str, Offer], tokens: dict, B: int) -> dict[str, np.ndarray]:
     """float32 ``[B, W]`` per chain whose offer holds already looked-up probabilities, NaN beyond its tokens."""
     out = {}
     for name, toks in tokens.items():
         given = offers[name].probs
         if given is None:
             continue
-        lengths = torch.tensor([len(t) for t in toks])
+        given = given.detach().cpu().numpy() if isinstance(given, torch.Tensor) else np.asarray(given)
+        lengths = np.array([len(t) for t in toks])
         width = max(1, int(lengths.max()))
-        p = torch.full((B, width), math.nan, dtype=torch.float32)
-        p[:, : min(width, given.shape[1])] = given[:, :width].to(torch.float32)
-        p[torch.arange(width)[None, :] >= lengths[:, None]] = math.nan  # a chain ends with its tokens
+        p = np.full((B, width), np.nan, dtype=np.float32)
+        p[:, : min(width, given.shape[1])] = given[:, :width]
+        p[np.arange(width)[None, :] >= lengths[:, None]] = np.nan  # a chain ends with its tokens
         out[name] = p
     return out
 
@@ -248,8 +261,9 @@ def decide_step(tables, inputs: StepInputs, history: RequestHistory, *, k_max: i
 
 
 def _decide_step(tables, inputs: StepInputs, history: RequestHistory, *, k_max: int, cost, budget, impl: str,
-                 sampled_price: SampledPrice | None = None):
-    """:func:`decide_step` on arguments already checked (:class:`SafeDecider` checks them once, at construction)."""
+                 sampled_price: SampledPrice | None = None, cache: dict | None = None):
+    """:func:`decide_step` on arguments already checked (:class:`SafeDecider` checks them once, at construction;
+    ``cache``: its store of what depends only on them and the batch size, :func:`calib.serve.allocation.host_decision`)."""
     start = time.perf_counter()
     B = len(inputs.req_ids)
     if B == 0:
@@ -266,13 +280,16 @@ def _decide_step(tables, inputs: StepInputs, history: RequestHistory, *, k_max: 
     _note_unfitted(tables, temps, offered)
     # offers whose probabilities the engine already looked up (the serving plan): the reference path uses them
     skip = [n for n in offered if inputs.offers[n].probs is not None] if impl in HOST_LOOKUPS else []
-    signals, tokens = chain_inputs(tables, inputs, history, k_max=k_max, skip=skip, temperatures=temps)
+    signals, tokens = chain_inputs_host(tables, inputs, history, k_max=k_max, skip=skip, temperatures=temps)
     given = _given_probs(inputs.offers, {n: tokens[n] for n in skip}, B)
     if impl == "host" and budget is None:  # serving: numpy, one lookup per chain (calib/serve/allocation.py)
-        drafter, depth, expected, chosen = host_decision(tables, signals, given, cost, sampled_price, temps, k_max)
+        drafter, depth, expected, chosen = host_decision(tables, signals, given, cost, sampled_price, temps, k_max,
+                                                         cache)
         drafter, depth, expected = torch.from_numpy(drafter), torch.from_numpy(depth), torch.from_numpy(expected)
         chosen = torch.from_numpy(chosen)
     else:
+        signals = {n: torch.from_numpy(x) for n, x in signals.items()}
+        given = {n: torch.from_numpy(p) for n, p in given.items()}
         shape = None  # a step under sampling: the sampler's random path, priced per drafting request
         if sampled_price is not None and (temps > 0).any():
             shape, cost = ShapePrice(*sampled_shape_price(cost, sampled_price, B, k_max)), None
@@ -366,6 +383,7 @@ class SafeDecider:
         # the online correction (calib/tables/online.py): the tables as a prior, corrected in place by the
         # verified outcomes of what this decider chose; None: the tables alone
         self.online = OnlineTables(self.tables, online) if online is not None and online.enabled else None
+        self._host_cache: dict = {}  # what the host allocation derives from the cost curve and price (allocation.py)
         self._pending: dict[str, tuple[str, int, np.ndarray]] = {}  # req id -> (chain, cell, table probs [depth])
         self._outcomes: dict[str, list[tuple]] = {}  # chain -> this step's (cell, table probs [depth], accepted)
 
@@ -381,7 +399,8 @@ class SafeDecider:
                 picked = StepInputs(inputs.req_ids, inputs.temperature,
                                     {n: o for n, o in inputs.offers.items() if n in self.chains})
                 out = _decide_step(self.tables, picked, self.history, k_max=self.k_max, cost=self.cost,
-                                   budget=self.budget, impl=self.impl, sampled_price=self.sampled_price)
+                                   budget=self.budget, impl=self.impl, sampled_price=self.sampled_price,
+                                   cache=self._host_cache)
                 self.consecutive_failures = 0
                 return out
             except Exception as exc:  # noqa: BLE001 - the serving rule: never raise into the engine

@@ -102,8 +102,15 @@ def check_chain_inputs(x: torch.Tensor, table: ChainTable, name: str) -> torch.T
 
 def chain_lookup(table: ChainTable, inputs, name: str = "inputs") -> torch.Tensor:
     """``table``'s P(accept | reached) for ``inputs`` ([B, L, A] or [B, L]; see the module docstring)
-    -> float32 [B, L]; NaN (feature 0) stays NaN. Columns ``k >= D`` read row ``D - 1``."""
+    -> float32 [B, L]; NaN (feature 0) stays NaN. Columns ``k >= D`` read row ``D - 1``.
+
+    Inputs and a grid on the CPU are looked up in numpy (:func:`chain_lookup_host`, the same float32 operations,
+    so the same values): a serving step looks up a few requests, where each torch call's fixed cost would be most
+    of the time."""
     x = check_chain_inputs(as_float_tensor(inputs, name), table, name)
+    if x.device.type == "cpu" and table.grid.device.type == "cpu" and not x.requires_grad and (
+            table.read is None or table.read_host is not None):
+        return torch.from_numpy(chain_lookup_host(table, x.to(torch.float32).numpy(), name, checked=True))
     interpolated = table.interpolated
     if interpolated:
         check_confidences(x[..., 0], name)
@@ -141,6 +148,46 @@ def chain_lookup(table: ChainTable, inputs, name: str = "inputs") -> torch.Tenso
     return torch.where(no_token, torch.full_like(p, float("nan")), p)
 
 
+def chain_lookup_host(table: ChainTable, x: np.ndarray, name: str = "inputs", checked: bool = False) -> np.ndarray:
+    """:func:`chain_lookup` in numpy for a table on the CPU: float32 ``x [B, L, A]`` (or ``[B, L]`` with one axis)
+    -> float32 ``[B, L]``, the same float32 operations in the same order, so the same values bit for bit.
+    ``checked``: ``x`` is float32 and shaped for the table already (:func:`check_chain_inputs`)."""
+    if not checked:
+        x = check_chain_inputs(np.asarray(x, dtype=np.float32), table, name)  # numpy has what the checks read
+    host = table.host_arrays()
+    first = x[..., 0]  # [B, L]
+    no_token = np.isnan(first)
+    interpolated = table.interpolated
+    if interpolated:
+        bad = ~no_token & ((first < 0) | (first > 1))
+        if bad.any():
+            check_confidences(torch.from_numpy(np.ascontiguousarray(first)), name)  # raises, naming the entry
+    rows = np.minimum(np.arange(x.shape[1]), host["depths"] - 1)[None, :]  # [1, L]: deeper tokens reuse the last row
+    if host["strides"].size:
+        binned = x[..., 1:] if interpolated else x
+        # bucket = number of inner edges <= x (the +inf padding is dropped: never counted, NaN counts nothing)
+        counted = (host["edges"] <= binned[..., None]) & host["finite"]  # [B, L, A_b, E]
+        cell = np.add.reduce(counted, axis=3, dtype=np.int64) @ host["strides"]  # [B, L]
+        cell[no_token] = 0
+    else:
+        cell = np.zeros(x.shape[:2], dtype=np.int64)
+    rows = np.broadcast_to(rows, cell.shape)
+    read = table.read_host if table.read is not None else None
+    grid = host["grid"]
+    points = table.points
+    if interpolated and points > 1:
+        c = np.minimum(np.maximum(np.where(no_token, np.float32(0), first), np.float32(0)), np.float32(1))
+        pos = c * np.float32(points - 1)
+        lo = np.minimum(np.floor(pos).astype(np.int64), points - 2)
+        frac = pos - lo.astype(np.float32)
+        g_lo = read(rows, cell + lo) if read is not None else grid[rows, cell + lo]
+        g_hi = read(rows, cell + lo + 1) if read is not None else grid[rows, cell + lo + 1]
+        p = g_lo + frac * (g_hi - g_lo)  # two float32 ops, as chain_lookup's (no FMA)
+    else:
+        p = read(rows, cell) if read is not None else grid[rows, cell]
+    return np.where(no_token, np.float32(np.nan), p).astype(np.float32, copy=False)
+
+
 @dataclass
 class ChainTable:
     """One chain's exported table (see the module docstring)."""
@@ -152,6 +199,10 @@ class ChainTable:
     # (depth rows, grid columns) int64 [B, L] each -> float32 [B, L]: the values a lookup reads, where they are
     # not the grid's own (an online correction's, calib.tables.online.OnlineTables); None: the grid's
     read: Callable | None = field(default=None, repr=False, compare=False)
+    # :attr:`read` in numpy ((rows, columns) int64 arrays -> float32 array) for :func:`chain_lookup_host`; a table
+    # with a ``read`` but none is looked up in torch
+    read_host: Callable | None = field(default=None, repr=False, compare=False)
+    _host: dict | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.axes = tuple(self.axes)
@@ -170,6 +221,20 @@ class ChainTable:
         largest = top + max(self.points, 1) - 1
         if largest >= self.grid.shape[1]:
             raise ValueError(f"grid has {self.grid.shape[1]} cells, the axes reach {largest}")
+
+    def host_arrays(self) -> dict:
+        """What :func:`chain_lookup_host` reads, as numpy views of a CPU table, built once: ``grid`` float32
+        ``[D, C]`` (a view: an in-place rewrite shows), ``edges`` float32 ``[A_b, E]``, ``finite`` bool
+        ``[A_b, E]``, ``strides`` int64 ``[A_b]``, ``depths``. Rebuilt when the grid tensor is replaced."""
+        host = self._host
+        if host is None or not all(a is b for a, b in zip(host["source"], (self.grid, self.edges, self.strides))):
+            edges = self.edges.detach().to(torch.float32).cpu().numpy()
+            host = {"source": (self.grid, self.edges, self.strides), "edges": edges, "finite": np.isfinite(edges),
+                    "strides": self.strides.detach().to(torch.int64).cpu().numpy(), "depths": int(self.grid.shape[0]),
+                    "grid": self.grid.detach().to(torch.float32).numpy()}
+            if self.grid.dtype == torch.float32:  # a view, kept: an in-place rewrite of the grid shows in it
+                self._host = host
+        return host
 
     @property
     def interpolated(self) -> bool:

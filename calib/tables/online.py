@@ -391,6 +391,7 @@ class OnlineTables:
             grid, strides = edge_grid(edges)  # [A_ctx, E], [A_ctx]: context_cells' cut, precomputed
             self.chains[name].update(edge_grid=grid, strides=strides)
             t.read = lambda rows, cols, name=name: self.read(name, rows, cols)
+            t.read_host = lambda rows, cols, name=name: self.read_host(name, rows, cols)
         self._dirty: set[tuple[str, int]] = set()
         self._whole: set[str] = set()  # chains whose pooled level moved: every cell is rewritten
 
@@ -451,13 +452,19 @@ class OnlineTables:
         import torch
 
         c = self.chains[name]
+        if not c["correction"]._learnt:
+            return c["prior"][rows, cols]
+        value = self.read_host(name, rows.cpu().numpy(), cols.cpu().numpy())
+        return torch.from_numpy(value).to(c["prior"].device)
+
+    def read_host(self, name: str, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
+        """:meth:`read` on int64 numpy index arrays ``[B, L]`` (depth rows, grid columns), in numpy."""
+        c = self.chains[name]
         corr = c["correction"]
         if not corr._learnt:
-            return c["prior"][rows, cols]
-        r, k = rows.cpu().numpy(), cols.cpu().numpy()  # [B, L]: depth (< the tracked depths), grid column
-        delta = corr._offset_table()[corr._rows_of(k // c["width"]), r]  # [B, L]: corr.offset's, entry by entry
-        value = _host_values(c, r, k, corr._scale_all()[r], delta).astype(np.float32)
-        return torch.from_numpy(value).to(c["prior"].device)
+            return c["host_prior"][rows, cols]
+        delta = corr._offset_table()[corr._rows_of(cols // c["width"]), rows]  # [B, L]: corr.offset's, entry by entry
+        return _host_values(c, rows, cols, corr._scale_all()[rows], delta).astype(np.float32)
 
     def _write(self, c: dict, cells: np.ndarray) -> None:
         """The grid columns of context ``cells`` at ``σ(scale·logit prior + δ)`` (one offset per depth and cell,
