@@ -30,9 +30,9 @@ from calib.chains import NO_CHAIN, chain
 def survival(p: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """:func:`calib.allocate.reference.survival` in numpy: float32 ``S [B, K]`` (a column product, left to
     right) and its fixed-point gains ``q`` (int32)."""
-    surv = np.clip(np.nan_to_num(p.astype(np.float32), nan=0.0, posinf=1.0, neginf=0.0), 0.0, 1.0)
-    for k in range(1, surv.shape[1]):
-        surv[:, k] *= surv[:, k - 1]
+    # fmax: NaN -> 0, -inf -> 0; fmin: +inf -> 1 (np.nan_to_num then np.clip, without their wrappers)
+    surv = np.fmin(np.fmax(p.astype(np.float32, copy=False), np.float32(0)), np.float32(1))
+    surv = np.multiply.accumulate(surv, axis=1, dtype=np.float32)  # the column product, left to right
     return surv, (surv * np.float32(SCALE)).astype(np.int32)
 
 
@@ -67,13 +67,13 @@ def take_top(q: np.ndarray, threshold: int, n: int) -> np.ndarray:
     left = max(n - int(above.sum()), 0)
     ties_per_row = ties.sum(axis=1)
     ties_before = np.cumsum(ties_per_row) - ties_per_row
-    return above.sum(axis=1) + np.minimum(np.clip(left - ties_before, 0, None), ties_per_row)
+    return above.sum(axis=1) + np.minimum(np.maximum(left - ties_before, 0), ties_per_row)
 
 
 def choose(q: np.ndarray, price: int) -> tuple[np.ndarray, np.ndarray]:
     """:meth:`calib.allocate.reference.TwoChains.choose` on ``q [2, B, W]``: ``(use_second, depth)``."""
     depth = (q > price).sum(axis=2)
-    surplus = np.clip(q.astype(np.int64) - price, 0, None).sum(axis=2)
+    surplus = np.maximum(q.astype(np.int64) - price, 0).sum(axis=2)
     use_second = (surplus[1] > surplus[0]) | ((surplus[1] == surplus[0]) & (depth[1] < depth[0]))
     return use_second, np.where(use_second, depth[1], depth[0])
 
@@ -156,27 +156,29 @@ def dinkelbach_host(q: np.ndarray, price_q: np.ndarray, n_requests: int) -> tupl
     """:func:`calib.allocate.shape.dinkelbach` in numpy (the same int64 sums and float64 ratios, so the same
     rounds): ``(chain index int64 [B], depth int64 [B])`` from gains ``q`` int32 ``[C, B, W]``."""
     C, B, W = q.shape
-    gained = q.astype(np.int64).cumsum(axis=2)  # [C, B, W]: G at depth d = 1..W
+    gained = np.add.accumulate(q, axis=2, dtype=np.int64)  # [C, B, W]: G at depth d = 1..W
     prices = np.broadcast_to(price_q[None, :, 1:], (C, B, W))
     feasible = (q > 0) & (prices >= 0)
-    g64, p64 = gained.astype(np.float64), prices.astype(np.float64)
-    cols = np.arange(1, W + 1)
+    # -inf where infeasible: a score there stays -inf whatever the ratio (prices are finite), and elsewhere it is
+    # the same float64 difference, so each round's scores are np.where(feasible, G - lam P, -inf)'s
+    g64 = np.where(feasible, gained.astype(np.float64), -np.inf)
+    p64 = prices.astype(np.float64)
     rows = np.arange(B)
     base_n = n_requests * SCALE
     choice = np.zeros(B, dtype=np.int64)
     depth = np.zeros(B, dtype=np.int64)
     lam = float(base_n) / float(PRICE_SCALE)
     for _ in range(MAX_ITERS):
-        score = np.where(feasible, g64 - lam * p64, -np.inf)
-        best = score.max(axis=2)  # [C, B]
-        d = np.where(score == best[..., None], cols, W + 1).min(axis=2)
-        d = np.where(best > 0, d, 0)  # ties with verifying nothing: fewer tokens
-        surplus = np.clip(best, 0, None)
+        score = g64 - lam * p64
+        d = score.argmax(axis=2)  # [C, B]: the first maximum, the fewest tokens
+        best = np.take_along_axis(score, d[..., None], axis=2)[..., 0]  # [C, B]
+        d = np.where(best > 0, d + 1, 0)  # ties with verifying nothing: fewer tokens
+        surplus = np.maximum(best, 0)
         take = ((surplus[1] > surplus[0]) | ((surplus[1] == surplus[0]) & (d[1] < d[0])) if C > 1
                 else np.zeros(B, dtype=bool))
         new_choice = take.astype(np.int64)
         new_depth = d[new_choice, rows]
-        at = np.clip(new_depth - 1, 0, None)
+        at = np.maximum(new_depth - 1, 0)
         num = base_n + int(np.where(new_depth > 0, gained[new_choice, rows, at], 0).sum())
         den = PRICE_SCALE + int(price_q[rows, new_depth].sum())
         lam_new = float(num) / float(den)

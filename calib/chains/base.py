@@ -221,6 +221,7 @@ def resolve_edges(values, spec, max_bins: int = 8, decimals: int = 4) -> list[fl
 
 
 _REGISTRY: dict[str, ChainKind] = {}
+_BY_ID: list = [None]  # the registry sorted by id, kept until it changes (serving reads it many times a step)
 
 
 def register_chain(kind: ChainKind, *, replace: bool = False) -> ChainKind:
@@ -239,12 +240,14 @@ def register_chain(kind: ChainKind, *, replace: bool = False) -> ChainKind:
             raise ValueError(f"chain {kind.name!r}: bank layout {kind.bank.file!r} is not its bank_file {kind.bank_file!r}")
         register_chain_file(kind.bank)
     _REGISTRY[kind.name] = kind
+    _BY_ID[0] = None
     return kind
 
 
 def unregister_chain(name: str) -> None:
     """Remove a chain kind (tests register temporary ones), and its bank file's layout."""
     kind = _REGISTRY.pop(name, None)
+    _BY_ID[0] = None
     if kind is not None and kind.bank is not None:
         from calib.bank.schema import unregister_chain_file
 
@@ -259,11 +262,15 @@ def recomputed_chains() -> tuple[ChainKind, ...]:
 
 def chains() -> tuple[ChainKind, ...]:
     """Every registered chain kind, by id (the allocator's tie order: lower id first)."""
-    return tuple(sorted(_REGISTRY.values(), key=lambda c: c.id))
+    if _BY_ID[0] is None:
+        _BY_ID[0] = tuple(sorted(_REGISTRY.values(), key=lambda c: c.id))
+    return _BY_ID[0]
 
 
 def chain(key: str | int) -> ChainKind:
     """The chain kind of a name or id; a ``KeyError`` lists the registered ones."""
+    if isinstance(key, str) and key in _REGISTRY:
+        return _REGISTRY[key]
     for c in chains():
         if key in (c.name, c.id):
             return c

@@ -138,6 +138,9 @@ class StepDecision:
     # float32 [B, W]: the chosen chain's P(accept | reached) per drafted token as decided (NaN beyond a
     # request's draft); None where the path did not expose them (the Triton kernel looks them up itself)
     probs: torch.Tensor | None = None
+    # context axes (names, in table order) -> float64 [B, A_ctx]: the history and temperature columns the decision
+    # read (the online correction keys its cells on the same); None where the path did not keep them
+    context: dict | None = None
 
 
 def feature_names(tables, chain_name: str) -> list[str]:
@@ -185,13 +188,15 @@ def chain_inputs(tables, inputs: StepInputs, history: RequestHistory, *, k_max: 
 
 
 def chain_inputs_host(tables, inputs: StepInputs, history: RequestHistory, *, k_max: int,
-                      skip: Sequence[str] = (), temperatures: np.ndarray | None = None):
-    """:func:`chain_inputs` with numpy float32 ``[B, L, A]`` signals (the serving decider's host path)."""
+                      skip: Sequence[str] = (), temperatures: np.ndarray | None = None,
+                      columns: dict | None = None):
+    """:func:`chain_inputs` with numpy float32 ``[B, L, A]`` signals (the serving decider's host path).
+    ``columns``: a dict filled with the context columns read (context axes -> float64 ``[B, A_ctx]``)."""
     B = len(inputs.req_ids)
     if temperatures is None:
         temperatures = request_temperatures(inputs)
     signals, tokens = {}, {}
-    columns: dict[tuple, np.ndarray] = {}  # context axes -> their columns: read once per step
+    columns = {} if columns is None else columns  # context axes -> their columns: read once per step
     for kind in chains():
         name, offer = kind.name, inputs.offers.get(kind.name)
         if offer is None or name not in tables.chains:
@@ -280,7 +285,9 @@ def _decide_step(tables, inputs: StepInputs, history: RequestHistory, *, k_max: 
     _note_unfitted(tables, temps, offered)
     # offers whose probabilities the engine already looked up (the serving plan): the reference path uses them
     skip = [n for n in offered if inputs.offers[n].probs is not None] if impl in HOST_LOOKUPS else []
-    signals, tokens = chain_inputs_host(tables, inputs, history, k_max=k_max, skip=skip, temperatures=temps)
+    columns: dict[tuple, np.ndarray] = {}
+    signals, tokens = chain_inputs_host(tables, inputs, history, k_max=k_max, skip=skip, temperatures=temps,
+                                        columns=columns)
     given = _given_probs(inputs.offers, {n: tokens[n] for n in skip}, B)
     if impl == "host" and budget is None:  # serving: numpy, one lookup per chain (calib/serve/allocation.py)
         drafter, depth, expected, chosen = host_decision(tables, signals, given, cost, sampled_price, temps, k_max,
@@ -306,7 +313,18 @@ def _decide_step(tables, inputs: StepInputs, history: RequestHistory, *, k_max: 
             raise RuntimeError(f"request {inputs.req_ids[i]}: depth {depths[i]} but the chain has {len(d)} tokens")
         drafts.append(d)
     return StepDecision(list(inputs.req_ids), drafts, drafter, depth, expected, (time.perf_counter() - start) * 1e3,
-                        probs=chosen)
+                        probs=chosen, context=columns)
+
+
+@dataclass(frozen=True)
+class _Remembered:
+    """One chain's drafted rounds of one decided step, as :meth:`SafeDecider.remember` keeps them for the online
+    correction (each request points at its row)."""
+
+    name: str  # the chain
+    cells: np.ndarray  # int64 [R]: each round's context cell
+    table: np.ndarray  # float64 [R, W]: the table's probabilities behind those served, NaN past each round's depth
+    depth: np.ndarray  # int64 [R]: the depth each round verifies
 
 
 class SafeDecider:
@@ -384,8 +402,8 @@ class SafeDecider:
         # verified outcomes of what this decider chose; None: the tables alone
         self.online = OnlineTables(self.tables, online) if online is not None and online.enabled else None
         self._host_cache: dict = {}  # what the host allocation derives from the cost curve and price (allocation.py)
-        self._pending: dict[str, tuple[str, int, np.ndarray]] = {}  # req id -> (chain, cell, table probs [depth])
-        self._outcomes: dict[str, list[tuple]] = {}  # chain -> this step's (cell, table probs [depth], accepted)
+        self._pending: dict[str, tuple[_Remembered, int]] = {}  # req id -> (its step's rounds, its row there)
+        self._outcomes: list[tuple[_Remembered, int, int]] = []  # this step's (rounds, row, accepted), as observed
 
     @property
     def enabled(self) -> bool:
@@ -410,26 +428,36 @@ class SafeDecider:
     def remember(self, inputs: StepInputs, decision: StepDecision, skip: Sequence[bool] = ()) -> None:
         """Keep what this step decided with (per drafted request: its chain, context cell and probabilities)
         for the online correction to learn from when :meth:`observe` reports the outcome; rows where
-        ``skip`` is true (requests left to the engine) are not kept. Never raising."""
+        ``skip`` is true (requests left to the engine) are not kept. Once per chain over the batch (a
+        :class:`_Remembered` of its rows; each request points at its row). Never raising."""
         if self.online is None or decision.passthrough or decision.probs is None:
             return
         try:
-            names = {chain(n).id: n for n in self.online.chains}
-            ids, depth = decision.chain.tolist(), decision.depth.tolist()
-            depth = [0 if (b < len(skip) and skip[b]) else d for b, d in enumerate(depth)]
-            temps = None
-            for name in {names[i] for i, d in zip(ids, depth) if d and i in names}:
-                rows = [b for b, (i, d) in enumerate(zip(ids, depth)) if d and names.get(i) == name]
-                ctx = self.online.chains[name]["context"]
-                if temps is None and ctx:
-                    temps = request_temperatures(inputs)
-                values = context_columns(ctx, inputs, self.history, temps)[rows]
-                cells = self.online.cells(name, values)
+            B = len(inputs.req_ids)
+            depth = decision.depth.numpy().astype(np.int64)  # [B]
+            skipped = np.zeros(B, dtype=bool)
+            skipped[: min(len(skip), B)] = np.asarray(skip, dtype=bool)[:B]
+            drafted = (depth > 0) & ~skipped
+            if not drafted.any():
+                return
+            ids = decision.chain.numpy()  # int8 [B]
+            probs = decision.probs.double().numpy()  # [B, W], NaN past each row's depth
+            known = decision.context or {}
+            for name, c in self.online.chains.items():
+                rows = np.flatnonzero(drafted & (ids == chain(name).id))
+                if not rows.size:
+                    continue
+                ctx = c["context"]
+                values = known.get(tuple(ctx))
+                if values is None:
+                    values = context_columns(ctx, inputs, self.history, request_temperatures(inputs) if ctx else None)
+                cells = self.online.cells(name, values[rows])  # [R]
                 # the table's probabilities behind the ones served (the correction moves before the outcome)
-                served = decision.probs[rows].double().numpy()  # [rows, W], NaN past each row's depth
-                table = self.online.table_of(name, served, cells)
-                for i, (b, cell) in enumerate(zip(rows, cells.tolist())):
-                    self._pending[inputs.req_ids[b]] = (name, cell, table[i, : depth[b]])
+                table = self.online.table_of(name, probs[rows], cells)  # [R, W]
+                table[np.arange(table.shape[1])[None, :] >= depth[rows][:, None]] = np.nan  # a round ends at its depth
+                kept = _Remembered(name, cells, table, depth[rows])
+                self._pending.update(zip([inputs.req_ids[b] for b in rows.tolist()],
+                                         [(kept, i) for i in range(rows.size)]))
         except Exception as exc:  # noqa: BLE001
             self._fail(exc, "remember")
 
@@ -441,29 +469,42 @@ class SafeDecider:
         try:
             self.history.observe(req_id, accepted, drafted)
             pending = self._pending.pop(req_id, None) if self.online is not None else None
-            if pending is not None and (drafted is None or drafted == len(pending[2])):
-                name, cell, p = pending
-                self._outcomes.setdefault(name, []).append((cell, p, min(int(accepted), len(p))))
+            if pending is not None:
+                kept, row = pending
+                depth = int(kept.depth[row])
+                if drafted is None or drafted == depth:
+                    self._outcomes.append((kept, row, min(int(accepted), depth)))
         except Exception as exc:  # noqa: BLE001
             self._fail(exc, "observe")
 
     def refresh(self) -> None:
-        """Learn from the step's outcomes (one update per chain over all its rounds) and rewrite the tables'
-        cells the online correction moved (once per step, before deciding)."""
+        """Learn from the step's outcomes (one update per chain over all its rounds, in the order they were
+        observed) and rewrite the tables' cells the online correction moved (once per step, before deciding)."""
         if self.online is None:
             return
         try:
             from calib.tables.online import outcome_rows
 
-            outcomes, self._outcomes = self._outcomes, {}
-            for name, rounds in outcomes.items():
-                cells, probs, accepted = zip(*rounds)
-                width = max(len(p) for p in probs)
-                p = np.full((len(probs), width), np.nan)  # [R, W]: the table's probabilities, NaN past each depth
-                for i, row in enumerate(probs):
-                    p[i, : len(row)] = row
-                drafted = np.array([len(row) for row in probs])
-                self.online.observe(name, p, outcome_rows(np.array(accepted), drafted, width), list(cells))
+            outcomes, self._outcomes = self._outcomes, []
+            by_chain: dict[str, list[tuple]] = {}
+            for o in outcomes:
+                by_chain.setdefault(o[0].name, []).append(o)
+            for name, rounds in by_chain.items():
+                rows = np.array([r for _, r, _ in rounds])  # [R]
+                accepted = np.array([a for _, _, a in rounds])  # [R]
+                first = rounds[0][0]
+                if all(k is first for k, _, _ in rounds):  # the usual step: every round decided at the last step
+                    drafted, cells = first.depth[rows], first.cells[rows]
+                    width = int(drafted.max())
+                    p = first.table[rows, :width]  # [R, width]: NaN past each round's depth
+                else:  # a round remembered at an earlier step (not observed then): row by row
+                    drafted = np.array([k.depth[r] for k, r, _ in rounds])
+                    cells = np.array([k.cells[r] for k, r, _ in rounds], dtype=np.int64)
+                    width = int(drafted.max())
+                    p = np.full((len(rounds), width), np.nan)
+                    for i, (k, r, _) in enumerate(rounds):
+                        p[i, : drafted[i]] = k.table[r, : drafted[i]]
+                self.online.observe(name, p, outcome_rows(accepted, drafted, width), cells)
             self.online.refresh(lazy=self.impl in HOST_LOOKUPS)  # the kernel reads the grid without a lookup
         except Exception as exc:  # noqa: BLE001
             self._fail(exc, "refresh")
