@@ -41,6 +41,7 @@ def _eval_constraints() -> dict:
         # the online correction's one schema, which serve.py's serve.online is checked by too
         **{f"online.{k}": v for k, v in OnlineSettings._parameter_constraints.items()},
         "metrics.online_warmup_rounds": [INT_0],
+        "metrics.depth_min_labels": [INT_1],
         **{f"replay.{k}": v for k, v in ReplayConfig._constraints.items()},  # the replay's own declaration
         "replay.batch_sizes": [Each(INT_1)],
         "replay.progress": [Boolean()],

@@ -23,6 +23,7 @@ from calib.evaluate import plots
 from calib.evaluate.calibration import POOLED_ECE_MAX, calibration_rows, length_noise, pooled_calibration_rows
 from calib.evaluate.checks import check_eval
 from calib.evaluate.data import load_eval_bank
+from calib.evaluate.depths import depth_section
 from calib.evaluate.online import online_metrics
 from calib.evaluate.replay import ReplayConfig, replay
 from calib.evaluate.report import (
@@ -230,6 +231,9 @@ def _scalars(metrics: dict) -> dict:
         e = [r[f"error_{v}"] for r in online if r.get(f"error_{v}") is not None]
         if e:
             out[f"online/mean_length_error_{v}"] = float(np.mean(e))
+    verdict = (metrics.get("online") or {}).get("depth_verdict")
+    if verdict:  # depths with enough labels that end worse than raw: 0 is the target
+        out.update({f"depth_vs_raw/worse_{v}": len(verdict[v]) for v in ("tables", "online")})
     assert len(out) <= MAX_SUMMARY_KEYS, sorted(out)
     return out
 
@@ -247,6 +251,8 @@ def _track(cfg: DictConfig, out: Path, metrics: dict, pics: list) -> None:
         online = (metrics.get("online") or {})
         tracker.log_table("online", online.get("slices") or [])
         tracker.log_table("online_warmup", online.get("warmup_curve") or [])
+        tracker.log_table("depth_vs_raw", [{k: (", ".join(v) if isinstance(v, list) else v) for k, v in r.items()}
+                                           for r in online.get("depths") or []])
         tracker.log_table("calibration", [{**r, "depth": str(r["depth"])} for r in metrics["calibration"]])
         tracker.log_table("accept_length", metrics["accept_length"])
         tracker.log_table("length_slices", metrics["length_slices"])
@@ -377,6 +383,7 @@ def render_report(banks, cal, length, ladder, notes, curves, rcfg, pics, out, ta
     L += _slice_section(slices, pics, out)
     L += _pooled_section(pooled)
     L += _online_section(online)
+    L += depth_section((online or {}).get("depths") or [])
     L += _calibration_section(cal, length, pics, out)
     L += _ladder_section(ladder, notes, curves, rcfg)
     for b in banks:

@@ -50,6 +50,11 @@ def test_eval_compose_run(tmp_path):
     assert {"predicted_tables", "predicted_online", "error_tables", "error_online", "ece_tables",
             "ece_online", "rounds", "actual_mean"} <= set(on["slices"][0])
     assert "## Online correction" in report
+    # per depth against raw, with and without the correction (issue 42 Must 3): every model depth, one verdict
+    assert {r["depth"] for r in on["depths"]} == {r["depth"] for r in m["calibration"]
+                                                   if r["drafter"] == "model" and r["depth"] != "all"}
+    assert {r["chain"] for r in on["depths"]} == {"model"} and set(on["depth_verdict"]) >= {"tables", "online"}
+    assert "**Does any depth with ≥ 500 labels end worse than raw?**" in report
     assert "Does calibration beat the model drafter's raw confidence?" in report  # said plainly, per chain
     # beside the replay, the clock: the serving bench named, said not to be for these tables (it records none)
     answer = report[: report.index("## ", len("# Evaluation report\n\n## Answer"))]
