@@ -39,6 +39,7 @@ are computed here from those decisions on exact integer gains, so the plan is id
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -57,6 +58,7 @@ from calib.allocate.api import (
 )
 from calib.allocate.reference import SCALE, survival
 from calib.params import Interval, NoneValue, Options, validate_params
+from calib.tables.online_kernels import cut, edge_grid
 
 # plan_draft's scalar arguments (``chain``: a registered chain name, checked against the registry per call).
 PLAN_CONSTRAINTS = {
@@ -150,7 +152,8 @@ def _plan_inputs(known: Mapping[str, torch.Tensor], forecast: torch.Tensor, cost
     done_p = done_p.to(torch.float32)
     probs = {chain: done_p, **others}
     cost64 = cost.to(torch.float64)
-    check_mode(None, cost64, impl)
+    if not (impl in IMPLEMENTATIONS and cost64.ndim == 1 and cost64.numel() >= 1):  # else check_mode passes
+        check_mode(None, cost64, impl)
     kinds = chain_kinds_of(probs, "probs")
     for kind in kinds:
         check_probs(probs[kind.name], kind.name)
@@ -202,7 +205,7 @@ def _plan_all(p: np.ndarray, other: np.ndarray | None, *, chain_first: bool, don
     if qo is None:
         m, total, threshold, _ = alone
         values = (total / SCALE) / (price[m] + extras)
-        best = int(np.argmax(values))
+        best = int(values.argmax())
         return float(values[best]), int(gs[best]), _take_top(q_plan[best], threshold[best], m[best]), None
     return _plan_two_chains(v, mine, req, held, alone, q_plan, qo, price, extras, gs, base, chain_first)
 
@@ -253,8 +256,8 @@ def _plan_two_chains(v, mine, req, held, alone, q_plan, qo, price, extras, gs, b
     q = (q_plan, qo[None]) if chain_first else (qo[None], q_plan)
     # Slot price of the better single chain, each request's Lagrangian choice at it.
     lam = np.where(second[3] > first[3], second[2], first[2])[:, None, None]
-    depth_f, depth_s = ((x > lam).sum(axis=2) for x in q)
-    surplus_f, surplus_s = (np.maximum(x - lam, 0).sum(axis=2) for x in q)
+    depth_f, depth_s = (np.add.reduce(x > lam, axis=2) for x in q)  # ufunc reductions: no Python wrapper
+    surplus_f, surplus_s = (np.add.reduce(np.maximum(x - lam, 0), axis=2) for x in q)
     use_second = (surplus_s > surplus_f) | ((surplus_s == surplus_f) & (depth_s < depth_f))
     depth = np.where(use_second, depth_s, depth_f)
     use_second = np.where(depth > 0, use_second, q[1][:, :, 0] > q[0][:, :, 0])  # [G, B]
@@ -263,11 +266,12 @@ def _plan_two_chains(v, mine, req, held, alone, q_plan, qo, price, extras, gs, b
     both = _best_prefixes(v, picked, price, extras, base)
 
     candidates = (both, first, second)
-    winner = np.argmax(np.stack([c[3] for c in candidates]), axis=0)  # first maximum, in this order
-    m = np.choose(winner, [c[0] for c in candidates])
-    total = np.choose(winner, [c[1] for c in candidates])
+    plans = np.arange(extras.size)
+    winner = np.array([c[3] for c in candidates]).argmax(axis=0)  # first maximum, in this order
+    m = np.array([c[0] for c in candidates])[winner, plans]
+    total = np.array([c[1] for c in candidates])[winner, plans]
     values = (total / SCALE) / (price[m] + extras)
-    best = int(np.argmax(values))
+    best = int(values.argmax())
     w = int(winner[best])
     q_best = [x[min(best, x.shape[0] - 1)] for x in q]  # plan best's chains [B, W_c]
     if w == 0:
@@ -303,11 +307,11 @@ def _best_prefixes(v: np.ndarray, held: np.ndarray | None, price: np.ndarray, ex
     gained[:, 0] = 0
     if held is None:
         m_at = np.arange(v.size + 1)[None, :]
-        np.cumsum(v, out=gained[0, 1:])
+        np.add.accumulate(v, out=gained[0, 1:], dtype=np.float64)  # the ufunc: no Python wrapper
     else:
         m_at = np.zeros((G, v.size + 1), dtype=np.intp)
-        np.cumsum(held, axis=1, out=m_at[:, 1:])
-        np.cumsum(np.where(held, v, 0), axis=1, out=gained[:, 1:])
+        np.add.accumulate(held, axis=1, out=m_at[:, 1:], dtype=np.intp)
+        np.add.accumulate(np.where(held, v, 0), axis=1, out=gained[:, 1:], dtype=np.float64)
     gained += base
     priced = price[m_at] + extras[:, None]
     infeasible = ~(priced < np.inf)
@@ -315,7 +319,7 @@ def _best_prefixes(v: np.ndarray, held: np.ndarray | None, price: np.ndarray, ex
         infeasible[:, 1:] |= ~held
     good = gained / priced
     good[infeasible] = -np.inf
-    j = np.argmax(good, axis=1)
+    j = good.argmax(axis=1)
     threshold = np.concatenate([[SCALE + 1], v])[j]  # the last gain taken (SCALE + 1: none)
     m = m_at[rows, j] if held is not None else j
     return m, gained[rows if held is not None else 0, j], threshold, good[rows, j]
@@ -335,10 +339,10 @@ def _gains(p: np.ndarray) -> np.ndarray:
 
 def _take_top(q: np.ndarray, threshold: int, n: int) -> np.ndarray:
     """:func:`calib.allocate.reference.take_top` on one ``[B, W]`` gain matrix (int64 depths [B])."""
-    above = (q > threshold).sum(axis=1)
-    ties_per_row = ((q == threshold) & (threshold > 0)).sum(axis=1)
-    left = max(int(n) - int(above.sum()), 0)
-    ties_before = np.cumsum(ties_per_row) - ties_per_row
+    above = np.add.reduce(q > threshold, axis=1)
+    ties_per_row = np.add.reduce((q == threshold) & (threshold > 0), axis=1)
+    left = max(int(n) - int(np.add.reduce(above)), 0)
+    ties_before = np.add.accumulate(ties_per_row) - ties_per_row
     return above + np.minimum(np.maximum(left - ties_before, 0), ties_per_row)
 
 
@@ -347,8 +351,10 @@ def _check_plan(known, forecast, chain: str, pass_cost: float, sunk: float, impl
     (the scalars declaratively: :data:`PLAN_CONSTRAINTS`)."""
     from calib.chains import chain_names
 
-    validate_params("plan_draft", {"pass_cost": pass_cost, "sunk": sunk, "impl": impl,
-                                   "chain": chain}, {**PLAN_CONSTRAINTS, "chain": [Options(chain_names())]})
+    if not (_plain_price(pass_cost) and _plain_price(sunk) and impl in IMPLEMENTATIONS
+            and chain in chain_names()):  # the usual call passes at once; anything else is checked in full
+        validate_params("plan_draft", {"pass_cost": pass_cost, "sunk": sunk, "impl": impl,
+                                       "chain": chain}, {**PLAN_CONSTRAINTS, "chain": [Options(chain_names())]})
     if not isinstance(known, Mapping) or not all(isinstance(v, torch.Tensor) and v.ndim == 2 for v in known.values()):
         raise ValueError("`known` must be a mapping {chain name: float tensor [B, W]}")
     if not isinstance(forecast, torch.Tensor) or forecast.ndim != 2:
@@ -364,6 +370,11 @@ def _check_plan(known, forecast, chain: str, pass_cost: float, sunk: float, impl
     if done > K:
         raise ValueError(f"{done} passes done but the forecast covers K={K} depths")
     return done_p, B, done, K
+
+
+def _plain_price(x) -> bool:
+    """A price :data:`PLAN_CONSTRAINTS` accepts for certain (a finite Python or numpy number ``>= 0``, not a bool)."""
+    return type(x) in (float, int, np.float64, np.float32) and 0 <= x < math.inf
 
 
 def _plan_draft_loop(
@@ -434,9 +445,8 @@ def forecast_probs(tables, chain: str, context, depths: int | None = None) -> to
     NaN is "not recorded" (an offline bank's round without a temperature) and reads bucket 0, as the
     tables' lookups do. The serving path refuses NaN before it gets here (:mod:`calib.serve.decide`).
     """
-    from calib.calibrators.context import context_cells
-
-    validate_params("forecast_probs", {"depths": depths}, FORECAST_CONSTRAINTS)
+    if not (depths is None or (type(depths) is int and depths >= 1)):
+        validate_params("forecast_probs", {"depths": depths}, FORECAST_CONSTRAINTS)
     chains_meta = getattr(tables, "meta", {}).get("chains") or {}
     if chain not in chains_meta:
         raise ValueError(f"forecast_probs: the tables calibrate {sorted(chains_meta)}, not the {chain!r} chain")
@@ -444,9 +454,14 @@ def forecast_probs(tables, chain: str, context, depths: int | None = None) -> to
     if meta is None:
         raise ValueError(f"the tables hold no forecast for the {chain} chain (tables from before the "
                          "draft-aware allocator: re-run train.py)")
-    values = torch.tensor(meta["values"], dtype=torch.float32)  # [D, cells]
+    values, grid, strides = _forecast_arrays(meta)
     edges = [a["edges"] for a in meta["axes"]]
-    ctx = np.zeros((0, 0)) if context is None else np.asarray(torch.as_tensor(context, dtype=torch.float64))
+    if context is None:
+        ctx = np.zeros((0, 0))
+    elif isinstance(context, torch.Tensor) and context.dtype == torch.float64 and context.device.type == "cpu":
+        ctx = context.numpy()  # the serving plan's columns, as they are
+    else:
+        ctx = np.asarray(torch.as_tensor(context, dtype=torch.float64))
     n = ctx.shape[0] if context is not None else 1
     if edges and (ctx.ndim != 2 or ctx.shape[1] != len(edges)):
         names = [a["name"] for a in meta["axes"]]
@@ -459,7 +474,22 @@ def forecast_probs(tables, chain: str, context, depths: int | None = None) -> to
                 i = int(np.flatnonzero(bad)[0])
                 raise ValueError(f"context[{i}, {j}] = {float(t[i])!r}: request {i}'s sampling temperature must be a "
                                  "finite number >= 0 (0 = greedy; NaN = not recorded)")
-    cells = torch.from_numpy(context_cells(ctx, edges)) if edges else torch.zeros(n, dtype=torch.int64)
+    cells = cut(ctx, grid, strides) if edges else np.zeros(n, dtype=np.int64)  # context_cells' cells
     D = values.shape[0]
-    rows = torch.arange(depths if depths is not None else D).clamp(max=D - 1)
-    return values[rows][:, cells].t().contiguous()
+    rows = np.minimum(np.arange(depths if depths is not None else D), D - 1)
+    return torch.from_numpy(np.ascontiguousarray(values[rows][:, cells].T))
+
+
+_FORECASTS: dict[int, tuple] = {}  # id(a forecast's values list) -> (that list, its arrays): built once per tables
+
+
+def _forecast_arrays(meta: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A forecast's values float32 ``[D, cells]`` and its axes' cut (:func:`calib.tables.online_kernels.edge_grid`),
+    kept for as long as its tables hold the same values list (a serving plan reads them every step)."""
+    held = _FORECASTS.get(id(meta["values"]))
+    if held is None or held[0] is not meta["values"]:
+        if len(_FORECASTS) > 64:  # tables come and go in tests: keep the newest few
+            _FORECASTS.clear()
+        values = np.array(meta["values"], dtype=np.float32)
+        held = _FORECASTS[id(meta["values"])] = (meta["values"], values, *edge_grid([a["edges"] for a in meta["axes"]]))
+    return held[1], held[2], held[3]

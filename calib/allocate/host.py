@@ -164,15 +164,16 @@ def dinkelbach_host(q: np.ndarray, price_q: np.ndarray, n_requests: int) -> tupl
     g64 = np.where(feasible, gained.astype(np.float64), -np.inf)
     p64 = prices.astype(np.float64)
     rows = np.arange(B)
+    flat = np.arange(C * B)
     base_n = n_requests * SCALE
     choice = np.zeros(B, dtype=np.int64)
     depth = np.zeros(B, dtype=np.int64)
     lam = float(base_n) / float(PRICE_SCALE)
     for _ in range(MAX_ITERS):
-        score = g64 - lam * p64
-        d = score.argmax(axis=2)  # [C, B]: the first maximum, the fewest tokens
-        best = np.take_along_axis(score, d[..., None], axis=2)[..., 0]  # [C, B]
-        d = np.where(best > 0, d + 1, 0)  # ties with verifying nothing: fewer tokens
+        score = (g64 - lam * p64).reshape(C * B, W)
+        d = score.argmax(axis=1)  # [C B]: the first maximum, the fewest tokens
+        best = score[flat, d].reshape(C, B)
+        d = np.where(best > 0, d.reshape(C, B) + 1, 0)  # ties with verifying nothing: fewer tokens
         surplus = np.maximum(best, 0)
         take = ((surplus[1] > surplus[0]) | ((surplus[1] == surplus[0]) & (d[1] < d[0])) if C > 1
                 else np.zeros(B, dtype=bool))

@@ -477,6 +477,30 @@ class SafeDecider:
         except Exception as exc:  # noqa: BLE001
             self._fail(exc, "observe")
 
+    def observe_step(self, req_ids: Sequence[str], accepted: Sequence[int], drafted: Sequence[int]) -> None:
+        """:meth:`observe` of a step's verified requests at once (``drafted[i] >= 1`` draft tokens each, ``accepted[i]``
+        of them accepted), without a call per request; a value :meth:`observe` would refuse takes it one by one
+        (each refused request counted as its failure). Never raising."""
+        try:
+            accepted, drafted = [int(a) for a in accepted], [int(d) for d in drafted]
+            if len(accepted) != len(req_ids) or len(drafted) != len(req_ids) or not all(
+                    0 <= a <= d and d >= 1 for a, d in zip(accepted, drafted)):
+                for r, a, d in zip(req_ids, accepted, drafted):
+                    self.observe(r, a, d)
+                return
+            self.history.observe_rounds(req_ids, accepted)
+            if self.online is None:
+                return
+            pop, outcomes = self._pending.pop, self._outcomes
+            for r, a, d in zip(req_ids, accepted, drafted):
+                pending = pop(r, None)
+                if pending is not None:
+                    kept, row = pending
+                    if d == kept.depth[row]:
+                        outcomes.append((kept, row, a))  # a <= d: min(a, depth) is a
+        except Exception as exc:  # noqa: BLE001
+            self._fail(exc, "observe")
+
     def refresh(self) -> None:
         """Learn from the step's outcomes (one update per chain over all its rounds, in the order they were
         observed) and rewrite the tables' cells the online correction moved (once per step, before deciding)."""

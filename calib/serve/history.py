@@ -66,6 +66,18 @@ class RequestHistory:
         s.accepted += int(accepted)
         s.last = int(accepted)
 
+    def observe_rounds(self, req_ids: Sequence[str], accepted: Sequence[int]) -> None:
+        """:meth:`observe` of one round per request (``drafted >= 1`` each), ``accepted`` ints already checked
+        (``0 <= accepted <= drafted``): a step's verified requests in one pass."""
+        state = self._state
+        for r, a in zip(req_ids, accepted):
+            s = state.get(r)
+            if s is None:
+                s = state[r] = _State()
+            s.rounds += 1
+            s.accepted += a
+            s.last = a
+
     def finish(self, req_id: str) -> None:
         """Forget ``req_id`` (a later request with the same id starts afresh). Unknown ids are fine."""
         self._state.pop(req_id, None)

@@ -245,10 +245,10 @@ class Server(DraftPlanning):
         num_draft = spec_decode_metadata.num_draft_tokens
         sampled = sampled_token_ids.cpu()
         accepted = ((sampled != -1).sum(dim=1) - 1).tolist()
-        for i, req_id in enumerate(runner.input_batch.req_ids[: len(num_draft)]):
-            d = int(num_draft[i])
-            if d:
-                dec.observe(req_id, max(0, min(int(accepted[i]), d)), d)
+        rounds = [(r, max(0, min(int(a), int(d))), int(d))  # the requests that verified draft tokens
+                  for r, a, d in zip(runner.input_batch.req_ids[: len(num_draft)], accepted, num_draft) if d]
+        if rounds:
+            dec.observe_step(*zip(*rounds))
         dec.refresh()  # the online correction learns the step's outcomes, once per step before the next lookup
         self.stats.observe_ms.append((time.perf_counter() - start) * 1e3)
 
