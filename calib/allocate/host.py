@@ -174,11 +174,13 @@ def dinkelbach_host(q: np.ndarray, price_q: np.ndarray, n_requests: int) -> tupl
         d = score.argmax(axis=1)  # [C B]: the first maximum, the fewest tokens
         best = score[flat, d].reshape(C, B)
         d = np.where(best > 0, d.reshape(C, B) + 1, 0)  # ties with verifying nothing: fewer tokens
-        surplus = np.maximum(best, 0)
-        take = ((surplus[1] > surplus[0]) | ((surplus[1] == surplus[0]) & (d[1] < d[0])) if C > 1
-                else np.zeros(B, dtype=bool))
-        new_choice = take.astype(np.int64)
-        new_depth = d[new_choice, rows]
+        if C > 1:
+            surplus = np.maximum(best, 0)
+            take = (surplus[1] > surplus[0]) | ((surplus[1] == surplus[0]) & (d[1] < d[0]))
+            new_choice = take.astype(np.int64)
+            new_depth = d[new_choice, rows]
+        else:  # one chain: its own depths
+            new_choice, new_depth = choice, d[0]
         at = np.maximum(new_depth - 1, 0)
         num = base_n + int(np.where(new_depth > 0, gained[new_choice, rows, at], 0).sum())
         den = PRICE_SCALE + int(price_q[rows, new_depth].sum())

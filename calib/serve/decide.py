@@ -435,18 +435,20 @@ class SafeDecider:
         try:
             B = len(inputs.req_ids)
             depth = decision.depth.numpy().astype(np.int64)  # [B]
-            skipped = np.zeros(B, dtype=bool)
-            skipped[: min(len(skip), B)] = np.asarray(skip, dtype=bool)[:B]
-            drafted = (depth > 0) & ~skipped
-            if not drafted.any():
-                return
-            ids = decision.chain.numpy()  # int8 [B]
-            probs = decision.probs.double().numpy()  # [B, W], NaN past each row's depth
+            drafted = depth > 0
+            if any(skip):
+                skipped = np.zeros(B, dtype=bool)
+                skipped[: min(len(skip), B)] = np.asarray(skip, dtype=bool)[:B]
+                drafted &= ~skipped
+            ids = np.where(drafted, decision.chain.numpy(), NO_CHAIN)  # int8 [B]: the chain each kept row verifies
+            probs = None
             known = decision.context or {}
             for name, c in self.online.chains.items():
-                rows = np.flatnonzero(drafted & (ids == chain(name).id))
+                rows = np.flatnonzero(ids == chain(name).id)
                 if not rows.size:
                     continue
+                if probs is None:
+                    probs = decision.probs.numpy().astype(np.float64)  # [B, W], NaN past each row's depth
                 ctx = c["context"]
                 values = known.get(tuple(ctx))
                 if values is None:

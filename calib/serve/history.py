@@ -44,6 +44,10 @@ class RequestHistory:
 
     def __init__(self) -> None:
         self._state: dict[str, _State] = {}
+        # the last values() read and the state it read (a step reads them for its plan, its decision and its
+        # online bookkeeping, all before its outcome changes them): (changes seen, (req ids, names), columns)
+        self._changes = 0  # observe / finish calls that may have changed a state
+        self._read: tuple | None = None
 
     def __len__(self) -> int:
         return len(self._state)
@@ -61,6 +65,7 @@ class RequestHistory:
                 return
             if accepted > drafted:
                 raise ValueError(f"request {req_id!r}: accepted={accepted} > drafted={drafted}")
+        self._changes += 1
         s = self._state.setdefault(req_id, _State())
         s.rounds += 1
         s.accepted += int(accepted)
@@ -69,6 +74,7 @@ class RequestHistory:
     def observe_rounds(self, req_ids: Sequence[str], accepted: Sequence[int]) -> None:
         """:meth:`observe` of one round per request (``drafted >= 1`` each), ``accepted`` ints already checked
         (``0 <= accepted <= drafted``): a step's verified requests in one pass."""
+        self._changes += 1
         state = self._state
         for r, a in zip(req_ids, accepted):
             s = state.get(r)
@@ -80,6 +86,7 @@ class RequestHistory:
 
     def finish(self, req_id: str) -> None:
         """Forget ``req_id`` (a later request with the same id starts afresh). Unknown ids are fine."""
+        self._changes += 1
         self._state.pop(req_id, None)
 
     def context(self, req_id: str) -> dict[str, float]:
@@ -96,6 +103,10 @@ class RequestHistory:
         unknown = [n for n in names if n not in HISTORY_COLUMNS]
         if unknown:
             raise KeyError(f"no history column {unknown}; known: {HISTORY_COLUMNS}")
+        key = (tuple(req_ids), tuple(names))
+        read = self._read
+        if read is not None and read[0] == self._changes and read[1] == key:
+            return dict(read[2])  # nothing observed since the same read: its columns (shared arrays: read only)
         # one pass over the states, no dict per request (a serving step reads this for every request)
         states = [self._state.get(r) for r in req_ids]
         rounds = np.array([s.rounds if s is not None else 0 for s in states], dtype=np.float64)
@@ -106,4 +117,6 @@ class RequestHistory:
             columns = {"prev_accept": np.where(first, np.nan, last),
                        "mean_accept": np.where(first, np.nan, accepted / rounds),
                        "position": np.where(first, 0.0, accepted + rounds)}
-        return {n: columns[n] for n in names}
+        out = {n: columns[n] for n in names}
+        self._read = (self._changes, key, out)
+        return dict(out)

@@ -180,8 +180,11 @@ def chain_lookup_host(table: ChainTable, x: np.ndarray, name: str = "inputs", ch
         pos = c * np.float32(points - 1)
         lo = np.minimum(np.floor(pos).astype(np.int64), points - 2)
         frac = pos - lo.astype(np.float32)
-        g_lo = read(rows, cell + lo) if read is not None else grid[rows, cell + lo]
-        g_hi = read(rows, cell + lo + 1) if read is not None else grid[rows, cell + lo + 1]
+        left = cell + lo
+        if read is not None:  # both neighbours in one read: a read's cost is mostly per call
+            g_lo, g_hi = read(np.stack([rows, rows]), np.stack([left, left + 1]))
+        else:
+            g_lo, g_hi = grid[rows, left], grid[rows, left + 1]
         p = g_lo + frac * (g_hi - g_lo)  # two float32 ops, as chain_lookup's (no FMA)
     else:
         p = read(rows, cell) if read is not None else grid[rows, cell]
