@@ -59,6 +59,20 @@ def test_headroom_and_prediction_error_per_cell():
     assert clock.headroom(1.1, 1.01) is None  # no ceiling above the clock's noise: no headroom figure
 
 
+def test_the_replay_is_judged_against_the_decode_steps_where_they_were_recorded():
+    """Steps with no request in prefill: the speed the replay prices; TPOT still holds the neighbours' prefill."""
+    steps = {"none": (10.0, 11.0), "vllm_ngram": (14.0, 15.4), "calib_ngram": (16.0, 17.6)}
+    recs = [{**r, "decode_step_tok_s": steps[r["arm"]][r["rep"]]} for r in RECORDS]
+    (row,) = clock.rows(recs, {("code_edit", "greedy", 4, "calib_ngram"): 1.8})
+    assert row["prediction_basis"] == "decode steps"
+    assert row["decode_step_ratio_to_none"]["calib_ngram"] == pytest.approx(1.6)  # 16/10, 17.6/11 pair by pair
+    assert row["prediction_error"]["calib_ngram"] == pytest.approx(1.8 / 1.6 - 1)
+    assert "| 1.50× / 1.55× / 1.60× (1.80×, +12%) |" in clock.speedup_table([row], ARMS)
+    # one arm without the figure: the cell falls back to TPOT for every arm, never a mix of bases
+    (mixed,) = clock.rows([r if r["arm"] != "none" else {**r, "decode_step_tok_s": None} for r in recs])
+    assert mixed["prediction_basis"] == "decode (TPOT)" and mixed["decode_step_ratio_to_none"] == {}
+
+
 def test_unstable_cells_are_named():
     recs = RECORDS + [_rec("calib_ngram", 2, 90.0, 15.0), _rec("vllm_ngram", 2, 50.0, 18.0)]
     rows = clock.rows(recs)

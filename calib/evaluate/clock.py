@@ -102,6 +102,20 @@ def _decode_ratios(by_arm: dict[str, list]) -> dict:
     return {a: tpot["none"] / t for a, t in tpot.items() if t}
 
 
+def _decode_step_ratios(by_arm: dict[str, list]) -> dict:
+    """{arm: its decode-step tok/s over no speculation's} (steps in which no request was in prefill,
+    :func:`calib.vllm.clients.decode_step_figures`), the median of the per-repetition ratios; {} unless every
+    arm recorded it (benches before December 5 did not)."""
+    speed = {a: {x["rep"]: x.get("decode_step_tok_s") for x in rs} for a, rs in by_arm.items()}
+    if "none" not in speed or any(v is None or not v > 0 for d in speed.values() for v in d.values()):
+        return {}
+    out = {}
+    for a, d in speed.items():
+        pairs = [d[r] / speed["none"][r] for r in sorted(set(d) & set(speed["none"]))]
+        out[a] = _median(pairs) if pairs else statistics.median(d.values()) / statistics.median(speed["none"].values())
+    return out
+
+
 # The oracle must beat the best vLLM arm by this much for a headroom figure: below it the denominator is the
 # clock's noise (two repetitions of a cell spread by a few per cent), and the quotient means nothing.
 HEADROOM_FLOOR = 0.02
@@ -136,8 +150,8 @@ def rows(records: list, predicted: dict | None = None) -> list[dict]:
     vLLM arm of the cell (no speculation included), the median of the per-repetition ratios, with their
     spread; to the best vLLM speculation arm and to no speculation likewise; the decode speed-up by TPOT;
     the headroom captured per calib arm; the replay's predicted speed-up over no speculation and its
-    relative error against the clock's decode speed-up by TPOT (``predicted / measured − 1``; tok/s where no
-    TPOT was recorded). A calib arm's repetition served with
+    relative error against the clock's decode speed-up (``predicted / measured − 1``): over the steps in which
+    no request was in prefill, else by TPOT, else tok/s, whichever the records hold. A calib arm's repetition served with
     calib off (``calib_off``) is not counted; a cell where every repetition was is shown as OFF."""
     cells: dict[tuple, dict[str, list]] = {}
     off: dict[tuple, dict[str, str]] = {}
@@ -163,9 +177,12 @@ def rows(records: list, predicted: dict | None = None) -> list[dict]:
         to_none, _ = _ratios(by_arm, med, "none" if "none" in med else None)
         pred = {a: (predicted or {}).get((*key, a)) for a in med}
         decode = _decode_ratios(by_arm)
-        # the replay prices decode steps only: its prediction is judged against the decode speed-up (TPOT),
-        # not tok/s, whose prefill share (up to half a code-edit cell's wall time) it does not model
-        basis = decode if decode else to_none
+        steps = _decode_step_ratios(by_arm)
+        # the replay prices decode steps only: its prediction is judged against the speed-up of the steps in
+        # which no request was in prefill; before those were recorded, against TPOT (which still holds the
+        # neighbours' prefill chunks) and tok/s, whose prefill share the replay does not model
+        basis, basis_name = ((steps, "decode steps") if steps else (decode, "decode (TPOT)") if decode
+                             else (to_none, "output tok/s"))
         row = {"category": key[0], "sampling": key[1], "concurrency": key[2], "tok_s": med,
                "reps": {a: len(rs) for a, rs in by_arm.items()}, "best_vllm": best, "calib_off": off.get(key, {}),
                "ratio_to_best_vllm": to_best, "ratio_spread": spread,
@@ -173,9 +190,10 @@ def rows(records: list, predicted: dict | None = None) -> list[dict]:
                "calib_overhead_pct": {a: statistics.median(x["overhead_pct"] for x in rs)
                                       for a, rs in by_arm.items() if rs[0].get("overhead_pct") is not None},
                "ratio_to_none": to_none,
-               "decode_ratio_to_none": decode,  # prefill excluded: median TPOT of none / the arm's
+               "decode_ratio_to_none": decode,  # own prefill excluded: median TPOT of none / the arm's
+               "decode_step_ratio_to_none": steps,  # every prefill excluded: steps with no request in prefill
                "predicted_vs_none": pred,
-               "prediction_basis": "decode (TPOT)" if decode else "output tok/s",
+               "prediction_basis": basis_name,
                "prediction_error": {a: (p / basis[a] - 1.0) if (p is not None and basis.get(a)) else None
                                     for a, p in pred.items() if a != "none"},
                "prediction_error_tok_s": {a: (p / to_none[a] - 1.0) if (p is not None and to_none.get(a)) else None
@@ -265,8 +283,9 @@ def tok_s_table(table: list[dict], arm_names: list[str]) -> str:
 
 
 def speedup_table(table: list[dict], arm_names: list[str]) -> str:
-    """Per cell and arm: the clock's speed-up over no speculation (tok/s / decode by TPOT), the replay's
-    prediction in brackets and its error."""
+    """Per cell and arm: the clock's speed-up over no speculation (tok/s / decode by TPOT / over the steps with
+    no request in prefill, where recorded), the replay's prediction in brackets and its error against the
+    row's ``prediction_basis``."""
     shown = [a for a in arm_names if a != "none"]
     lines = ["| category | sampling | c | " + " | ".join(shown) + " |", "|" + "---|" * (len(shown) + 3)]
     for row in table:
@@ -274,8 +293,9 @@ def speedup_table(table: list[dict], arm_names: list[str]) -> str:
         for a in shown:
             m, p = row["ratio_to_none"].get(a), row["predicted_vs_none"].get(a)
             d = (row.get("decode_ratio_to_none") or {}).get(a)
+            st = (row.get("decode_step_ratio_to_none") or {}).get(a)
             e = (row.get("prediction_error") or {}).get(a)
-            vals.append(_x(m) + ("" if d is None else f" / {d:.2f}×")
+            vals.append(_x(m) + ("" if d is None else f" / {d:.2f}×") + ("" if st is None else f" / {st:.2f}×")
                         + ("" if p is None else f" ({p:.2f}×, {_pct(e)})"))
         lines.append(f"| {row['category']} | {row['sampling']} | {row['concurrency']} | " + " | ".join(vals) + " |")
     return "\n".join(lines)
@@ -397,9 +417,15 @@ def render_tables(result: dict, source: str) -> str:
              + ("the median of the per-repetition ratios):" if any("ratio_spread" in r for r in result["table"])
                 else "the ratio of the medians: this bench predates pairwise ratios):"),
              "", tok_s_table(result["table"], arm_names), "",
-             ("Speed-up over no speculation, measured: output tok/s (prefill included) / decode speed by TPOT; in "
-              f"brackets the replay's prediction for the same cell (`python eval.py`, {result.get('cost_model')} "
-              "cost model; a prediction, not a clock) and its error against the decode speed-up:"), "",
+             (("Speed-up over no speculation, measured: output tok/s (prefill included) / decode speed by TPOT "
+               "(a request's own prefill left out, its neighbours' chunks not) / decode speed over the engine steps "
+               "in which no request was in prefill; in brackets the replay's prediction for the same cell (`python "
+               f"eval.py`, {result.get('cost_model')} cost model; a prediction, not a clock) and its error against "
+               "the last, the speed-up of the steps the replay prices:")
+              if any(r.get("decode_step_ratio_to_none") for r in result["table"]) else
+              ("Speed-up over no speculation, measured: output tok/s (prefill included) / decode speed by TPOT; in "
+               f"brackets the replay's prediction for the same cell (`python eval.py`, {result.get('cost_model')} "
+               "cost model; a prediction, not a clock) and its error against the decode speed-up:")), "",
              speedup_table(result["table"], arm_names)]
     head = headroom_table(result["table"])
     if head:

@@ -33,14 +33,13 @@ from __future__ import annotations
 
 import json
 import logging
-import math
-import statistics
 import time
 from pathlib import Path
 
 from tqdm.auto import tqdm
 
 from calib.atomic import staged_output
+from calib.vllm.clients import decode_step_figures, generate, latency_figures
 
 log = logging.getLogger("calib.serve")
 
@@ -274,60 +273,6 @@ def serve_knobs(cfg: dict, root: Path, model_name: str | None = None):
                          "chains": tuple(pol["chains"]), "plan": bool(pol.get("plan", True))})
 
 
-_REQUESTS = iter(range(1 << 62))  # request ids unique across the cells one engine serves
-
-
-def generate(llm, inputs: list, params: list, concurrency: int, on_done=None, times: list | None = None) -> list:
-    """Serve ``inputs`` keeping at most ``concurrency`` requests in flight (as ``concurrency`` clients
-    that each send their next request when the last one returns); outputs in input order. ``times``
-    (a list) receives per input ``(sent, first token, finished)`` perf_counter seconds (the engine
-    streams every step's tokens: ``RequestOutputKind.CUMULATIVE``, vLLM's default)."""
-    engine = llm.llm_engine
-    out = [None] * len(inputs)
-    clock = [[math.nan] * 3 for _ in inputs]  # [len(inputs)][sent, first token, finished]
-    ids: dict[str, int] = {}
-    nxt = inflight = 0
-    while nxt < len(inputs) or inflight:
-        while nxt < len(inputs) and inflight < concurrency:
-            rid = f"calib-{next(_REQUESTS)}"
-            ids[rid] = nxt
-            clock[nxt][0] = time.perf_counter()
-            engine.add_request(rid, inputs[nxt], params[nxt])
-            nxt += 1
-            inflight += 1
-        for o in engine.step():
-            i = ids.get(o.request_id)
-            if i is None:
-                continue
-            now = time.perf_counter()
-            if math.isnan(clock[i][1]) and o.outputs and o.outputs[0].token_ids:
-                clock[i][1] = now
-            if o.finished:
-                clock[i][2] = now
-                out[ids.pop(o.request_id)] = o
-                inflight -= 1
-                if on_done is not None:
-                    on_done()
-    if times is not None:
-        times[:] = [tuple(c) for c in clock]
-    return out
-
-
-def latency_figures(times: list, outputs: list) -> dict:
-    """vLLM's ``bench serve`` latencies from :func:`generate`'s ``times``: mean / median TTFT (sent to first
-    token) and TPOT (first token to finished, per output token after the first; requests of one token have
-    none), milliseconds; and the decode speed they imply, requests in flight aside: ``1000 / median TPOT``
-    tokens/s per request (prefill excluded, unlike ``tok_s``)."""
-    ttft = [(f - s) * 1e3 for (s, f, _), o in zip(times, outputs) if o is not None and not math.isnan(f)]
-    tpot = [(d - f) * 1e3 / (len(o.outputs[0].token_ids) - 1) for (_, f, d), o in zip(times, outputs)
-            if o is not None and not math.isnan(f + d) and len(o.outputs[0].token_ids) > 1]
-    med = statistics.median(tpot) if tpot else math.nan
-    return {"ttft_ms_mean": statistics.fmean(ttft) if ttft else math.nan,
-            "ttft_ms_median": statistics.median(ttft) if ttft else math.nan,
-            "tpot_ms_mean": statistics.fmean(tpot) if tpot else math.nan, "tpot_ms_median": med,
-            "decode_tok_s_per_request": 1e3 / med if tpot and med > 0 else math.nan}
-
-
 def serve_cell(llm, cfg: dict, prompts: list, sampling: dict, concurrency: int, prompts_name: str | None,
                progress: bool = True, tokens: dict | None = None) -> tuple[dict, dict]:
     """Serve ``prompts`` once on ``llm`` at ``concurrency``; the serve.json record and {prompt id: text}.
@@ -351,7 +296,8 @@ def serve_cell(llm, cfg: dict, prompts: list, sampling: dict, concurrency: int, 
               disable=not progress, leave=False) as bar:
         t0 = time.perf_counter()
         times: list = []
-        outputs = generate(llm, inputs, params, concurrency, on_done=bar.update, times=times)
+        steps: list = []
+        outputs = generate(llm, inputs, params, concurrency, on_done=bar.update, times=times, steps=steps)
         wall = time.perf_counter() - t0
     after = _spec_counters(llm)
     texts = {str(p.id): o.outputs[0].text for p, o in zip(prompts, outputs)}
@@ -370,6 +316,7 @@ def serve_cell(llm, cfg: dict, prompts: list, sampling: dict, concurrency: int, 
         "concurrency": concurrency, "n_prompts": len(prompts), "output_tokens": n_out, "wall_s": wall,
         "tok_s": n_out / wall if wall > 0 else float("nan"), "dtype": str(getattr(llm, "_calib_dtype", None) or cfg["engine"].get("dtype", "auto")),
         **latency_figures(times, outputs),
+        **decode_step_figures(steps),
         **_step_figures(counters),
         "vllm_spec_decode": counters,
     }
