@@ -56,6 +56,7 @@ from calib.allocate.api import (
     check_mode,
     check_probs,
 )
+from calib.allocate.draft_kernel import plan_kernel
 from calib.allocate.reference import SCALE, survival
 from calib.params import Interval, NoneValue, Options, validate_params
 from calib.tables.online_kernels import cut, edge_grid
@@ -115,10 +116,10 @@ def plan_draft(
         sunk: drafting already spent in this step (it is part of every plan's cost).
         impl: the allocator implementation.
 
-    With the reference allocator on CPU tensors all ``K - passes_done + 1`` plans are scored at once
-    (:func:`_plan_all`, the reference's price rule vectorised over the plans on exact integer gains);
-    its answer is identical to allocating each plan in turn (:func:`_plan_draft_loop`, the Triton path
-    and the fallback for anything unusual).
+    With the reference allocator on CPU tensors all ``K - passes_done + 1`` plans are scored in one call: compiled
+    (:mod:`calib.allocate.draft_kernel`, where numba is installed) or vectorised (:func:`_plan_all`, the
+    reference's price rule over the plans on exact integer gains); the answer is identical to allocating each
+    plan in turn (:func:`_plan_draft_loop`, the Triton path and the fallback for anything unusual).
     """
     done_p, B, done, K = _check_plan(known, forecast, chain, pass_cost, sunk, impl)
     kwargs = {"cost": cost, "pass_cost": pass_cost, "sunk": sunk, "chain": chain, "impl": impl}
@@ -131,8 +132,15 @@ def plan_draft(
         p, other, chain_first, cost64 = _plan_inputs(known, forecast, cost, chain, done_p, extras, impl)
     except Exception:  # noqa: BLE001 - anything the loop would refuse: it raises what allocate_probs does
         return _plan_draft_loop(known, forecast, **kwargs)
-    value, _, depth, free = _plan_all(p, other, chain_first=chain_first, done=done, cost=cost64,
-                                      extras=np.array(extras))
+    kernel = plan_kernel()  # compiled (numba): the same rule in microseconds; else the vectorised plan
+    if kernel is not None:
+        free_p = np.zeros((B, 0), dtype=np.float32) if other is None else np.ascontiguousarray(other)
+        value, _, depth, free = kernel(np.ascontiguousarray(p), free_p, other is not None, chain_first, done,
+                                       np.ascontiguousarray(cost64), np.array(extras))
+        free = None if other is None else free
+    else:
+        value, _, depth, free = _plan_all(p, other, chain_first=chain_first, done=done, cost=cost64,
+                                          extras=np.array(extras))
     drafting = depth > done
     run = bool(drafting.any())
     drafting = torch.from_numpy(drafting) if run else torch.zeros(B, dtype=torch.bool)
@@ -377,16 +385,8 @@ def _plain_price(x) -> bool:
     return type(x) in (float, int, np.float64, np.float32) and 0 <= x < math.inf
 
 
-def _plan_draft_loop(
-    known: Mapping[str, torch.Tensor],
-    forecast: torch.Tensor,
-    *,
-    cost: torch.Tensor,
-    pass_cost: float,
-    sunk: float = 0.0,
-    chain: str = "model",
-    impl: str = "reference",
-) -> DraftPlan:
+def _plan_draft_loop(known: Mapping[str, torch.Tensor], forecast: torch.Tensor, *, cost: torch.Tensor,
+                     pass_cost: float, sunk: float = 0.0, chain: str = "model", impl: str = "reference") -> DraftPlan:
     """:func:`plan_draft` one plan at a time: one :func:`calib.allocate.allocate_probs` call per ``g``
     (the Triton path, the fallback of the fast path, and its reference in the tests)."""
     done_p, B, done, K = _check_plan(known, forecast, chain, pass_cost, sunk, impl)

@@ -90,9 +90,9 @@ class DraftPlanning:
             return
         start = time.perf_counter()
         from calib.allocate import forecast_probs, plan_draft
-        from calib.allocate.api import built_probs
         from calib.chains import Offer
-        from calib.serve.decide import chain_inputs, context_columns
+        from calib.serve.allocation import host_probs
+        from calib.serve.decide import chain_inputs_host, context_columns
 
         batch = runner.input_batch
         req_ids = list(batch.req_ids)
@@ -122,8 +122,8 @@ class DraftPlanning:
         if lookup in dec.chains:
             toks, feats = self.ngram_chains(batch, rows, extra)
             inputs = StepInputs(req_ids, temps, {lookup: Offer(toks, feats)})
-            signals, _ = chain_inputs(tables, inputs, dec.history, k_max=self.k)  # temperatures checked there
-            known[lookup] = built_probs(tables, {lookup: signals[lookup]})[lookup].to(torch.float32)
+            signals, _ = chain_inputs_host(tables, inputs, dec.history, k_max=self.k)  # temperatures checked there
+            known[lookup] = torch.from_numpy(host_probs(tables, {lookup: signals[lookup]})[lookup])  # float32, numpy
         else:
             inputs = StepInputs(req_ids, temps)
         axes = [a["name"] for a in tables.forecast(drafted)["axes"]]

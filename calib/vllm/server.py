@@ -133,6 +133,10 @@ class Server(DraftPlanning):
             self.planning = model_drafter
             return dec
         self.planning = self.plan and model_drafter and dec.tables.forecast(dec.engine_chain) is not None
+        if self.planning:  # the plan's compiled rule, now rather than in the first step (numba: seconds once)
+            from calib.allocate.draft_kernel import warm
+
+            warm()
         if self.plan and model_drafter and not self.planning:
             log.warning("calib serve: the tables hold no forecast of the model chain (re-run train.py): vLLM "
                         "keeps drafting K=%d passes per step; calib only truncates or substitutes", self.k)

@@ -1,0 +1,58 @@
+"""The compiled plan (calib/allocate/draft_kernel.py) answers as the vectorised plan (draft._plan_all) and the
+plan-by-plan loop (draft._plan_draft_loop), bit for bit, on SYNTHETIC plans (tests/allocate/test_draft.py's:
+ended chains, tied and out-of-range probabilities, curves that end or turn infinite, one chain or two, either
+chain planned); and its outer loop runs as Python too, over the helpers as numba left them (compiled where it
+is installed)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from calib.allocate import draft, plan_draft
+from calib.allocate.draft_kernel import plan_all_loops, plan_kernel
+from tests.allocate.test_draft import _random_case, _same_plan
+
+
+def _inputs(known, forecast, kw):
+    """The plan's arrays as plan_draft hands them to the kernel or to _plan_all."""
+    chain = kw.get("chain", "model")
+    done_p, _, done, K = draft._check_plan(known, forecast, chain, kw["pass_cost"], kw["sunk"])
+    extras = [kw["sunk"] + (g - done) * kw["pass_cost"] for g in range(done, K + 1)]
+    p, other, chain_first, cost64 = draft._plan_inputs(known, forecast, kw["cost"], chain, done_p, extras,
+                                                       "reference")
+    return p, other, chain_first, done, cost64, np.array(extras)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_loops_are_the_vectorised_plan(seed):
+    rng = np.random.default_rng(3000 + seed)
+    two = 0
+    for _ in range(25):
+        known, forecast, kw = _random_case(rng)
+        try:
+            p, other, chain_first, done, cost, extras = _inputs(known, forecast, kw)
+        except ValueError:  # a curve the plan refuses: plan_draft takes the loop (test_draft.py)
+            continue
+        want = draft._plan_all(p, other, chain_first=chain_first, done=done, cost=cost, extras=extras)
+        free_p = np.zeros((p.shape[0], 0), dtype=np.float32) if other is None else other
+        got = plan_all_loops(p, free_p, other is not None, chain_first, done, cost, extras)  # the Python loop
+        assert got[0] == want[0] and got[1] == want[1] and np.array_equal(got[2], want[2]), (got, want)
+        assert np.array_equal(got[3], want[3]) if other is not None else not got[3].any()
+        two += other is not None
+    assert two >= 5
+
+
+@pytest.mark.skipif(plan_kernel() is None, reason="numba is not installed: plan_draft runs the vectorised plan")
+@pytest.mark.parametrize("seed", range(4))
+def test_the_compiled_plan_is_the_vectorised_plan_and_the_loop(seed, monkeypatch):
+    rng = np.random.default_rng(4000 + seed)
+    cases = [_random_case(rng) for _ in range(40)]
+    compiled = [plan_draft(known, forecast, **kw) for known, forecast, kw in cases]
+    monkeypatch.setattr(draft, "plan_kernel", lambda: None)  # the vectorised plan
+    vectorised = [plan_draft(known, forecast, **kw) for known, forecast, kw in cases]
+    for (known, forecast, kw), a, b in zip(cases, compiled, vectorised, strict=True):
+        loop = draft._plan_draft_loop(known, forecast, **kw)
+        assert _same_plan(a, b) and _same_plan(a, loop), (kw, a, b, loop)
+        assert a.drafting.dtype == torch.bool and (a.free_depth is None or a.free_depth.dtype == torch.int64)
