@@ -35,6 +35,9 @@ ROOT = Path(__file__).resolve().parents[1]
 METHODS = ("eagle", "ngram")
 SAMPLINGS = ("greedy", "sampled")
 PROFILE_ARMS = ("none", "vllm_ngram", "vllm_eagle", "calib_ngram", "calib_two_drafter")
+# The replay's step cap for a served cell: above any cell's rounds (a cell serves at most a few thousand steps),
+# so that no cell is predicted from a subsample of its rounds (eval.py's default caps a setting at 128 steps).
+CELL_STEPS_CAP = 1_000_000
 
 
 def _run(cmd: list[str], what: str) -> None:
@@ -68,7 +71,9 @@ def commands(args) -> list[tuple[str, list[str], Path]]:
                              "cost=engine", f"cost.engine.path={out / 'step-cost.json'}", f"out_dir={out / 'eval'}",
                              "overwrite=true", "logger=none", "serving_bench=null",
                              # each B replays the prompts the bench's cell at concurrency B serves
-                             f"replay.cell_prompts=[{args.min_prompts},{PROMPTS_PER_REQUEST}]"],
+                             f"replay.cell_prompts=[{args.min_prompts},{PROMPTS_PER_REQUEST}]",
+                             # every recorded round of the cell once (one pass, no cap): the cell's own steps
+                             "replay.passes=1", f"replay.max_steps={CELL_STEPS_CAP}"],
                   out / "eval" / "metrics.json"))
     return steps
 

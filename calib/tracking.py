@@ -113,7 +113,33 @@ class WandbTracker(Tracker):
         self.run.use_artifact(_artifact(self.wandb, name, kind, paths, metadata))
 
     def finish(self):
+        sync_file = Path(self.run.settings.sync_file) if self.run.offline else None
         self.run.finish()
+        if sync_file is not None:
+            _settled(sync_file)
+
+
+def _settled(path: Path, quiet_s: float = 0.5, limit_s: float = 20.0) -> None:
+    """Wait until ``path`` has not changed for ``quiet_s`` (at most ``limit_s``): on a loaded machine W&B's service
+    process can still append to an offline run's file after ``finish`` returns, and the caller publishes the
+    folder, recording each file's digest, right after."""
+    import time
+
+    def stamp():
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            return None
+        return st.st_size, st.st_mtime_ns
+
+    last, since, end = stamp(), time.monotonic(), time.monotonic() + limit_s
+    while time.monotonic() < end:
+        time.sleep(0.05)
+        now = stamp()
+        if now != last:
+            last, since = now, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            return
 
 
 def _artifact(wandb, name: str, kind: str, paths, metadata: dict | None = None):

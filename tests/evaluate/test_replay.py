@@ -281,3 +281,20 @@ def test_oracle_bounds_the_draft_aware_policies_step_by_step(tmp_path):
         oracle = res["oracle"][0] / res["oracle"][1]
         for name in ("ragged_calibrated", "two_drafter", "no_spec", "fixed_1", "fixed_3"):
             assert (res[name][0] / res[name][1] <= oracle + 1e-12).all(), (cost, name)
+
+
+@pytest.mark.parametrize("n_rounds, batch, passes", [(347, 1, 1.0), (100, 4, 1.0), (30, 7, 3.0), (64, 16, 2.5)])
+def test_steps_deal_every_round_once_per_pass(n_rounds, batch, passes):
+    """A setting replays the cell's rounds, not a draw with replacement from them: one pass deals each round once
+    (the cell's own mix of drafted and undrafted steps), rows distinct within a step."""
+    import math
+
+    from calib.evaluate.replay.driver import draw_steps
+
+    cfg = ReplayConfig(passes=passes, min_steps=1, max_steps=10**6)
+    idx = draw_steps(n_rounds, batch, cfg, np.random.default_rng(0))
+    assert idx.shape == (math.ceil(passes * n_rounds / batch), batch)
+    counts = np.bincount(idx.ravel(), minlength=n_rounds)
+    full = int(passes * n_rounds) // n_rounds  # every round at least this often; none more than one extra
+    assert counts.min() >= full and counts.max() <= full + 1
+    assert all(len(np.unique(r)) == batch for r in idx)

@@ -31,11 +31,30 @@ def train_mean_curve(bank) -> np.ndarray:
 
 
 def draw_steps(n_rounds: int, batch: int, cfg: ReplayConfig, rng: np.random.Generator) -> np.ndarray:
-    """[S, B] row indices; rows are distinct within a step when the pool allows it."""
+    """[S, B] row indices, ``S ≈ passes · n_rounds / B`` clipped to ``[min_steps, max_steps]``: the rows dealt
+    out in shuffled passes, each pass every row once (so a setting of one pass replays each recorded round
+    exactly once: the cell's own mix of drafted and undrafted steps, with no draw-to-draw noise), rows distinct
+    within a step when the pool allows it."""
     steps = int(np.clip(math.ceil(cfg.passes * n_rounds / batch), cfg.min_steps, cfg.max_steps))
-    if n_rounds >= batch:
-        return np.stack([rng.choice(n_rounds, size=batch, replace=False) for _ in range(steps)])
-    return rng.integers(0, n_rounds, size=(steps, batch))
+    if n_rounds < batch:
+        return rng.integers(0, n_rounds, size=(steps, batch))
+    need = steps * batch
+    deck = np.concatenate([rng.permutation(n_rounds) for _ in range(-(-need // n_rounds))])[:need]
+    out = deck.reshape(steps, batch)
+    # a step that straddles two passes can deal a row twice: trade each repeat with a later deal (every row is
+    # still dealt as often) that neither step then holds twice; the rare repeat no trade fixes stays
+    for s in np.flatnonzero([len(np.unique(r)) < batch for r in out]):
+        seen: set[int] = set()
+        for j in range(batch):
+            x = int(out[s, j])
+            if x in seen:
+                for k in range((s + 1) * batch, need):
+                    t, y = divmod(k, batch)
+                    if int(out[t, y]) not in seen and int(out[t, y]) not in out[s] and x not in out[t]:
+                        out[s, j], out[t, y] = out[t, y], x
+                        break
+            seen.add(int(out[s, j]))
+    return out
 
 
 def replay_setting(sb: StepBatch, curve: CostCurve, cfg: ReplayConfig, train_curve: np.ndarray) -> dict:
