@@ -95,7 +95,10 @@ def decode_step_figures(steps: list) -> dict:
     pure = [(dt, n, b) for dt, n, p, b in steps if p and dt > 0]
     total = sum(dt for dt, *_ in steps)
     wall = sum(dt for dt, _, _ in pure)
+    tokens = sum(n for _, n, _ in pure)
     return {"decode_steps": len(pure),
-            "decode_step_tok_s": sum(n for _, n, _ in pure) / wall if wall > 0 else math.nan,
+            "decode_step_tok_s": tokens / wall if wall > 0 else math.nan,
+            "decode_step_ms": 1e3 * wall / len(pure) if pure else math.nan,  # mean wall time of one
+            "decode_tokens_per_step": tokens / len(pure) if pure else math.nan,  # tokens of one, all requests
             "decode_step_share": wall / total if total > 0 else math.nan,
             "decode_batch_mean": sum(dt * b for dt, _, b in pure) / wall if wall > 0 else math.nan}

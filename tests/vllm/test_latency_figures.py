@@ -74,5 +74,6 @@ def test_generate_records_every_step_and_which_were_pure_decode():
     assert f["decode_steps"] == 2 and f["decode_step_tok_s"] == pytest.approx(6 / 0.4)
     assert f["decode_step_share"] == pytest.approx(0.4 / 0.9)
     assert f["decode_batch_mean"] == pytest.approx((0.1 * 2 + 0.3 * 1) / 0.4)
+    assert f["decode_step_ms"] == pytest.approx(200.0) and f["decode_tokens_per_step"] == pytest.approx(3.0)
     none = decode_step_figures([(0.5, 0, False, 2)])
-    assert none["decode_steps"] == 0 and math.isnan(none["decode_step_tok_s"])
+    assert none["decode_steps"] == 0 and math.isnan(none["decode_step_tok_s"]) and math.isnan(none["decode_step_ms"])
