@@ -56,7 +56,7 @@ from calib.allocate.api import (
     check_mode,
     check_probs,
 )
-from calib.allocate.draft_kernel import plan_kernel
+from calib.allocate.compiled import plan_kernel
 from calib.allocate.reference import SCALE, survival
 from calib.params import Interval, NoneValue, Options, validate_params
 from calib.tables.online_kernels import cut, edge_grid
@@ -117,7 +117,7 @@ def plan_draft(
         impl: the allocator implementation.
 
     With the reference allocator on CPU tensors all ``K - passes_done + 1`` plans are scored in one call: compiled
-    (:mod:`calib.allocate.draft_kernel`, where numba is installed) or vectorised (:func:`_plan_all`, the
+    (:mod:`calib.allocate.compiled`, where numba is installed) or vectorised (:func:`_plan_all`, the
     reference's price rule over the plans on exact integer gains); the answer is identical to allocating each
     plan in turn (:func:`_plan_draft_loop`, the Triton path and the fallback for anything unusual).
     """

@@ -22,6 +22,7 @@ import math
 import numpy as np
 import torch
 
+from calib.allocate.compiled import kernels
 from calib.allocate.reference import SCALE, check_cost
 from calib.allocate.shape import MAX_ITERS, PRICE_SCALE, ShapePrice
 from calib.chains import NO_CHAIN, chain
@@ -105,6 +106,16 @@ def _price_mode(first: np.ndarray, second: np.ndarray | None, c: np.ndarray, ids
     use_second bool)``, each ``[B]``."""
     B = first.shape[0]
     width = max(first.shape[1], 0 if second is None else second.shape[1], 1)
+    compiled = kernels()
+    if compiled is not None:  # the same decision in loops (calib/allocate/compiled.py)
+        stacked = _padded(first, width) if second is None else np.concatenate([_padded(first, width),
+                                                                                _padded(second, width)])
+        surv_all, q_all = survival(stacked)
+        q_all = q_all.astype(np.int64)
+        use_second, depth = compiled["allocate_loops"](q_all[:B], q_all[B:] if second is not None else q_all, second
+                                                       is not None, np.ascontiguousarray(c, dtype=np.float64))
+        surv = np.where(use_second[:, None], surv_all[B:], surv_all[:B]) if second is not None else surv_all
+        return _outcome(surv, depth, use_second, ids) + (use_second,)
     if second is None:
         surv, q = survival(_padded(first, width))
         price, bad = price_table(c, B, q.size)
@@ -200,7 +211,12 @@ def _shape_mode(first: np.ndarray, second: np.ndarray | None, price_q: np.ndarra
     C = len(stacked)
     if price_q.shape[1] < width + 1:  # deeper than the price: not allowed
         price_q = np.pad(price_q, ((0, 0), (0, width + 1 - price_q.shape[1])), constant_values=-1)
-    choice, depth = dinkelbach_host(q.reshape(C, B, width), price_q[:, : width + 1], B)
+    compiled = kernels()
+    if compiled is not None:  # the same rounds in loops (calib/allocate/compiled.py)
+        choice, depth = compiled["dinkelbach_loops"](q.reshape(C, B, width).astype(np.int64),
+                                                     np.ascontiguousarray(price_q[:, : width + 1], dtype=np.int64), B)
+    else:
+        choice, depth = dinkelbach_host(q.reshape(C, B, width), price_q[:, : width + 1], B)
     surv = surv.reshape(C, B, width)[choice, np.arange(B)]
     use_second = choice > 0
     return _outcome(surv, depth, use_second, ids) + (use_second,)

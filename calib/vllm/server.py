@@ -114,6 +114,9 @@ class Server(DraftPlanning):
                           impl="host",  # numpy on the step's few requests (calib/allocate/host.py)
                           online=self.knobs.online_settings(),
                           sampled_price=sampled_price(self.cost_text))  # priced where a step samples
+        from calib.allocate.compiled import warm
+
+        warm()  # the allocator's compiled rules now, not in the first step (numba: seconds once per machine)
         self.ngram_own = []
         if self.lookup in dec.chains:
             from calib.chains import split_context
@@ -133,10 +136,6 @@ class Server(DraftPlanning):
             self.planning = model_drafter
             return dec
         self.planning = self.plan and model_drafter and dec.tables.forecast(dec.engine_chain) is not None
-        if self.planning:  # the plan's compiled rule, now rather than in the first step (numba: seconds once)
-            from calib.allocate.draft_kernel import warm
-
-            warm()
         if self.plan and model_drafter and not self.planning:
             log.warning("calib serve: the tables hold no forecast of the model chain (re-run train.py): vLLM "
                         "keeps drafting K=%d passes per step; calib only truncates or substitutes", self.k)

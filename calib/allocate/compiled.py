@@ -1,12 +1,14 @@
-"""The draft-aware plan (:func:`calib.allocate.draft._plan_all`) in loops numba compiles.
+"""The host allocator's rules in loops numba compiles: the draft-aware plan (:func:`plan_all_loops`, as
+:func:`calib.allocate.draft._plan_all`), the price mode (:func:`allocate_loops`, as
+:func:`calib.allocate.host._price_mode`) and the shape price's Dinkelbach rounds (:func:`dinkelbach_loops`, as
+:func:`calib.allocate.host.dinkelbach_host`).
 
-A serving step plans its draft passes before the drafter runs (calib/vllm/planning.py). The vectorised plan
-takes some ninety numpy calls on a step's few requests, whose fixed costs are most of its time (~0.25 ms at any
-batch size, bench/hot_path.py); compiled, the same rule costs microseconds. The rule here is the reference
-allocator's price mode applied to each plan in turn (:func:`calib.allocate.draft._plan_draft_loop`, on
-:func:`calib.allocate.host._price_mode`'s arithmetic): float32 survival products truncated to gains on the
-``2**24`` grid, exact integer sums, float64 goodputs, first maxima; so its answer is :func:`_plan_all`'s bit for
-bit (tests/allocate/test_draft_kernel.py). Without numba :func:`plan_kernel` is None and the vectorised plan runs.
+A serving step decides for a few requests; vectorised, each rule takes tens of numpy calls whose fixed costs are
+most of its time (the plan alone ~0.25 ms at any batch size, bench/hot_path.py); compiled, microseconds. The
+arithmetic is the numpy rules': float32 survival products truncated to gains on the ``2**24`` grid, exact integer
+sums, float64 goodputs and ratios, first maxima; the plan allocates each plan in turn as
+:func:`calib.allocate.draft._plan_draft_loop` does. So every answer is the vectorised rule's bit for bit
+(tests/allocate/test_compiled.py). Without numba :func:`kernels` is None and the numpy rules run.
 """
 
 from __future__ import annotations
@@ -14,33 +16,44 @@ from __future__ import annotations
 import numpy as np
 
 from calib.allocate.reference import SCALE
+from calib.allocate.shape import MAX_ITERS, PRICE_SCALE
 
-_KERNEL: list = []  # [compiled plan or None], filled at first use
+_KERNELS: list = []  # [{name: compiled function} or None], filled at first use
+ENTRIES = ("plan_all_loops", "allocate_loops", "dinkelbach_loops")  # what kernels() hands out
 
 
-def plan_kernel():
-    """The compiled :func:`plan_all_loops`, or None where numba is not installed (compiled once per process,
-    cached on disk by numba)."""
-    if not _KERNEL:
+def kernels() -> dict | None:
+    """``{name: compiled function}`` of :data:`ENTRIES`, or None where numba is not installed (compiled once
+    per process, cached on disk by numba; the helpers they call are compiled with them)."""
+    if not _KERNELS:
         try:
             from numba import njit
         except ImportError:
-            _KERNEL.append(None)
+            _KERNELS.append(None)
         else:
             jit = njit(cache=True, nogil=True)
             for f in (_gains, _best_prefix, _take_top, _sorted_desc, _allocate, _plan_value):
-                globals()[f.__name__] = jit(f)
-            _KERNEL.append(jit(plan_all_loops))
-    return _KERNEL[0]
+                globals()[f.__name__] = jit(f)  # the entries call the compiled helpers
+            _KERNELS.append({name: jit(globals()[name]) for name in ENTRIES})
+    return _KERNELS[0]
+
+
+def plan_kernel():
+    """The compiled :func:`plan_all_loops`, or None without numba."""
+    k = kernels()
+    return None if k is None else k["plan_all_loops"]
 
 
 def warm() -> None:
-    """Compile the plan now (engine start), not in the first step that plans (numba: seconds the first time in a
-    process without its disk cache); a no-op without numba."""
-    kernel = plan_kernel()
-    if kernel is not None:
+    """Compile the rules now (engine start), not in the first step that uses them (numba: seconds the first time
+    in a process without its disk cache); a no-op without numba."""
+    k = kernels()
+    if k is not None:
         p = np.full((1, 1), 0.5, dtype=np.float32)
-        kernel(p, p.copy(), True, True, 0, np.ones(4), np.zeros(2))
+        k["plan_all_loops"](p, p.copy(), True, True, 0, np.ones(4), np.zeros(2))
+        q = np.ones((1, 1), dtype=np.int64)
+        k["allocate_loops"](q, q, True, np.ones(4))
+        k["dinkelbach_loops"](np.ones((2, 1, 1), dtype=np.int64), np.zeros((1, 2), dtype=np.int64), 1)
 
 
 def plan_all_loops(p, other, has_other, chain_first, done, cost, extras):
@@ -188,3 +201,56 @@ def _plan_value(qm, qo, depth_plan, depth_free, cost, extra):
     T = B + taken
     price = cost[T] + extra if T < cost.size else np.inf
     return (B * SCALE + gained) / SCALE / price
+
+
+def allocate_loops(first, second, has_second, cost):
+    """:func:`calib.allocate.host._price_mode`'s decision on gains int64 ``first``/``second`` ``[B, W]`` (``second``
+    ignored without ``has_second``) under the float64 curve ``cost``: ``(use_second bool [B], depth int64 [B])``."""
+    return _allocate(first, second, has_second, cost, 0.0)
+
+
+def dinkelbach_loops(q, price_q, n_requests):
+    """:func:`calib.allocate.host.dinkelbach_host`: ``(chain index int64 [B], depth int64 [B])`` from gains int64
+    ``q [C, B, W]`` and quantized prices int64 ``price_q [B, W + 1]`` (-1: infeasible)."""
+    C, B, W = q.shape
+    gained = np.zeros((C, B, W), dtype=np.int64)  # G at depth d = 1..W
+    for c in range(C):
+        for b in range(B):
+            total = 0
+            for k in range(W):
+                total += q[c, b, k]
+                gained[c, b, k] = total
+    base_n = n_requests * SCALE
+    choice = np.zeros(B, dtype=np.int64)
+    depth = np.zeros(B, dtype=np.int64)
+    best = np.zeros((C, B))
+    d = np.zeros((C, B), dtype=np.int64)
+    lam = float(base_n) / float(PRICE_SCALE)
+    for _ in range(MAX_ITERS):
+        for c in range(C):
+            for b in range(B):
+                top, at = -np.inf, 0
+                for k in range(W):  # the first maximum of the feasible scores G - lam P: the fewest tokens
+                    if q[c, b, k] > 0 and price_q[b, k + 1] >= 0:
+                        score = float(gained[c, b, k]) - lam * float(price_q[b, k + 1])
+                        if score > top:
+                            top, at = score, k
+                best[c, b] = top
+                d[c, b] = at + 1 if top > 0 else 0  # ties with verifying nothing: fewer tokens
+        new_choice = np.zeros(B, dtype=np.int64)
+        new_depth = np.zeros(B, dtype=np.int64)
+        num, den = base_n, PRICE_SCALE
+        for b in range(B):
+            if C > 1:
+                s0, s1 = max(best[0, b], 0.0), max(best[1, b], 0.0)
+                if s1 > s0 or (s1 == s0 and d[1, b] < d[0, b]):
+                    new_choice[b] = 1
+            new_depth[b] = d[new_choice[b], b]
+            if new_depth[b] > 0:
+                num += gained[new_choice[b], b, new_depth[b] - 1]
+            den += price_q[b, new_depth[b]]
+        lam_new = float(num) / float(den)
+        if not lam_new > lam:
+            break
+        choice, depth, lam = new_choice, new_depth, lam_new
+    return choice, depth

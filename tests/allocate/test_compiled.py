@@ -1,4 +1,4 @@
-"""The compiled plan (calib/allocate/draft_kernel.py) answers as the vectorised plan (draft._plan_all) and the
+"""The compiled plan (calib/allocate/compiled.py) answers as the vectorised plan (draft._plan_all) and the
 plan-by-plan loop (draft._plan_draft_loop), bit for bit, on SYNTHETIC plans (tests/allocate/test_draft.py's:
 ended chains, tied and out-of-range probabilities, curves that end or turn infinite, one chain or two, either
 chain planned); and its outer loop runs as Python too, over the helpers as numba left them (compiled where it
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from calib.allocate import draft, plan_draft
-from calib.allocate.draft_kernel import plan_all_loops, plan_kernel
+from calib.allocate.compiled import plan_all_loops, plan_kernel
 from tests.allocate.test_draft import _random_case, _same_plan
 
 
@@ -56,3 +56,36 @@ def test_the_compiled_plan_is_the_vectorised_plan_and_the_loop(seed, monkeypatch
         loop = draft._plan_draft_loop(known, forecast, **kw)
         assert _same_plan(a, b) and _same_plan(a, loop), (kw, a, b, loop)
         assert a.drafting.dtype == torch.bool and (a.free_depth is None or a.free_depth.dtype == torch.int64)
+
+
+@pytest.mark.skipif(plan_kernel() is None, reason="numba is not installed: the host allocator runs in numpy")
+@pytest.mark.parametrize("seed", range(4))
+def test_the_compiled_host_allocation_is_the_numpy_one(seed, monkeypatch):
+    """The price mode and the shape price's Dinkelbach rounds, compiled and in numpy: the same decisions and
+    expected lengths bit for bit, one chain or two, on SYNTHETIC probabilities, curves and sampled prices."""
+    from calib.allocate import host
+    from calib.allocate.shape import ShapePrice
+    from tests.allocate.test_draft import _random_curve, _random_probs
+
+    rng = np.random.default_rng(5000 + seed)
+    cases = []
+    for _ in range(40):
+        B, W = int(rng.integers(1, 17)), int(rng.integers(1, 7))
+        first = _random_probs(rng, B, W).numpy()
+        second = _random_probs(rng, B, int(rng.integers(1, 7))).numpy() if rng.random() < 0.6 else None
+        cost = _random_curve(rng, B, int(rng.integers(B + 1, B + 2 * B * W + 3)))
+        table = np.concatenate([[0.0], rng.uniform(0.001, 0.05, W + 1).cumsum()]) * cost[B]
+        table[rng.random(W + 2) < 0.1] = np.inf
+        table[0] = 0.0
+        price_q = host.quantized_host(ShapePrice(float(cost[B]), torch.from_numpy(table)), B, W + 1)
+        cases.append((first, second, cost, price_q))
+
+    def run():
+        return [(host._price_mode(f, s, c, (1, 2)), host._shape_mode(f, s, q, (1, 2))) for f, s, c, q in cases]
+
+    compiled = run()
+    monkeypatch.setattr(host, "kernels", lambda: None)
+    for got, want in zip(compiled, run(), strict=True):
+        for a, b in zip(got, want, strict=True):
+            assert all(np.array_equal(x, y) and x.dtype == y.dtype for x, y in zip(a, b, strict=True)), (a, b)
+    assert any(w[0][1].any() for w in compiled) and any(w[1][1].any() for w in compiled)
