@@ -45,7 +45,7 @@ class RequestHistory:
     def __init__(self) -> None:
         self._state: dict[str, _State] = {}
         # the last values() read and the state it read (a step reads them for its plan, its decision and its
-        # online bookkeeping, all before its outcome changes them): (changes seen, (req ids, names), columns)
+        # online bookkeeping, all before its outcome changes them): (changes seen, req ids, every column)
         self._changes = 0  # observe / finish calls that may have changed a state
         self._read: tuple | None = None
 
@@ -103,20 +103,20 @@ class RequestHistory:
         unknown = [n for n in names if n not in HISTORY_COLUMNS]
         if unknown:
             raise KeyError(f"no history column {unknown}; known: {HISTORY_COLUMNS}")
-        key = (tuple(req_ids), tuple(names))
+        key = tuple(req_ids)
         read = self._read
-        if read is not None and read[0] == self._changes and read[1] == key:
-            return dict(read[2])  # nothing observed since the same read: its columns (shared arrays: read only)
-        # one pass over the states, no dict per request (a serving step reads this for every request)
+        if read is None or read[0] != self._changes or read[1] != key:
+            read = self._read = (self._changes, key, self._columns(req_ids))
+        return {n: read[2][n] for n in names}  # arrays shared by the reads until the next change: read only
+
+    def _columns(self, req_ids: Sequence[str]) -> dict[str, np.ndarray]:
+        """Every history column of ``req_ids`` (float64 ``[B]`` each), in one pass over the states."""
         states = [self._state.get(r) for r in req_ids]
         rounds = np.array([s.rounds if s is not None else 0 for s in states], dtype=np.float64)
         accepted = np.array([s.accepted if s is not None else 0 for s in states], dtype=np.float64)
         last = np.array([s.last if s is not None else 0 for s in states], dtype=np.float64)
         first = rounds == 0  # a request in its first round (never observed)
         with np.errstate(invalid="ignore", divide="ignore"):
-            columns = {"prev_accept": np.where(first, np.nan, last),
-                       "mean_accept": np.where(first, np.nan, accepted / rounds),
-                       "position": np.where(first, 0.0, accepted + rounds)}
-        out = {n: columns[n] for n in names}
-        self._read = (self._changes, key, out)
-        return dict(out)
+            return {"prev_accept": np.where(first, np.nan, last),
+                    "mean_accept": np.where(first, np.nan, accepted / rounds),
+                    "position": np.where(first, 0.0, accepted + rounds)}
