@@ -68,6 +68,12 @@ def test_the_replay_is_judged_against_the_decode_steps_where_they_were_recorded(
     assert row["decode_step_ratio_to_none"]["calib_ngram"] == pytest.approx(1.6)  # 16/10, 17.6/11 pair by pair
     assert row["prediction_error"]["calib_ngram"] == pytest.approx(1.8 / 1.6 - 1)
     assert "| 1.50× / 1.55× / 1.60× (1.80×, +12%) |" in clock.speedup_table([row], ARMS)
+    # the steady state recorded too (every client's request in flight): it is the basis
+    steady = {"none": (8.0, 8.0), "vllm_ngram": (12.0, 12.0), "calib_ngram": (14.0, 14.4)}
+    (st,) = clock.rows([{**r, "steady_tok_s": steady[r["arm"]][r["rep"]]} for r in recs],
+                       {("code_edit", "greedy", 4, "calib_ngram"): 1.8})
+    assert st["prediction_basis"] == "steady decode" and st["steady_ratio_to_none"]["calib_ngram"] == pytest.approx(1.775)
+    assert st["prediction_error"]["calib_ngram"] == pytest.approx(1.8 / 1.775 - 1)
     # one arm without the figure: the cell falls back to TPOT for every arm, never a mix of bases
     (mixed,) = clock.rows([r if r["arm"] != "none" else {**r, "decode_step_tok_s": None} for r in recs])
     assert mixed["prediction_basis"] == "decode (TPOT)" and mixed["decode_step_ratio_to_none"] == {}

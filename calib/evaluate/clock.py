@@ -102,11 +102,11 @@ def _decode_ratios(by_arm: dict[str, list]) -> dict:
     return {a: tpot["none"] / t for a, t in tpot.items() if t}
 
 
-def _decode_step_ratios(by_arm: dict[str, list]) -> dict:
-    """{arm: its decode-step tok/s over no speculation's} (steps in which no request was in prefill,
-    :func:`calib.vllm.clients.decode_step_figures`), the median of the per-repetition ratios; {} unless every
-    arm recorded it (benches before December 5 did not)."""
-    speed = {a: {x["rep"]: x.get("decode_step_tok_s") for x in rs} for a, rs in by_arm.items()}
+def _speed_ratios(by_arm: dict[str, list], field: str) -> dict:
+    """{arm: its ``field`` (a speed in tokens/s) over no speculation's}, the median of the per-repetition ratios;
+    {} unless every arm's every repetition recorded it (:func:`calib.vllm.clients.decode_step_figures`; benches
+    before December 5 did not)."""
+    speed = {a: {x["rep"]: x.get(field) for x in rs} for a, rs in by_arm.items()}
     if "none" not in speed or any(v is None or not v > 0 for d in speed.values() for v in d.values()):
         return {}
     out = {}
@@ -177,12 +177,14 @@ def rows(records: list, predicted: dict | None = None) -> list[dict]:
         to_none, _ = _ratios(by_arm, med, "none" if "none" in med else None)
         pred = {a: (predicted or {}).get((*key, a)) for a in med}
         decode = _decode_ratios(by_arm)
-        steps = _decode_step_ratios(by_arm)
-        # the replay prices decode steps only: its prediction is judged against the speed-up of the steps in
-        # which no request was in prefill; before those were recorded, against TPOT (which still holds the
-        # neighbours' prefill chunks) and tok/s, whose prefill share the replay does not model
-        basis, basis_name = ((steps, "decode steps") if steps else (decode, "decode (TPOT)") if decode
-                             else (to_none, "output tok/s"))
+        steps = _speed_ratios(by_arm, "decode_step_tok_s")
+        steady = _speed_ratios(by_arm, "steady_tok_s")
+        # the replay prices steady decode: B requests in flight, none in prefill. Its prediction is judged against
+        # the steps the clock ran in that state; before those were recorded, against every step without a
+        # prefill, TPOT (which still holds the neighbours' prefill chunks) or tok/s, in that order
+        basis, basis_name = next(((b, n) for b, n in ((steady, "steady decode"), (steps, "decode steps"),
+                                                      (decode, "decode (TPOT)"), (to_none, "output tok/s")) if b),
+                                 ({}, "output tok/s"))
         row = {"category": key[0], "sampling": key[1], "concurrency": key[2], "tok_s": med,
                "reps": {a: len(rs) for a, rs in by_arm.items()}, "best_vllm": best, "calib_off": off.get(key, {}),
                "ratio_to_best_vllm": to_best, "ratio_spread": spread,
@@ -192,6 +194,7 @@ def rows(records: list, predicted: dict | None = None) -> list[dict]:
                "ratio_to_none": to_none,
                "decode_ratio_to_none": decode,  # own prefill excluded: median TPOT of none / the arm's
                "decode_step_ratio_to_none": steps,  # every prefill excluded: steps with no request in prefill
+               "steady_ratio_to_none": steady,  # and every client's request in flight: the state the replay prices
                "predicted_vs_none": pred,
                "prediction_basis": basis_name,
                "prediction_error": {a: (p / basis[a] - 1.0) if (p is not None and basis.get(a)) else None
@@ -294,8 +297,10 @@ def speedup_table(table: list[dict], arm_names: list[str]) -> str:
             m, p = row["ratio_to_none"].get(a), row["predicted_vs_none"].get(a)
             d = (row.get("decode_ratio_to_none") or {}).get(a)
             st = (row.get("decode_step_ratio_to_none") or {}).get(a)
+            sd = (row.get("steady_ratio_to_none") or {}).get(a)
             e = (row.get("prediction_error") or {}).get(a)
             vals.append(_x(m) + ("" if d is None else f" / {d:.2f}×") + ("" if st is None else f" / {st:.2f}×")
+                        + ("" if sd is None else f" / {sd:.2f}×")
                         + ("" if p is None else f" ({p:.2f}×, {_pct(e)})"))
         lines.append(f"| {row['category']} | {row['sampling']} | {row['concurrency']} | " + " | ".join(vals) + " |")
     return "\n".join(lines)
@@ -418,6 +423,13 @@ def render_tables(result: dict, source: str) -> str:
                 else "the ratio of the medians: this bench predates pairwise ratios):"),
              "", tok_s_table(result["table"], arm_names), "",
              (("Speed-up over no speculation, measured: output tok/s (prefill included) / decode speed by TPOT "
+               "(a request's own prefill left out, its neighbours' chunks not) / decode speed over the engine steps "
+               "in which no request was in prefill / over those of them with every client's request in flight (the "
+               "steady state); in brackets the replay's prediction for the same cell (`python eval.py`, "
+               f"{result.get('cost_model')} cost model; a prediction, not a clock) and its error against the last, "
+               "the state the replay prices:")
+              if any(r.get("steady_ratio_to_none") for r in result["table"]) else
+              ("Speed-up over no speculation, measured: output tok/s (prefill included) / decode speed by TPOT "
                "(a request's own prefill left out, its neighbours' chunks not) / decode speed over the engine steps "
                "in which no request was in prefill; in brackets the replay's prediction for the same cell (`python "
                f"eval.py`, {result.get('cost_model')} cost model; a prediction, not a clock) and its error against "

@@ -87,16 +87,25 @@ def latency_figures(times: list, outputs: list) -> dict:
             "decode_tok_s_per_request": 1e3 / med if tpot and med > 0 else math.nan}
 
 
-def decode_step_figures(steps: list) -> dict:
+def decode_step_figures(steps: list, concurrency: int | None = None) -> dict:
     """From :func:`generate`'s ``steps``: ``decode_steps`` (pure decode steps: no request in prefill),
     ``decode_step_tok_s`` (their tokens over their wall time: the engine's decode speed with prefill left
     out, what the replay predicts), ``decode_step_share`` (their share of the cell's engine time) and
-    ``decode_batch_mean`` (requests in flight per pure decode step, weighted by time). NaN without one."""
+    ``decode_batch_mean`` (requests in flight per pure decode step, weighted by time); and the same of the
+    steady steps, the pure decode steps with ``concurrency`` requests in flight (``steady_*``). NaN without one."""
     pure = [(dt, n, b) for dt, n, p, b in steps if p and dt > 0]
     total = sum(dt for dt, *_ in steps)
     wall = sum(dt for dt, _, _ in pure)
     tokens = sum(n for _, n, _ in pure)
-    return {"decode_steps": len(pure),
+    # steady: pure decode with every client's request in flight, the state the replay prices at B = concurrency
+    # (a cell's first and last steps run fewer: its tail, which speculation lengthens, is no steady state)
+    steady = [(dt, n) for dt, n, b in pure if concurrency and b == concurrency]
+    steady_s = sum(dt for dt, _ in steady)
+    out = {"steady_steps": len(steady),
+           "steady_tok_s": sum(n for _, n in steady) / steady_s if steady_s > 0 else math.nan,
+           "steady_step_ms": 1e3 * steady_s / len(steady) if steady else math.nan,
+           "steady_tokens_per_step": sum(n for _, n in steady) / len(steady) if steady else math.nan}
+    return {**out, "decode_steps": len(pure),
             "decode_step_tok_s": tokens / wall if wall > 0 else math.nan,
             "decode_step_ms": 1e3 * wall / len(pure) if pure else math.nan,  # mean wall time of one
             "decode_tokens_per_step": tokens / len(pure) if pure else math.nan,  # tokens of one, all requests

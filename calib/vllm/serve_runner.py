@@ -316,7 +316,7 @@ def serve_cell(llm, cfg: dict, prompts: list, sampling: dict, concurrency: int, 
         "concurrency": concurrency, "n_prompts": len(prompts), "output_tokens": n_out, "wall_s": wall,
         "tok_s": n_out / wall if wall > 0 else float("nan"), "dtype": str(getattr(llm, "_calib_dtype", None) or cfg["engine"].get("dtype", "auto")),
         **latency_figures(times, outputs),
-        **decode_step_figures(steps),
+        **decode_step_figures(steps, concurrency),
         **_step_figures(counters),
         "vllm_spec_decode": counters,
     }

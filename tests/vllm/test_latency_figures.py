@@ -70,10 +70,12 @@ def test_generate_records_every_step_and_which_were_pure_decode():
     assert [p for _, _, p, _ in steps] == [False, False, True, True, True, False, False, True, True, True]
     assert [n for _, n, _, _ in steps] == [0, 2, 4, 4, 2, 0, 1, 2, 2, 1]
     assert [b for _, _, _, b in steps] == [2, 2, 2, 2, 2, 1, 1, 1, 1, 1]
-    f = decode_step_figures([(0.5, 0, False, 2), (0.1, 4, True, 2), (0.3, 2, True, 1)])
+    f = decode_step_figures([(0.5, 0, False, 2), (0.1, 4, True, 2), (0.3, 2, True, 1)], concurrency=2)
+    assert f["steady_steps"] == 1 and f["steady_tok_s"] == pytest.approx(40.0) and f["steady_step_ms"] == pytest.approx(100)
     assert f["decode_steps"] == 2 and f["decode_step_tok_s"] == pytest.approx(6 / 0.4)
     assert f["decode_step_share"] == pytest.approx(0.4 / 0.9)
     assert f["decode_batch_mean"] == pytest.approx((0.1 * 2 + 0.3 * 1) / 0.4)
     assert f["decode_step_ms"] == pytest.approx(200.0) and f["decode_tokens_per_step"] == pytest.approx(3.0)
-    none = decode_step_figures([(0.5, 0, False, 2)])
+    none = decode_step_figures([(0.5, 0, False, 2)], concurrency=2)
+    assert none["steady_steps"] == 0 and math.isnan(none["steady_tok_s"])
     assert none["decode_steps"] == 0 and math.isnan(none["decode_step_tok_s"]) and math.isnan(none["decode_step_ms"])
