@@ -330,8 +330,10 @@ def offer_inputs(x, B: int, lengths: list[int], n_own: int, what: str) -> np.nda
     if not isinstance(x, np.ndarray):
         import torch
 
-        x = torch.as_tensor(x).detach()  # nested lists read as torch reads them (floats as float32)
-        x = (x if x.dtype in (torch.float32, torch.float64) else x.to(torch.float64)).cpu().numpy()
+        if not (isinstance(x, torch.Tensor) and x.dtype in (torch.float32, torch.float64) and x.device.type == "cpu"):
+            x = torch.as_tensor(x)  # nested lists read as torch reads them (floats as float32)
+            x = x if x.dtype in (torch.float32, torch.float64) else x.to(torch.float64)
+        x = x.detach().cpu().numpy()
     if x.ndim == 2:
         x = x[..., None]
     if x.ndim != 3 or x.shape[0] != B or x.shape[2] != n_own:

@@ -48,13 +48,13 @@ def host_decision(tables, signals: dict, given: dict, cost: torch.Tensor, sample
     :func:`calib.allocate.host.allocate_chains_host`) for the step's ``signals`` (numpy float32 ``[B, L, A]`` per
     chain, built from checked inputs) and ``given`` probabilities (numpy float32 ``[B, W]``), priced by ``cost``
     (checked at construction) plus ``sampled_price`` where a request samples. ``cache``: a dict the caller keeps
-    for as long as ``cost`` and ``sampled_price`` stay (the decider's): the curve and a batch size's sampled price
-    are computed once there, not every step."""
+    (the decider's): its ``"allocation"`` entry holds the curve and each batch size's sampled price, computed once
+    for as long as ``cost`` and ``sampled_price`` are the same objects, not every step."""
     probs = {**host_probs(tables, signals), **given}
     B = next(iter(probs.values())).shape[0]
-    held = None if cache is None else cache.get("for")
+    cache = {} if cache is None else cache.setdefault("allocation", {})
+    held = cache.get("for")
     if held is None or held[0] is not cost or held[1] is not sampled_price:  # kept for these very objects
-        cache = {} if cache is None else cache
         cache.clear()
         raw = cost.detach().cpu().numpy()  # [T_max + 1], the curve's dtype (float32)
         cache.update({"for": (cost, sampled_price), "raw": raw, "curve": raw.astype(np.float64)})

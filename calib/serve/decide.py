@@ -83,6 +83,8 @@ def request_temperatures(inputs: StepInputs) -> np.ndarray:
                          f"({exc})") from None
     if t.shape != (B,):
         raise ValueError(f"temperature has {t.shape[0]} entries for B={B} requests")
+    if not B or (np.minimum.reduce(t) >= 0 and np.maximum.reduce(t) < np.inf):  # NaN fails both: checked below
+        return t
     bad = ~(np.isfinite(t) & (t >= 0))
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
@@ -92,11 +94,21 @@ def request_temperatures(inputs: StepInputs) -> np.ndarray:
     return t
 
 
-def _note_unfitted(tables, temps: np.ndarray, chains: Sequence[str]) -> None:
-    """Log (once per temperature and loaded tables) request temperatures outside the tables' fitted range."""
+def _note_unfitted(tables, temps: np.ndarray, chains: Sequence[str], cache: dict | None = None) -> None:
+    """Log (once per temperature and loaded tables) request temperatures outside the tables' fitted range.
+    ``cache``: the decider's, where the sets of temperatures already checked against these tables are kept (a
+    set checked once has nothing new to log)."""
     unfitted = getattr(tables, "unfitted_temperatures", None)
     if unfitted is None:  # in-memory tables record no temperatures
         return
+    if cache is not None:
+        seen = cache.setdefault("temperatures_checked", {})
+        key = (id(tables), tuple(chains), frozenset(temps.tolist()))
+        if seen.get(key) is tables:
+            return
+        if len(seen) > 256:  # batches of ever new temperatures: keep the newest
+            seen.clear()
+        seen[key] = tables
     new = unfitted(temps, chains)
     if new:
         where = getattr(tables, "path", None) or "(in memory)"
@@ -282,7 +294,7 @@ def _decide_step(tables, inputs: StepInputs, history: RequestHistory, *, k_max: 
                          "decided once per step")
     temps = request_temperatures(inputs)
     offered = [k.name for k in chains() if k.name in inputs.offers and k.name in tables.chains]
-    _note_unfitted(tables, temps, offered)
+    _note_unfitted(tables, temps, offered, cache)
     # offers whose probabilities the engine already looked up (the serving plan): the reference path uses them
     skip = [n for n in offered if inputs.offers[n].probs is not None] if impl in HOST_LOOKUPS else []
     columns: dict[tuple, np.ndarray] = {}

@@ -183,3 +183,23 @@ def test_a_grid_rewritten_in_place_is_read_by_the_numpy_lookup(saved):
     np.testing.assert_array_equal(chain_lookup_host(t, x), before * np.float32(0.5))
     t.grid = t.grid * 2  # a new grid tensor
     np.testing.assert_array_equal(chain_lookup_host(t, x), before)
+
+
+def test_the_decider_logs_each_unfitted_temperature_once_across_steps(tmp_path, caplog):
+    """SafeDecider keeps the sets of temperatures it checked (a set checked once logs nothing new): a new
+    temperature beside ones already seen is still logged, once."""
+    import logging
+
+    from tests.serve.test_decide import D
+
+    temps = {"values": [0.0, 0.8], "n_values": 2, "min": 0.0, "max": 0.8, "unrecorded_samples": 0}
+    meta = {**META, "chains": {"model": {"ids": ["eagle:head"], "k": D, "temperatures": temps},
+                               "ngram": {"ids": ["ngram"], "k": D, "temperatures": temps}}}
+    dec = _decider(save(tmp_path / "t", _tables(6), meta))
+    inputs = _inputs(B=4, seed=3)
+    with caplog.at_level(logging.WARNING, logger="calib.serve"):
+        for t in ([0.0, 1.3, 0.8, 1.3], [0.0, 1.3, 0.8, 1.3], [1.3, 0.0, 0.0, 2.0], [2.0, 1.3, 0.8, 0.0]):
+            inputs.temperature = torch.tensor(t)
+            assert not dec.decide(inputs).passthrough
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 2 and "temperature 1.3 outside" in warned[0] and "temperature 2 outside" in warned[1]
