@@ -23,18 +23,32 @@ ENTRIES = ("plan_all_loops", "allocate_loops", "dinkelbach_loops")  # what kerne
 
 
 def kernels() -> dict | None:
-    """``{name: compiled function}`` of :data:`ENTRIES`, or None where numba is not installed (compiled once
-    per process, cached on disk by numba; the helpers they call are compiled with them)."""
+    """``{name: compiled function}`` of :data:`ENTRIES`, or None where numba is not installed or cannot compile
+    them (the numpy rules then run). Compiled and run once on tiny inputs at the first call in a process (seconds
+    the first time on a machine, then numba's disk cache); the helpers they call are compiled with them."""
     if not _KERNELS:
         try:
             from numba import njit
         except ImportError:
             _KERNELS.append(None)
-        else:
-            jit = njit(cache=True, nogil=True)
-            for f in (_gains, _best_prefix, _take_top, _sorted_desc, _allocate, _plan_value):
-                globals()[f.__name__] = jit(f)  # the entries call the compiled helpers
-            _KERNELS.append({name: jit(globals()[name]) for name in ENTRIES})
+            return None
+        jit = njit(cache=True, nogil=True)
+        for f in (_gains, _best_prefix, _take_top, _sorted_desc, _allocate, _plan_value):
+            globals()[f.__name__] = jit(f)  # the entries call the compiled helpers
+        compiled = {name: jit(globals()[name]) for name in ENTRIES}
+        try:
+            p = np.full((1, 1), 0.5, dtype=np.float32)
+            compiled["plan_all_loops"](p, p.copy(), True, True, 0, np.ones(4), np.zeros(2))
+            q = np.ones((1, 1), dtype=np.int64)
+            compiled["allocate_loops"](q, q, True, np.ones(4))
+            compiled["dinkelbach_loops"](np.ones((2, 1, 1), dtype=np.int64), np.zeros((1, 2), dtype=np.int64), 1)
+        except Exception as exc:  # noqa: BLE001 - a compiler that fails here: the numpy rules, said once
+            import logging
+
+            logging.getLogger("calib").warning("calib: numba could not compile the allocator's rules (%s); the "
+                                               "numpy rules run instead", exc)
+            compiled = None
+        _KERNELS.append(compiled)
     return _KERNELS[0]
 
 
@@ -45,15 +59,8 @@ def plan_kernel():
 
 
 def warm() -> None:
-    """Compile the rules now (engine start), not in the first step that uses them (numba: seconds the first time
-    in a process without its disk cache); a no-op without numba."""
-    k = kernels()
-    if k is not None:
-        p = np.full((1, 1), 0.5, dtype=np.float32)
-        k["plan_all_loops"](p, p.copy(), True, True, 0, np.ones(4), np.zeros(2))
-        q = np.ones((1, 1), dtype=np.int64)
-        k["allocate_loops"](q, q, True, np.ones(4))
-        k["dinkelbach_loops"](np.ones((2, 1, 1), dtype=np.int64), np.zeros((1, 2), dtype=np.int64), 1)
+    """Compile the rules now (engine start), not in the first step that uses them (:func:`kernels`)."""
+    kernels()
 
 
 def plan_all_loops(p, other, has_other, chain_first, done, cost, extras):
