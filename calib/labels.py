@@ -27,10 +27,12 @@ GROUP_KEYS = ("model", "speculator", "config", "category")
 def censored(acc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(reached, label) masks [N, D] from an acc matrix (1/0, NaN where not drafted)."""
     drafted = ~np.isnan(acc)
-    accepted = np.nan_to_num(acc, nan=0.0) == 1
-    # reached k  <=>  drafted at k and accepted at every j < k
-    prefix_ok = np.concatenate([np.ones((acc.shape[0], 1), bool), np.cumprod(accepted, axis=1)[:, :-1] == 1],
-                               axis=1)
+    accepted = acc == 1  # NaN (not drafted) compares unequal: not accepted
+    # reached k  <=>  drafted at k and accepted at every j < k (a running AND over the booleans: no int64
+    # cumulative product, ~30x less work on a 1M-round part)
+    prefix_ok = np.ones(acc.shape, bool)
+    if acc.shape[1] > 1:
+        np.logical_and.accumulate(accepted[:, :-1], axis=1, out=prefix_ok[:, 1:])
     return drafted & prefix_ok, accepted
 
 

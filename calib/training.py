@@ -139,8 +139,17 @@ def candidate_specs(chain_cfg: dict) -> dict:
 
 
 def prompt_groups(samples: pd.DataFrame) -> np.ndarray:
-    """One group id per row: its prompt (category and index), the unit no fold may split."""
-    return (samples.category.astype(str) + "/" + samples.prompt_idx.astype(str)).to_numpy()
+    """One group id per row: its prompt (category and index), the unit no fold may split. An integer, the rank
+    of the prompt's name ``"category/prompt_idx"`` among the prompts' names: the groups sort as their names
+    do, so grouped folds (``GroupKFold``) and prompt samples (:func:`group_sample`) are those the names would
+    give, without a string per row."""
+    cat_codes, cats = pd.factorize(samples.category, use_na_sentinel=False)
+    idx_codes, idxs = pd.factorize(samples.prompt_idx, use_na_sentinel=False)
+    codes, keys = pd.factorize(cat_codes.astype(np.int64) * max(len(idxs), 1) + idx_codes)
+    names = [f"{cats[k // len(idxs)]}/{idxs[k % len(idxs)]}" for k in keys.tolist()]
+    rank = np.empty(len(names), dtype=np.int64)
+    rank[sorted(range(len(names)), key=names.__getitem__)] = np.arange(len(names))
+    return rank[codes]
 
 
 def _with_axes(kind: ChainKind, est, selected) -> object:
@@ -297,9 +306,11 @@ TRANSFER_MAX_FIT = 100_000  # rows (whole prompts) the transfer check fits on
 
 
 def transfer_check(kind: ChainKind, samples: pd.DataFrame, chain_cfg: dict, model, baseline, fit_on,
-                   eval_on, context: bool = False) -> dict | None:
+                   eval_on, context: bool = False, which=("model", "baseline")) -> dict | None:
     """Fit ``model`` (an estimator or its config) on some categories (e.g. chat), score it on others
-    (e.g. code edits) against ``baseline``; None when either side has no rows (or one label only)."""
+    (e.g. code edits) against ``baseline``; None when either side has no rows (or one label only).
+    ``which``: the entries to fit (the baseline's does not depend on the model: one fit serves every model,
+    :func:`calib.training_transfer.transfer_checks`)."""
     src = _prompt_sample(samples[samples.category.isin(fit_on) & samples.split.isin(["train", "val"])],
                          TRANSFER_MAX_FIT)  # a score, not the tables: fitted on whole prompts up to this many rows
     dst = samples[samples.category.isin(eval_on)]
@@ -309,6 +320,8 @@ def transfer_check(kind: ChainKind, samples: pd.DataFrame, chain_cfg: dict, mode
         dst = dst.iloc[np.sort(np.random.default_rng(0).choice(len(dst), TRANSFER_MAX_EVAL, replace=False))]
     out = {"fit_on": list(fit_on), "eval_on": list(eval_on), "n_fit": len(src), "n_eval": len(dst)}
     for name, s in (("model", model), ("baseline", baseline)):
+        if name not in which:
+            continue
         m = clone(s) if hasattr(s, "fit") else instantiate(s)
         if name == "baseline" or not context:
             X_src, X_dst = kind.X(src, chain_cfg, context=False), kind.X(dst, chain_cfg, context=False)

@@ -23,16 +23,27 @@ def transfer_checks(check: Callable, kind, samples: pd.DataFrame, chain_cfg: dic
     """``check`` (:func:`calib.training.transfer_check`, with context) of each of ``models``, both ways
     (:func:`ways`), in that order: its result, None (a side without rows), or the exception where a side cannot
     be fitted."""
-    jobs = [(check, kind.name, samples, chain_cfg, m, transfer["baseline"], src, dst) for m in models
-            for src, dst in ways(transfer)]
-    return list(in_order(_check_or_error, jobs, int((chain_cfg.get("selection") or {}).get("n_jobs") or 1)))
+    both = ways(transfer)
+    # the baseline's fit and score depend only on the way, not on the model: fitted once per way
+    jobs = [(check, kind.name, samples, chain_cfg, None, transfer["baseline"], src, dst, ("baseline",))
+            for src, dst in both]
+    jobs += [(check, kind.name, samples, chain_cfg, m, transfer["baseline"], src, dst, ("model",)) for m in models
+             for src, dst in both]
+    got = list(in_order(_check_or_error, jobs, int((chain_cfg.get("selection") or {}).get("n_jobs") or 1)))
+    base, out = got[:len(both)], []
+    for i, r in enumerate(got[len(both):]):
+        b = base[i % len(both)]
+        out.append(b if b is None or isinstance(b, Exception) else r if r is None or isinstance(r, Exception)
+                   else {**r, "baseline": b["baseline"]})
+    return out
 
 
 def _check_or_error(check: Callable, kind_name: str, *args):
     """One check in a worker (the chain kind by name: its functions are not all picklable)."""
     from calib.chains import chain
 
+    *args, which = args
     try:
-        return check(chain(kind_name), *args, context=True)
+        return check(chain(kind_name), *args, context=True, which=which)
     except (ValueError, RuntimeError) as exc:
         return exc

@@ -38,6 +38,13 @@ NEG_LOG_LOSS = make_scorer(log_loss, greater_is_better=False, response_method="p
 RULES = ("one_se", "min")  # one_se: richer only if better by > one SE; min: lowest mean held-out NLL
 
 
+def _scored_below(estimator, X, y) -> float:
+    """``cross_validate``'s scorer where the folds are scored per depth afterwards from each fitted estimator
+    (:meth:`GroupedCVSelection._cross_validate`): it predicts nothing (a second prediction of every held-out
+    fold would cost as much as the scoring itself)."""
+    return 0.0
+
+
 def candidate_columns(est, X, n_own: int):
     """The columns of ``X`` (a DataFrame without depth) candidate ``est`` reads."""
     feats = est.get_params(deep=False).get("features") if hasattr(est, "get_params") else None
@@ -182,7 +189,7 @@ features is judged on NLL alone, as its sharper predictions can cost a little EC
             Xc = with_depth(candidate_columns(est, X, self.n_own).iloc[rows], dr)
             try:
                 res = cross_validate(est, Xc, yr, groups=groups[rows], cv=GroupKFold(n_splits),
-                                     scoring=NEG_LOG_LOSS, return_estimator=True, return_indices=True,
+                                     scoring=_scored_below, return_estimator=True, return_indices=True,
                                      error_score="raise", n_jobs=self.n_jobs)
             except (ValueError, RuntimeError) as exc:
                 if name == order[0]:  # the baseline must fit: there is nothing to fall back on

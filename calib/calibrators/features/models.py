@@ -43,6 +43,7 @@ DEFAULT_FEATURES = ("match_n", "occurrences", "distance", "in_prompt", "distinct
 # temperatures) becomes CONTEXT_MISSING, its own value as it is the table's bucket 0.
 CONTEXT_FEATURES = tuple(CONTEXT)
 CONTEXT_MISSING = -1.0
+PREDICT_THREADS = 1  # OpenMP threads of a gradient-boosting prediction (GradientBoostingAcceptance._predict)
 PROGRESS_EVERY_S = 10.0  # the HGB fit logs one boosting-progress line per this many seconds at most
 
 
@@ -194,8 +195,12 @@ class GradientBoostingAcceptance(FeatureModel):
 
     def _predict(self, X, depth) -> np.ndarray:
         X, depth, _ = _check_frame(X, depth, self.features)
-        # rows are independent: prediction keeps every thread (the fit's sums are what one thread fixes)
-        return self.model_.predict_proba(np.column_stack([X, depth]))[:, 1]
+        # Rows are independent, so the thread count cannot change a prediction; one thread, as the fit: sklearn
+        # predicts tree by tree, an OpenMP region per tree, and where the other core is busy each region's
+        # barrier waits on it (60k rows x 250 trees on the 2-core box, one core busy: 0.4-0.9 s on one thread,
+        # 1.9-2.9 s on two).
+        with threadpool_limits(PREDICT_THREADS, user_api="openmp"):
+            return self.model_.predict_proba(np.column_stack([X, depth]))[:, 1]
 
 
 class _ThrottledLog:
