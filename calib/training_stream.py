@@ -68,9 +68,7 @@ def _sample_part(part: Path, out: Path, fraction: float, seed: int) -> int:
     """Write the rounds of ``part``'s sampled prompts as a bank at ``out``; returns their number (0: none,
     nothing written). Each file is read whole and filtered by its own key columns (no row order assumed
     between the files): one read per file, no scan with a filter and no join."""
-    import pyarrow.parquet as pq
-
-    acc = pq.read_table(part / schema.ACCEPTANCE)
+    acc = _read_keys_encoded(part / schema.ACCEPTANCE)
     prompts = acc.select(["category", "prompt_idx"]).group_by(["category", "prompt_idx"]).aggregate([])
     keep = _in_sample(prompts.column("category").to_pylist(), prompts.column("prompt_idx").to_pylist(), fraction, seed)
     chosen = prompts.filter(pa.array(keep))
@@ -81,17 +79,40 @@ def _sample_part(part: Path, out: Path, fraction: float, seed: int) -> int:
 
     def pick(t: pa.Table) -> pa.Table:
         mask = None
+        cats = pc.cast(t.column("category"), pa.string()) if pa.types.is_dictionary(t.column("category").type) \
+            else t.column("category")  # a dictionary's few values, compared per row as strings
         for c, idx in by_cat.items():
-            m = pc.and_(pc.equal(t.column("category"), c), pc.is_in(t.column("prompt_idx"), value_set=idx))
+            m = pc.and_(pc.equal(cats, c), pc.is_in(t.column("prompt_idx"), value_set=idx))
             mask = m if mask is None else pc.or_(mask, m)
-        return t.filter(mask)
+        return _keys_decoded(t.filter(mask))
 
-    ngram = pick(pq.read_table(part / schema.NGRAM)) if (part / schema.NGRAM).exists() else None
+    ngram = pick(_read_keys_encoded(part / schema.NGRAM)) if (part / schema.NGRAM).exists() else None
     manifest = read_json(part / schema.MANIFEST, missing_ok=True, hint="fix or delete run_manifest.json")
     a = pick(acc)
-    write_bank(out, a, pick(pq.read_table(part / schema.SPECULATOR)), ngram,
+    write_bank(out, a, pick(_read_keys_encoded(part / schema.SPECULATOR)), ngram,
                manifest={**(manifest or {}), "sample_of": str(part)})
     return a.num_rows
+
+
+_ENCODED = "calib_keys_encoded"  # schema metadata: the string keys read dictionary-encoded (decoded before writing)
+
+
+def _read_keys_encoded(path: Path) -> pa.Table:
+    """A bank file read whole with its string keys dictionary-encoded, as parquet stores them (a string per row
+    and key costs more than the file's numbers); :func:`_keys_decoded` gives the file's own types back."""
+    import pyarrow.parquet as pq
+
+    names = pq.read_schema(path).names
+    strings = [k for k in schema.KEYS if schema.KEY_TYPES[k] == pa.string() and k in names]
+    t = pq.read_table(path, read_dictionary=strings)
+    return t.replace_schema_metadata({**(t.schema.metadata or {}), _ENCODED.encode(): ",".join(strings).encode()})
+
+
+def _keys_decoded(t: pa.Table) -> pa.Table:
+    meta = dict(t.schema.metadata or {})
+    encoded = meta.pop(_ENCODED.encode(), b"").decode().split(",")
+    fields = [f.with_type(pa.string()) if f.name in encoded else f for f in t.schema]
+    return t.cast(pa.schema(fields, metadata=meta or None))
 
 
 class Refiner:
