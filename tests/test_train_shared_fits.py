@@ -121,3 +121,35 @@ def test_part_statistics_read_with_dictionary_keys_equal_those_of_a_part_that_ne
         assert np.array_equal(a[k], b[k]), k
     for k in FLOAT_STATS:
         assert np.allclose(a[k], b[k], rtol=1e-12, atol=1e-9), k
+
+
+def test_mlp_batches_by_tensor_index_train_the_weights_the_samplers_trained(monkeypatch):
+    """The MLP's batches (calib.calibrators.features.models.batch_loaders): the same rows in the same order
+    as BatchSampler over RandomSampler / SequentialSampler, the same draws from torch's generator: the same
+    weights, bit for bit."""
+    import torch
+    from torch.utils.data import BatchSampler, DataLoader, RandomSampler, SequentialSampler
+
+    from calib.calibrators.features import MLPAcceptance, models
+
+    def per_row(train, valset, batch_size, val_batch_size=65536):  # the samplers, as the MLP used them before
+        return (DataLoader(train, sampler=BatchSampler(RandomSampler(train), batch_size, drop_last=False), batch_size=None),
+                DataLoader(valset, sampler=BatchSampler(SequentialSampler(valset), val_batch_size, drop_last=False),
+                           batch_size=None))
+
+    rng = np.random.default_rng(4)
+    X = pd.DataFrame({"match_n": rng.integers(1, 6, 3000).astype(float), "agreement": rng.uniform(size=3000)})
+    X["depth"] = rng.integers(0, 3, 3000)
+    y = (rng.uniform(size=3000) < 0.2 + 0.1 * X.match_n).astype(int)
+
+    def fit():
+        m = MLPAcceptance(features=("match_n", "agreement"), max_epochs=3, batch_size=256, progress=False)
+        return m.fit(X, y)
+
+    fast = fit()
+    monkeypatch.setattr(models, "batch_loaders", per_row)
+    slow = fit()
+    assert fast.epochs_ == slow.epochs_ == 3
+    for a, b in zip(fast.net_.state_dict().values(), slow.net_.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    assert len(list(models._IndexBatches(1000, 256, True))) == len(models._IndexBatches(1000, 256, True)) == 4

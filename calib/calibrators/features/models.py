@@ -266,7 +266,7 @@ class MLPAcceptance(FeatureModel):
         return torch.from_numpy(Z.astype(np.float32))
 
     def _fit(self, X, depth, y, *, val=None, groups=None) -> None:
-        from torch.utils.data import BatchSampler, DataLoader, RandomSampler, SequentialSampler, TensorDataset
+        from torch.utils.data import TensorDataset
 
         from calib.calibrators.lightning_fit import fit_module
 
@@ -280,11 +280,8 @@ class MLPAcceptance(FeatureModel):
         net = Net()
         train = TensorDataset(self._tensor(X, depth), torch.from_numpy(y.astype(np.float32)))
         valset = TensorDataset(self._tensor(vX, vd), torch.from_numpy(vy.astype(np.float32)))
-        # Whole batches are gathered by one tensor index (per-sample indexing would dominate).
-        train_batches = BatchSampler(RandomSampler(train), self.batch_size, drop_last=False)
-        val_batches = BatchSampler(SequentialSampler(valset), 65536, drop_last=False)
-        self.epochs_ = fit_module(net, DataLoader(train, sampler=train_batches, batch_size=None),
-                                  DataLoader(valset, sampler=val_batches, batch_size=None), max_epochs=self.max_epochs,
+        train_loader, val_loader = batch_loaders(train, valset, self.batch_size)
+        self.epochs_ = fit_module(net, train_loader, val_loader, max_epochs=self.max_epochs,
                                   patience=self.patience, progress=self.progress, seed=self.seed)
         self.net_ = net.eval()
 
@@ -311,6 +308,37 @@ class MLPAcceptance(FeatureModel):
         X, depth, _ = _check_frame(X, depth, self.features)
         with torch.no_grad():
             return torch.sigmoid(self.net_(self._tensor(X, depth))).double().numpy()
+
+
+class _IndexBatches:
+    """Batches of row indices as tensors: each epoch (``shuffle``) a permutation drawn as torch's
+    ``RandomSampler`` draws it (a seed from torch's global generator, then ``randperm`` on a generator of
+    that seed), else the rows in order, cut into ``batch_size`` slices; the batches ``BatchSampler`` over
+    ``RandomSampler`` / ``SequentialSampler`` would list, without a Python int per row and epoch."""
+
+    def __init__(self, n: int, batch_size: int, shuffle: bool):
+        self.n, self.batch_size, self.shuffle = n, batch_size, shuffle
+
+    def __len__(self) -> int:
+        return (self.n + self.batch_size - 1) // self.batch_size
+
+    def __iter__(self):  # a generator, as RandomSampler's: the seed is drawn at the first batch, not before
+        if not self.shuffle:
+            yield from torch.arange(self.n).split(self.batch_size)
+            return
+        seed = int(torch.empty((), dtype=torch.int64).random_().item())
+        g = torch.Generator()
+        g.manual_seed(seed)
+        yield from torch.randperm(self.n, generator=g).split(self.batch_size)
+
+
+def batch_loaders(train, valset, batch_size: int, val_batch_size: int = 65536):
+    """``(train, validation)`` DataLoaders handing whole batches, each gathered by one tensor index
+    (per-sample indexing would dominate): the training rows shuffled per epoch, the validation rows in order."""
+    from torch.utils.data import DataLoader
+
+    return (DataLoader(train, sampler=_IndexBatches(len(train), batch_size, True), batch_size=None),
+            DataLoader(valset, sampler=_IndexBatches(len(valset), val_batch_size, False), batch_size=None))
 
 
 def acceptance_net_class(n_in: int, hidden: int, lr: float) -> type:
