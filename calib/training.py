@@ -139,10 +139,8 @@ def candidate_specs(chain_cfg: dict) -> dict:
 
 
 def prompt_groups(samples: pd.DataFrame) -> np.ndarray:
-    """One group id per row: its prompt (category and index), the unit no fold may split. An integer, the rank
-    of the prompt's name ``"category/prompt_idx"`` among the prompts' names: the groups sort as their names
-    do, so grouped folds (``GroupKFold``) and prompt samples (:func:`group_sample`) are those the names would
-    give, without a string per row."""
+    """One group id per row: its prompt, the unit no fold may split; the rank of its name "category/prompt_idx"
+    among the prompts' (so folds and prompt samples are the names' own, without a string per row)."""
     cat_codes, cats = pd.factorize(samples.category, use_na_sentinel=False)
     idx_codes, idxs = pd.factorize(samples.prompt_idx, use_na_sentinel=False)
     codes, keys = pd.factorize(cat_codes.astype(np.int64) * max(len(idxs), 1) + idx_codes)

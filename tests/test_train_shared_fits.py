@@ -153,3 +153,16 @@ def test_mlp_batches_by_tensor_index_train_the_weights_the_samplers_trained(monk
     for a, b in zip(fast.net_.state_dict().values(), slow.net_.state_dict().values(), strict=True):
         assert torch.equal(a, b)
     assert len(list(models._IndexBatches(1000, 256, True))) == len(models._IndexBatches(1000, 256, True)) == 4
+
+
+def test_the_mlp_predicts_the_same_on_one_thread_as_on_every_thread(monkeypatch):
+    from calib.calibrators.features import MLPAcceptance, models
+
+    rng = np.random.default_rng(5)
+    X = pd.DataFrame({"match_n": rng.integers(1, 6, 20_000).astype(float), "agreement": rng.uniform(size=20_000)})
+    X["depth"] = rng.integers(0, 4, 20_000)
+    y = (rng.uniform(size=20_000) < 0.2 + 0.1 * X.match_n).astype(int)
+    m = MLPAcceptance(features=("match_n", "agreement"), max_epochs=2, progress=False).fit(X, y)
+    one = m.accept_proba(X)
+    monkeypatch.setattr(models, "PREDICT_THREADS", None)  # torch's own thread count
+    assert np.array_equal(one, m.accept_proba(X))

@@ -28,7 +28,7 @@ from threadpoolctl import threadpool_limits
 
 from calib.bank.schema import NGRAM_FEATURES
 from calib.calibrators.base import Boolean, Calibrator, Interval, Subset
-from calib.calibrators.lightning_fit import FIT_THREADS
+from calib.calibrators.lightning_fit import FIT_THREADS, torch_threads
 from calib.chains import CONTEXT
 
 log = logging.getLogger(__name__)
@@ -43,7 +43,7 @@ DEFAULT_FEATURES = ("match_n", "occurrences", "distance", "in_prompt", "distinct
 # temperatures) becomes CONTEXT_MISSING, its own value as it is the table's bucket 0.
 CONTEXT_FEATURES = tuple(CONTEXT)
 CONTEXT_MISSING = -1.0
-PREDICT_THREADS = 1  # OpenMP threads of a gradient-boosting prediction (GradientBoostingAcceptance._predict)
+PREDICT_THREADS = 1  # threads of a feature model's prediction (OpenMP for gradient boosting, torch for the MLP)
 PROGRESS_EVERY_S = 10.0  # the HGB fit logs one boosting-progress line per this many seconds at most
 
 
@@ -306,7 +306,7 @@ class MLPAcceptance(FeatureModel):
 
     def _predict(self, X, depth) -> np.ndarray:
         X, depth, _ = _check_frame(X, depth, self.features)
-        with torch.no_grad():
+        with torch.no_grad(), torch_threads(PREDICT_THREADS):  # one thread, as gradient boosting's prediction
             return torch.sigmoid(self.net_(self._tensor(X, depth))).double().numpy()
 
 
