@@ -28,8 +28,8 @@ import logging
 import math
 import numbers
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import ClassVar
 
 import numpy as np
@@ -39,7 +39,6 @@ from calib.allocate import ShapePrice, check_cost
 from calib.allocate.api import IMPLEMENTATIONS
 from calib.chains import (
     NO_CHAIN,
-    Offer,
     chain,
     chain_names,
     chains,
@@ -50,6 +49,7 @@ from calib.params import TEXT, Interval, NoneValue, Options, Satisfies, validate
 from calib.serve.allocation import HOST_LOOKUPS, host_decision, torch_decision
 from calib.serve.history import RequestHistory
 from calib.serve.inputs import (  # noqa: F401 - the step's inputs (calib/serve/inputs.py), re-exported here
+    StepInputs,
     _given_probs,
     _note_unfitted,
     chain_inputs,
@@ -75,24 +75,6 @@ def check_price_mode(cost, sampled_price) -> None:
     """A sampled step's price is added to a cost curve: ``sampled_price`` needs ``cost`` (price mode)."""
     if sampled_price is not None and cost is None:
         raise ValueError("sampled_price prices a sampled step's drafts: it needs `cost` (price mode), not a budget")
-
-
-@dataclass
-class StepInputs:
-    """What the engine holds for its ``B`` running requests (batch order) when it decides: what each
-    chain it runs offers (:class:`calib.chains.Offer`; a chain it does not run is absent, e.g. an
-    EAGLE-only engine without the n-gram recompute offers the model chain only)."""
-
-    req_ids: list[str]  # [B]: engine request ids, batch order
-    temperature: torch.Tensor | Sequence[float]  # float [B]: each request's sampling temperature (0 = greedy)
-    # chain name -> its offer: tokens [B][<= L], and its signal (model chain: raw confidence [B, K]; n-gram
-    # chain: features [B, L, F] in its table's own-axis order, or already looked-up probs [B, >= L])
-    offers: Mapping[str, Offer] = field(default_factory=dict)
-
-    def engine_drafts(self, chain_name: str) -> list[list[int]]:
-        """The lists the engine would verify on its own (its drafter's chain), [] per request if absent."""
-        offer = self.offers.get(chain_name)
-        return [list(t) for t in offer.tokens] if offer is not None else [[] for _ in self.req_ids]
 
 
 @dataclass(frozen=True)

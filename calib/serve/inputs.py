@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -15,10 +15,25 @@ import torch
 from calib.chains import Offer, chains, offer_inputs, split_context
 from calib.serve.history import RequestHistory
 
-if TYPE_CHECKING:
-    from calib.serve.decide import StepInputs
-
 logger = logging.getLogger("calib.serve")
+
+
+@dataclass
+class StepInputs:
+    """What the engine holds for its ``B`` running requests (batch order) when it decides: what each
+    chain it runs offers (:class:`calib.chains.Offer`; a chain it does not run is absent, e.g. an
+    EAGLE-only engine without the n-gram recompute offers the model chain only)."""
+
+    req_ids: list[str]  # [B]: engine request ids, batch order
+    temperature: torch.Tensor | Sequence[float]  # float [B]: each request's sampling temperature (0 = greedy)
+    # chain name -> its offer: tokens [B][<= L], and its signal (model chain: raw confidence [B, K]; n-gram
+    # chain: features [B, L, F] in its table's own-axis order, or already looked-up probs [B, >= L])
+    offers: Mapping[str, Offer] = field(default_factory=dict)
+
+    def engine_drafts(self, chain_name: str) -> list[list[int]]:
+        """The lists the engine would verify on its own (its drafter's chain), [] per request if absent."""
+        offer = self.offers.get(chain_name)
+        return [list(t) for t in offer.tokens] if offer is not None else [[] for _ in self.req_ids]
 
 
 def request_temperatures(inputs: StepInputs) -> np.ndarray:
