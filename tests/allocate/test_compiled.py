@@ -6,13 +6,20 @@ is installed)."""
 
 from __future__ import annotations
 
+import importlib.util
+
 import numpy as np
 import pytest
 import torch
 
 from calib.allocate import draft, plan_draft
-from calib.allocate.compiled import plan_all_loops, plan_kernel
+from calib.allocate.compiled import plan_all_loops
 from tests.allocate.test_draft import _random_case, _same_plan
+
+# Whether numba is there, asked without importing it: collecting this file must not load numba (llvmlite), since
+# vLLM's CPU platform, registering its kernels (tests/vllm/test_lean_recovered_draw.py does at import), scans every
+# loaded module and trips over llvmlite's library object
+NO_NUMBA = importlib.util.find_spec("numba") is None
 
 
 def _inputs(known, forecast, kw):
@@ -44,7 +51,7 @@ def test_the_loops_are_the_vectorised_plan(seed):
     assert two >= 5
 
 
-@pytest.mark.skipif(plan_kernel() is None, reason="numba is not installed: plan_draft runs the vectorised plan")
+@pytest.mark.skipif(NO_NUMBA, reason="numba is not installed: plan_draft runs the vectorised plan")
 @pytest.mark.parametrize("seed", range(4))
 def test_the_compiled_plan_is_the_vectorised_plan_and_the_loop(seed, monkeypatch):
     rng = np.random.default_rng(4000 + seed)
@@ -58,7 +65,7 @@ def test_the_compiled_plan_is_the_vectorised_plan_and_the_loop(seed, monkeypatch
         assert a.drafting.dtype == torch.bool and (a.free_depth is None or a.free_depth.dtype == torch.int64)
 
 
-@pytest.mark.skipif(plan_kernel() is None, reason="numba is not installed: the host allocator runs in numpy")
+@pytest.mark.skipif(NO_NUMBA, reason="numba is not installed: the host allocator runs in numpy")
 @pytest.mark.parametrize("seed", range(4))
 def test_the_compiled_host_allocation_is_the_numpy_one(seed, monkeypatch):
     """The price mode and the shape price's Dinkelbach rounds, compiled and in numpy: the same decisions and
