@@ -113,10 +113,10 @@ class WandbTracker(Tracker):
         self.run.use_artifact(_artifact(self.wandb, name, kind, paths, metadata))
 
     def finish(self):
-        sync_file = Path(self.run.settings.sync_file) if self.run.offline else None
+        sync_file = getattr(self.run.settings, "sync_file", None) if self.run.offline else None
         self.run.finish()
-        if sync_file is not None:
-            _settled(sync_file)
+        if sync_file:
+            _settled(Path(sync_file))
 
 
 def _settled(path: Path, quiet_s: float = 0.5, limit_s: float = 20.0) -> None:
