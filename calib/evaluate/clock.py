@@ -85,11 +85,11 @@ def _median(v):
     return statistics.median(v) if v else None
 
 
-def _pairs(by_arm: dict[str, list], arm: str, ref: str) -> list[float]:
-    """tok/s of ``arm`` over ``ref``'s, repetition by repetition (the two ran in the same repetition, arms
-    alternated, so the machine's drift between repetitions cancels)."""
-    a = {x["rep"]: x["tok_s"] for x in by_arm.get(arm, [])}
-    b = {x["rep"]: x["tok_s"] for x in by_arm.get(ref, [])}
+def _pairs(by_arm: dict[str, list], arm: str, ref: str, field: str = "tok_s") -> list[float]:
+    """``field`` (a speed: tok/s) of ``arm`` over ``ref``'s, repetition by repetition (the two ran in the same
+    repetition, arms alternated, so the machine's drift between repetitions cancels)."""
+    a = {x["rep"]: x[field] for x in by_arm.get(arm, [])}
+    b = {x["rep"]: x[field] for x in by_arm.get(ref, [])}
     return [a[r] / b[r] for r in sorted(set(a) & set(b)) if b[r] > 0]
 
 
@@ -103,17 +103,13 @@ def _decode_ratios(by_arm: dict[str, list]) -> dict:
 
 
 def _speed_ratios(by_arm: dict[str, list], field: str) -> dict:
-    """{arm: its ``field`` (a speed in tokens/s) over no speculation's}, the median of the per-repetition ratios;
-    {} unless every arm's every repetition recorded it (:func:`calib.vllm.clients.decode_step_figures`; benches
-    before December 5 did not)."""
-    speed = {a: {x["rep"]: x.get(field) for x in rs} for a, rs in by_arm.items()}
-    if "none" not in speed or any(v is None or not v > 0 for d in speed.values() for v in d.values()):
+    """{arm: its ``field`` (a speed in tokens/s) over no speculation's} as :func:`_ratios` takes tok/s; {} unless
+    every arm's every repetition recorded it (:func:`calib.vllm.clients.decode_step_figures`; benches before
+    December 5 did not)."""
+    if "none" not in by_arm or any(not (x.get(field) or 0) > 0 for rs in by_arm.values() for x in rs):
         return {}
-    out = {}
-    for a, d in speed.items():
-        pairs = [d[r] / speed["none"][r] for r in sorted(set(d) & set(speed["none"]))]
-        out[a] = _median(pairs) if pairs else statistics.median(d.values()) / statistics.median(speed["none"].values())
-    return out
+    med = {a: statistics.median(x[field] for x in rs) for a, rs in by_arm.items()}
+    return _ratios(by_arm, med, "none", field)[0]
 
 
 # The oracle must beat the best vLLM arm by this much for a headroom figure: below it the denominator is the
@@ -135,12 +131,12 @@ def _oracle_of(arm: str, present: dict) -> str | None:
     return max(cands, key=present.get) if cands else None
 
 
-def _ratios(by_arm: dict[str, list], med: dict[str, float], ref: str | None) -> tuple[dict, dict]:
+def _ratios(by_arm: dict[str, list], med: dict[str, float], ref: str | None, field: str = "tok_s") -> tuple[dict, dict]:
     """({arm: median of its per-repetition ratios to ``ref``}, {arm: [min, max] of them}); an arm that shares no
     repetition with ``ref`` gets the ratio of the medians."""
     if ref is None:
         return {}, {}
-    pairs = {a: _pairs(by_arm, a, ref) for a in med}
+    pairs = {a: _pairs(by_arm, a, ref, field) for a in med}
     return ({a: (_median(p) if p else med[a] / med[ref]) for a, p in pairs.items()},
             {a: [min(p), max(p)] for a, p in pairs.items() if p})
 
@@ -410,6 +406,25 @@ def render_answer(result: dict, source: str) -> str:
     return "\n".join(lines)
 
 
+def _speedup_sentence(result: dict) -> str:
+    """What the speed-up table measures and what the replay's error is taken against: the clock's figures a
+    bench recorded (the steady state and the decode steps from December 5 on)."""
+    table = result["table"]
+    steady = any(r.get("steady_ratio_to_none") for r in table)
+    steps = steady or any(r.get("decode_step_ratio_to_none") for r in table)
+    measures = "output tok/s (prefill included) / decode speed by TPOT"
+    if steps:
+        measures += (" (a request's own prefill left out, its neighbours' chunks not) / decode speed over the engine "
+                     "steps in which no request was in prefill")
+    if steady:
+        measures += " / over those of them with every client's request in flight (the steady state)"
+    against = ("the last, the state the replay prices" if steady else
+               "the last, the speed-up of the steps the replay prices" if steps else "the decode speed-up")
+    return (f"Speed-up over no speculation, measured: {measures}; in brackets the replay's prediction for the same "
+            f"cell (`python eval.py`, {result.get('cost_model')} cost model; a prediction, not a clock) and its "
+            f"error against {against}:")
+
+
 def render_tables(result: dict, source: str) -> str:
     """The bench's full tables (tok/s, speed-up over no speculation with the replay's prediction, headroom)."""
     arm_names = list(result["arms"])
@@ -422,22 +437,7 @@ def render_tables(result: dict, source: str) -> str:
              + ("the median of the per-repetition ratios):" if any("ratio_spread" in r for r in result["table"])
                 else "the ratio of the medians: this bench predates pairwise ratios):"),
              "", tok_s_table(result["table"], arm_names), "",
-             (("Speed-up over no speculation, measured: output tok/s (prefill included) / decode speed by TPOT "
-               "(a request's own prefill left out, its neighbours' chunks not) / decode speed over the engine steps "
-               "in which no request was in prefill / over those of them with every client's request in flight (the "
-               "steady state); in brackets the replay's prediction for the same cell (`python eval.py`, "
-               f"{result.get('cost_model')} cost model; a prediction, not a clock) and its error against the last, "
-               "the state the replay prices:")
-              if any(r.get("steady_ratio_to_none") for r in result["table"]) else
-              ("Speed-up over no speculation, measured: output tok/s (prefill included) / decode speed by TPOT "
-               "(a request's own prefill left out, its neighbours' chunks not) / decode speed over the engine steps "
-               "in which no request was in prefill; in brackets the replay's prediction for the same cell (`python "
-               f"eval.py`, {result.get('cost_model')} cost model; a prediction, not a clock) and its error against "
-               "the last, the speed-up of the steps the replay prices:")
-              if any(r.get("decode_step_ratio_to_none") for r in result["table"]) else
-              ("Speed-up over no speculation, measured: output tok/s (prefill included) / decode speed by TPOT; in "
-               f"brackets the replay's prediction for the same cell (`python eval.py`, {result.get('cost_model')} "
-               "cost model; a prediction, not a clock) and its error against the decode speed-up:")), "",
+             _speedup_sentence(result), "",
              speedup_table(result["table"], arm_names)]
     head = headroom_table(result["table"])
     if head:
