@@ -329,7 +329,7 @@ class Bank:
         excluded = self.transformed_keys()
         if excluded.num_rows == 0:
             return table
-        from calib.bank.validate import _key_ids
+        from calib.bank.arrays import key_ids as _key_ids
 
         ids, bad = _key_ids(table.select(list(schema.KEYS)), excluded)
         return table.filter(pa.array(~np.isin(ids, bad)))
