@@ -33,10 +33,10 @@ log = logging.getLogger("calib.policies")
 
 
 class PolicyResult(NamedTuple):
-    """A step policy's decisions on one setting, per step [S]; ``extra`` holds scalars for the row
-    (e.g. ``{"gamma": 3}``). A tuple, so ``tokens, cost, positions, extra = result`` works."""
+    """A step policy's decisions on one setting: tokens per round, cost and positions per step; ``extra`` holds
+    scalars for the row (e.g. ``{"gamma": 3}``). A tuple, so ``tokens, cost, positions, extra = result`` works."""
 
-    tokens: np.ndarray  # [S] committed tokens per step
+    tokens: np.ndarray  # [S, B] committed tokens per round (accepted + 1; a step's: .sum(-1))
     cost: np.ndarray  # [S] verify + drafting cost per step (the curve's unit)
     positions: np.ndarray  # [S] draft positions verified per step
     extra: dict

@@ -14,22 +14,24 @@ def oracle(s: Setting) -> PolicyResult:
     draft passes to pay (0..K; with a free drafter always K). A second chain (the n-gram chain of a
     model-drafter bank) is drafted without a model pass, so it is available in full whatever the
     number of passes (its own drafting, ``draft_cost[ngram]``, is paid once). The best per-step goodput
-    is kept."""
+    is kept, counted as the totals count it (:meth:`Setting.step_goodput`): a bound on the policies of its own
+    engine, not on an engine without the drafter loaded (``no_spec``, ``second_fixed``)."""
     sb, curve, budget = s.sb, s.curve, s.budget
     S, B, K = sb.S, sb.B, sb.K
     free = s.draft(1) == 0
     depths_to_try = [K] if (free or budget is not None) else list(range(K + 1))
     second_cost = s.second_cost if sb.second else 0.0
-    best = (np.full(S, float(B)), np.full(S, curve.values[B]), np.zeros(S))  # no drafting at all
-    best_gp = best[0] / best[1]
+    best = (np.ones((S, B)), np.full(S, curve.values[B]), np.zeros(S))  # no drafting at all
+    best_gp = s.step_goodput(best[0], best[1])
     for gmax in depths_to_try:
         if gmax == 0 and not sb.second:
             continue  # no chain to verify: that is the no-drafting start
         extra = s.draft(gmax) + second_cost
         tok, cost, pos = _oracle_passes(s, gmax, extra)
-        gp = tok / cost
+        gp = s.step_goodput(tok, cost)  # the passes chosen by the accounting the totals use
         better = gp > best_gp if budget is None else np.ones(S, bool)
-        best = tuple(np.where(better, new, old) for new, old in zip((tok, cost, pos), best))
+        best = tuple(np.where(better if new.ndim == 1 else better[:, None], new, old)
+                     for new, old in zip((tok, cost, pos), best))
         best_gp = np.where(better, gp, best_gp)
     return PolicyResult(*best, {})
 
@@ -47,12 +49,13 @@ def oracle_served(s: Setting) -> PolicyResult:
         skip = (sb.acc[second] >= K).all(axis=1)  # [S] the second chain commits K for every request
         if skip.any():
             t0, c0, p0 = _oracle_passes(s, 0, s.second_cost)
-            tok, cost, pos = (np.where(skip, a, b) for a, b in ((t0, tok), (c0, cost), (p0, pos)))
+            tok, cost, pos = (np.where(skip if a.ndim == 1 else skip[:, None], a, b)
+                              for a, b in ((t0, tok), (c0, cost), (p0, pos)))
     return PolicyResult(tok, cost, pos, {})
 
 
 def _oracle_passes(s: Setting, gmax: int, extra: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(tokens, cost, positions) [S] of the allocator on the accept masks with ``gmax`` primary passes drafted."""
+    """(tokens [S, B], cost [S], positions [S]) of the allocator on the accept masks with ``gmax`` primary passes drafted."""
     sb, curve = s.sb, s.curve
     first, second = sb.ids
     cost_t = curve.tensor(extra=extra)

@@ -14,7 +14,7 @@ from calib.policies.setting import Setting
 
 
 def no_spec(s: Setting) -> PolicyResult:
-    return PolicyResult(np.full(s.S, float(s.B)), np.full(s.S, s.plain.values[s.B]), np.zeros(s.S), {})
+    return PolicyResult(np.ones((s.S, s.B)), np.full(s.S, s.plain.values[s.B]), np.zeros(s.S), {})
 
 
 def fixed(s: Setting) -> dict:

@@ -54,14 +54,18 @@ class StepBatch:
         prim = bank.chains[bank.primary]
         self.p_raw = None if prim.p_raw is None else prim.p_raw[sel]  # [S, B, K] the drafter's confidences
         self.K = prim.acc.shape[1]
+        # [S, B] tokens the collecting engine committed in each round (its verified chain's accepted prefix + 1;
+        # 1 in a step it drafted nothing): the stretch of the request's text the round stands for
+        self.covered = self.acc[self.ids[0]] + 1
 
 
 def committed(sb: StepBatch, drafter: np.ndarray, depth: np.ndarray) -> np.ndarray:
-    """Σ_i min(depth_i, accepted of the chosen chain) + 1, per step [S]. ``drafter``, ``depth`` [S, B];
-    depth is 0 where drafter is 0. ``drafter`` holds chain ids (the primary chain's for fixed-depth policies)."""
+    """min(depth, accepted of the chosen chain) + 1 per round [S, B] (a step's tokens: ``.sum(-1)``).
+    ``drafter``, ``depth`` [S, B]; depth is 0 where drafter is 0. ``drafter`` holds chain ids (the primary
+    chain's for fixed-depth policies)."""
     first, second = sb.ids
     acc = np.where(drafter == second, sb.acc[second], sb.acc[first]) if sb.second else sb.acc[first]
-    return (np.minimum(depth, acc) + 1).sum(axis=-1)
+    return np.minimum(depth, acc) + 1
 
 
 def allocate_chains(p1, p2, cost: torch.Tensor, budget: int | None, impl: str, names: tuple):
@@ -134,12 +138,21 @@ class Setting:
         cost, whose first pass runs no extra forward)."""
         return self.draft(1) if not self.engine else float(self.draft(self.K)) / self.K
 
+    def step_goodput(self, tokens: np.ndarray, cost: np.ndarray) -> np.ndarray:
+        """Each step's goodput [S] as the replay's totals count it: ``tokens`` [S, B] per round over ``cost`` [S];
+        weighted by positions (``cfg.weighting``), the text the step's rounds stand for over the cost of the
+        steps this policy needs to write it (:func:`calib.evaluate.replay.summarise`)."""
+        if self.cfg.weighting != "positions":
+            return tokens.sum(axis=1) / cost
+        covered = self.sb.covered
+        return covered.sum(axis=1) / (cost * (covered / tokens).mean(axis=1))
+
     def overhead(self, served_by_calib: bool) -> float:
         """What calib's hooks cost a step of a policy calib serves (an engine's step cost only)."""
         return self.curve.calib() if (self.engine and served_by_calib) else 0.0
 
     def uniform(self, gamma_per_step, draft_cost):
-        """(tokens, cost, positions) [S] of verifying γ_s [S] on every request of step s (capped by its chain)."""
+        """(tokens [S, B], cost [S], positions [S]) of verifying γ_s [S] on every request of step s (capped by its chain)."""
         sb = self.sb
         depth = np.minimum(np.asarray(gamma_per_step)[:, None], sb.length[self.P])  # cannot verify past the chain
         tokens = committed(sb, self.one, depth)
@@ -147,7 +160,7 @@ class Setting:
         return tokens, self.curve.charge(depth) + draft_cost, positions
 
     def uniform_second(self, gamma_per_step):
-        """(tokens, cost, positions) [S] of the second chain served alone at γ_s [S] (capped by its chain), as
+        """(tokens [S, B], cost [S], positions [S]) of the second chain served alone at γ_s [S] (capped by its chain), as
         the engine that drafts only it would spend: no model drafter loaded (``plain``), the chain's own
         drafting (its proposer once per step on an engine's step cost, else ``draft_cost`` per pass)."""
         sb = self.sb

@@ -183,9 +183,10 @@ def test_policy_in_a_small_replay(bank):  # noqa: F811
     cfg = ReplayConfig(draft_cost={"model": 0.3, "ngram": 0.0}, policies=["no_spec", "vllm_adaptive", "oracle"])
     res = replay_setting(sb, curve(), cfg, train_mean_curve(bank))
     tok, cost, pos, extra = res["vllm_adaptive"]
+    tok = tok.sum(-1)  # [S] a step's tokens
     s = Setting(sb, curve(), cfg, train_mean_curve(bank))
     # never beats the oracle, step by step
-    o_tok, o_cost = res["oracle"][0], res["oracle"][1]
+    o_tok, o_cost = res["oracle"][0].sum(-1), res["oracle"][1]
     assert (tok / cost <= o_tok / o_cost + 1e-9).all()
     # it costs what it drafts (K passes) plus the verify pass over B + its verified positions
     np.testing.assert_allclose(cost, curve()(4 + pos) + s.draft(s.K), rtol=1e-12)

@@ -1,5 +1,7 @@
 """Replay accounting on a tiny hand-made bank (SYNTHETIC: four rounds written by hand, not engine data)."""
 
+import itertools
+
 import numpy as np
 import pyarrow as pa
 import pytest
@@ -9,8 +11,9 @@ from calib.bank import schema, write_bank
 from calib.chains.ngram import round_feature_tensor
 from calib.cost import CostCurve, make_curve
 from calib.evaluate.data import load_eval_bank
-from calib.evaluate.replay import ReplayConfig, replay, replay_setting, train_mean_curve
-from calib.policies.setting import StepBatch, committed
+from calib.evaluate.replay import ReplayConfig, replay, replay_setting, summarise, train_mean_curve
+from calib.evaluate.replay.config import WEIGHTINGS
+from calib.policies.setting import Setting, StepBatch, committed
 from calib.tables import save
 from tests.synthetic import two_chain_tables
 
@@ -88,7 +91,7 @@ def test_committed_tokens_and_costs_are_exact(bank):
     sb = StepBatch(bank, np.arange(4), np.array([[0, 1, 2, 3]]))
     cfg = ReplayConfig(draft_cost={"model": 0.0, "ngram": 0.0})
     res = replay_setting(sb, curve(), cfg, train_mean_curve(bank))
-    tok = {k: float(v[0][0]) for k, v in res.items()}
+    tok = {k: float(v[0][0].sum()) for k, v in res.items()}  # step 0's rounds
     cost = {k: float(v[1][0]) for k, v in res.items()}
     assert tok["no_spec"] == 4 and cost["no_spec"] == pytest.approx(1.04)
     # fixed_1: depths 1,1,1,1 commit min(1, accepted)+1 = 2,1,2,2
@@ -105,7 +108,7 @@ def test_second_fixed_is_the_other_drafter_served_alone(bank):
     sb = StepBatch(bank, np.arange(4), np.array([[0, 1, 2, 3]]))
     cfg = ReplayConfig(draft_cost={"model": 0.5, "ngram": 0.0})
     res = replay_setting(sb, curve(), cfg, train_mean_curve(bank))
-    tok = {k: float(v[0][0]) for k, v in res.items()}
+    tok = {k: float(v[0][0].sum()) for k, v in res.items()}  # step 0's rounds
     cost = {k: float(v[1][0]) for k, v in res.items()}
     # n-gram accepted 1, 2, 0, 0 over lengths 3, 2, 0, 3: γ=2 verifies 2, 2, 0, 2 and commits 2 + 3 + 1 + 1
     assert tok["second_fixed_2"] == 7 and cost["second_fixed_2"] == pytest.approx(1 + 0.01 * (4 + 6))
@@ -113,12 +116,30 @@ def test_second_fixed_is_the_other_drafter_served_alone(bank):
     assert all(tok[f"second_fixed_{g}"] <= tok["oracle"] for g in (1, 2, 3))
 
 
+def test_positions_weighting_counts_a_round_for_the_text_it_covered(bank):
+    """A recorded round stands for the tokens its collecting engine committed: a policy committing p where the
+    collector committed c crosses that text in c / p steps; the collector's own policy is unchanged (issue 41)."""
+    sb = StepBatch(bank, np.arange(4), np.arange(4)[:, None])  # B = 1: one round a step
+    res = replay_setting(sb, curve(), ReplayConfig(draft_cost={"model": 0.0, "ngram": 0.0}), train_mean_curve(bank))
+    assert sb.covered[:, 0].tolist() == [4, 1, 2, 3]  # the model chain (verified) accepted 3, 0, 1, 2, each + 1
+    rounds, positions = summarise(res, 1, 4), summarise(res, 1, 4, sb.covered)
+    # fixed_3 commits what the collector committed: one step a round either way
+    assert positions["fixed_3"] == pytest.approx(rounds["fixed_3"])
+    # the oracle commits 3 in round 1 (its n-gram chain) where the collector committed 1: a third of a step there
+    oracle, cost = positions["oracle"], res["oracle"][1]
+    assert rounds["oracle"]["tokens"] == 12 and oracle["tokens"] == 10 and oracle["steps"] == pytest.approx(3 + 1 / 3)
+    assert oracle["cost"] == pytest.approx(cost[0] + cost[1] / 3 + cost[2] + cost[3])
+    # no speculation writes more text in proportionally more steps: the same speed either way
+    speed = {k: v["no_spec"]["tokens"] / v["no_spec"]["cost"] for k, v in (("r", rounds), ("p", positions))}
+    assert positions["no_spec"]["steps"] == 10 and speed["p"] == pytest.approx(speed["r"])
+
+
 def test_committed_uses_the_chosen_chain(bank):
     sb = StepBatch(bank, np.arange(4), np.array([[0, 1, 2, 3]]))
     drafter = np.array([[1, 2, 0, 2]])
     depth = np.array([[2, 2, 0, 3]])
     # round 0 model: min(2, 3)+1 = 3; round 1 n-gram: min(2, 2)+1 = 3; round 2 none: 1; round 3 n-gram: 0+1
-    assert committed(sb, drafter, depth).tolist() == [8]
+    assert committed(sb, drafter, depth).tolist() == [[3, 3, 1, 1]]
 
 
 def test_drafting_cost_is_charged_per_pass(bank):
@@ -267,7 +288,7 @@ def test_draft_aware_policies_pay_the_passes_they_run(tmp_path, forecast, cost, 
         assert 0 <= run <= 3 and (passes is None or run == passes)
         assert float(charged[0]) == pytest.approx(1 + 0.01 * (4 + float(pos[0])) + cost * run * c_b)
     if passes == 0:  # nothing pays: the model chain is not drafted at all
-        assert float(res["ragged_calibrated"][0][0]) == 4 and float(res["ragged_calibrated"][2][0]) == 0
+        assert float(res["ragged_calibrated"][0][0].sum()) == 4 and float(res["ragged_calibrated"][2][0]) == 0
 
 
 def test_oracle_bounds_the_draft_aware_policies_step_by_step(tmp_path):
@@ -275,12 +296,13 @@ def test_oracle_bounds_the_draft_aware_policies_step_by_step(tmp_path):
     rng = np.random.default_rng(0)
     idx = np.stack([rng.permutation(4) for _ in range(24)])
     sb = StepBatch(bank, np.arange(4), idx)
-    for cost in (0.0, 0.1, 0.4):
-        res = replay_setting(sb, curve(), ReplayConfig(draft_cost={"model": cost, "ngram": 0.0}),
-                             train_mean_curve(bank))
-        oracle = res["oracle"][0] / res["oracle"][1]
+    for cost, weighting in itertools.product((0.0, 0.1, 0.4), WEIGHTINGS):
+        cfg = ReplayConfig(draft_cost={"model": cost, "ngram": 0.0}, weighting=weighting)
+        res = replay_setting(sb, curve(), cfg, train_mean_curve(bank))
+        s = Setting(sb, curve(), cfg, train_mean_curve(bank))  # each step counted as the totals count it
+        oracle = s.step_goodput(*res["oracle"][:2])
         for name in ("ragged_calibrated", "two_drafter", "no_spec", "fixed_1", "fixed_3"):
-            assert (res[name][0] / res[name][1] <= oracle + 1e-12).all(), (cost, name)
+            assert (s.step_goodput(*res[name][:2]) <= oracle + 1e-12).all(), (cost, weighting, name)
 
 
 @pytest.mark.parametrize("n_rounds, batch, passes", [(347, 1, 1.0), (100, 4, 1.0), (30, 7, 3.0), (64, 16, 2.5)])

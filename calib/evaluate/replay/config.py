@@ -19,6 +19,8 @@ MODES = ("price", "budget")  # price: goodput rule on the cost curve; budget: to
 # When the draft-aware policies plan their model draft passes: once per step, before drafting (the loop
 # calib serves: calib/vllm/server.py sets the step's passes), or again before every pass.
 PLANS = ("step", "pass")
+# How a recorded round counts: once per policy step, or for the stretch of text it covered (summarise).
+WEIGHTINGS = ("positions", "rounds")
 DRAFTERS = chain_names()  # the chains a draft cost can be given for (calib.chains, at import)
 EVAL_YAML = Path(__file__).resolve().parents[3] / "conf" / "eval.yaml"
 
@@ -68,6 +70,9 @@ class ReplayConfig:
             prompt. A prediction of a served cell is then of the prompts it served.
         undrafted_steps: replay a model-free drafter's steps without a draft too (the gaps between a request's
             rounds: :mod:`calib.evaluate.replay.undrafted`); off: the recorded rounds only, every step drafted.
+        weighting: from :data:`WEIGHTINGS`; ``positions``: a recorded round counts for the text it covered, so
+            a policy committing more than the collecting engine crosses it in fewer steps
+            (:func:`calib.evaluate.replay.summarise`); ``rounds``: every recorded round is one step of every policy.
     """
 
     batch_sizes: tuple[int, ...] = field(default_factory=_from_yaml("batch_sizes"))
@@ -83,6 +88,7 @@ class ReplayConfig:
     plan: str = field(default_factory=_from_yaml("plan"))
     cell_prompts: tuple[int, int] | None = field(default_factory=_from_yaml("cell_prompts"))
     undrafted_steps: bool = field(default_factory=_from_yaml("undrafted_steps"))
+    weighting: str = field(default_factory=_from_yaml("weighting"))
 
     _constraints: ClassVar[dict] = {  # declarative checks (calib.calibrators.base), batch_sizes below
         "mode": [Options(MODES)],
@@ -94,6 +100,7 @@ class ReplayConfig:
         "impl": [Options(IMPLEMENTATIONS)],
         "plan": [Options(PLANS)],
         "undrafted_steps": [Boolean()],
+        "weighting": [Options(WEIGHTINGS)],
     }
 
     def __post_init__(self) -> None:

@@ -84,12 +84,24 @@ def _charged(res: PolicyResult, hooks: float) -> PolicyResult:
     return res if hooks == 0 else res._replace(cost=res.cost + hooks)
 
 
-def summarise(results: dict, B: int, S: int) -> dict:
-    """Totals per step-policy row (hindsight policies are added by :func:`replay`)."""
+def summarise(results: dict, B: int, S: int, covered: np.ndarray | None = None) -> dict:
+    """Totals per step-policy row (hindsight policies are added by :func:`replay`).
+
+    ``covered`` [S, B] (``weighting: positions``): the tokens the collecting engine committed in each round. A
+    recorded round then stands for the stretch of text it covered, not for one step: a policy committing ``p``
+    tokens where the collector committed ``c`` crosses that stretch in ``c / p`` steps. So step ``s`` counts
+    ``w_s = mean_i c_si / p_si`` times (its B requests advance in lockstep) and every policy writes the same
+    text, ``Σ c``. Counting each round once instead over-weights the long matches of a policy that commits
+    more than the collector (a copied span the collector crossed in many rounds, the policy in one)."""
     rows = {}
     for name, (tok, cost, pos, extra) in results.items():
-        rows[name] = {"tokens": float(np.sum(tok)), "cost": float(np.sum(cost)), "positions": float(np.sum(pos)),
-                      "steps": S, "rounds": S * B, **extra}
+        if covered is None:
+            w, tokens = np.ones(S), float(np.sum(tok))
+        else:
+            w, tokens = (covered / tok).mean(axis=1), float(covered.sum())
+        steps = float(w.sum())
+        rows[name] = {"tokens": tokens, "cost": float(np.dot(w, cost)), "positions": float(np.dot(w, pos)),
+                      "steps": steps, "rounds": steps * B, **extra}
     return rows
 
 
@@ -168,7 +180,7 @@ def replay(banks, curves: dict[str, CostCurve], cfg: ReplayConfig, progress: boo
         train_curve = train_mean_curve(bank)
         for cname, curve in curves.items():
             res = replay_setting(sb, curve.for_batch(b), cfg, train_curve)
-            totals = summarise(res, b, sb.S)
+            totals = summarise(res, b, sb.S, sb.covered if cfg.weighting == "positions" else None)
             meta = {"bank": bank.name, "batch_size": b, "category": cat, "cost_model": cname, "unit": curve.unit}
             key = (bank.name, b, cname, curve.unit)
             done.append((meta, totals, key))
