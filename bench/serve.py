@@ -280,6 +280,7 @@ def main(argv=None) -> None:
                                                                  done.get("cost_model", args.cost_model)))
             done["unstable"] = clock.unstable(done["table"], done.get("tolerance", args.tolerance))
             done["retabled_from"] = args.from_json
+            done["retable_command"] = " ".join(["python bench/serve.py", *(argv or sys.argv[1:])])
             write_text_atomic(Path(args.retable), json.dumps(done, indent=1))
             print(f"wrote {args.retable}")
             return report(done, args, source=args.retable)
@@ -394,7 +395,7 @@ def _metrics(path: str | None) -> dict | None:
 def report(result: dict, args=None, source: str | None = None) -> None:
     """The answer first (each calib arm against the best vLLM arm, headroom captured), then the tables; with
     ``args.readme``, the marked blocks of those files that cite ``source`` are redrawn from it."""
-    from calib.evaluate import clock
+    from calib.evaluate import clock, clock_blocks
 
     rows, arms = result["table"], result["arms"]
     print("\n".join(clock.answer_lines(rows)))
@@ -421,7 +422,7 @@ def report(result: dict, args=None, source: str | None = None) -> None:
             print(f"  {arm:<18} {o['identical']}/{o['prompts']}" + (f"  differ: {o['differ']}" if o["differ"] else ""))
     for doc in (args.readme if args is not None else []):
         rel = os.path.relpath(Path(source).resolve(), ROOT) if source else None
-        n = clock.redraw(Path(doc), ROOT, only=rel)
+        n = clock_blocks.redraw(Path(doc), ROOT, only=rel)
         print(f"redrew {n} marked block(s) of {doc} citing {rel}")
 
 

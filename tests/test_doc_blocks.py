@@ -10,22 +10,22 @@ from pathlib import Path
 
 import pytest
 
-from calib.evaluate import clock
+from calib.evaluate import clock, clock_blocks
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "calib").glob("*/README.md"))]
 
 
 def test_every_marked_block_equals_its_json():
-    found = [d for d in DOCS if clock.BLOCK.search(d.read_text())]
+    found = [d for d in DOCS if clock_blocks.BLOCK.search(d.read_text())]
     assert found, "no marked block anywhere: the README's clock figures must be one"
-    bad = [b for d in found for b in clock.stale_blocks(d, ROOT)]
+    bad = [b for d in found for b in clock_blocks.stale_blocks(d, ROOT)]
     assert not bad, "\n".join(bad)
 
 
 def test_the_readme_cites_its_clock_answer_through_a_block():
     text = (ROOT / "README.md").read_text()
-    kinds = [m["kind"] for m in clock.BLOCK.finditer(text)]
+    kinds = [m["kind"] for m in clock_blocks.BLOCK.finditer(text)]
     assert "answer" in kinds
 
 
@@ -51,13 +51,13 @@ def test_a_block_whose_numbers_differ_from_its_json_is_stale(tmp_path):
     doc = tmp_path / "docs" / "page.md"
     doc.parent.mkdir()
     doc.write_text(f"intro\n<!-- clock:answer {source} -->\nold\n<!-- /clock -->\nafter\n")
-    assert len(clock.stale_blocks(doc, tmp_path)) == 1
-    assert clock.redraw(doc, tmp_path) == 1 and clock.stale_blocks(doc, tmp_path) == []
+    assert len(clock_blocks.stale_blocks(doc, tmp_path)) == 1
+    assert clock_blocks.redraw(doc, tmp_path) == 1 and clock_blocks.stale_blocks(doc, tmp_path) == []
     text = doc.read_text()
     assert "1.20–1.20× the best vLLM arm" in text and "](../bench/serve.json)" in text  # relative to the doc
     assert text.startswith("intro\n") and text.endswith("after\n")
     _synthetic_bench(tmp_path, 45.0)  # the JSON changes: the block no longer matches
-    (bad,) = clock.stale_blocks(doc, tmp_path)
+    (bad,) = clock_blocks.stale_blocks(doc, tmp_path)
     assert "page.md:2 clock:answer bench/serve.json" in bad and "--from-json" in bad
 
 
@@ -65,8 +65,8 @@ def test_a_block_citing_a_missing_json_or_kind_is_refused(tmp_path):
     doc = tmp_path / "page.md"
     doc.write_text("<!-- clock:answer nowhere.json -->\nx\n<!-- /clock -->\n")
     with pytest.raises(FileNotFoundError, match="nowhere.json"):
-        clock.stale_blocks(doc, tmp_path)
+        clock_blocks.stale_blocks(doc, tmp_path)
     source = _synthetic_bench(tmp_path, 60.0)
     doc.write_text(f"<!-- clock:pie {source} -->\nx\n<!-- /clock -->\n")
     with pytest.raises(ValueError, match="kind 'pie'"):
-        clock.stale_blocks(doc, tmp_path)
+        clock_blocks.stale_blocks(doc, tmp_path)

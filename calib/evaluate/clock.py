@@ -1,23 +1,17 @@
 """The serving bench's answer on the clock (bench/serve.py): per cell, each arm's tokens/s, its ratio to the best
 vLLM arm taken pair by pair, the headroom it captured of the clock oracle's, the replay's prediction and its
-error; rendered as tables and as marked blocks in README/docs that are redrawn from the bench's JSON alone.
+error; rendered as tables here, and as marked blocks in README/docs by :mod:`calib.evaluate.clock_blocks`.
 
 A record is one (arm, repetition, cell) of bench/serve.py (``{"arm", "rep", "cell": {category, sampling,
 concurrency}, "tok_s", "tpot_ms_median", ...}``); a row is one cell with every arm's figures (:func:`rows`).
 The arms come from the servable policies of :mod:`calib.policies` (:func:`arms`): vLLM's own (no speculation
 included) are the peers, calib's are judged against the best of them, and an oracle arm (greedy only: it
 verifies exactly what the reference output accepts) is the ceiling.
-
-Marked blocks (:data:`BLOCK`): ``<!-- clock:KIND SOURCE -->`` ... ``<!-- /clock -->`` where ``SOURCE`` is the
-bench JSON's path relative to the project root; :func:`redraw` rewrites them, :func:`stale_blocks` says
-which differ from what their JSON renders (tests/test_doc_blocks.py fails on any).
 """
 
 from __future__ import annotations
 
 import functools
-import json
-import re
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -234,7 +228,7 @@ def deploy_lines(table: list[dict]) -> list[str]:
             ratio = row["ratio_to_best_vllm"]
             alt = [a for a in calib_arms() if a in ratio and a not in row["model_passes_share"]]
             best_alt = max(alt, key=ratio.get) if alt else None
-            instead = (f"deploy the n-gram engine ({best_alt} {_x(ratio.get(best_alt))} vs {arm} {_x(ratio.get(arm))} "
+            instead = (f"deploy the n-gram engine ({best_alt} {fmt_x(ratio.get(best_alt))} vs {arm} {fmt_x(ratio.get(arm))} "
                        f"the best vLLM arm)" if best_alt else f"deploy {row['best_vllm']} (the best vLLM arm)")
             out.append(f"{row['category']}/{row['sampling']}/c{row['concurrency']}: {arm} ran {share:.0%} of the "
                        f"model drafter's passes, which does not pay here: {instead}")
@@ -253,11 +247,11 @@ def unstable(table: list[dict], tolerance: float) -> list[str]:
     return bad
 
 
-def _x(v) -> str:
+def fmt_x(v) -> str:
     return "–" if v is None else f"{v:.2f}×"
 
 
-def _pct(v) -> str:
+def fmt_pct(v) -> str:
     """A signed percentage; one that rounds to 0 is written +0% (never -0%)."""
     return "–" if v is None else f"{0.0 if abs(v) < 0.005 else v:+.0%}"
 
@@ -295,9 +289,9 @@ def speedup_table(table: list[dict], arm_names: list[str]) -> str:
             st = (row.get("decode_step_ratio_to_none") or {}).get(a)
             sd = (row.get("steady_ratio_to_none") or {}).get(a)
             e = (row.get("prediction_error") or {}).get(a)
-            vals.append(_x(m) + ("" if d is None else f" / {d:.2f}×") + ("" if st is None else f" / {st:.2f}×")
+            vals.append(fmt_x(m) + ("" if d is None else f" / {d:.2f}×") + ("" if st is None else f" / {st:.2f}×")
                         + ("" if sd is None else f" / {sd:.2f}×")
-                        + ("" if p is None else f" ({p:.2f}×, {_pct(e)})"))
+                        + ("" if p is None else f" ({p:.2f}×, {fmt_pct(e)})"))
         lines.append(f"| {row['category']} | {row['sampling']} | {row['concurrency']} | " + " | ".join(vals) + " |")
     return "\n".join(lines)
 
@@ -313,8 +307,8 @@ def headroom_table(table: list[dict]) -> str | None:
         if not row.get("headroom_captured"):
             continue
         orcs = sorted({o for o in row["oracle"].values()})
-        orc = ", ".join(f"{o} {_x(row['ratio_to_best_vllm'].get(o))}" for o in orcs)
-        vals = [f"{_x(row['ratio_to_best_vllm'].get(a))}, {_pct(row['headroom_captured'].get(a))}"
+        orc = ", ".join(f"{o} {fmt_x(row['ratio_to_best_vllm'].get(o))}" for o in orcs)
+        vals = [f"{fmt_x(row['ratio_to_best_vllm'].get(a))}, {fmt_pct(row['headroom_captured'].get(a))}"
                 if a in row["headroom_captured"] else "–" for a in mine]
         lines.append(f"| {row['category']} | {row['concurrency']} | {row['best_vllm']} | {orc} | " + " | ".join(vals)
                      + " |")
@@ -346,17 +340,12 @@ def answer_lines(table: list[dict]) -> list[str]:
     return out
 
 
-def _reps(result: dict) -> int:
+def repetitions(result: dict) -> int:
     return len({r["rep"] for r in result.get("runs", [])}) or max(
         (max(row["reps"].values(), default=0) for row in result["table"]), default=0)
 
 
-# --- marked blocks: README/docs figures redrawn from the bench JSON alone ----------------------------------
-
-BLOCK = re.compile(r"<!-- clock:(?P<kind>[a-z-]+) (?P<source>\S+) -->\n(?P<body>.*?)<!-- /clock -->", re.DOTALL)
-
-
-def _errors(row: dict) -> dict:
+def prediction_errors(row: dict) -> dict:
     """{arm: predicted / measured speed-up over no speculation − 1} of a row (recomputed for a bench that
     predates the field)."""
     if "prediction_error" in row:
@@ -375,135 +364,5 @@ def answer_figures(table: list[dict]) -> dict[str, list[float]]:
             for row in table if any(a in row["ratio_to_best_vllm"] for a in mine)]
     head = [max(v for v in row["headroom_captured"].values() if v is not None) for row in table
             if any(v is not None for v in (row.get("headroom_captured") or {}).values())]
-    errors = [abs(e) for row in table for e in _errors(row).values() if e is not None]
+    errors = [abs(e) for row in table for e in prediction_errors(row).values() if e is not None]
     return {"best": best, "headroom": head, "errors": errors}
-
-
-def render_answer(result: dict, source: str) -> str:
-    """The headline: calib's best arm against the best vLLM arm per cell, headroom, the replay's error."""
-    table = result["table"]
-    figures = answer_figures(table)
-    best, head, err = figures["best"], figures["headroom"], figures["errors"]
-    wins = sum(b >= 1.0 for b in best)
-    s = (f"**On a clock — the answer** (`{result['command']}`, {result.get('date', '?')}, {result.get('cpu', '?')}, "
-         f"{_reps(result)} repetitions, arms alternated; [{Path(source).name}]({source})): ")
-    if best:
-        s += (f"calib's best arm is **{min(best):.2f}–{max(best):.2f}× the best vLLM arm** of each cell (no "
-              f"speculation included; median {statistics.median(best):.2f}×), at least its equal in {wins} of "
-              f"{len(best)} cells")
-    if head:
-        s += (f"; of the clock oracle's headroom over the best vLLM arm it captured {min(head):+.0%} to "
-              f"{max(head):+.0%} (median {_pct(statistics.median(head))}, {len(head)} greedy cells)")
-    s += "."
-    lines = [s]
-    if err:
-        lines += ["", (f"The replay's predicted speed-ups over no speculation missed the clock's decode speed-ups by "
-                       f"{statistics.median(err):.0%} (median) to {max(err):.0%} (worst) over {len(err)} (cell, arm) "
-                       "pairs: a prediction, second to the clock.")]
-    per_arm = answer_lines(table)
-    if per_arm:
-        lines += ["", *(f"- {line}" for line in per_arm)]
-    return "\n".join(lines)
-
-
-def _speedup_sentence(result: dict) -> str:
-    """What the speed-up table measures and what the replay's error is taken against: the clock's figures a
-    bench recorded (the steady state and the decode steps from December 5 on)."""
-    table = result["table"]
-    steady = any(r.get("steady_ratio_to_none") for r in table)
-    steps = steady or any(r.get("decode_step_ratio_to_none") for r in table)
-    measures = "output tok/s (prefill included) / decode speed by TPOT"
-    if steps:
-        measures += (" (a request's own prefill left out, its neighbours' chunks not) / decode speed over the engine "
-                     "steps in which no request was in prefill")
-    if steady:
-        measures += " / over those of them with every client's request in flight (the steady state)"
-    against = ("the last, the state the replay prices" if steady else
-               "the last, the speed-up of the steps the replay prices" if steps else "the decode speed-up")
-    return (f"Speed-up over no speculation, measured: {measures}; in brackets the replay's prediction for the same "
-            f"cell (`python eval.py`, {result.get('cost_model')} cost model; a prediction, not a clock) and its "
-            f"error against {against}:")
-
-
-def render_tables(result: dict, source: str) -> str:
-    """The bench's full tables (tok/s, speed-up over no speculation with the replay's prediction, headroom)."""
-    arm_names = list(result["arms"])
-    ident = result.get("identity_float32_greedy")
-    same = (", ".join(f"{a} {o['identical']}/{o['prompts']}" for a, o in ident.items()) if ident else "not run")
-    parts = [f"Measured on the clock by `{result['command']}` on {result.get('date', '?')} ({result.get('cpu', '?')}, "
-             f"{result['wall_s'] / 60:.0f} min, all arms in one run, arms alternated within each of "
-             f"{_reps(result)} repetitions; [{Path(source).name}]({source})). Output tokens/s, median [min–max over "
-             "the repetitions] (ratio to the best vLLM arm of the cell, no speculation included, "
-             + ("the median of the per-repetition ratios):" if any("ratio_spread" in r for r in result["table"])
-                else "the ratio of the medians: this bench predates pairwise ratios):"),
-             "", tok_s_table(result["table"], arm_names), "",
-             _speedup_sentence(result), "",
-             speedup_table(result["table"], arm_names)]
-    head = headroom_table(result["table"])
-    if head:
-        parts += ["", ("Headroom captured on the clock, per greedy cell: (calib − best vLLM arm) / (oracle − best "
-                       "vLLM arm), the fastest oracle arm of the cell (it verifies exactly what the reference output "
-                       "accepts); none where the oracle is not 2 % above the best vLLM arm:"), "", head]
-    deploy = deploy_lines(result["table"])
-    if deploy:
-        parts += ["", ("Where the tables say the model drafter does not pay (an EAGLE engine then costs its head's idle "
-                  "first pass every step):"), "", *(f"- {line}" for line in deploy)]
-    parts += ["", f"float32 greedy outputs identical to no speculation (concurrency 4): {same}."]
-    return "\n".join(parts)
-
-
-RENDERERS = {"answer": render_answer, "tables": render_tables}
-
-
-def render(kind: str, source: str, root: Path = ROOT) -> str:
-    if kind not in RENDERERS:
-        raise ValueError(f"clock block kind {kind!r}: choose one of {sorted(RENDERERS)}")
-    path = root / source
-    if not path.is_file():
-        raise FileNotFoundError(f"clock block cites {source}, which is not a file under {root}")
-    return RENDERERS[kind](json.loads(path.read_text()), source)
-
-
-def _rel(doc: Path, source: str, root: Path) -> str:
-    """``source`` (relative to the project root) as a link relative to ``doc``'s folder."""
-    import os
-
-    return os.path.relpath(root / source, doc.resolve().parent)
-
-
-def _body(doc: Path, m: re.Match, root: Path) -> str:
-    """A marked block's text as its JSON renders it, its link relative to ``doc``."""
-    return render(m["kind"], m["source"], root).replace(f"]({m['source']})", f"]({_rel(doc, m['source'], root)})")
-
-
-def redraw(doc: Path, root: Path = ROOT, only: str | None = None) -> int:
-    """Rewrite every marked block of ``doc`` (those citing ``only``, if given) from its JSON; the number
-    rewritten. Written to a temp name, then renamed."""
-    from calib.atomic import write_text_atomic
-
-    text = doc.read_text()
-    n = 0
-
-    def sub(m):
-        nonlocal n
-        if only is not None and m["source"] != only:
-            return m[0]
-        n += 1
-        return f"<!-- clock:{m['kind']} {m['source']} -->\n{_body(doc, m, root)}\n<!-- /clock -->"
-
-    new = BLOCK.sub(sub, text)
-    if new != text:
-        write_text_atomic(doc, new)
-    return n
-
-
-def stale_blocks(doc: Path, root: Path = ROOT) -> list[str]:
-    """The marked blocks of ``doc`` whose text differs from what their JSON renders (``file:line kind source``)."""
-    text = doc.read_text()
-    bad = []
-    for m in BLOCK.finditer(text):
-        if m["body"].rstrip("\n") != _body(doc, m, root):
-            line = text[: m.start()].count("\n") + 1
-            bad.append(f"{doc}:{line} clock:{m['kind']} {m['source']}: differs from what its JSON renders "
-                       f"(`python bench/serve.py --from-json {m['source']} --readme {doc}` redraws it)")
-    return bad

@@ -1,0 +1,190 @@
+"""README/docs figures redrawn from a serving bench's JSON alone (:mod:`calib.evaluate.clock` computes them).
+
+Marked blocks (:data:`BLOCK`): ``<!-- clock:KIND SOURCE -->`` ... ``<!-- /clock -->`` where ``SOURCE`` is the
+bench JSON's path relative to the project root and ``KIND`` one of :data:`RENDERERS`; :func:`redraw` rewrites
+them, :func:`stale_blocks` says which differ from what their JSON renders (tests/test_doc_blocks.py fails on any).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import statistics
+from pathlib import Path
+
+from calib.evaluate.clock import (
+    ROOT,
+    answer_figures,
+    answer_lines,
+    deploy_lines,
+    fmt_pct,
+    fmt_x,
+    headroom_table,
+    prediction_errors,
+    repetitions,
+    speedup_table,
+    tok_s_table,
+)
+
+BLOCK = re.compile(r"<!-- clock:(?P<kind>[a-z-]+) (?P<source>\S+) -->\n(?P<body>.*?)<!-- /clock -->", re.DOTALL)
+
+
+def render_answer(result: dict, source: str) -> str:
+    """The headline: calib's best arm against the best vLLM arm per cell, headroom, the replay's error."""
+    table = result["table"]
+    figures = answer_figures(table)
+    best, head, err = figures["best"], figures["headroom"], figures["errors"]
+    wins = sum(b >= 1.0 for b in best)
+    s = (f"**On a clock — the answer** (`{result['command']}`, {result.get('date', '?')}, {result.get('cpu', '?')}, "
+         f"{repetitions(result)} repetitions, arms alternated; [{Path(source).name}]({source})): ")
+    if best:
+        s += (f"calib's best arm is **{min(best):.2f}–{max(best):.2f}× the best vLLM arm** of each cell (no "
+              f"speculation included; median {statistics.median(best):.2f}×), at least its equal in {wins} of "
+              f"{len(best)} cells")
+    if head:
+        s += (f"; of the clock oracle's headroom over the best vLLM arm it captured {min(head):+.0%} to "
+              f"{max(head):+.0%} (median {fmt_pct(statistics.median(head))}, {len(head)} greedy cells)")
+    s += "."
+    lines = [s]
+    if err:
+        lines += ["", (f"The replay's predicted speed-ups over no speculation missed the clock's decode speed-ups by "
+                       f"{statistics.median(err):.0%} (median) to {max(err):.0%} (worst) over {len(err)} (cell, arm) "
+                       "pairs: a prediction, second to the clock.")]
+    per_arm = answer_lines(table)
+    if per_arm:
+        lines += ["", *(f"- {line}" for line in per_arm)]
+    return "\n".join(lines)
+
+
+def _speedup_sentence(result: dict) -> str:
+    """What the speed-up table measures and what the replay's error is taken against: the clock's figures a
+    bench recorded (the steady state and the decode steps from December 5 on)."""
+    table = result["table"]
+    steady = any(r.get("steady_ratio_to_none") for r in table)
+    steps = steady or any(r.get("decode_step_ratio_to_none") for r in table)
+    measures = "output tok/s (prefill included) / decode speed by TPOT"
+    if steps:
+        measures += (" (a request's own prefill left out, its neighbours' chunks not) / decode speed over the engine "
+                     "steps in which no request was in prefill")
+    if steady:
+        measures += " / over those of them with every client's request in flight (the steady state)"
+    against = ("the last, the state the replay prices" if steady else
+               "the last, the speed-up of the steps the replay prices" if steps else "the decode speed-up")
+    return (f"Speed-up over no speculation, measured: {measures}; in brackets the replay's prediction for the same "
+            f"cell (`python eval.py`, {result.get('cost_model')} cost model; a prediction, not a clock) and its "
+            f"error against {against}:")
+
+
+def render_tables(result: dict, source: str) -> str:
+    """The bench's full tables (tok/s, speed-up over no speculation with the replay's prediction, headroom)."""
+    arm_names = list(result["arms"])
+    ident = result.get("identity_float32_greedy")
+    same = (", ".join(f"{a} {o['identical']}/{o['prompts']}" for a, o in ident.items()) if ident else "not run")
+    parts = [f"Measured on the clock by `{result['command']}` on {result.get('date', '?')} ({result.get('cpu', '?')}, "
+             f"{result['wall_s'] / 60:.0f} min, all arms in one run, arms alternated within each of "
+             f"{repetitions(result)} repetitions; [{Path(source).name}]({source})). Output tokens/s, median [min–max over "
+             "the repetitions] (ratio to the best vLLM arm of the cell, no speculation included, "
+             + ("the median of the per-repetition ratios):" if any("ratio_spread" in r for r in result["table"])
+                else "the ratio of the medians: this bench predates pairwise ratios):"),
+             "", tok_s_table(result["table"], arm_names), "",
+             _speedup_sentence(result), "",
+             speedup_table(result["table"], arm_names)]
+    head = headroom_table(result["table"])
+    if head:
+        parts += ["", ("Headroom captured on the clock, per greedy cell: (calib − best vLLM arm) / (oracle − best "
+                       "vLLM arm), the fastest oracle arm of the cell (it verifies exactly what the reference output "
+                       "accepts); none where the oracle is not 2 % above the best vLLM arm:"), "", head]
+    deploy = deploy_lines(result["table"])
+    if deploy:
+        parts += ["", ("Where the tables say the model drafter does not pay (an EAGLE engine then costs its head's idle "
+                  "first pass every step):"), "", *(f"- {line}" for line in deploy)]
+    parts += ["", f"float32 greedy outputs identical to no speculation (concurrency 4): {same}."]
+    return "\n".join(parts)
+
+
+def _basis(row: dict) -> dict:
+    """{arm: the measured speed-up the row's prediction is judged against} (its ``prediction_basis``)."""
+    return next((row.get(f) for f, name in (("steady_ratio_to_none", "steady decode"),
+                                            ("decode_step_ratio_to_none", "decode steps"),
+                                            ("decode_ratio_to_none", "decode (TPOT)"),
+                                            ("ratio_to_none", "output tok/s"))
+                 if row.get("prediction_basis") == name), None) or {}
+
+
+def render_predictions(result: dict, source: str, tolerance: float = 0.10) -> str:
+    """The replay's prediction beside the clock, arm by arm and cell by cell, and how many pairs are within
+    ``tolerance``: the block for a bench's cells re-predicted by another replay (``--retable``)."""
+    table, shown = result["table"], [a for a in result["arms"] if a != "none"]
+    errors = [(row, a, e) for row in table for a, e in prediction_errors(row).items() if e is not None]
+    within = sum(abs(e) <= tolerance for _, _, e in errors)
+    how = (f"re-predicted by `{result['retable_command']}`" if result.get("retable_command") else
+           f"predicted by `{result.get('replay')}`")
+    lines = [(f"The replay's predicted speed-up over no speculation (a prediction) beside the clock's (measured, "
+             f"`{result['command']}`, {result.get('date', '?')}), {how} ([{Path(source).name}]({source})): "
+             f"**{within} of {len(errors)} (cell, arm) pairs within ±{tolerance:.0%}**. Each entry: measured → "
+             "predicted (error), measured as the cell's basis (the steady state, else the decode steps):"), "",
+             "| category | sampling | c | basis | " + " | ".join(shown) + " |", "|" + "---|" * (len(shown) + 4)]
+    for row in table:
+        measured, err = _basis(row), prediction_errors(row)
+        vals = [f"{fmt_x(measured.get(a))} → {fmt_x(row['predicted_vs_none'].get(a))} ({fmt_pct(err.get(a))})"
+                if row["predicted_vs_none"].get(a) is not None else "–" for a in shown]
+        lines.append(f"| {row['category']} | {row['sampling']} | {row['concurrency']} | {row.get('prediction_basis')} "
+                     "| " + " | ".join(vals) + " |")
+    return "\n".join(lines)
+
+
+RENDERERS = {"answer": render_answer, "tables": render_tables, "predictions": render_predictions}
+
+
+def render(kind: str, source: str, root: Path = ROOT) -> str:
+    if kind not in RENDERERS:
+        raise ValueError(f"clock block kind {kind!r}: choose one of {sorted(RENDERERS)}")
+    path = root / source
+    if not path.is_file():
+        raise FileNotFoundError(f"clock block cites {source}, which is not a file under {root}")
+    return RENDERERS[kind](json.loads(path.read_text()), source)
+
+
+def _rel(doc: Path, source: str, root: Path) -> str:
+    """``source`` (relative to the project root) as a link relative to ``doc``'s folder."""
+    import os
+
+    return os.path.relpath(root / source, doc.resolve().parent)
+
+
+def _body(doc: Path, m: re.Match, root: Path) -> str:
+    """A marked block's text as its JSON renders it, its link relative to ``doc``."""
+    return render(m["kind"], m["source"], root).replace(f"]({m['source']})", f"]({_rel(doc, m['source'], root)})")
+
+
+def redraw(doc: Path, root: Path = ROOT, only: str | None = None) -> int:
+    """Rewrite every marked block of ``doc`` (those citing ``only``, if given) from its JSON; the number
+    rewritten. Written to a temp name, then renamed."""
+    from calib.atomic import write_text_atomic
+
+    text = doc.read_text()
+    n = 0
+
+    def sub(m):
+        nonlocal n
+        if only is not None and m["source"] != only:
+            return m[0]
+        n += 1
+        return f"<!-- clock:{m['kind']} {m['source']} -->\n{_body(doc, m, root)}\n<!-- /clock -->"
+
+    new = BLOCK.sub(sub, text)
+    if new != text:
+        write_text_atomic(doc, new)
+    return n
+
+
+def stale_blocks(doc: Path, root: Path = ROOT) -> list[str]:
+    """The marked blocks of ``doc`` whose text differs from what their JSON renders (``file:line kind source``)."""
+    text = doc.read_text()
+    bad = []
+    for m in BLOCK.finditer(text):
+        if m["body"].rstrip("\n") != _body(doc, m, root):
+            line = text[: m.start()].count("\n") + 1
+            bad.append(f"{doc}:{line} clock:{m['kind']} {m['source']}: differs from what its JSON renders "
+                       f"(`python bench/serve.py --from-json {m['source']} --readme {doc}` redraws it)")
+    return bad
