@@ -256,15 +256,16 @@ def _served_by_the_server(dec):
     """Server recomputes the kind from the engine's token buffer and offers it; the decider verifies it."""
     from calib.serve import StepInputs
     from calib.serve.knobs import ServeKnobs
+    from calib.vllm.recomputed import StepContexts
     from calib.vllm.server import Server
 
     srv = Server(ServeKnobs("unused-tables"))
     srv.k, srv.max_model_len = 4, 2048
-    srv.lookup = next(k.name for k in chains() if k.propose is not None)  # what construction sets: the n-gram chain
-    srv.recompute_others(dec, chain("model"), None)
-    assert list(srv.recomputed) == [SUFFIX.name] and srv.own == {SUFFIX.name: [SCORE]}
+    srv.recompute_chains(dec, chain("model"), None)  # every recomputed kind the tables calibrate, registry order
+    assert list(srv.recomputed) == ["ngram", SUFFIX.name] and srv.recomputed[SUFFIX.name].own == [SCORE]
     batch = _batch({0: 20, 1: 20})
-    offers = srv.recomputed_offers(dec, batch.req_ids, [[], []], batch, [0, 1])
+    tokens, signal = srv.recomputed[SUFFIX.name].chains(StepContexts(batch, [0, 1]))
+    offers = {SUFFIX.name: Offer(tokens, signal)}
     want = [SUFFIX.propose(np.array(FINALS[i][:20]), {"k": 4})[0] for i in (0, 1)]
     assert offers[SUFFIX.name].tokens == want and all(want)
     model = Offer([[1, 2, 3, 4]] * 2, torch.full((2, 4), 0.02))

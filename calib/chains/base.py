@@ -92,6 +92,12 @@ class ChainKind:
     # (vLLM's speculative config) -> the kind's settings where vLLM drafts this chain itself (its method), so that
     # calib's recomputation is vLLM's draft; None: its defaults
     engine_settings: Callable | None = None
+    # the serving knob (a field of calib.serve.knobs.ServeKnobs) holding the settings serving recomputes the chain
+    # with where vLLM drafts another chain; "": none (the kind's defaults)
+    serve_knob: str = ""
+    # (per-request feature rows of ``propose_batch`` [B][F] (float64), lengths [B], own feature names, width) ->
+    # float32 [B, width, F]: ``step_features`` for what ``propose_batch`` returns; None: the kind has no batch path
+    batch_features: Callable | None = None
 
     def recompute(self, settings, k: int):
         """The kind's per-request recomputation (:attr:`proposer`, else a stateless wrapper of :attr:`propose`)

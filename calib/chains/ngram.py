@@ -129,22 +129,23 @@ def propose_batch(token_ids, rows, num_tokens, prompt_lens, settings: tuple[int,
     return find_matches(token_ids, rows, num_tokens, prompt_lens, lo, hi, k, max_model_len, extra, extra_len)
 
 
-def batch_feature_tensor(features: np.ndarray, lengths: Sequence[int], names: Sequence[str], width: int):
-    """float32 ``[B, width, F]`` of :func:`propose_batch`'s features (columns ``names``), as
-    :func:`step_feature_tensor` lays them out: repeated over depths ``< lengths[b]``, NaN beyond."""
+def batch_feature_tensor(features, lengths: Sequence[int], names: Sequence[str], width: int):
+    """float32 ``[B, width, F]`` of :func:`propose_batch`'s features (``[B, F]``, or its rows; columns ``names``),
+    as :func:`step_feature_tensor` lays them out: repeated over depths ``< lengths[b]``, NaN beyond."""
     import torch
 
     from calib.ngram import MATCH_FEATURES
 
     cols = [MATCH_FEATURES.index(n) for n in names]
+    features = np.stack(features) if len(features) else np.zeros((0, len(MATCH_FEATURES)))
     reached = np.arange(width)[None, :] < np.asarray(lengths, dtype=np.int64)[:, None]  # [B, width]
-    out = np.where(reached[:, :, None], np.asarray(features)[:, None, cols], np.nan)
+    out = np.where(reached[:, :, None], features[:, None, cols], np.nan)
     return torch.from_numpy(out.astype(np.float32))
 
 
 def ngram_settings(given, k: int) -> tuple[int, int, int]:
     """``(prompt_lookup_min, prompt_lookup_max, k)``: a 3-sequence as given, a mapping ``{min_n, max_n, k}``,
-    or None (1, 4, ``k``)."""
+    or None (1, 4, ``k``); a 3-sequence's k at most ``k`` (the most draft tokens a step verifies)."""
     if given is None:
         return (1, 4, int(k))
     if isinstance(given, Mapping):
@@ -152,7 +153,12 @@ def ngram_settings(given, k: int) -> tuple[int, int, int]:
     lo, hi, kk = (int(x) for x in given)
     if not 1 <= lo <= hi or kk < 1:
         raise ValueError(f"n-gram settings {given!r}: expected 1 <= min_n <= max_n and k >= 1")
-    return (lo, hi, kk)
+    return (lo, hi, min(kk, int(k)))
+
+
+def ngram_engine_settings(sc) -> tuple[int, int, int]:
+    """The settings of vLLM's n-gram proposer in its speculative config (``prompt_lookup_min``/``_max``, K)."""
+    return (int(sc.prompt_lookup_min), int(sc.prompt_lookup_max), int(sc.num_speculative_tokens))
 
 
 NGRAM = ChainKind(
@@ -162,5 +168,6 @@ NGRAM = ChainKind(
     drafted_depth=ngram_drafted_depth, round_data=ngram_round_data,
     bank_file=schema.NGRAM, column_prefix=PREFIX, manifest_key="ngram_chain", engine_methods=("ngram",),
     propose=propose, propose_batch=propose_batch, bank=schema.NGRAM_FILE, settings=ngram_settings,
-    step_features=step_feature_tensor,
+    step_features=step_feature_tensor, batch_features=batch_feature_tensor, engine_settings=ngram_engine_settings,
+    serve_knob="ngram",
     description="prompt lookup (vLLM ngram): match features of the chain the context offered")

@@ -1,76 +1,67 @@
-"""The plan of a step's draft passes and the n-gram chains it and the decision share (a part of
+"""The plan of a step's draft passes and the recomputed chain it shares with the decision (a part of
 :class:`calib.vllm.server.Server`, which inherits it; docs/serving_hooks.md, design note claim 4).
 
 Before the drafter runs, :meth:`DraftPlanning.plan_passes` sets the step's number of model-drafter passes from
-the n-gram chain each request will offer (known in full, :meth:`DraftPlanning.ngram_chains`) and the tables'
-forecast of the model chain; when it runs none, :meth:`DraftPlanning.planned_decision` is the step's decision.
+the recomputed chain each request will offer (known in full before drafting: :attr:`DraftPlanning.plan_chain`, the
+first recomputed chain kind the tables calibrate, :mod:`calib.vllm.recomputed`) and the tables' forecast of the model
+chain; when it runs none, :meth:`DraftPlanning.planned_decision` is the step's decision. The chain is computed once
+per step: the decision after drafting reads the plan's, with the probabilities it looked up and the context
+columns it read (:class:`PlannedStep`).
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from calib.cost.serving import step_pass_price
 from calib.serve.aside import batch_key
+from calib.vllm.recomputed import StepContexts
+
+
+@dataclass(frozen=True)
+class PlannedStep:
+    """What the plan of this step's draft passes looked up on its recomputed chain (``chain``), per request of the
+    plan, for the decision after drafting."""
+
+    chain: str
+    keys: tuple  # each request's context key (StepContexts.keys): the decision reads these rows only on the same
+    probs: np.ndarray  # float32 [B, W]: the chain's calibrated P(accept | reached), NaN beyond its tokens
+    depth: np.ndarray | None  # int64 [B]: the plan's allocation of the chain when it ran no pass, else None
+    columns: dict  # context axes -> float64 [B, A]: the history and temperature columns the plan read
+
+    def rows(self, keys: tuple):
+        """Where each of ``keys`` is in the plan (an index into its rows), None when a request's context is not
+        one the plan saw."""
+        if keys == self.keys:
+            return slice(None)
+        at = {key: b for b, key in enumerate(self.keys)}
+        rows = [at.get(key) for key in keys]
+        return None if None in rows else np.array(rows, dtype=np.int64)
 
 
 class DraftPlanning:
     """The planning half of the serving state (mixed into :class:`calib.vllm.server.Server`, whose attributes it
-    reads: ``decider``, ``lookup``, ``k``, ``ngram``, ``matches``, ``planned``, ``pass_prices``, ``oracle``,
-    ``aside``, ``stats``)."""
+    reads: ``decider``, ``recomputed``, ``k``, ``planned``, ``step_keys``, ``pass_prices``, ``oracle``, ``aside``,
+    ``stats``)."""
 
-    def ngram_chains(self, batch, rows: list[int], extra: list[list[int]] | None = None):
-        """Per batch row in ``rows``: the n-gram chain (``[B][<= K]``) vLLM's proposer would draft from the
-        request's tokens (``token_ids_cpu[:num_tokens_no_spec]``, then ``extra[b]`` when bookkeeping has
-        not appended this step's tokens yet), and its features float32 ``[B, L, F]`` for the tables. The plan
-        (before bookkeeping) and the decision (after it) see the same context: matched once, for every
-        request that needs it in one call (:attr:`calib.chains.ChainKind.propose_batch`)."""
-        from calib.chains import chain
-        from calib.chains.ngram import batch_feature_tensor
+    @property
+    def plan_chain(self) -> str | None:
+        """The recomputed chain the plan of draft passes knows in full (the first the tables calibrate, registry
+        order), None: none."""
+        return next(iter(self.recomputed), None)
 
-        B = len(rows)
-        n_extra = np.array([len(extra[b]) if extra is not None else 0 for b in range(B)], dtype=np.int64)
-        n_buf = np.asarray(batch.num_tokens_no_spec)[rows].astype(np.int64)
-        total = n_buf + n_extra
-        last = [int(extra[b][-1]) if n_extra[b] else (int(batch.token_ids_cpu[i, n_buf[b] - 1]) if n_buf[b] else -1)
-                for b, i in enumerate(rows)]
-        keys = [(batch.req_ids[i], int(total[b]), last[b]) for b, i in enumerate(rows)]
-        miss = [b for b, key in enumerate(keys) if (self.matches.get(key[0]) or (None,))[0] != key]
-        if miss:
-            pad = np.zeros((len(miss), max(1, int(n_extra.max(initial=0)))), dtype=np.int64)
-            for j, b in enumerate(miss):
-                pad[j, : n_extra[b]] = extra[b] if n_extra[b] else []
-            toks, feats = chain(self.lookup).propose_batch(
-                batch.token_ids_cpu, [rows[b] for b in miss], n_buf[miss],
-                np.asarray(batch.num_prompt_tokens)[[rows[b] for b in miss]], self.ngram, self.max_model_len,
-                pad, n_extra[miss])
-            for j, b in enumerate(miss):
-                self.matches[keys[b][0]] = (keys[b], toks[j][: self.k], feats[j])
-        hits = [self.matches[key[0]] for key in keys]
-        tokens = [h[1] for h in hits]
-        width = max(1, max((len(t) for t in tokens), default=0))
-        feats = np.stack([h[2] for h in hits]) if hits else np.zeros((0, 8))
-        return tokens, batch_feature_tensor(feats, [len(t) for t in tokens], self.ngram_own, width)
-
-    def planned_probs(self, req_ids: list[str]) -> torch.Tensor | None:
-        """float32 ``[B, W]``: the n-gram probabilities the plan looked up this step, when it did so for
-        every request on the chain the decision sees now (same match); else None (look them up)."""
-        rows = []
-        for r in req_ids:
-            hit, match = self.planned.get(r), self.matches.get(r)
-            if hit is None or match is None or hit[0] != match[0]:
-                return None
-            rows.append(hit[1])
-        if not rows:
+    def planned_probs(self, keys: tuple) -> torch.Tensor | None:
+        """float32 ``[B, W]``: the probabilities the plan looked up this step on its chain, when it did so for every
+        request on the chain the decision sees now (same contexts ``keys``); else None (look them up)."""
+        planned = self.planned
+        if planned is None or not keys:
             return None
-        width = max(x.shape[0] for x in rows)
-        out = np.full((len(rows), width), np.nan, dtype=np.float32)  # numpy rows: no torch call per request
-        for b, x in enumerate(rows):
-            out[b, : x.shape[0]] = x
-        return torch.from_numpy(out)
+        rows = planned.rows(keys)
+        return None if rows is None else torch.from_numpy(planned.probs[rows])
 
     # -- the number of draft passes ----------------------------------------------------------------
     def plan_passes(self, runner, scheduler_output, sampled_token_ids) -> None:
@@ -111,24 +102,28 @@ class DraftPlanning:
         if isinstance(sampled_token_ids, torch.Tensor):  # padded EAGLE: drafting runs before bookkeeping
             sampled = sampled_token_ids.detach().cpu().tolist()
             extra = [[t for t in r if t >= 0] for r in sampled[:B]]
-        tables, drafted, lookup = dec.tables, dec.engine_chain, self.lookup
+        tables, drafted, name = dec.tables, dec.engine_chain, self.plan_chain
+        contexts = StepContexts(batch, rows, extra)  # the decision after bookkeeping sees the same contexts
         if self.oracle is not None:
             conts = self.oracle.continuations(batch, rows, req_ids, temps, k_sched, extra)
-            toks = self.ngram_chains(batch, rows, extra)[0] if lookup in dec.chains else None
+            toks = self.recomputed[name].chains(contexts)[0] if name is not None else None
             return self.set_passes(scheduler_output, self.oracle.passes(toks, conts, k_sched), k_sched, start)
         known = {drafted: torch.zeros(B, 0)}
         from calib.serve import StepInputs
 
-        if lookup in dec.chains:
-            toks, feats = self.ngram_chains(batch, rows, extra)
-            inputs = StepInputs(req_ids, temps, {lookup: Offer(toks, feats)})
-            signals, _ = chain_inputs_host(tables, inputs, dec.history, k_max=self.k)  # temperatures checked there
-            known[lookup] = torch.from_numpy(host_probs(tables, {lookup: signals[lookup]})[lookup])  # float32, numpy
+        columns: dict = {}  # context axes -> their columns, read once (the decision's remember reads them too)
+        if name is not None:
+            toks, signal = self.recomputed[name].chains(contexts)
+            inputs = StepInputs(req_ids, temps, {name: Offer(toks, signal)})
+            signals, _ = chain_inputs_host(tables, inputs, dec.history, k_max=self.k,  # temperatures checked there
+                                           columns=columns)
+            known[name] = torch.from_numpy(host_probs(tables, {name: signals[name]})[name])  # float32, numpy
         else:
             inputs = StepInputs(req_ids, temps)
-        axes = [a["name"] for a in tables.forecast(drafted)["axes"]]
-        ctx = torch.from_numpy(context_columns(axes, inputs, dec.history))
-        forecast = forecast_probs(tables, drafted, ctx, depths=k_sched)  # [B, k_sched]
+        axes = tuple(a["name"] for a in tables.forecast(drafted)["axes"])
+        if axes not in columns:
+            columns[axes] = context_columns(axes, inputs, dec.history)
+        forecast = forecast_probs(tables, drafted, torch.from_numpy(columns[axes]), depths=k_sched)  # [B, k_sched]
         cost = dec.cost
         pass_cost = self.pass_prices.get(B)
         if pass_cost is None:  # an engine step-cost model prices a pass itself; else a fraction of C(B)
@@ -137,12 +132,11 @@ class DraftPlanning:
                                                else self.draft_cost * float(cost[min(B, cost.numel() - 1)]))
         plan = plan_draft(known, forecast, cost=cost, pass_cost=pass_cost, chain=drafted)
         passes = max(0, min(int(plan.passes), k_sched))
-        if lookup in known:  # the decision after drafting sees the same chains and history: it reuses these
-            # no pass: the model drafts nothing and the plan's allocation of the n-gram chain is the step's
-            depth = plan.free_depth.tolist() if passes == 0 and plan.free_depth is not None else None
-            probs = known[lookup].numpy()  # [B, W] rows as numpy views: no torch call per request
-            self.planned = {r: (self.matches[r][0], probs[b], None if depth is None else depth[b])
-                            for b, r in enumerate(req_ids) if r in self.matches}
+        if name is not None:  # the decision after drafting sees the same chains and history: it reuses these
+            # no pass: the model drafts nothing and the plan's allocation of the recomputed chain is the step's
+            depth = (np.asarray(plan.free_depth, dtype=np.int64) if passes == 0 and plan.free_depth is not None
+                     else None)
+            self.planned = PlannedStep(name, contexts.keys, known[name].numpy(), depth, columns)
         self.set_passes(scheduler_output, passes, k_sched, start)
 
     def set_passes(self, scheduler_output, passes: int, k_sched: int, start: float) -> None:
@@ -156,36 +150,44 @@ class DraftPlanning:
 
     # -- the decision ----------------------------------------------------------------------------
 
-    def planned_decision(self, inputs, planned: dict):
+    def planned_decision(self, inputs, planned: PlannedStep | None):
         """The plan's own allocation when it ran no draft pass (:attr:`calib.allocate.DraftPlan.free_depth`):
-        the step then offers the recomputed chain alone, on the match the plan saw for every request, and
-        the allocator on it would decide the same; None when any of that does not hold (decide as usual)."""
+        the step then offers the plan's recomputed chain alone, on the contexts the plan saw for every request
+        (:attr:`step_keys`, set by the decision's offers), and the allocator on it would decide the same; None when
+        any of that does not hold (decide as usual)."""
         from calib.chains import NO_CHAIN, chain
-        from calib.metrics import expected_accepted_length
         from calib.serve import StepDecision
 
-        offer = inputs.offers.get(self.lookup)
-        if offer is None or len(inputs.offers) != 1 or not self.decider.enabled:
+        if planned is None or planned.depth is None or not self.decider.enabled:  # the plan ran a pass: decide
             return None
-        if len(planned) != len(inputs.req_ids):  # another batch prices every slot differently (cost[B + m])
+        offer = inputs.offers.get(planned.chain)
+        if offer is None or len(inputs.offers) != 1:
+            return None
+        if len(planned.keys) != len(inputs.req_ids):  # another batch prices every slot differently (cost[B + m])
+            return None
+        rows = planned.rows(self.step_keys)
+        if rows is None or len(self.step_keys) != len(inputs.req_ids):
             return None
         start = time.perf_counter()
-        drafts, probs = [], []
-        for b, r in enumerate(inputs.req_ids):
-            hit, match = planned.get(r), self.matches.get(r)
-            if hit is None or hit[2] is None or match is None or hit[0] != match[0]:
-                return None
-            depth, toks = int(hit[2]), offer.tokens[b]
-            if depth > len(toks):  # the allocator verifies only tokens it was given: a bug if not
-                raise RuntimeError(f"request {r}: planned depth {depth} but the chain has {len(toks)} tokens")
-            drafts.append(list(toks[:depth]))
-            probs.append(hit[1][:depth].tolist())
-        depth = torch.tensor([len(x) for x in drafts], dtype=torch.int32)
-        taken = np.full((len(drafts), max([1, *map(len, drafts)])), np.nan)  # [B, W]: the verified prefixes
-        for b, p in enumerate(probs):
-            taken[b, : len(p)] = p
-        ids = torch.where(depth > 0, chain(self.lookup).id, NO_CHAIN).to(torch.int8)
+        depth, probs = planned.depth[rows], planned.probs[rows]  # int64 [B], float32 [B, W]
+        lengths = np.array([len(t) for t in offer.tokens], dtype=np.int64)
+        if (depth > lengths).any():  # the allocator verifies only tokens it was given: a bug if not
+            b = int(np.flatnonzero(depth > lengths)[0])
+            raise RuntimeError(f"request {inputs.req_ids[b]}: planned depth {int(depth[b])} but the chain has "
+                               f"{int(lengths[b])} tokens")
+        drafts = [list(t[:d]) for t, d in zip(offer.tokens, depth.tolist())]
+        width = max(1, int(depth.max(initial=0)))
+        if probs.shape[1] < width:
+            probs = np.pad(probs, ((0, 0), (0, width - probs.shape[1])), constant_values=np.nan)
+        verified = np.arange(width)[None, :] < depth[:, None]  # [B, W]: the verified prefixes
+        taken = np.where(verified, probs[:, :width], np.float32(np.nan))  # float32
+        # calib.metrics.expected_accepted_length of the verified prefixes, its float64 sums: a chain ends at its depth
+        # (or a NaN: a 0 there keeps every later product 0)
+        p = taken.astype(np.float64)
+        expected = np.cumprod(np.where(verified & ~np.isnan(p), np.clip(p, 0.0, 1.0), 0.0), axis=1).sum(axis=1)
+        ids = np.where(depth > 0, chain(planned.chain).id, NO_CHAIN).astype(np.int8)
         self.stats.plan_decided += 1
-        return StepDecision(list(inputs.req_ids), drafts, ids, depth,
-                            torch.from_numpy(expected_accepted_length(taken)).to(torch.float32),
-                            (time.perf_counter() - start) * 1e3, probs=torch.from_numpy(taken).to(torch.float32))
+        context = planned.columns if isinstance(rows, slice) else {k: v[rows] for k, v in planned.columns.items()}
+        return StepDecision(list(inputs.req_ids), drafts, torch.from_numpy(ids),
+                            torch.from_numpy(depth.astype(np.int32)), torch.from_numpy(expected.astype(np.float32)),
+                            (time.perf_counter() - start) * 1e3, probs=torch.from_numpy(taken), context=context)

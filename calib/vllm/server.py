@@ -16,8 +16,9 @@ from calib.chains import chain_names
 from calib.cost.serving import cost_curve, sampled_price
 from calib.serve.aside import StandAside, batch_key, decision_kind
 from calib.serve.knobs import ServeKnobs
-from calib.vllm.planning import DraftPlanning
+from calib.vllm.planning import DraftPlanning, PlannedStep
 from calib.vllm.ranks import digest
+from calib.vllm.recomputed import Recomputed, StepContexts, recomputed_for
 from calib.vllm.serve_stats import ServeStats, engine_identity, keep_engine_rows
 
 log = logging.getLogger("calib.serve")
@@ -31,12 +32,10 @@ class Server(DraftPlanning):
         self.tables_dir = knobs.tables
         self.cost_text = knobs.cost
         self.model_id = knobs.model_id
-        self.default_ngram = knobs.ngram
         self.chains = tuple(knobs.chains or chain_names())
         self.plan = knobs.plan
         self.draft_cost = knobs.draft_cost
         self.planning = False  # set at construction: a model drafter whose passes calib chooses
-        self.lookup: str | None = None  # set at construction: the chain recomputed from the request's tokens
         self.decider = None
         self.failed = False  # construction failed: pass-through for the run
         self.stats = ServeStats()
@@ -44,11 +43,10 @@ class Server(DraftPlanning):
         self.conf: dict[str, list[float]] = {}  # req_id -> confidence per depth of its latest draft
         self.chosen: dict[str, str] = {}  # req_id -> the chain handed back for its next verify (capture reads it)
         self.last_take: float | None = None  # perf_counter at the previous decision (step_ms)
-        self.matches: dict[str, tuple] = {}  # req_id -> ((req_id, context length, last token), chain, features [F])
-        self.recomputed: dict[str, object] = {}  # other recomputed chain kinds -> their recomputation (recompute_others)
-        self.own: dict[str, list[str]] = {}  # those chains -> their tables' own feature names
-        # req_id -> (match key, n-gram probs [L], n-gram depth the plan verifies or None) from this step's plan
-        self.planned: dict[str, tuple] = {}
+        # the recomputed chain kinds the tables calibrate -> their recomputation (calib/vllm/recomputed.py)
+        self.recomputed: dict[str, Recomputed] = {}
+        self.planned: PlannedStep | None = None  # what this step's plan looked up on its recomputed chain
+        self.step_keys: tuple = ()  # the decision's requests' context keys (StepContexts.keys), set by offers()
         self.pass_prices: dict[int, float] = {}  # batch size -> the price of one draft pass (plan_passes)
         self.transformed: dict[str, bool] = {}  # req_id -> carries target-only logit transforms (left to vLLM)
         self.ranks = None  # calib.vllm.ranks.RankCheck under tensor parallelism (set at engine start), else None
@@ -67,8 +65,8 @@ class Server(DraftPlanning):
         try:
             self.decider = self._build(runner)
             log.debug("calib serve: deciding drafts with tables %s (engine chain %s, chains %s, K=%d, "
-                     "ngram %s)", self.tables_dir, self.decider.engine_chain, self.decider.chains,
-                     self.k, self.ngram)
+                     "recomputed %s)", self.tables_dir, self.decider.engine_chain, self.decider.chains,
+                     self.k, {n: r.settings for n, r in self.recomputed.items()})
         except Exception as exc:  # noqa: BLE001 - never raise into the engine
             self.failed = True
             self.stats.disabled_reason = f"{type(exc).__name__}: {exc}"
@@ -85,7 +83,7 @@ class Server(DraftPlanning):
             raise RuntimeError("the engine runs no speculative decoding")
         if getattr(runner, "use_async_scheduling", False):
             raise RuntimeError("async scheduling: take_draft_token_ids is never called (needs sync scheduling)")
-        from calib.chains import chain, chain_of_method, chains
+        from calib.chains import chain, chain_of_method
 
         method = sc.method
         try:
@@ -99,13 +97,6 @@ class Server(DraftPlanning):
         # a model-free chain is named by its kind, a model drafter by its method and folder
         speculator = drafted.name if drafted.confidence is None else f"{method}:{Path(str(sc.model)).name}"
         model_id = self.model_id or Path(str(runner.model_config.model)).name
-        # the chain calib recomputes from each request's tokens (prompt lookup), None: none registered
-        self.lookup = next((k.name for k in chains() if k.propose is not None), None)
-        if drafted.name == self.lookup:
-            self.ngram = (int(sc.prompt_lookup_min), int(sc.prompt_lookup_max), self.k)
-        else:
-            lo, hi, k = self.default_ngram
-            self.ngram = (lo, hi, min(k, self.k))
         loaded = drafted.confidence is not None  # a model drafter: an engine step cost charges its idle forward
         cost = cost_curve(self.cost_text, int(runner.max_num_reqs) * (self.k + 1), drafter_loaded=loaded)
         self.max_model_len = getattr(runner, "max_model_len", None)
@@ -117,17 +108,9 @@ class Server(DraftPlanning):
         from calib.allocate.compiled import warm
 
         warm()  # the allocator's compiled rules now, not in the first step (numba: seconds once per machine)
-        self.ngram_own = []
-        if self.lookup in dec.chains:
-            from calib.chains import split_context
-            from calib.serve.decide import feature_names
-
-            self.ngram_own = split_context(feature_names(dec.tables, self.lookup), self.lookup)[0]
-            warm = chain(self.lookup).propose_batch
-            if warm is not None:  # compiled now (numba: ~1 s once), not in the first step; vLLM's buffer is int32
-                warm(np.zeros((1, 8), dtype=np.int32), [0], [8], [0], self.ngram, self.max_model_len,
-                     np.zeros((1, 1), dtype=np.int64), np.zeros(1, dtype=np.int64))
-        self.recompute_others(dec, drafted, sc)
+        self.recompute_chains(dec, drafted, sc)
+        for rec in self.recomputed.values():
+            rec.warm()  # compiled now (numba: ~1 s once), not in the first step
         model_drafter = chain(dec.engine_chain).confidence is not None  # its passes are calib's to plan
         if self.knobs.oracle:  # the clock oracle decides from a reference (plan_passes: 0 or vLLM's K)
             from calib.serve.oracle import Oracle, Reference
@@ -141,43 +124,12 @@ class Server(DraftPlanning):
                         "keeps drafting K=%d passes per step; calib only truncates or substitutes", self.k)
         return dec
 
-    def recompute_others(self, dec, drafted, sc) -> None:
-        """Every other recomputed chain kind the tables calibrate (:func:`calib.chains.recomputed_chains`; the suffix
-        chain): its per-request recomputation, with the engine's settings where vLLM drafts it, and its table's own
-        feature names. Offered beside the others at each decided step (:meth:`offers`)."""
-        from calib.chains import recomputed_chains, split_context
-        from calib.serve.decide import feature_names
-
-        self.recomputed, self.own = {}, {}
-        for kind in recomputed_chains():
-            if kind.name == self.lookup or kind.name not in dec.chains:
-                continue
-            given = kind.engine_settings(sc) if kind.name == drafted.name and kind.engine_settings else None
-            try:
-                self.recomputed[kind.name] = kind.recompute(given, self.k)
-            except ImportError as exc:  # its implementation is not installed: not offered
-                log.warning("calib serve: the %s chain is not offered (%s)", kind.name, exc)
-                continue
-            self.own[kind.name] = split_context(feature_names(dec.tables, kind.name), kind.name)[0]
-
-    def recomputed_offers(self, dec, req_ids: list[str], engine: list[list[int]], batch, rows: list[int]) -> dict:
-        """``{chain: Offer}`` of :meth:`recompute_others`' chains for this step's requests (tokens ``[B][<= K]``,
-        the table's own features ``[B, W, F]``)."""
-        from calib.chains import Offer, chain
-
-        offers = {}
-        for name, rc in self.recomputed.items():
-            tokens, feats = [], []
-            for r, i in zip(req_ids, rows):
-                n = int(batch.num_tokens_no_spec[i])
-                t, f = rc.propose(r, batch.token_ids_cpu[i, :n], int(batch.num_prompt_tokens[i]), self.max_model_len)
-                tokens.append([int(x) for x in t[: self.k]])
-                feats.append(f)
-            if dec.engine_chain == name:
-                self.stats.ngram_mismatch += sum(a != b for a, b in zip(tokens, engine))
-            width = max(1, max(map(len, tokens), default=0))
-            offers[name] = Offer(tokens, chain(name).step_features(feats, [len(t) for t in tokens], self.own[name], width))
-        return offers
+    def recompute_chains(self, dec, drafted, sc) -> None:
+        """Every recomputed chain kind the tables calibrate (:func:`calib.chains.recomputed_chains`): its
+        recomputation with the engine's settings where vLLM drafts it, else its serving knob's, and its table's own
+        feature names (:func:`calib.vllm.recomputed.recomputed_for`). Offered beside the others at each decided
+        step (:meth:`offers`); the first is the chain the plan of draft passes knows (:attr:`plan_chain`)."""
+        self.recomputed = recomputed_for(dec.tables, dec.chains, drafted, sc, self.knobs, self.k, self.max_model_len)
 
     def two_chains(self, dec, offers: dict, req_ids: list[str], temps: list[float]) -> dict:
         """The allocator chooses between at most two chains per request (calib.allocate.MAX_CHAINS): with more
@@ -189,7 +141,7 @@ class Server(DraftPlanning):
         from calib.serve import StepInputs
         from calib.serve.decide import chain_inputs
 
-        free = [n for n in offers if n == self.lookup or n in self.recomputed]
+        free = [n for n in offers if n in self.recomputed]
         fixed = [n for n in offers if n not in free]
         best, best_value = None, -1.0
         for name in free:
@@ -219,7 +171,7 @@ class Server(DraftPlanning):
         if self.ranks is None or self.ranks.agree(value):
             return True
         first = not self.failed
-        self.failed, self.decider, self.planned = True, None, {}
+        self.failed, self.decider, self.planned = True, None, None
         self.stats.disabled_reason = (f"tensor-parallel ranks chose different {what} at step {self.stats.steps}; "
                                       "vLLM drafts on its own for the rest of the run")
         if first:
@@ -275,10 +227,9 @@ class Server(DraftPlanning):
         for r in req_ids:
             self.transformed.pop(r, None)
             self.conf.pop(r, None)
-            self.matches.pop(r, None)
             self.chosen.pop(r, None)
-            for rc in self.recomputed.values():
-                rc.finish(r)
+            for rec in self.recomputed.values():
+                rec.finish(r)
             if self.oracle is not None:
                 self.oracle.finish(r)
             if self.decider is not None:
@@ -318,13 +269,13 @@ class Server(DraftPlanning):
             engine_chain = chain(dec.engine_chain).name
             for r, x in zip(req_ids, engine):
                 self.chosen[r] = engine_chain if x else None
-            self.planned = {}
+            self.planned = None
             self.stats.hook_ms.append((time.perf_counter() - start) * 1e3)
             return out
         d = None
         if verdict == "none":  # no draft tokens: the step costs what a step without speculation costs
             self.stats.aside_none += 1
-            self.planned = {}
+            self.planned = None
             drafts, chain_ids = [[] for _ in req_ids], torch.full((len(req_ids),), NO_CHAIN, dtype=torch.int8)
         else:
             planned = self.planned  # offers() clears it
@@ -410,8 +361,9 @@ class Server(DraftPlanning):
         self.stats.probabilistic_decided += 1
 
     def offers(self, dec, req_ids: list[str], engine: list[list[int]], batch, rows: list[int]) -> dict:
-        """``{chain: Offer}`` at this step: the engine's draft with its confidences (a model drafter), and
-        the chain calib recomputes from each request's tokens (with the plan's probabilities, if any)."""
+        """``{chain: Offer}`` at this step: the engine's draft with its confidences (a model drafter), and each
+        chain calib recomputes from the requests' tokens (:attr:`recomputed`; the plan's chain with the
+        probabilities the plan looked up, if any): at most two (:meth:`two_chains`)."""
         from calib.chains import Offer, chain
 
         K, offers = self.k, {}
@@ -423,18 +375,20 @@ class Server(DraftPlanning):
                 if c:
                     conf[b, : len(c)] = c[:K]
             conf = torch.from_numpy(conf)  # float32 [B, K], filled in numpy: no torch call per request
-            # a chain with no token anywhere cannot be chosen: beside the n-gram chain, leave it out and the
+            # a chain with no token anywhere cannot be chosen: beside a recomputed chain, leave it out and the
             # (cheaper) one-chain rule decides the same
-            if any(model_tokens) or (self.lookup not in dec.chains and not self.recomputed):
+            if any(model_tokens) or not self.recomputed:
                 offers[dec.engine_chain] = Offer(model_tokens, conf)
-        if self.lookup in dec.chains:
-            ngram_tokens, ngram_feats = self.ngram_chains(batch, rows)
-            if dec.engine_chain == self.lookup:
-                self.stats.ngram_mismatch += sum(a != b for a, b in zip(ngram_tokens, engine))
-            offers[self.lookup] = Offer(ngram_tokens, ngram_feats, self.planned_probs(req_ids))
-        self.planned = {}
-        if self.recomputed:
-            offers.update(self.recomputed_offers(dec, req_ids, engine, batch, rows))
+        contexts = StepContexts(batch, rows)
+        self.step_keys = contexts.keys
+        planned = self.planned.chain if self.planned is not None else None
+        for name, rec in self.recomputed.items():
+            tokens, signal = rec.chains(contexts)  # the plan's, when it ran on the same contexts
+            if dec.engine_chain == name:
+                self.stats.ngram_mismatch += sum(a != b for a, b in zip(tokens, engine))
+            offers[name] = Offer(tokens, signal, self.planned_probs(contexts.keys) if name == planned else None)
+        self.planned = None
+        if len(offers) > 2:
             offers = self.two_chains(dec, offers, req_ids, [float(batch.temperature_cpu[i]) for i in rows])
         return offers
 

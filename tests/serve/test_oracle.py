@@ -163,12 +163,13 @@ def test_oracle_decision_is_a_step_decision():
 
 def _server(tmp_path, ref: dict, engine_chain: str):
     """A Server past construction, with the oracle on and a stand-in decider (no tables, no engine)."""
+    from calib.vllm.recomputed import Recomputed
     from calib.vllm.server import Server
 
     path = write_reference(tmp_path / "ref.json", ref, 16, "float32")
     srv = Server(ServeKnobs("unused-tables", oracle=str(path)))
-    srv.k, srv.ngram, srv.max_model_len, srv.ngram_own = 4, (1, 4, 4), 2048, []
-    srv.lookup = LOOKUP.name
+    srv.k, srv.max_model_len = 4, 2048
+    srv.recomputed = {LOOKUP.name: Recomputed(LOOKUP, (1, 4, 4), 4, [], 2048)}  # what construction builds
     srv.oracle = Oracle(Reference.load(path))
     srv.decider = SimpleNamespace(enabled=True, engine_chain=engine_chain, chains=[engine_chain, LOOKUP.name], tables=None,
                                   remember=lambda *a, **k: pytest.fail("the oracle must not feed online learning"),

@@ -1,5 +1,5 @@
-"""Server offers every recomputed chain kind the tables calibrate (no chain named in Server): the suffix chain
-recomputed per request from the engine's token buffer, and at most two chains handed to the allocator."""
+"""Server offers every recomputed chain kind the tables calibrate (no chain named in Server): each recomputed from
+the engine's token buffer once per step (calib/vllm/recomputed.py), and at most two chains handed to the allocator."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import torch
 
 from calib.chains import Offer, chain
 from calib.serve.knobs import ServeKnobs
+from calib.vllm.recomputed import Recomputed, StepContexts
 from calib.vllm.server import Server
 
 pytest.importorskip("arctic_inference.suffix_decoding", reason="arctic-inference: make install-suffix")
@@ -30,30 +31,51 @@ def _batch(requests):
 
 def _server():
     srv = Server(ServeKnobs("unused-tables"))
-    srv.k, srv.max_model_len, srv.lookup = 4, 2048, chain("ngram").name
+    srv.k, srv.max_model_len = 4, 2048
     dec = SimpleNamespace(chains=["model", "ngram", "suffix"], engine_chain="model", tables=None)
-    srv.recomputed = {"suffix": chain("suffix").recompute(None, 4)}  # what recompute_others builds from the tables
-    srv.own = {"suffix": ["conf", "match_n"]}
+    # what recompute_chains builds from the tables: every recomputed kind they calibrate, in registry order
+    srv.recomputed = {name: Recomputed(chain(name), None, 4, own, 2048)
+                      for name, own in (("ngram", ["match_n"]), ("suffix", ["conf", "match_n"]))}
     return srv, dec
 
 
 def test_the_suffix_chain_is_offered_as_its_recomputation_drafts_it():
     motif = [7, 8, 9, 10, 11, 12]
     reqs = [(motif + [1, 2] + motif[:3], [10]), ([3, 4, 5, 3, 4], [5]), ([1], [2])]
-    srv, dec = _server()
+    srv, _ = _server()
     batch = _batch(reqs)
-    offers = srv.recomputed_offers(dec, batch.req_ids, [[], [], []], batch, [0, 1, 2])
+    contexts = StepContexts(batch, [0, 1, 2])
+    tokens, sig = srv.recomputed["suffix"].chains(contexts)
     mine = chain("suffix").recompute(None, 4)
     for b, (p, o) in enumerate(reqs):
         want, _ = mine.propose(f"r{b}", np.array(p + o, dtype=np.int32), len(p), 2048)
-        assert offers["suffix"].tokens[b] == want
-    sig = offers["suffix"].signal  # [B, W, F]: conf (the tree's conditional estimate), match_n; NaN beyond the chain
+        assert tokens[b] == want
+    # [B, W, F]: conf (the tree's conditional estimate), match_n; NaN beyond the chain
     assert sig.shape[0] == 3 and sig.shape[2] == 2
-    n0 = len(offers["suffix"].tokens[0])
+    n0 = len(tokens[0])
     assert n0 > 0 and torch.isfinite(sig[0, :n0]).all() and (sig[0, :n0, 1] >= 1).all()
     assert torch.isnan(sig[0, n0:]).all()
+    again = srv.recomputed["suffix"].chains(StepContexts(batch, [0, 1, 2]))  # the decision after the plan: shared
+    assert again[0] is tokens and again[1] is sig
     srv.finished(["r0"])
-    assert "r0" not in srv.recomputed["suffix"].seen
+    assert "r0" not in srv.recomputed["suffix"].each.seen and "r0" not in srv.recomputed["suffix"].matches
+
+
+def test_before_and_after_bookkeeping_a_step_is_recomputed_once():
+    """The plan sees this step's tokens as ``extra`` (a padded EAGLE step: not yet in the buffer), the decision in
+    the buffer: the same contexts, so the same chains, computed once (a stateful kind's tree extended once)."""
+    srv, _ = _server()
+    reqs = [([7, 8, 9, 10, 7, 8], [9]), ([3, 4, 5, 3, 4], [5])]
+    before = _batch([(p, o[:-1]) for p, o in reqs])  # the buffer before bookkeeping
+    plan = StepContexts(before, [0, 1], [[o[-1]] for _, o in reqs])
+    after = _batch(reqs)
+    decision = StepContexts(after, [0, 1])
+    assert plan.keys == decision.keys
+    for name, rec in srv.recomputed.items():
+        first = rec.chains(plan)
+        assert rec.chains(decision)[0] is first[0], name
+        fresh = Recomputed(chain(name), None, 4, rec.own, 2048).chains(StepContexts(after, [0, 1]))
+        assert fresh[0] == first[0] and torch.equal(torch.nan_to_num(fresh[1], 7.0), torch.nan_to_num(first[1], 7.0))
 
 
 def test_at_most_two_chains_reach_the_allocator():
