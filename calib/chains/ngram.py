@@ -137,10 +137,12 @@ def batch_feature_tensor(features, lengths: Sequence[int], names: Sequence[str],
     from calib.ngram import MATCH_FEATURES
 
     cols = [MATCH_FEATURES.index(n) for n in names]
-    features = np.stack(features) if len(features) else np.zeros((0, len(MATCH_FEATURES)))
+    if not isinstance(features, np.ndarray):  # rows: np.array, not np.stack (a few times faster on a step's rows)
+        features = np.array(features, dtype=np.float64) if len(features) else np.zeros((0, len(MATCH_FEATURES)))
     reached = np.arange(width)[None, :] < np.asarray(lengths, dtype=np.int64)[:, None]  # [B, width]
-    out = np.where(reached[:, :, None], features[:, None, cols], np.nan)
-    return torch.from_numpy(out.astype(np.float32))
+    # rounded to float32 before the broadcast (the same values as after it: one rounding either way)
+    return torch.from_numpy(np.where(reached[:, :, None], features[:, cols].astype(np.float32)[:, None, :],
+                                     np.float32(np.nan)))
 
 
 def ngram_settings(given, k: int) -> tuple[int, int, int]:

@@ -45,7 +45,7 @@ class PlannedStep:
 
 class DraftPlanning:
     """The planning half of the serving state (mixed into :class:`calib.vllm.server.Server`, whose attributes it
-    reads: ``decider``, ``recomputed``, ``k``, ``planned``, ``step_keys``, ``pass_prices``, ``oracle``, ``aside``,
+    reads: ``decider``, ``recomputed``, ``k``, ``planned``, ``step_keys``, ``pass_prices``, ``forecasts``, ``oracle``, ``aside``,
     ``stats``)."""
 
     @property
@@ -80,7 +80,7 @@ class DraftPlanning:
         if k_sched <= 0:
             return
         start = time.perf_counter()
-        from calib.allocate import forecast_probs, plan_draft
+        from calib.allocate import plan_draft
         from calib.chains import Offer
         from calib.serve.allocation import host_probs
         from calib.serve.decide import chain_inputs_host, context_columns
@@ -100,11 +100,12 @@ class DraftPlanning:
             return
         extra = None
         if isinstance(sampled_token_ids, torch.Tensor):  # padded EAGLE: drafting runs before bookkeeping
-            sampled = sampled_token_ids.detach().cpu().tolist()
-            extra = [[t for t in r if t >= 0] for r in sampled[:B]]
+            extra = sampled_token_ids.detach().cpu().numpy()[:B]  # each row's tokens >= 0 (StepContexts)
         tables, drafted, name = dec.tables, dec.engine_chain, self.plan_chain
         contexts = StepContexts(batch, rows, extra)  # the decision after bookkeeping sees the same contexts
         if self.oracle is not None:
+            if extra is not None:
+                extra = [[t for t in r if t >= 0] for r in extra.tolist()]
             conts = self.oracle.continuations(batch, rows, req_ids, temps, k_sched, extra)
             toks = self.recomputed[name].chains(contexts)[0] if name is not None else None
             return self.set_passes(scheduler_output, self.oracle.passes(toks, conts, k_sched), k_sched, start)
@@ -120,10 +121,11 @@ class DraftPlanning:
             known[name] = torch.from_numpy(host_probs(tables, {name: signals[name]})[name])  # float32, numpy
         else:
             inputs = StepInputs(req_ids, temps)
-        axes = tuple(a["name"] for a in tables.forecast(drafted)["axes"])
+        meta = tables.forecast(drafted)
+        axes = tuple(a["name"] for a in meta["axes"])
         if axes not in columns:
             columns[axes] = context_columns(axes, inputs, dec.history)
-        forecast = forecast_probs(tables, drafted, torch.from_numpy(columns[axes]), depths=k_sched)  # [B, k_sched]
+        forecast = self.forecast(tables, drafted, meta, columns[axes], k_sched)  # [B, k_sched]
         cost = dec.cost
         pass_cost = self.pass_prices.get(B)
         if pass_cost is None:  # an engine step-cost model prices a pass itself; else a fraction of C(B)
@@ -138,6 +140,21 @@ class DraftPlanning:
                      else None)
             self.planned = PlannedStep(name, contexts.keys, known[name].numpy(), depth, columns)
         self.set_passes(scheduler_output, passes, k_sched, start)
+
+    def forecast(self, tables, drafted: str, meta: dict, columns: np.ndarray, k_sched: int) -> torch.Tensor:
+        """:func:`calib.allocate.forecast_probs` of the model chain ``[B, k_sched]`` in the requests' context cells
+        (``columns``, float64 ``[B, A]``), kept per distinct columns while the tables hold the same forecast: its
+        axes are few (the temperature, in the shipped tables), so a batch's forecast rarely changes between steps."""
+        from calib.allocate import forecast_probs
+
+        key = (drafted, k_sched, columns.shape, columns.tobytes())
+        held = self.forecasts.get(key)
+        if held is None or held[0] is not meta["values"]:
+            if len(self.forecasts) >= 256:  # batches come and go: keep the newest few
+                self.forecasts.clear()
+            held = self.forecasts[key] = (meta["values"], forecast_probs(tables, drafted, torch.from_numpy(columns),
+                                                                         depths=k_sched))
+        return held[1]
 
     def set_passes(self, scheduler_output, passes: int, k_sched: int, start: float) -> None:
         """Run ``passes`` draft passes this step (vLLM would run ``k_sched``); counted in the statistics."""

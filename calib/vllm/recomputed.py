@@ -19,27 +19,53 @@ log = logging.getLogger("calib.serve")
 
 class StepContexts:
     """The requests' token histories at one hook: row ``rows[b]`` of the engine's token buffer
-    (``token_ids_cpu[:num_tokens_no_spec]``), then ``extra[b]`` when bookkeeping has not appended this step's
-    tokens yet (the plan before a padded EAGLE drafter). ``keys[b]`` = (request id, context length, last token):
-    the same before bookkeeping (with ``extra``) and after it, so the plan and the decision find each other's chains."""
+    (``token_ids_cpu[:num_tokens_no_spec]``), then request ``b``'s tokens in ``extra`` when bookkeeping has not
+    appended this step's tokens yet (the plan before a padded EAGLE drafter): vLLM's sampled token ids ``[>= B, S]``
+    (numpy; negative: none), or one list per request. ``keys[b]`` = (request id, context length, last token): the same
+    before bookkeeping (with ``extra``) and after it, so the plan and the decision find each other's chains."""
 
-    def __init__(self, batch, rows: list[int], extra: list[list[int]] | None = None):
+    def __init__(self, batch, rows: list[int], extra=None):
         B = len(rows)
-        self.batch, self.rows, self.extra = batch, rows, extra
-        self.n_extra = np.array([len(extra[b]) if extra is not None else 0 for b in range(B)], dtype=np.int64)
-        self.n_buf = np.asarray(batch.num_tokens_no_spec)[rows].astype(np.int64)
-        total = self.n_buf + self.n_extra
-        buf = batch.token_ids_cpu
-        last = [int(extra[b][-1]) if self.n_extra[b] else (int(buf[i, self.n_buf[b] - 1]) if self.n_buf[b] else -1)
-                for b, i in enumerate(rows)]
-        self.keys = tuple((batch.req_ids[i], int(total[b]), last[b]) for b, i in enumerate(rows))
+        self.batch, self.rows = batch, rows
+        at = np.asarray(rows, dtype=np.intp)
+        self.n_buf = n_buf = np.asarray(batch.num_tokens_no_spec)[at].astype(np.int64)
+        # the buffer's last token per request, -1 for an empty one (in numpy: no indexing call per request)
+        last = np.where(n_buf > 0, np.asarray(batch.token_ids_cpu)[at, np.maximum(n_buf - 1, 0)], -1)
+        if extra is None:
+            self.n_extra = np.zeros(B, dtype=np.int64)
+            self.pad = np.zeros((B, 1), dtype=np.int64)
+            total = n_buf
+        else:
+            self.n_extra, self.pad = _extra_tokens(extra, B)
+            total = n_buf + self.n_extra
+            ends = np.flatnonzero(self.n_extra)
+            last[ends] = self.pad[ends, self.n_extra[ends] - 1]
+        ids = batch.req_ids
+        self.keys = tuple(zip([ids[i] for i in rows], total.tolist(), last.tolist()))
 
     def tokens(self, b: int) -> np.ndarray:
         """Request ``b``'s token ids (the buffer's row, then its ``extra`` tokens)."""
         ctx = self.batch.token_ids_cpu[self.rows[b], : int(self.n_buf[b])]
         if not self.n_extra[b]:
             return ctx
-        return np.concatenate([ctx, np.asarray(self.extra[b], dtype=ctx.dtype)])
+        return np.concatenate([ctx, self.pad[b, : self.n_extra[b]].astype(ctx.dtype)])
+
+
+def _extra_tokens(extra, B: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(counts int64 [B], tokens int64 [B, max(1, counts.max())])`` of each request's non-negative tokens in
+    ``extra`` (rows of vLLM's sampled token ids, or lists), in order, zero-padded."""
+    if isinstance(extra, np.ndarray):
+        x = extra[:B].astype(np.int64, copy=False)
+        kept = x >= 0
+        n = kept.sum(axis=1, dtype=np.int64)
+        if (kept == (np.arange(x.shape[1])[None, :] < n[:, None])).all():  # the kept tokens lead each row
+            return n, np.where(kept, x, 0)[:, : max(1, int(n.max(initial=0)))]
+        extra = [[int(t) for t in r if t >= 0] for r in x.tolist()]
+    n = np.array([len(extra[b]) for b in range(B)], dtype=np.int64)
+    pad = np.zeros((B, max(1, int(n.max(initial=0)))), dtype=np.int64)
+    for b in np.flatnonzero(n).tolist():
+        pad[b, : n[b]] = extra[b]
+    return n, pad
 
 
 class Recomputed:
@@ -70,36 +96,36 @@ class Recomputed:
             return last[1], last[2]
         matches = self.matches
         miss = [b for b, key in enumerate(ctx.keys) if (matches.get(key[0]) or (None,))[0] != key]
-        if miss:
-            self._propose(ctx, miss)
+        every = self._propose(ctx, miss) if miss else None  # the batch path's features [B, F] when all were new
         hits = [matches[key[0]] for key in ctx.keys]
         tokens = [h[1] for h in hits]
         lengths = [len(t) for t in tokens]
         width = max(1, max(lengths, default=0))
-        features = self.kind.batch_features if self.kind.propose_batch is not None else self.kind.step_features
-        signal = features([h[2] for h in hits], lengths, self.own, width)
+        if self.kind.propose_batch is not None:
+            signal = self.kind.batch_features(every if len(miss) == len(hits) else [h[2] for h in hits], lengths,
+                                              self.own, width)
+        else:
+            signal = self.kind.step_features([h[2] for h in hits], lengths, self.own, width)
         self.last = (ctx.keys, tokens, signal)
         return tokens, signal
 
-    def _propose(self, ctx: StepContexts, miss: list[int]) -> None:
+    def _propose(self, ctx: StepContexts, miss: list[int]):
+        """Recompute the requests ``miss`` (positions in ``ctx``); the batch path returns their features ``[M, F]``."""
         batch, k = ctx.batch, self.k
         if self.each is None:  # the batch path: one call for every request whose context is new
-            pad = np.zeros((len(miss), max(1, int(ctx.n_extra.max(initial=0)))), dtype=np.int64)
-            for j, b in enumerate(miss):
-                if ctx.n_extra[b]:
-                    pad[j, : ctx.n_extra[b]] = ctx.extra[b]
             rows = [ctx.rows[b] for b in miss]
             toks, feats = self.kind.propose_batch(batch.token_ids_cpu, rows, ctx.n_buf[miss],
                                                   np.asarray(batch.num_prompt_tokens)[rows], self.settings,
-                                                  self.max_model_len, pad, ctx.n_extra[miss])
+                                                  self.max_model_len, ctx.pad[miss], ctx.n_extra[miss])
             for j, b in enumerate(miss):
                 self.matches[ctx.keys[b][0]] = (ctx.keys[b], toks[j][:k], feats[j])
-            return
+            return feats
         for b in miss:
             key = ctx.keys[b]
             t, f = self.each.propose(key[0], ctx.tokens(b), int(batch.num_prompt_tokens[ctx.rows[b]]),
                                      self.max_model_len)
             self.matches[key[0]] = (key, [int(x) for x in t[:k]], f)
+        return None
 
     def finish(self, req_id: str) -> None:
         self.matches.pop(req_id, None)

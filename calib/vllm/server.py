@@ -48,6 +48,7 @@ class Server(DraftPlanning):
         self.planned: PlannedStep | None = None  # what this step's plan looked up on its recomputed chain
         self.step_keys: tuple = ()  # the decision's requests' context keys (StepContexts.keys), set by offers()
         self.pass_prices: dict[int, float] = {}  # batch size -> the price of one draft pass (plan_passes)
+        self.forecasts: dict[tuple, tuple] = {}  # (chain, passes, context columns) -> the forecast (plan_passes)
         self.transformed: dict[str, bool] = {}  # req_id -> carries target-only logit transforms (left to vLLM)
         self.ranks = None  # calib.vllm.ranks.RankCheck under tensor parallelism (set at engine start), else None
         self.oracle = None  # calib.serve.oracle.Oracle when knobs.oracle names a reference (set at construction)
