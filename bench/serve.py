@@ -11,8 +11,8 @@ and ``calib_two_drafter`` (two_drafter: EAGLE + the n-gram chain, calib picks ch
 ``calib_three_chain`` (EAGLE + the n-gram and the suffix chain) are the third drafter's (make install-suffix). Each (arm, repetition) is one process (calib's hooks install once per process)
 that builds its engine once (``max_num_seqs`` = the largest concurrency) and serves every cell (category x
 sampling x concurrency) in a shuffled order after a short warm-up; repetitions rotate the arms' order, so
-arms alternate on the clock. A cell at concurrency ``c`` serves ``max(min_prompts, 2c)`` prompts (at
-most the category's) with ``c`` in flight. Reported per cell: the median over repetitions of output
+arms alternate on the clock. A cell at concurrency ``c`` serves ``max(min_prompts, 2c)`` prompts (a category
+holding fewer is served again from the top, so the batch fills) with ``c`` in flight. Reported per cell: the median over repetitions of output
 tokens/s, and each arm's ratio to the best vLLM arm of that cell: no speculation included (a user who
 finds speculation slower turns it off), and to the best vLLM speculation arm (eagle, ngram, dynamic).
 
@@ -80,6 +80,16 @@ def compose(overrides: list[str]) -> dict:
     return OmegaConf.to_container(cfg, resolve=True)
 
 
+def cell_prompts(prompts: list, n: int) -> list:
+    """The first ``n`` prompts of a category, its file served again from the top where it holds fewer: at c = 64 a
+    60-prompt category serves 128 requests (each prompt about twice), so the batch fills and stays full for a
+    while, the steady state the replay prices (with 60 for 64 clients it never filled). The replay predicts
+    the cell from the same prompts' rounds (``cell_rows``: the first 128 of 60 are all 60)."""
+    if not prompts:
+        raise ValueError("a category without prompts cannot fill a bench cell")
+    return [prompts[i % len(prompts)] for i in range(n)]
+
+
 def worker(spec_path: str) -> None:
     """One (arm, repetition): build the engine, warm it up, serve every cell; results to spec['out']."""
     import random
@@ -99,7 +109,7 @@ def worker(spec_path: str) -> None:
         cat = cell["category"]
         if cat not in by_category:
             by_category[cat] = load_prompts(compose([f"prompts={cat}"])["prompts"]["files"], root=ROOT)
-        prompts = by_category[cat][: cell["n_prompts"]]
+        prompts = cell_prompts(by_category[cat], cell["n_prompts"])
         sampling = compose([f"sampling={cell['sampling']}"])["sampling"]
         sampling["max_tokens"] = cell["max_tokens"]
         if i == 0:  # warm-up: first-call costs (lazy tables, allocator, caches) off the clock

@@ -103,3 +103,12 @@ def test_a_cell_whose_model_drafter_does_not_pay_names_the_engine_to_deploy_inst
     assert clock.deploy_lines(clock.rows(drafting)) == []
     _bench().report({"table": [row], "arms": [*ARMS, "calib_two_drafter"], "cost_model": "engine"})
     assert "Where the model drafter does not pay:" in capsys.readouterr().out
+
+
+def test_a_cell_larger_than_its_category_serves_the_category_again():
+    """c = 64 asks 128 prompts of a 60-prompt category: each is served again from the top, so the batch fills."""
+    serve = _bench()
+    assert serve.cell_prompts(list("abc"), 2) == ["a", "b"]
+    assert serve.cell_prompts(list("abc"), 7) == ["a", "b", "c", "a", "b", "c", "a"]
+    with pytest.raises(ValueError, match="without prompts"):
+        serve.cell_prompts([], 4)
