@@ -17,7 +17,13 @@ def prefix_mask(ck: Checker, file: str, table: pa.Table, acc: np.ndarray, accept
     drafted = ~np.isnan(acc)
     width = drafted.sum(axis=1)
     depth = np.arange(acc.shape[1])
-    cols = schema.depth_columns(table.column_names, acc_prefix)
+    # by depth, not by position: a missing middle column (acc1 of acc0, acc2) leaves a NaN depth in ``acc``
+    present = {int(c[len(acc_prefix):]): c for c in schema.depth_columns(table.column_names, acc_prefix)}
+    cols = [present.get(k, f"{acc_prefix}{k}") for k in depth]
+    for k in depth:
+        if k not in present:
+            ck.add(file, cols[k], None, f"column missing: the {acc_prefix} columns must run {acc_prefix}0.."
+                   f"{acc_prefix}{acc.shape[1] - 1} (a chain's drafted depths are a prefix)")
     # Values other than 0/1.
     bad_val = drafted & (acc != 0) & (acc != 1)
     for k in np.flatnonzero(bad_val.any(axis=0)):

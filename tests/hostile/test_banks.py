@@ -265,6 +265,9 @@ CASES = [
         (t := pq.read_table(b / "ngram.parquet")).drop_columns(
             [c for c in t.column_names if c.startswith("ngram_tok")]), b / "ngram.parquet"), _findings(b))[1],
          ("{bank}/ngram.parquet, column ngram_len, row ", "no ngram_tok columns")),
+    Case("ngram-chain-missing-a-middle-acc-column", lambda tmp, b: (pq.write_table(
+        pq.read_table(b / "ngram.parquet").drop_columns(["acc1"]), b / "ngram.parquet"), _findings(b))[1],
+         ("{bank}/ngram.parquet, column acc1: column missing",)),
     # Side files: run_manifest.json and stats.json, whatever is wrong with them.
     *[Case(f"{file}-{name}", lambda tmp, b, f=file, c=content: _side(b, f, c), ("{bank}/" + file + ": " + msg,))
       for file in ("run_manifest.json", "stats.json") for name, content, msg in SIDE_DAMAGE],
