@@ -130,9 +130,11 @@ def chain_inputs(tables, inputs: StepInputs, history: RequestHistory, *, k_max: 
 
 def chain_inputs_host(tables, inputs: StepInputs, history: RequestHistory, *, k_max: int,
                       skip: Sequence[str] = (), temperatures: np.ndarray | None = None,
-                      columns: dict | None = None):
+                      columns: dict | None = None, lists: bool = True):
     """:func:`chain_inputs` with numpy float32 ``[B, L, A]`` signals (the serving decider's host path).
-    ``columns``: a dict filled with the context columns read (context axes -> float64 ``[B, A_ctx]``)."""
+    ``columns``: a dict filled with the context columns read (context axes -> float64 ``[B, A_ctx]``);
+    ``lists=False``: the caller looks the chains up only (the serving plan), so their token lists are not
+    copied and checked (returned ``{}``), only their lengths read."""
     B = len(inputs.req_ids)
     if temperatures is None:
         temperatures = request_temperatures(inputs)
@@ -142,12 +144,17 @@ def chain_inputs_host(tables, inputs: StepInputs, history: RequestHistory, *, k_
         name, offer = kind.name, inputs.offers.get(kind.name)
         if offer is None or name not in tables.chains:
             continue
-        toks = _tokens(offer.tokens, B, k_max, f"{name}_tokens")
-        tokens[name] = toks
+        if lists:
+            toks = tokens[name] = _tokens(offer.tokens, B, k_max, f"{name}_tokens")
+            lengths = [len(t) for t in toks]
+        elif len(offer.tokens) != B:
+            raise ValueError(f"{name}_tokens has {len(offer.tokens)} lists for B={B} requests")
+        else:
+            lengths = [min(len(t), k_max) for t in offer.tokens]
         if name in skip:  # the caller has this chain's probabilities already
             continue
         own, ctx = split_context(feature_names(tables, name), name)
-        lengths, what = [len(t) for t in toks], f"the {name} chain's signal"
+        what = f"the {name} chain's signal"
         x = np.asarray((kind.step_inputs or _offered)(offer, own, B, lengths, what), dtype=np.float64)
         n_own = x.shape[2]
         out = np.empty((B, x.shape[1], n_own + len(ctx)), dtype=np.float32)  # [B, L, A]

@@ -117,7 +117,7 @@ class DraftPlanning:
             toks, signal = self.recomputed[name].chains(contexts)
             inputs = StepInputs(req_ids, temps, {name: Offer(toks, signal)})
             signals, _ = chain_inputs_host(tables, inputs, dec.history, k_max=self.k,  # temperatures checked there
-                                           columns=columns)
+                                           columns=columns, lists=False)
             known[name] = torch.from_numpy(host_probs(tables, {name: signals[name]})[name])  # float32, numpy
         else:
             inputs = StepInputs(req_ids, temps)
@@ -187,24 +187,23 @@ class DraftPlanning:
             return None
         start = time.perf_counter()
         depth, probs = planned.depth[rows], planned.probs[rows]  # int64 [B], float32 [B, W]
-        lengths = np.array([len(t) for t in offer.tokens], dtype=np.int64)
-        if (depth > lengths).any():  # the allocator verifies only tokens it was given: a bug if not
-            b = int(np.flatnonzero(depth > lengths)[0])
-            raise RuntimeError(f"request {inputs.req_ids[b]}: planned depth {int(depth[b])} but the chain has "
-                               f"{int(lengths[b])} tokens")
-        drafts = [list(t[:d]) for t, d in zip(offer.tokens, depth.tolist())]
+        drafts = []
+        for b, (t, d) in enumerate(zip(offer.tokens, depth.tolist())):
+            if d > len(t):  # the allocator verifies only tokens it was given: a bug if not
+                raise RuntimeError(f"request {inputs.req_ids[b]}: planned depth {d} but the chain has {len(t)} tokens")
+            drafts.append(list(t[:d]))
         width = max(1, int(depth.max(initial=0)))
         if probs.shape[1] < width:
             probs = np.pad(probs, ((0, 0), (0, width - probs.shape[1])), constant_values=np.nan)
         verified = np.arange(width)[None, :] < depth[:, None]  # [B, W]: the verified prefixes
         taken = np.where(verified, probs[:, :width], np.float32(np.nan))  # float32
         # calib.metrics.expected_accepted_length of the verified prefixes, its float64 sums: a chain ends at its depth
-        # (or a NaN: a 0 there keeps every later product 0)
-        p = taken.astype(np.float64)
-        expected = np.cumprod(np.where(verified & ~np.isnan(p), np.clip(p, 0.0, 1.0), 0.0), axis=1).sum(axis=1)
-        ids = np.where(depth > 0, chain(planned.chain).id, NO_CHAIN).astype(np.int8)
+        # or at a NaN (fmax makes it 0, which keeps every later product 0), each value clipped to [0, 1]
+        p = np.fmin(np.fmax(taken.astype(np.float64), 0.0), 1.0)
+        expected = np.cumprod(p, axis=1).sum(axis=1).astype(np.float32)
+        ids = np.where(depth > 0, np.int8(chain(planned.chain).id), np.int8(NO_CHAIN))
         self.stats.plan_decided += 1
         context = planned.columns if isinstance(rows, slice) else {k: v[rows] for k, v in planned.columns.items()}
-        return StepDecision(list(inputs.req_ids), drafts, torch.from_numpy(ids),
-                            torch.from_numpy(depth.astype(np.int32)), torch.from_numpy(expected.astype(np.float32)),
-                            (time.perf_counter() - start) * 1e3, probs=torch.from_numpy(taken), context=context)
+        return StepDecision(list(inputs.req_ids), drafts, torch.from_numpy(ids), torch.from_numpy(depth.astype(np.int32)),
+                            torch.from_numpy(expected), (time.perf_counter() - start) * 1e3,
+                            probs=torch.from_numpy(taken), context=context)

@@ -113,10 +113,11 @@ class Recomputed:
         """Recompute the requests ``miss`` (positions in ``ctx``); the batch path returns their features ``[M, F]``."""
         batch, k = ctx.batch, self.k
         if self.each is None:  # the batch path: one call for every request whose context is new
-            rows = [ctx.rows[b] for b in miss]
-            toks, feats = self.kind.propose_batch(batch.token_ids_cpu, rows, ctx.n_buf[miss],
+            at = slice(None) if len(miss) == len(ctx.keys) else miss  # every request: no copies
+            rows = ctx.rows if len(miss) == len(ctx.keys) else [ctx.rows[b] for b in miss]
+            toks, feats = self.kind.propose_batch(batch.token_ids_cpu, rows, ctx.n_buf[at],
                                                   np.asarray(batch.num_prompt_tokens)[rows], self.settings,
-                                                  self.max_model_len, ctx.pad[miss], ctx.n_extra[miss])
+                                                  self.max_model_len, ctx.pad[at], ctx.n_extra[at])
             for j, b in enumerate(miss):
                 self.matches[ctx.keys[b][0]] = (ctx.keys[b], toks[j][:k], feats[j])
             return feats

@@ -368,7 +368,8 @@ class Server(DraftPlanning):
         from calib.chains import Offer, chain
 
         K, offers = self.k, {}
-        if chain(dec.engine_chain).confidence is not None:  # a model drafter: its draft with confidences
+        # a model drafter: its draft with confidences (none drafted, beside a recomputed chain: left out, below)
+        if chain(dec.engine_chain).confidence is not None and (any(engine) or not self.recomputed):
             model_tokens, conf = [], np.full((len(req_ids), K), np.nan, dtype=np.float32)
             for b, (r, toks) in enumerate(zip(req_ids, engine)):
                 c = self.conf.get(r, [])[: len(toks)]

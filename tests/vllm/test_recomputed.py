@@ -80,3 +80,24 @@ def test_settings_come_from_the_kind():
                                                                     num_speculative_tokens=3)), 3, [], None).settings \
         == (1, 5, 3)
     assert chain(NGRAM.name).serve_knob == "ngram"
+
+
+def test_the_plans_lookup_inputs_are_the_decisions():
+    """The plan reads its chain's lookup inputs without copying its token lists (chain_inputs_host lists=False):
+    the same signals and context columns as the decision's, chains longer than k_max included (SYNTHETIC)."""
+    from calib.serve.inputs import chain_inputs_host
+    from tests.serve.test_decide import _history, _inputs, _tables
+
+    tables = _tables()
+    for seed in range(4):
+        inputs = _inputs(B=7, K=5, L=5, seed=seed)
+        history = _history(inputs.req_ids, seed)
+        cols_a, cols_b = {}, {}
+        full, toks = chain_inputs_host(tables, inputs, history, k_max=4, columns=cols_a)
+        lean, none = chain_inputs_host(tables, inputs, history, k_max=4, columns=cols_b, lists=False)
+        assert none == {} and toks and sorted(full) == sorted(lean) and sorted(cols_a) == sorted(cols_b)
+        for name in full:
+            assert full[name].dtype == lean[name].dtype == np.float32
+            assert np.array_equal(full[name], lean[name], equal_nan=True)
+        for key, col in cols_a.items():
+            assert np.array_equal(col, cols_b[key], equal_nan=True)
