@@ -128,6 +128,14 @@ class Recomputed:
             self.matches[key[0]] = (key, [int(x) for x in t[:k]], f)
         return None
 
+    def end_step(self) -> None:
+        """The decision has read this step's chains: a kind recomputed per request (a stateful one, whose draft may
+        move with its shared state, as the suffix trees' does) is recomputed at every decided step, as it always
+        was; the batch path keeps each request's chain until its context moves."""
+        if self.each is not None:
+            self.matches.clear()
+            self.last = None
+
     def finish(self, req_id: str) -> None:
         self.matches.pop(req_id, None)
         if self.each is not None:

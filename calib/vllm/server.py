@@ -389,6 +389,7 @@ class Server(DraftPlanning):
             if dec.engine_chain == name:
                 self.stats.ngram_mismatch += sum(a != b for a, b in zip(tokens, engine))
             offers[name] = Offer(tokens, signal, self.planned_probs(contexts.keys) if name == planned else None)
+            rec.end_step()
         self.planned = None
         if len(offers) > 2:
             offers = self.two_chains(dec, offers, req_ids, [float(batch.temperature_cpu[i]) for i in rows])

@@ -69,6 +69,8 @@ def test_a_step_is_recomputed_once_and_as_the_kind_recomputes_it():
     after.num_tokens_no_spec[3] += 1
     again = rec.chains(StepContexts(after, rows))
     assert again[0][:3] == plan[0][:3] and again[0][3] == mine.propose("r3", np.array([5, 6, 5, 5]), 3, 2048)[0]
+    rec.end_step()  # the batch path keeps each request's chain until its context moves
+    assert rec.chains(StepContexts(after, rows))[0] is again[0]
     rec.finish("r0")
     assert "r0" not in rec.matches
 

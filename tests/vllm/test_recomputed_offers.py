@@ -57,8 +57,10 @@ def test_the_suffix_chain_is_offered_as_its_recomputation_drafts_it():
     assert torch.isnan(sig[0, n0:]).all()
     again = srv.recomputed["suffix"].chains(StepContexts(batch, [0, 1, 2]))  # the decision after the plan: shared
     assert again[0] is tokens and again[1] is sig
+    srv.recomputed["suffix"].end_step()  # the decision read them: the next step recomputes every request
+    assert not srv.recomputed["suffix"].matches and srv.recomputed["suffix"].last is None
     srv.finished(["r0"])
-    assert "r0" not in srv.recomputed["suffix"].each.seen and "r0" not in srv.recomputed["suffix"].matches
+    assert "r0" not in srv.recomputed["suffix"].each.seen
 
 
 def test_before_and_after_bookkeeping_a_step_is_recomputed_once():
