@@ -66,11 +66,11 @@ class DraftPlanning:
     # -- the number of draft passes ----------------------------------------------------------------
     def plan_passes(self, runner, scheduler_output, sampled_token_ids) -> None:
         """Before the drafter runs: set this step's draft passes (``num_spec_tokens_to_schedule``,
-        batch-wide, 0..K) to :func:`calib.allocate.plan_draft`'s choice, from the n-gram chain each
-        request will offer (known in full) and the tables' forecast of the model chain in each request's
-        context (design note claim 4). Leaves vLLM's K on anything unexpected.
+        batch-wide, 0..K) to :func:`calib.allocate.plan_draft`'s choice, from the recomputed chain each
+        request will offer (:attr:`plan_chain`, known in full) and the tables' forecast of the model chain in each
+        request's context (design note claim 4). Leaves vLLM's K on anything unexpected.
 
-        The clock oracle (knob ``oracle``) runs no pass where every request's n-gram chain already commits
+        The clock oracle (knob ``oracle``) runs no pass where every request's recomputed chain already commits
         ``min(K, what is left of its reference)`` (no model draft could commit more), else leaves vLLM's K:
         it cannot know an EAGLE draft before drafting."""
         dec = self.decider
