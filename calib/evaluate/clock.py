@@ -22,6 +22,16 @@ ROOT = Path(__file__).resolve().parents[2]
 MIN_CELL_PROMPTS, PROMPTS_PER_REQUEST = 8, 2
 
 
+# What a cell's prediction is judged against, in order of preference: {prediction_basis: the row's ratio field}
+PREDICTION_BASES = {"steady decode": "steady_ratio_to_none", "decode steps": "decode_step_ratio_to_none",
+                    "decode (TPOT)": "decode_ratio_to_none", "output tok/s": "ratio_to_none"}
+
+
+def basis_ratios(row: dict) -> dict:
+    """{arm: the measured speed-up over no speculation the row's prediction is judged against}."""
+    return row.get(PREDICTION_BASES.get(row.get("prediction_basis"), ""), None) or {}
+
+
 def cell_prompt_count(concurrency: int, min_prompts: int = MIN_CELL_PROMPTS) -> int:
     """How many prompts a bench cell at ``concurrency`` serves (two per concurrent request, at least ``min_prompts``)."""
     return max(int(min_prompts), PROMPTS_PER_REQUEST * int(concurrency))
@@ -172,9 +182,10 @@ def rows(records: list, predicted: dict | None = None) -> list[dict]:
         # the replay prices steady decode: B requests in flight, none in prefill. Its prediction is judged against
         # the steps the clock ran in that state; before those were recorded, against every step without a
         # prefill, TPOT (which still holds the neighbours' prefill chunks) or tok/s, in that order
-        basis, basis_name = next(((b, n) for b, n in ((steady, "steady decode"), (steps, "decode steps"),
-                                                      (decode, "decode (TPOT)"), (to_none, "output tok/s")) if b),
-                                 ({}, "output tok/s"))
+        measured = {"steady_ratio_to_none": steady, "decode_step_ratio_to_none": steps,
+                    "decode_ratio_to_none": decode, "ratio_to_none": to_none}
+        basis_name = next((n for n, f in PREDICTION_BASES.items() if measured[f]), "output tok/s")
+        basis = measured[PREDICTION_BASES[basis_name]]
         row = {"category": key[0], "sampling": key[1], "concurrency": key[2], "tok_s": med,
                "reps": {a: len(rs) for a, rs in by_arm.items()}, "best_vllm": best, "calib_off": off.get(key, {}),
                "ratio_to_best_vllm": to_best, "ratio_spread": spread,

@@ -16,6 +16,7 @@ from calib.evaluate.clock import (
     ROOT,
     answer_figures,
     answer_lines,
+    basis_ratios,
     deploy_lines,
     fmt_pct,
     fmt_x,
@@ -102,15 +103,6 @@ def render_tables(result: dict, source: str) -> str:
     return "\n".join(parts)
 
 
-def _basis(row: dict) -> dict:
-    """{arm: the measured speed-up the row's prediction is judged against} (its ``prediction_basis``)."""
-    return next((row.get(f) for f, name in (("steady_ratio_to_none", "steady decode"),
-                                            ("decode_step_ratio_to_none", "decode steps"),
-                                            ("decode_ratio_to_none", "decode (TPOT)"),
-                                            ("ratio_to_none", "output tok/s"))
-                 if row.get("prediction_basis") == name), None) or {}
-
-
 def render_predictions(result: dict, source: str, tolerance: float = 0.10) -> str:
     """The replay's prediction beside the clock, arm by arm and cell by cell, and how many pairs are within
     ``tolerance``: the block for a bench's cells re-predicted by another replay (``--retable``)."""
@@ -125,7 +117,7 @@ def render_predictions(result: dict, source: str, tolerance: float = 0.10) -> st
              "predicted (error), measured as the cell's basis (the steady state, else the decode steps):"), "",
              "| category | sampling | c | basis | " + " | ".join(shown) + " |", "|" + "---|" * (len(shown) + 4)]
     for row in table:
-        measured, err = _basis(row), prediction_errors(row)
+        measured, err = basis_ratios(row), prediction_errors(row)
         vals = [f"{fmt_x(measured.get(a))} → {fmt_x(row['predicted_vs_none'].get(a))} ({fmt_pct(err.get(a))})"
                 if row["predicted_vs_none"].get(a) is not None else "–" for a in shown]
         lines.append(f"| {row['category']} | {row['sampling']} | {row['concurrency']} | {row.get('prediction_basis')} "

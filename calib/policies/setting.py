@@ -68,6 +68,13 @@ def committed(sb: StepBatch, drafter: np.ndarray, depth: np.ndarray) -> np.ndarr
     return np.minimum(depth, acc) + 1
 
 
+def step_weights(tokens: np.ndarray, covered: np.ndarray | None) -> np.ndarray:
+    """How many times each step counts [S]: once each, or with ``covered`` [S, B] (the tokens the collecting engine
+    committed in each round) ``mean_b covered / tokens``, the steps a policy committing ``tokens`` [S, B] needs to
+    write the text its rounds stand for (:func:`calib.evaluate.replay.summarise`)."""
+    return np.ones(len(tokens)) if covered is None else (covered / tokens).mean(axis=1)
+
+
 def allocate_chains(p1, p2, cost: torch.Tensor, budget: int | None, impl: str, names: tuple):
     """Allocate over the chain ``names[0]`` (probabilities ``p1`` [B, K]) and, if given, ``names[1]``
     (``p2`` [B, K]); returns (chain id [B], 0 = none; depth [B])."""
@@ -142,10 +149,9 @@ class Setting:
         """Each step's goodput [S] as the replay's totals count it: ``tokens`` [S, B] per round over ``cost`` [S];
         weighted by positions (``cfg.weighting``), the text the step's rounds stand for over the cost of the
         steps this policy needs to write it (:func:`calib.evaluate.replay.summarise`)."""
-        if self.cfg.weighting != "positions":
-            return tokens.sum(axis=1) / cost
-        covered = self.sb.covered
-        return covered.sum(axis=1) / (cost * (covered / tokens).mean(axis=1))
+        covered = self.sb.covered if self.cfg.weighting == "positions" else None
+        written = tokens if covered is None else covered
+        return written.sum(axis=1) / (cost * step_weights(tokens, covered))
 
     def overhead(self, served_by_calib: bool) -> float:
         """What calib's hooks cost a step of a policy calib serves (an engine's step cost only)."""

@@ -122,7 +122,7 @@ def test_positions_weighting_counts_a_round_for_the_text_it_covered(bank):
     sb = StepBatch(bank, np.arange(4), np.arange(4)[:, None])  # B = 1: one round a step
     res = replay_setting(sb, curve(), ReplayConfig(draft_cost={"model": 0.0, "ngram": 0.0}), train_mean_curve(bank))
     assert sb.covered[:, 0].tolist() == [4, 1, 2, 3]  # the model chain (verified) accepted 3, 0, 1, 2, each + 1
-    rounds, positions = summarise(res, 1, 4), summarise(res, 1, 4, sb.covered)
+    rounds, positions = summarise(res, 1), summarise(res, 1, sb.covered)
     # fixed_3 commits what the collector committed: one step a round either way
     assert positions["fixed_3"] == pytest.approx(rounds["fixed_3"])
     # the oracle commits 3 in round 1 (its n-gram chain) where the collector committed 1: a third of a step there

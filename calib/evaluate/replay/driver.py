@@ -14,7 +14,7 @@ from calib.evaluate.replay.config import ReplayConfig
 from calib.evaluate.replay.undrafted import with_undrafted_steps
 from calib.labels import censored
 from calib.policies import BASE_TOTALS, REFERENCE, PolicyResult, closure, policy, policy_of_row
-from calib.policies.setting import Setting, StepBatch
+from calib.policies.setting import Setting, StepBatch, step_weights
 
 
 def train_mean_curve(bank) -> np.ndarray:
@@ -84,7 +84,7 @@ def _charged(res: PolicyResult, hooks: float) -> PolicyResult:
     return res if hooks == 0 else res._replace(cost=res.cost + hooks)
 
 
-def summarise(results: dict, B: int, S: int, covered: np.ndarray | None = None) -> dict:
+def summarise(results: dict, B: int, covered: np.ndarray | None = None) -> dict:
     """Totals per step-policy row (hindsight policies are added by :func:`replay`).
 
     ``covered`` [S, B] (``weighting: positions``): the tokens the collecting engine committed in each round. A
@@ -95,10 +95,8 @@ def summarise(results: dict, B: int, S: int, covered: np.ndarray | None = None) 
     more than the collector (a copied span the collector crossed in many rounds, the policy in one)."""
     rows = {}
     for name, (tok, cost, pos, extra) in results.items():
-        if covered is None:
-            w, tokens = np.ones(S), float(np.sum(tok))
-        else:
-            w, tokens = (covered / tok).mean(axis=1), float(covered.sum())
+        w = step_weights(tok, covered)
+        tokens = float(np.sum(tok if covered is None else covered))
         steps = float(w.sum())
         rows[name] = {"tokens": tokens, "cost": float(np.dot(w, cost)), "positions": float(np.dot(w, pos)),
                       "steps": steps, "rounds": steps * B, **extra}
@@ -180,7 +178,7 @@ def replay(banks, curves: dict[str, CostCurve], cfg: ReplayConfig, progress: boo
         train_curve = train_mean_curve(bank)
         for cname, curve in curves.items():
             res = replay_setting(sb, curve.for_batch(b), cfg, train_curve)
-            totals = summarise(res, b, sb.S, sb.covered if cfg.weighting == "positions" else None)
+            totals = summarise(res, b, sb.covered if cfg.weighting == "positions" else None)
             meta = {"bank": bank.name, "batch_size": b, "category": cat, "cost_model": cname, "unit": curve.unit}
             key = (bank.name, b, cname, curve.unit)
             done.append((meta, totals, key))
