@@ -99,6 +99,17 @@ def _timed(cls, name: str, part, before=None):
     setattr(cls, name, wrapper)
 
 
+def step_context(so) -> dict:
+    """What a step's attention reads: ``context``, the tokens already in the KV cache of its requests (Σ_r c_r),
+    and ``query_keys``, the (query, key) pairs its positions attend over (Σ_r n_r·c_r + n_r(n_r+1)/2 for the
+    ``n_r`` positions of request ``r``), the step cost's ``Q`` input (calib.cost.step)."""
+    computed = dict(zip(so.scheduled_cached_reqs.req_ids, so.scheduled_cached_reqs.num_computed_tokens))
+    computed.update({r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs})
+    n = so.num_scheduled_tokens
+    return {"context": int(sum(computed.get(r, 0) for r in n)),
+            "query_keys": int(sum(q * computed.get(r, 0) + q * (q + 1) // 2 for r, q in n.items()))}
+
+
 def install_timers() -> None:
     """The wrappers, on vLLM's classes (outside calib's patch set: ``verify_sample`` includes calib's
     observation of the verify, a list copy; calib's decision and plan are its own statistics)."""
@@ -111,7 +122,8 @@ def install_timers() -> None:
         so = scheduler_output
         TIMER.info = {"batch": len(so.num_scheduled_tokens), "tokens": int(so.total_num_scheduled_tokens),
                       "draft_tokens": sum(len(v) for v in so.scheduled_spec_decode_tokens.values()),
-                      "drafting": sum(1 for v in so.scheduled_spec_decode_tokens.values() if v), "passes": 0}
+                      "drafting": sum(1 for v in so.scheduled_spec_decode_tokens.values() if v), "passes": 0,
+                      **step_context(so)}
 
     def reset_drafter(runner, *a, **k):
         TIMER.drafter_calls = 0
@@ -245,7 +257,9 @@ def table(summaries: list[dict]) -> str:
 def main(argv=None) -> None:
     ap = plain_parser(__doc__)
     ap.add_argument("--worker", help=argparse.SUPPRESS)
-    ap.add_argument("--arms", nargs="+", default=DEFAULT_ARMS, choices=list(bench_serve.ARMS))
+    # the clock oracle's arms replay a reference pass of bench/serve.py (serve.oracle=PATH), which a profile has not
+    ap.add_argument("--arms", nargs="+", default=DEFAULT_ARMS,
+                    choices=[a for a in bench_serve.ARMS if a not in bench_serve.ORACLE_ARMS])
     ap.add_argument("--concurrency", nargs="+", type=int, default=[1, 4, 16])
     ap.add_argument("--prompts", default="code_edit", help="a conf/prompts/ name")
     ap.add_argument("--sampling", default="greedy", choices=["greedy", "sampled"])

@@ -33,6 +33,11 @@ class CostCurve:
         """The curve the allocator sees at batch size ``batch`` (the same for curves over T only)."""
         return self
 
+    def with_context(self, context: np.ndarray | None) -> CostCurve:
+        """The curve charging each step by ``context`` [S, B], the tokens cached per request (the same for curves
+        that do not read it)."""
+        return self
+
     def charge(self, depth: np.ndarray) -> np.ndarray:
         """Cost of each step [S] given the verified draft depths [S, B] (every request also verifies
         its bonus position). A curve over total positions sees only ``B + Σ depth``."""
@@ -131,7 +136,11 @@ def make_curve(name: str, cfg: dict, t_max: int, root: str | Path = ".") -> Cost
         if elsewhere:  # a replay priced by another machine's clock predicts that machine's speed-ups
             logging.getLogger("calib.cost").warning("cost curve %r (%s): %s; `python bench/prepare_replay.py` "
                                                     "profiles this one", name, path, elsewhere)
-        return EngineStepCurve(name, cost, t_max)
+        charging = None
+        if cfg.get("charge"):  # a richer model of the same engine the replay charges by (serving prices by `path`)
+            charge = Path(cfg["charge"])
+            charging = load_step_cost(charge if charge.is_absolute() else Path(root) / charge)
+        return EngineStepCurve(name, cost, t_max, charging=charging)
     t = np.arange(t_max + 1, dtype=np.float64)
     if kind == "parametric":
         values = float(cfg["weight_read"]) + float(cfg["per_position"]) * t

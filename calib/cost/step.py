@@ -22,8 +22,9 @@ DRAFTER_PARTS = {"idle": ("drafter_first_pass",), "lm_head": ("drafter_lm_head",
                  "more": ("drafter_more_passes",)}
 CHAIN_PARTS = ("ngram_propose",)
 CALIB_PARTS = ("calib",)
-STEP_COST_VERSION = 2  # 2 added the ``sampled`` term; a version-1 file reads with it zero
-READABLE_VERSIONS = (1, 2)
+STEP_COST_VERSION = 3  # 2 added the ``sampled`` term (a version-1 file reads with it zero); 3 ``verify``'s Q input
+READABLE_VERSIONS = (1, 2, 3)
+VERIFY_INPUTS = ("T", "B", "Q")  # Q: thousands of (query, key) pairs attended over (profile rows' ``query_keys``)
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,9 @@ class StepCost:
 
     Attributes:
         verify: every step pays it: scheduling, inputs, the target's forward and LM head over ``T``
-            positions of ``B`` requests, the sampler/verify and bookkeeping (of ``T``, ``B``).
+            positions of ``B`` requests, the sampler/verify and bookkeeping (of ``T``, ``B`` and, when the
+            profile recorded each step's context, ``Q``: thousands of (query, key) pairs its attention reads,
+            ``Σ_r n_r·c_r + n_r(n_r+1)/2`` for ``n_r`` positions of a request with ``c_r`` tokens cached).
         idle: a loaded model drafter's first forward over the step's ``T`` positions: run every step
             it is loaded, even when 0 tokens are drafted (it keeps the drafter's KV cache right).
         lm_head: one draft pass's LM head and sampling over ``B`` rows (of ``B``).
@@ -71,6 +74,22 @@ class StepCost:
     calib: Linear
     source: dict
     sampled: Linear = field(default_factory=lambda: Linear(0.0, {"D": 0.0, "R": 0.0}))
+
+    @property
+    def context_mean(self) -> float:
+        """Tokens cached per request, the mean over the steps ``verify`` was fitted on (``source.context_mean``):
+        where a step's own context is not known (serving's price curve) ``Q`` is read at it, so that a
+        context-aware model prices such a step as a context-free fit to the same profile would."""
+        return float(self.source.get("context_mean", 0.0) or 0.0)
+
+    def verify_at(self, T, B, queries=None, context=None) -> np.ndarray:
+        """``verify`` over ``T`` positions of ``B`` requests, ``Q`` from ``queries`` (thousands of query-key pairs)
+        or else from ``T`` positions at ``context`` tokens cached per request (default :attr:`context_mean`)."""
+        if "Q" not in self.verify.slopes:
+            return self.verify(T=T, B=B)
+        if queries is None:
+            queries = np.asarray(T, dtype=np.float64) * (self.context_mean if context is None else context) / 1e3
+        return self.verify(T=T, B=B, Q=queries)
 
     def speculating_sampled(self, draft_tokens, drafting) -> np.ndarray:
         """Seconds a sampled step adds for verifying ``draft_tokens`` from ``drafting`` requests (0 for none: no
@@ -123,10 +142,21 @@ def fit_step_cost(rows: list[dict], source: dict) -> StepCost:
     idle_s = np.array([_part_ms(r, DRAFTER_PARTS["idle"]) for r in rows]) / 1e3
     loaded = idle_s > 0
     plain = ~jumped if (~jumped).any() else np.ones(len(rows), dtype=bool)
-    fits = {"verify": _fit(np.column_stack([T[plain], B[plain]]), verify_s[plain], ("T", "B"))}
-    fits["sampled"] = (_fit(np.column_stack([D[jumped], R[jumped]]),
-                            verify_s[jumped] - fits["verify"](T=T[jumped], B=B[jumped]), ("D", "R"))
-                       if jumped.any() and (~jumped).any() else Linear(0.0, {"D": 0.0, "R": 0.0}))
+    # the attention's (query, key) pairs, where the profile recorded them: verify is then fitted on those rows alone
+    # (a profile of an older bench beside a newer one lends its drafter and chain parts, not its verify)
+    keyed = np.array(["query_keys" in r for r in rows])
+    source = dict(source)
+    if keyed.any():
+        Q = np.array([float(r.get("query_keys", 0.0)) for r in rows]) / 1e3
+        plain, jumped = plain & keyed, jumped & keyed
+        fits = {"verify": _fit(np.column_stack([T[plain], B[plain], Q[plain]]), verify_s[plain], VERIFY_INPUTS)}
+        source["context_mean"] = float(1e3 * Q[plain].sum() / T[plain].sum())  # tokens cached per query position
+        ran = fits["verify"](T=T, B=B, Q=Q)
+    else:
+        fits = {"verify": _fit(np.column_stack([T[plain], B[plain]]), verify_s[plain], ("T", "B"))}
+        ran = fits["verify"](T=T, B=B)
+    fits["sampled"] = (_fit(np.column_stack([D[jumped], R[jumped]]), verify_s[jumped] - ran[jumped], ("D", "R"))
+                       if jumped.any() and (plain & ~jumped).any() else Linear(0.0, {"D": 0.0, "R": 0.0}))
     fits["idle"] = _fit(T[loaded, None], idle_s[loaded], ("T",)) if loaded.any() else Linear(0.0, {"T": 0.0})
     for name, mask, denom in (("lm_head", passes > 0, passes), ("more", passes > 1, passes - 1)):
         y = np.array([_part_ms(r, DRAFTER_PARTS[name]) for r in rows]) / 1e3
@@ -136,7 +166,7 @@ def fit_step_cost(rows: list[dict], source: dict) -> StepCost:
         y = np.array([_part_ms(r, parts) for r in rows]) / 1e3
         mask = y > 0
         fits[name] = _fit(B[mask, None], y[mask], ("B",)) if mask.any() else Linear(0.0, {"B": 0.0})
-    return StepCost(**fits, source=dict(source))
+    return StepCost(**fits, source=source)
 
 
 def save_step_cost(cost: StepCost, path) -> None:
@@ -162,6 +192,9 @@ def load_step_cost(path) -> StepCost:
         term = doc.get(key)
         if term is None and key in optional:
             continue
+        if key == "verify" and isinstance(term, dict) and not set(term.get("slopes") or {}) <= set(VERIFY_INPUTS):
+            raise ValueError(f"{path}: verify: slopes over {sorted(term['slopes'])}; this calib reads "
+                             f"{list(VERIFY_INPUTS)} (re-run bench/profile_step.py --step-cost {path})")
         if key == "sampled" and isinstance(term, dict) and not set(term.get("slopes") or {}) <= {"D", "R"}:
             raise ValueError(f"{path}: sampled: slopes over {sorted(term['slopes'])}; this calib reads D (draft tokens) "
                              f"and R (requests with draft tokens) (re-run bench/profile_step.py --step-cost {path})")
@@ -222,24 +255,33 @@ class EngineStepCurve(CostCurve):
     of the current batch (:meth:`for_batch`), plus the idle drafter's forward when a model drafter is
     loaded (:meth:`with_drafter`), plus, for a step under sampling (:meth:`with_sampling`), the sampled
     path's extra work at every ``T`` above the batch; :meth:`draft`, :meth:`chain` and :meth:`calib` price
-    the rest."""
+    the rest.
+
+    ``values`` are the prices a policy decides by, as serving prices (a context-aware model read at its
+    :attr:`StepCost.context_mean`). :meth:`charge` is what a step costs: by ``charging`` where given (a richer
+    model of the same engine than the one serving is given, ``cost.engine.charge``), and, with
+    :meth:`with_context` (``context`` [S, B], tokens cached per request and step), each step's own attention."""
 
     def __init__(self, name: str, cost: StepCost, t_max: int, unit: str = "s", batch: int = 1,
-                 drafter: bool = False, sampled: bool = False):
+                 drafter: bool = False, sampled: bool = False, charging: StepCost | None = None,
+                 context: np.ndarray | None = None):
         t = np.arange(t_max + 1, dtype=np.float64)
         t[0] = 1
-        values = cost.verify(T=t, B=batch) + (cost.idle(T=t) if drafter else 0.0)
+        values = cost.verify_at(t, batch) + (cost.idle(T=t) if drafter else 0.0)
         if sampled:
             drafts = np.maximum(t - batch, 0)  # the requests drafting are not known from T: at most min(B, D)
             values = values + cost.speculating_sampled(drafts, np.minimum(drafts, batch))
         super().__init__(name, np.asarray(values, dtype=np.float64), unit)
         self.cost, self.t_max, self.batch, self.drafter, self.sampled = cost, t_max, batch, drafter, sampled
+        self.charging = charging
+        self.context = context  # [S, B] tokens cached per request at each step, or None
 
     def _with(self, **change) -> EngineStepCurve:
         now = {"batch": self.batch, "drafter": self.drafter, "sampled": self.sampled}
         if all(now[k] == v for k, v in change.items()):
             return self
-        return EngineStepCurve(self.name, self.cost, self.t_max, self.unit, **{**now, **change})
+        return EngineStepCurve(self.name, self.cost, self.t_max, self.unit, **{**now, **change},
+                               charging=self.charging, context=self.context)
 
     def for_batch(self, batch: int) -> EngineStepCurve:
         return self._with(batch=batch)
@@ -252,14 +294,29 @@ class EngineStepCurve(CostCurve):
         """This curve for steps under sampling (the sampled path's extra work priced) or greedy ones."""
         return self._with(sampled=bool(sampled))
 
+    def with_context(self, context: np.ndarray | None) -> EngineStepCurve:
+        """This curve charging each step's attention by ``context`` [S, B] (tokens cached per request; the prices
+        stay as serving's)."""
+        return EngineStepCurve(self.name, self.cost, self.t_max, self.unit, self.batch, self.drafter, self.sampled,
+                               charging=self.charging, context=context)
+
     def charge(self, depth: np.ndarray) -> np.ndarray:
         """A step's cost given its verified draft depths ``[S, B]``; under sampling the sampled path's extra work
         at the step's own draft tokens and drafting requests (the curve's values assume the most requests)."""
-        if not self.sampled:
-            return super().charge(depth)
         depth = np.asarray(depth)
-        plain = self._with(sampled=False)
-        return plain.charge(depth) + self.cost.speculating_sampled(depth.sum(axis=-1), (depth > 0).sum(axis=-1))
+        model = self.charging or self.cost
+        if self.charging is None and (self.context is None or "Q" not in model.verify.slopes):
+            plain = super().charge(depth) if not self.sampled else self._with(sampled=False).charge(depth)
+        else:
+            T = self.batch + depth.sum(axis=-1)
+            queries = None
+            if self.context is not None and "Q" in model.verify.slopes:
+                q = 1 + depth  # a request's positions: its bonus and its drafts
+                queries = (q * self.context + q * (q + 1) / 2).sum(axis=-1) / 1e3
+            plain = model.verify_at(T, self.batch, queries) + (model.idle(T=T) if self.drafter else 0.0)
+        if not self.sampled:
+            return plain
+        return plain + model.speculating_sampled(depth.sum(axis=-1), (depth > 0).sum(axis=-1))
 
     def draft(self, passes) -> np.ndarray:
         return self.cost.draft(passes, self.batch)

@@ -81,6 +81,9 @@ class EvalBank:
     scope: str = SEEN  # one line for the report: which part of the bank is evaluated, and why
     notes: list[str] = field(default_factory=list)  # cross-checks that could not be made
     round_temperature: np.ndarray | None = None  # [R] sampling temperature per round (NaN: not recorded)
+    # [R] tokens in the request's context at each round (a chain file's ``context_len``; None where no chain
+    # records it): what the step's attention reads, charged by a context-aware step cost (calib.cost.step)
+    cached: np.ndarray | None = None
 
     def subset(self, mask: np.ndarray) -> EvalBank:
         chains = {k: Chain(c.drafter, c.acc[mask], None if c.p_cal is None else c.p_cal[mask],
@@ -89,7 +92,8 @@ class EvalBank:
                            None if c.context is None else c.context[mask]) for k, c in self.chains.items()}
         return EvalBank(self.name, self.path, self.category[mask], self.prompt_idx[mask], self.split[mask],
                         chains, self.primary, self.temperature, self.seen, self.scope, list(self.notes),
-                        None if self.round_temperature is None else self.round_temperature[mask])
+                        None if self.round_temperature is None else self.round_temperature[mask],
+                        None if self.cached is None else self.cached[mask])
 
 
 def eval_scope(path, tables, fractions=(0.7, 0.15, 0.15), seed: int = 0) -> tuple[bool, str, tuple, int, list]:
@@ -188,7 +192,41 @@ def load_eval_bank(path, tables, fractions=(0.7, 0.15, 0.15), seed: int = 0, nam
         chain_set = {n: (chain_set[primary] if n == primary else c) for n, c in found.items()}
     if name is None:  # runs/banks/<name>/bank -> <name>
         name = Path(path).parent.name if Path(path).name == "bank" else Path(path).name
-    return EvalBank(name, Path(path), cats, pidx, split, chain_set, primary, temp, seen, scope, notes, temps)
+    return EvalBank(name, Path(path), cats, pidx, split, chain_set, primary, temp, seen, scope, notes, temps,
+                    _context_len(t, notes))
+
+
+def _context_len(t, notes: list) -> np.ndarray | None:
+    """[R] tokens in each round's context: the first registered chain file's ``context_len`` in the joined,
+    key-sorted rounds ``t`` (None where no chain records it). A chain file records it only where it looked a
+    chain up; a round without it is placed by its request's own rounds: the tokens committed before it
+    (``accept + 1`` per earlier round) plus the request's offset (its known rounds' median of context less
+    those tokens; the bank's median offset for a request with none, said in ``notes``)."""
+    import pandas as pd
+
+    for kind in chains():
+        col = f"{kind.column_prefix or ''}context_len"
+        if not (kind.bank_file and col in t.column_names):
+            continue
+        ctx = np.asarray(t.column(col).to_numpy(zero_copy_only=False), dtype=np.float64)
+        known = np.isfinite(ctx)
+        if not known.any():
+            return None
+        if known.all():
+            return ctx
+        request = [k for k in schema.KEYS if k != "round_idx"]
+        keys = pd.DataFrame({k: t.column(k).to_pylist() for k in request})
+        group = keys.ne(keys.shift()).any(axis=1).cumsum().to_numpy()  # rows are sorted by the bank keys
+        step = np.asarray(t.column("accept").to_numpy(zero_copy_only=False), dtype=np.float64) + 1
+        before = pd.Series(step).groupby(group).cumsum().to_numpy() - step  # committed before each round
+        offset = pd.Series(np.where(known, ctx - before, np.nan)).groupby(group).transform("median").to_numpy()
+        lone = ~np.isfinite(offset)
+        if lone.any():
+            offset[lone] = np.nanmedian(ctx - before)
+            notes.append(f"{int(lone.sum())} rounds of requests whose {kind.bank_file} records no context_len: "
+                         "their context placed at the bank's median prompt")
+        return np.where(known, ctx, before + offset)
+    return None
 
 
 def _forecast(tables, name: str, inputs: np.ndarray) -> np.ndarray | None:

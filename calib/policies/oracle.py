@@ -21,7 +21,7 @@ def oracle(s: Setting) -> PolicyResult:
     free = s.draft(1) == 0
     depths_to_try = [K] if (free or budget is not None) else list(range(K + 1))
     second_cost = s.second_cost if sb.second else 0.0
-    best = (np.ones((S, B)), np.full(S, curve.values[B]), np.zeros(S))  # no drafting at all
+    best = (np.ones((S, B)), curve.charge(np.zeros((S, B), dtype=np.int64)), np.zeros(S))  # no drafting at all
     best_gp = s.step_goodput(best[0], best[1])
     for gmax in depths_to_try:
         if gmax == 0 and not sb.second:

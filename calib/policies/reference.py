@@ -14,7 +14,8 @@ from calib.policies.setting import Setting
 
 
 def no_spec(s: Setting) -> PolicyResult:
-    return PolicyResult(np.ones((s.S, s.B)), np.full(s.S, s.plain.values[s.B]), np.zeros(s.S), {})
+    none = np.zeros((s.S, s.B), dtype=np.int64)
+    return PolicyResult(np.ones((s.S, s.B)), s.plain.charge(none), np.zeros(s.S), {})
 
 
 def fixed(s: Setting) -> dict:

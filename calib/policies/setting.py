@@ -57,6 +57,8 @@ class StepBatch:
         # [S, B] tokens the collecting engine committed in each round (its verified chain's accepted prefix + 1;
         # 1 in a step it drafted nothing): the stretch of the request's text the round stands for
         self.covered = self.acc[self.ids[0]] + 1
+        # [S, B] tokens in each request's context at its round (None where the bank records none)
+        self.cached = None if bank.cached is None else bank.cached[sel]
 
 
 def committed(sb: StepBatch, drafter: np.ndarray, depth: np.ndarray) -> np.ndarray:

@@ -177,7 +177,7 @@ def replay(banks, curves: dict[str, CostCurve], cfg: ReplayConfig, progress: boo
         sb = StepBatch(bank, rows, idx)
         train_curve = train_mean_curve(bank)
         for cname, curve in curves.items():
-            res = replay_setting(sb, curve.for_batch(b), cfg, train_curve)
+            res = replay_setting(sb, curve.for_batch(b).with_context(sb.cached), cfg, train_curve)
             totals = summarise(res, b, sb.covered if cfg.weighting == "positions" else None)
             meta = {"bank": bank.name, "batch_size": b, "category": cat, "cost_model": cname, "unit": curve.unit}
             key = (bank.name, b, cname, curve.unit)

@@ -73,4 +73,4 @@ def with_undrafted_steps(bank: EvalBank) -> EvalBank:
                        grow(c.p_forecast, True), grow(c.context, False)) for k, c in bank.chains.items()}
     return EvalBank(bank.name, bank.path, grow(bank.category, False), grow(bank.prompt_idx, False),
                     grow(bank.split, False), chains, bank.primary, bank.temperature, bank.seen, bank.scope,
-                    bank.notes, grow(bank.round_temperature, False))
+                    bank.notes, grow(bank.round_temperature, False), grow(bank.cached, False))

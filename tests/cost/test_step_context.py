@@ -1,0 +1,123 @@
+"""A step cost that reads each step's context (calib.cost.step, verify's ``Q`` input) and the replay charging it.
+SYNTHETIC profile rows and banks: made by hand here from known coefficients, not engine data."""
+
+import json
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from calib.cost import make_curve
+from calib.cost.step import EngineStepCurve, Linear, StepCost, fit_step_cost, load_step_cost, save_step_cost
+from calib.evaluate.data import load_eval_bank
+from calib.evaluate.replay import ReplayConfig, replay_setting, train_mean_curve
+from calib.policies.setting import StepBatch
+from tests.cost.test_step import TRUE, profile_rows
+from tests.evaluate.test_replay import forecast_tables, tiny_bank
+
+# verify = 20 ms + 1 ms/position + 1 ms/request + 4 ms per thousand (query, key) pairs
+KEYED = StepCost(Linear(0.020, {"T": 0.001, "B": 0.001, "Q": 0.004}), TRUE.idle, TRUE.lm_head, TRUE.more,
+                 TRUE.chain, TRUE.calib, {"what": "SYNTHETIC"})
+
+
+def keyed_rows(rng, n=400):
+    """Profile rows with each step's context, as bench/profile_step.py now writes them (SYNTHETIC)."""
+    rows = []
+    for _ in range(n):
+        B = int(rng.choice([1, 4, 16, 64]))
+        q = rng.integers(1, 6, size=B)  # positions per request
+        cached = rng.integers(30, 900, size=B)  # tokens in each request's KV cache
+        keys = int((q * cached + q * (q + 1) // 2).sum())
+        T = int(q.sum())
+        verify = 1e3 * float(KEYED.verify(T=T, B=B, Q=keys / 1e3)) * (1 + rng.normal(0, 0.005))
+        rows.append({"batch": B, "tokens": T, "passes": 0, "ms": {}, "step_ms": verify,
+                     "context": int(cached.sum()), "query_keys": keys})
+    return rows
+
+
+def test_the_fit_recovers_the_attention_term_and_records_the_mean_context():
+    fit = fit_step_cost(keyed_rows(np.random.default_rng(0)), {"what": "SYNTHETIC"})
+    assert fit.verify.slopes["Q"] == pytest.approx(0.004, rel=0.05)
+    assert fit.verify.slopes["T"] == pytest.approx(0.001, rel=0.15)
+    rows = keyed_rows(np.random.default_rng(0))
+    mean = sum(r["query_keys"] for r in rows) / sum(r["tokens"] for r in rows)
+    assert fit.context_mean == pytest.approx(mean)
+    # where a step's context is not known, Q is read at the profile's mean context
+    assert float(fit.verify_at(20, 4)) == pytest.approx(float(fit.verify(T=20, B=4, Q=20 * mean / 1e3)))
+
+
+def test_an_older_profile_lends_its_drafter_parts_not_its_verify():
+    rng = np.random.default_rng(1)
+    old = profile_rows(rng)  # no context recorded: its verify is TRUE's, far from KEYED's
+    fit = fit_step_cost(keyed_rows(rng) + old, {"what": "SYNTHETIC"})
+    assert fit.verify.slopes["Q"] == pytest.approx(0.004, rel=0.05)
+    assert float(fit.draft(3, 4)) == pytest.approx(float(TRUE.draft(3, 4)), rel=1e-6)
+    assert float(fit.idle(T=10)) == pytest.approx(float(TRUE.idle(T=10)), rel=1e-6)
+
+
+def test_a_verify_over_an_unknown_input_is_refused_by_name(tmp_path):
+    path = tmp_path / "step.json"
+    save_step_cost(KEYED, path)
+    assert load_step_cost(path).verify.slopes == KEYED.verify.slopes
+    doc = json.loads(path.read_text())
+    doc["verify"]["slopes"]["ctx"] = 0.1
+    path.write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match=r"step\.json: verify: slopes over .*'ctx'"):
+        load_step_cost(path)
+
+
+def test_the_curve_prices_as_serving_and_charges_each_step_its_own_context():
+    curve = EngineStepCurve("engine", KEYED, 40, batch=2)
+    long = curve.with_context(np.array([[900.0, 800.0]]))
+    short = curve.with_context(np.array([[40.0, 50.0]]))
+    assert np.array_equal(long.values, curve.values) and np.array_equal(short.values, curve.values)
+    depth = np.array([[3, 1]])
+    q = 1 + depth
+    for c, ctx in ((long, [900, 800]), (short, [40, 50])):
+        keys = float((q * np.array(ctx) + q * (q + 1) / 2).sum()) / 1e3
+        assert float(c.charge(depth)[0]) == pytest.approx(float(KEYED.verify(T=6, B=2, Q=keys)))
+    assert float(long.charge(depth)[0]) > float(short.charge(depth)[0])
+
+
+def test_a_charging_model_charges_while_the_served_one_prices(tmp_path):
+    save_step_cost(TRUE, tmp_path / "served.json")
+    save_step_cost(KEYED, tmp_path / "clock.json")
+    curve = make_curve("engine", {"kind": "engine", "path": "served.json", "charge": "clock.json"}, 40,
+                       root=tmp_path).for_batch(2)
+    served = make_curve("engine", {"kind": "engine", "path": "served.json"}, 40, root=tmp_path).for_batch(2)
+    assert np.array_equal(curve.values, served.values)  # decisions: serving's prices
+    ctx = np.array([[100.0, 300.0]])
+    depth = np.array([[2, 0]])
+    keys = float(((1 + depth) * ctx + (1 + depth) * (2 + depth) / 2).sum()) / 1e3
+    assert float(curve.with_context(ctx).charge(depth)[0]) == pytest.approx(float(KEYED.verify(T=4, B=2, Q=keys)))
+    assert float(served.with_context(ctx).charge(depth)[0]) == pytest.approx(served.values[4])  # reads no context
+
+
+def _with_context_len(bank, values):
+    """``bank`` (tests.evaluate.test_replay.tiny_bank) with its n-gram file's context_len set to ``values``
+    (None: not looked up there)."""
+    import pyarrow.parquet as pq
+
+    path = bank / "ngram.parquet"
+    t = pq.read_table(path)
+    i = t.column_names.index("context_len")
+    pq.write_table(t.set_column(i, t.schema.field(i), pa.array(values, pa.int64())), path)
+    return bank
+
+
+def test_the_replay_charges_a_long_context_more_and_fills_a_round_the_chain_did_not_look_up(tmp_path):
+    bank_dir = _with_context_len(tiny_bank(tmp_path), [500, 504, None, 42])  # round 2 offered no chain
+    bank = load_eval_bank(bank_dir, forecast_tables(tmp_path, 0.95), fractions=(0, 0, 1))
+    # prompt 1's first round: its second round's context less what the first committed (accept + 1)
+    accept = int(bank.chains[bank.primary].accept[2])
+    assert bank.cached.tolist() == [500, 504, 42 - (accept + 1), 42]
+    save_step_cost(KEYED, tmp_path / "clock.json")
+    curve = make_curve("engine", {"kind": "engine", "path": "clock.json"}, 64, root=tmp_path).for_batch(2)
+    cost = {}
+    for name, rows in (("long", [0, 1]), ("short", [2, 3])):
+        sb = StepBatch(bank, np.array(rows), np.array([[0, 1]]))
+        res = replay_setting(sb, curve.with_context(sb.cached), ReplayConfig(), train_mean_curve(bank))
+        cost[name] = float(res["no_spec"].cost[0])
+        keys = float(sb.cached.sum() + 2) / 1e3  # one position each: its context plus itself
+        assert cost[name] == pytest.approx(float(KEYED.verify(T=2, B=2, Q=keys)))
+    assert cost["long"] > cost["short"]
