@@ -280,6 +280,8 @@ def main(argv=None) -> None:
     replay_given, args.replay = args.replay is not None, args.replay or "runs/eval/default/metrics.json"
     if args.from_json:
         done = json.loads(Path(args.from_json).read_text())
+        if args.retable and "sources" in done:
+            sys.exit(f"--retable: {args.from_json} is a grid manifest; retable each run it lists")
         if args.retable:  # the table recomputed from the run's records by this code, to a new file
             from calib.atomic import write_text_atomic
             from calib.evaluate import clock
@@ -405,7 +407,20 @@ def _metrics(path: str | None) -> dict | None:
 def report(result: dict, args=None, source: str | None = None) -> None:
     """The answer first (each calib arm against the best vLLM arm, headroom captured), then the tables; with
     ``args.readme``, the marked blocks of those files that cite ``source`` are redrawn from it."""
-    from calib.evaluate import clock, clock_blocks
+    from calib.evaluate import clock_blocks
+
+    if "sources" in result:  # a grid manifest (docs/bench/grid-*.json): each cell's latest run, one answer
+        print(clock_blocks.render_grid(result, os.path.relpath(Path(source).resolve(), ROOT) if source else "grid"))
+    else:
+        _report_run(result)
+    for doc in (args.readme if args is not None else []):
+        rel = os.path.relpath(Path(source).resolve(), ROOT) if source else None
+        n = clock_blocks.redraw(Path(doc), ROOT, only=rel)
+        print(f"redrew {n} marked block(s) of {doc} citing {rel}")
+
+
+def _report_run(result: dict) -> None:
+    from calib.evaluate import clock
 
     rows, arms = result["table"], result["arms"]
     print("\n".join(clock.answer_lines(rows)))
@@ -430,10 +445,6 @@ def report(result: dict, args=None, source: str | None = None) -> None:
         print("\nfloat32 greedy outputs identical to no speculation:")
         for arm, o in ident.items():
             print(f"  {arm:<18} {o['identical']}/{o['prompts']}" + (f"  differ: {o['differ']}" if o["differ"] else ""))
-    for doc in (args.readme if args is not None else []):
-        rel = os.path.relpath(Path(source).resolve(), ROOT) if source else None
-        n = clock_blocks.redraw(Path(doc), ROOT, only=rel)
-        print(f"redrew {n} marked block(s) of {doc} citing {rel}")
 
 
 def write_block(path: Path, text: str, begin: str, end: str) -> None:

@@ -26,7 +26,7 @@ def test_every_marked_block_equals_its_json():
 def test_the_readme_cites_its_clock_answer_through_a_block():
     text = (ROOT / "README.md").read_text()
     kinds = [m["kind"] for m in clock_blocks.BLOCK.finditer(text)]
-    assert "answer" in kinds
+    assert kinds[0] == "grid"  # the README leads with the whole grid's answer, cell by cell
 
 
 def test_no_absolute_links_in_docs():
@@ -44,6 +44,30 @@ def _synthetic_bench(tmp_path: Path, calib_tok_s: float) -> str:
     (tmp_path / "bench").mkdir(exist_ok=True)
     (tmp_path / "bench" / "serve.json").write_text(json.dumps(result))
     return "bench/serve.json"
+
+
+def test_the_grid_takes_each_cell_from_its_latest_run(tmp_path):
+    """A grid manifest lists runs oldest first: a cell a later run served again is read from it, the others stay."""
+    def bench(name, cells):
+        recs = [{"arm": a, "rep": r, "cell": {"category": cat, "sampling": "greedy", "concurrency": c},
+                 "tok_s": t, "tpot_ms_median": 10.0}
+                for r in (0, 1) for (cat, c, calib) in cells
+                for a, t in (("none", 40.0), ("vllm_ngram", 50.0), ("calib_ngram", calib))]
+        (tmp_path / "bench").mkdir(exist_ok=True)
+        (tmp_path / "bench" / name).write_text(json.dumps({"arms": ["none", "vllm_ngram", "calib_ngram"],
+                                                           "table": clock.rows(recs), "runs": recs}))
+        return f"bench/{name}"
+
+    old = bench("old.json", [("chat", 4, 45.0), ("code_edit", 4, 45.0)])
+    new = bench("new.json", [("code_edit", 4, 60.0)])
+    (tmp_path / "bench" / "grid.json").write_text(json.dumps({"sources": [old, new]}))
+    cells = clock_blocks.latest_cells({"sources": [old, new]}, tmp_path)
+    assert [(r["category"], src) for r, src, _ in cells] == [("chat", old), ("code_edit", new)]
+    text = clock_blocks.render("grid", "bench/grid.json", tmp_path)
+    assert "**0.90–1.20× the best vLLM arm** of each cell, ≥ 0.98× in 1 of 2 cells" in text
+    assert "| code_edit | greedy | 4 | vllm_ngram | calib_ngram 1.20× [1.20–1.20] |" in text
+    with pytest.raises(FileNotFoundError, match="missing.json"):
+        clock_blocks.latest_cells({"sources": [old, "bench/missing.json"]}, tmp_path)
 
 
 def test_a_block_whose_numbers_differ_from_its_json_is_stale(tmp_path):

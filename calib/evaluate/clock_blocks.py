@@ -17,20 +17,23 @@ from calib.evaluate.clock import (
     answer_figures,
     answer_lines,
     basis_ratios,
+    calib_arms,
     deploy_lines,
     fmt_pct,
     fmt_x,
     headroom_table,
+    oracle_arms,
     prediction_errors,
     repetitions,
     speedup_table,
     tok_s_table,
+    vllm_arms,
 )
 
 BLOCK = re.compile(r"<!-- clock:(?P<kind>[a-z-]+) (?P<source>\S+) -->\n(?P<body>.*?)<!-- /clock -->", re.DOTALL)
 
 
-def render_answer(result: dict, source: str) -> str:
+def render_answer(result: dict, source: str, root: Path = ROOT) -> str:
     """The headline: calib's best arm against the best vLLM arm per cell, headroom, the replay's error."""
     table = result["table"]
     figures = answer_figures(table)
@@ -76,7 +79,7 @@ def _speedup_sentence(result: dict) -> str:
             f"error against {against}:")
 
 
-def render_tables(result: dict, source: str) -> str:
+def render_tables(result: dict, source: str, root: Path = ROOT) -> str:
     """The bench's full tables (tok/s, speed-up over no speculation with the replay's prediction, headroom)."""
     arm_names = list(result["arms"])
     ident = result.get("identity_float32_greedy")
@@ -103,7 +106,7 @@ def render_tables(result: dict, source: str) -> str:
     return "\n".join(parts)
 
 
-def render_predictions(result: dict, source: str, tolerance: float = 0.10) -> str:
+def render_predictions(result: dict, source: str, root: Path = ROOT, tolerance: float = 0.10) -> str:
     """The replay's prediction beside the clock, arm by arm and cell by cell, and how many pairs are within
     ``tolerance``: the block for a bench's cells re-predicted by another replay (``--retable``)."""
     table, shown = result["table"], [a for a in result["arms"] if a != "none"]
@@ -125,7 +128,72 @@ def render_predictions(result: dict, source: str, tolerance: float = 0.10) -> st
     return "\n".join(lines)
 
 
-RENDERERS = {"answer": render_answer, "tables": render_tables, "predictions": render_predictions}
+def latest_cells(manifest: dict, root: Path = ROOT) -> list[tuple[dict, str, dict]]:
+    """``(row, source, result)`` per cell of a grid manifest (``{"sources": [bench JSON, ...]}``, oldest first, paths
+    relative to the project root): each cell's row from the last source that served it, in grid order."""
+    latest: dict[tuple, tuple[dict, str, dict]] = {}
+    for source in manifest["sources"]:
+        path = root / source
+        if not path.is_file():
+            raise FileNotFoundError(f"the grid manifest lists {source}, which is not a file under {root}")
+        result = json.loads(path.read_text())
+        for row in result["table"]:
+            latest[(row["category"], row["sampling"], row["concurrency"])] = (row, source, result)
+    return [latest[k] for k in sorted(latest, key=lambda k: (k[1] != "greedy", k[0], k[2]))]
+
+
+def _oracle_vs_ngram(row: dict, field: str) -> float | None:
+    """The fastest clock oracle of a greedy cell over vLLM's n-gram arm, by ``field`` (pairwise tok/s ratios, or a
+    speed-up over no speculation)."""
+    ratios = row.get(field) or {}
+    ngram = ratios.get("vllm_ngram")
+    oracles = [ratios[a] for a in oracle_arms() if ratios.get(a) is not None]
+    return max(oracles) / ngram if oracles and ngram else None
+
+
+def render_grid(manifest: dict, source: str, root: Path = ROOT, tolerance: float = 0.10) -> str:
+    """One answer over the whole grid: each cell as its latest run measured it (:func:`latest_cells`), calib's best
+    arm against the best vLLM arm that run served, the clock oracle against vLLM's n-gram arm, headroom captured
+    and the replay's errors, every figure from the JSON named in its row."""
+    cells = latest_cells(manifest, root)
+    table = [row for row, _, _ in cells]
+    figures = answer_figures(table)
+    best, head = figures["best"], figures["headroom"]
+    errors = [e for row in table for e in prediction_errors(row).values() if e is not None]
+    greedy = [row for row in table if row["sampling"] == "greedy"]
+    by_tok = [v for v in (_oracle_vs_ngram(r, "ratio_to_best_vllm") for r in greedy) if v is not None]
+    by_steady = [v for v in (_oracle_vs_ngram(r, "steady_ratio_to_none") for r in greedy) if v is not None]
+    peers = sorted({a for _, _, res in cells for a in res["arms"] if a in vllm_arms()})
+    lines = [(f"**The answer on the clock, cell by cell** (each cell of the grid as its latest run measured it, "
+              f"[{Path(source).name}]({source}); vLLM arms served: {', '.join(peers)}): calib's best arm is "
+              f"**{min(best):.2f}–{max(best):.2f}× the best vLLM arm** of each cell, ≥ 0.98× in "
+              f"{sum(b >= 0.98 for b in best)} of {len(best)} cells and ≥ 1.00× in {sum(b >= 1.0 for b in best)}; "
+              f"the clock oracle is ≥ 1.00× vLLM's n-gram arm in {sum(v >= 1.0 for v in by_tok)} of {len(by_tok)} "
+              f"greedy cells by output tok/s ({sum(v >= 1.0 for v in by_steady)} of {len(by_steady)} in the steady "
+              f"decode state)" + (f"; of its headroom calib captured {min(head):+.0%} to {max(head):+.0%} (median "
+                                  f"{fmt_pct(statistics.median(head))}, {len(head)} cells with a ceiling)" if head
+                                  else "")
+              + f"; the replay (a prediction) put {sum(abs(e) <= tolerance for e in errors)} of {len(errors)} "
+              f"(cell, arm) pairs within ±{tolerance:.0%}."), "",
+             ("| category | sampling | c | best vLLM arm | calib's best arm [spread] | clock oracle / vLLM n-gram "
+              "(tok/s, steady) | headroom captured | replay within ±10 % | run |"), "|" + "---|" * 9]
+    for row, src, _ in cells:
+        mine = [a for a in calib_arms() if a in row["ratio_to_best_vllm"]]
+        arm = max(mine, key=lambda a: row["ratio_to_best_vllm"][a]) if mine else None
+        spread = (row.get("ratio_spread") or {}).get(arm)
+        calib = "–" if arm is None else (f"{arm} {fmt_x(row['ratio_to_best_vllm'][arm])}"
+                                         + (f" [{spread[0]:.2f}–{spread[1]:.2f}]" if spread else ""))
+        tok, steady = _oracle_vs_ngram(row, "ratio_to_best_vllm"), _oracle_vs_ngram(row, "steady_ratio_to_none")
+        orc = "–" if tok is None else f"{fmt_x(tok)}, {fmt_x(steady)}"
+        got = [v for v in (row.get("headroom_captured") or {}).values() if v is not None]
+        err = [e for e in prediction_errors(row).values() if e is not None]
+        within = f"{sum(abs(e) <= tolerance for e in err)} of {len(err)}" if err else "–"
+        lines.append(f"| {row['category']} | {row['sampling']} | {row['concurrency']} | {row['best_vllm']} | {calib} "
+                     f"| {orc} | {fmt_pct(max(got)) if got else '–'} | {within} | [{Path(src).name}]({src}) |")
+    return "\n".join(lines)
+
+
+RENDERERS = {"answer": render_answer, "tables": render_tables, "predictions": render_predictions, "grid": render_grid}
 
 
 def render(kind: str, source: str, root: Path = ROOT) -> str:
@@ -134,7 +202,7 @@ def render(kind: str, source: str, root: Path = ROOT) -> str:
     path = root / source
     if not path.is_file():
         raise FileNotFoundError(f"clock block cites {source}, which is not a file under {root}")
-    return RENDERERS[kind](json.loads(path.read_text()), source)
+    return RENDERERS[kind](json.loads(path.read_text()), source, root)
 
 
 def _rel(doc: Path, source: str, root: Path) -> str:

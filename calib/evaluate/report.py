@@ -311,13 +311,17 @@ def answer_verdict(answer) -> str:
 
 
 def newest_serving_bench(where) -> Path | None:
-    """The serving bench's JSON a report cites: ``where`` itself (a file), or the newest ``serve-*.json`` of a
-    folder (by its recorded date, then name); None when there is none."""
+    """The serving bench's JSON a report cites: ``where`` itself (a file), or in a folder its newest grid manifest
+    (``grid-*.json``: each cell of the grid from its latest run, docs/bench), else its newest ``serve-*.json`` (by
+    its recorded date, then name); None when there is none."""
     if where is None:
         return None
     where = Path(where)
     if where.is_file():
         return where
+    grids = sorted(where.glob("grid-*.json")) if where.is_dir() else []
+    if grids:
+        return grids[-1]
     found = []
     for p in sorted(where.glob("serve-*.json")) if where.is_dir() else []:
         try:
@@ -339,6 +343,8 @@ def clock_summary(bench: Path | None, tables_sha256: str | None) -> dict | None:
     from calib.evaluate import clock
 
     d = json.loads(Path(bench).read_text())
+    if "sources" in d:  # a grid manifest: one table of each cell's latest run
+        d = _grid_as_bench(d, Path(bench))
     calib_arms = [a for a in d.get("arms", []) if a in clock.calib_arms()]
     figures = clock.answer_figures(d["table"])  # the same figures the README's clock block states
     recorded = d.get("tables_sha256")
@@ -356,6 +362,22 @@ def clock_summary(bench: Path | None, tables_sha256: str | None) -> dict | None:
             "per_arm": {a: [r["ratio_to_best_vllm"][a] for r in d["table"] if a in r.get("ratio_to_best_vllm", {})]
                         for a in calib_arms},
             "identical": (all(v.get("identical") == v.get("prompts") for v in ident.values()) if ident else None)}
+
+
+def _grid_as_bench(manifest: dict, path: Path) -> dict:
+    """A grid manifest read as one bench: its cells' latest rows (calib.evaluate.clock_blocks.latest_cells, paths
+    relative to the project root the manifest's folder sits two levels under, docs/bench/), the newest run's
+    date and CPU, and the tables digest where every run recorded the same one."""
+    from calib.evaluate.clock_blocks import latest_cells
+
+    cells = latest_cells(manifest, path.resolve().parents[2])
+    runs = {src: res for _, src, res in cells}
+    shas = {res.get("tables_sha256") for res in runs.values()}
+    newest = max(runs.values(), key=lambda r: str(r.get("date", "")))
+    return {"command": f"each cell's latest run of {len(runs)} (`python bench/serve.py --from-json {path.name}`)",
+            "date": newest.get("date"), "cpu": newest.get("cpu"), "table": [row for row, _, _ in cells],
+            "arms": sorted({a for res in runs.values() for a in res.get("arms", [])}),
+            "tables_sha256": shas.pop() if len(shas) == 1 else None}
 
 
 def clock_lines(clock: dict | None, out: Path | None = None) -> list[str]:

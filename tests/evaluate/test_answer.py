@@ -152,3 +152,30 @@ def test_clock_lines_say_whose_tables_the_serving_bench_measured(tmp_path):
     assert "**other tables**" in " ".join(clock_lines(clock_summary(found, "b" * 64)))
     assert "no serving bench found" in " ".join(clock_lines(clock_summary(newest_serving_bench(tmp_path / "none"),
                                                                           "a" * 64)))
+
+
+def test_the_report_reads_the_grid_each_cell_from_its_latest_run(tmp_path):
+    """A folder with a grid manifest (docs/bench/grid-*.json) cites it: each cell from the last run listing it
+    (synthetic bench JSON, unit test)."""
+    import json
+
+    from calib.evaluate.report import clock_lines, clock_summary, newest_serving_bench
+
+    def row(cat, calib):
+        return {"category": cat, "sampling": "greedy", "concurrency": 4,
+                "ratio_to_best_vllm": {"calib_ngram": calib, "vllm_ngram": 1.0}}
+
+    folder = tmp_path / "docs" / "bench"
+    folder.mkdir(parents=True)
+    common = {"command": "python bench/serve.py", "cpu": "x", "arms": ["vllm_ngram", "calib_ngram"],
+              "tables_sha256": "a" * 64}
+    (folder / "serve-a.json").write_text(json.dumps({**common, "date": "2026-12-01",
+                                                     "table": [row("chat", 0.8), row("code_edit", 0.9)]}))
+    (folder / "serve-b.json").write_text(json.dumps({**common, "date": "2026-12-02", "table": [row("chat", 1.2)]}))
+    (folder / "grid-2026-12-02.json").write_text(json.dumps(
+        {"sources": ["docs/bench/serve-a.json", "docs/bench/serve-b.json"]}))
+    found = newest_serving_bench(folder)
+    assert found.name == "grid-2026-12-02.json"
+    summary = clock_summary(found, "a" * 64)
+    assert summary["cells"] == 2 and summary["date"] == "2026-12-02" and summary["tables"] == "these"
+    assert "0.90–1.20× the best vLLM arm" in " ".join(clock_lines(summary))
