@@ -24,7 +24,11 @@ CHAIN_PARTS = ("ngram_propose",)
 CALIB_PARTS = ("calib",)
 STEP_COST_VERSION = 3  # 2 added the ``sampled`` term (a version-1 file reads with it zero); 3 ``verify``'s Q input
 READABLE_VERSIONS = (1, 2, 3)
-VERIFY_INPUTS = ("T", "B", "Q")  # Q: thousands of (query, key) pairs attended over (profile rows' ``query_keys``)
+# verify's inputs: T positions, B requests; with a profile that recorded each step's context (3), C thousands of tokens
+# in the requests' KV caches (rows' ``context``: read once a step per request) and Q thousands of (query, key) pairs
+# attended over (rows' ``query_keys``: each position against its request's cache)
+VERIFY_INPUTS = ("T", "B", "C", "Q")
+CONTEXT_INPUTS = ("C", "Q")
 
 
 @dataclass(frozen=True)
@@ -48,8 +52,9 @@ class StepCost:
     Attributes:
         verify: every step pays it: scheduling, inputs, the target's forward and LM head over ``T``
             positions of ``B`` requests, the sampler/verify and bookkeeping (of ``T``, ``B`` and, when the
-            profile recorded each step's context, ``Q``: thousands of (query, key) pairs its attention reads,
-            ``Σ_r n_r·c_r + n_r(n_r+1)/2`` for ``n_r`` positions of a request with ``c_r`` tokens cached).
+            profile recorded each step's context, ``C``, the thousands of tokens its requests have cached, ``Σ_r c_r``,
+            and ``Q``, the thousands of (query, key) pairs its attention reads, ``Σ_r n_r·c_r + n_r(n_r+1)/2`` for
+            ``n_r`` positions of a request with ``c_r`` tokens cached).
         idle: a loaded model drafter's first forward over the step's ``T`` positions: run every step
             it is loaded, even when 0 tokens are drafted (it keeps the drafter's KV cache right).
         lm_head: one draft pass's LM head and sampling over ``B`` rows (of ``B``).
@@ -76,20 +81,27 @@ class StepCost:
     sampled: Linear = field(default_factory=lambda: Linear(0.0, {"D": 0.0, "R": 0.0}))
 
     @property
+    def context_aware(self) -> bool:
+        """Whether ``verify`` reads a step's context (``C``, ``Q``: a profile that recorded it)."""
+        return any(k in self.verify.slopes for k in CONTEXT_INPUTS)
+
+    @property
     def context_mean(self) -> float:
         """Tokens cached per request, the mean over the steps ``verify`` was fitted on (``source.context_mean``):
-        where a step's own context is not known (serving's price curve) ``Q`` is read at it, so that a
+        where a step's own context is not known (serving's price curve) ``C`` and ``Q`` are read at it, so that a
         context-aware model prices such a step as a context-free fit to the same profile would."""
         return float(self.source.get("context_mean", 0.0) or 0.0)
 
-    def verify_at(self, T, B, queries=None, context=None) -> np.ndarray:
-        """``verify`` over ``T`` positions of ``B`` requests, ``Q`` from ``queries`` (thousands of query-key pairs)
-        or else from ``T`` positions at ``context`` tokens cached per request (default :attr:`context_mean`)."""
-        if "Q" not in self.verify.slopes:
+    def verify_at(self, T, B, cached=None, queries=None) -> np.ndarray:
+        """``verify`` over ``T`` positions of ``B`` requests; a context-aware one with ``cached`` (thousands of tokens
+        cached, ``C``) and ``queries`` (thousands of query-key pairs, ``Q``), each, where not given, from ``B``
+        requests (``T`` positions) at :attr:`context_mean` tokens cached per request."""
+        if not self.context_aware:
             return self.verify(T=T, B=B)
-        if queries is None:
-            queries = np.asarray(T, dtype=np.float64) * (self.context_mean if context is None else context) / 1e3
-        return self.verify(T=T, B=B, Q=queries)
+        mean = self.context_mean / 1e3
+        cached = np.asarray(B, dtype=np.float64) * mean if cached is None else cached
+        queries = np.asarray(T, dtype=np.float64) * mean if queries is None else queries
+        return self.verify(T=T, B=B, C=cached, Q=queries)
 
     def speculating_sampled(self, draft_tokens, drafting) -> np.ndarray:
         """Seconds a sampled step adds for verifying ``draft_tokens`` from ``drafting`` requests (0 for none: no
@@ -144,14 +156,16 @@ def fit_step_cost(rows: list[dict], source: dict) -> StepCost:
     plain = ~jumped if (~jumped).any() else np.ones(len(rows), dtype=bool)
     # the attention's (query, key) pairs, where the profile recorded them: verify is then fitted on those rows alone
     # (a profile of an older bench beside a newer one lends its drafter and chain parts, not its verify)
-    keyed = np.array(["query_keys" in r for r in rows])
+    keyed = np.array(["query_keys" in r and "context" in r for r in rows])
     source = dict(source)
     if keyed.any():
+        C = np.array([float(r.get("context", 0.0)) for r in rows]) / 1e3
         Q = np.array([float(r.get("query_keys", 0.0)) for r in rows]) / 1e3
         plain, jumped = plain & keyed, jumped & keyed
-        fits = {"verify": _fit(np.column_stack([T[plain], B[plain], Q[plain]]), verify_s[plain], VERIFY_INPUTS)}
-        source["context_mean"] = float(1e3 * Q[plain].sum() / T[plain].sum())  # tokens cached per query position
-        ran = fits["verify"](T=T, B=B, Q=Q)
+        fits = {"verify": _fit(np.column_stack([T[plain], B[plain], C[plain], Q[plain]]), verify_s[plain],
+                               VERIFY_INPUTS)}
+        source["context_mean"] = float(1e3 * C[plain].sum() / B[plain].sum())  # tokens cached per request
+        ran = fits["verify"](T=T, B=B, C=C, Q=Q)
     else:
         fits = {"verify": _fit(np.column_stack([T[plain], B[plain]]), verify_s[plain], ("T", "B"))}
         ran = fits["verify"](T=T, B=B)
@@ -305,15 +319,16 @@ class EngineStepCurve(CostCurve):
         at the step's own draft tokens and drafting requests (the curve's values assume the most requests)."""
         depth = np.asarray(depth)
         model = self.charging or self.cost
-        if self.charging is None and (self.context is None or "Q" not in model.verify.slopes):
+        if self.charging is None and (self.context is None or not model.context_aware):
             plain = super().charge(depth) if not self.sampled else self._with(sampled=False).charge(depth)
         else:
             T = self.batch + depth.sum(axis=-1)
-            queries = None
-            if self.context is not None and "Q" in model.verify.slopes:
+            cached = queries = None
+            if self.context is not None and model.context_aware:
                 q = 1 + depth  # a request's positions: its bonus and its drafts
+                cached = np.broadcast_to(self.context, depth.shape).sum(axis=-1) / 1e3
                 queries = (q * self.context + q * (q + 1) / 2).sum(axis=-1) / 1e3
-            plain = model.verify_at(T, self.batch, queries) + (model.idle(T=T) if self.drafter else 0.0)
+            plain = model.verify_at(T, self.batch, cached, queries) + (model.idle(T=T) if self.drafter else 0.0)
         if not self.sampled:
             return plain
         return plain + model.speculating_sampled(depth.sum(axis=-1), (depth > 0).sum(axis=-1))
