@@ -68,6 +68,11 @@ def test_the_grid_takes_each_cell_from_its_latest_run(tmp_path):
     assert "| code_edit | greedy | 4 | vllm_ngram | calib_ngram 1.20× [1.20–1.20] |" in text
     with pytest.raises(FileNotFoundError, match="missing.json"):
         clock_blocks.latest_cells({"sources": [old, "bench/missing.json"]}, tmp_path)
+    with pytest.raises(ValueError, match="non-empty list"):
+        clock_blocks.latest_cells({"sources": old}, tmp_path)
+    (tmp_path / "bench" / "notes.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="notes.json, which is not a bench/serve.py result"):
+        clock_blocks.latest_cells({"sources": ["bench/notes.json"]}, tmp_path)
 
 
 def test_a_block_whose_numbers_differ_from_its_json_is_stale(tmp_path):

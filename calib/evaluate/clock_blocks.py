@@ -131,12 +131,21 @@ def render_predictions(result: dict, source: str, root: Path = ROOT, tolerance: 
 def latest_cells(manifest: dict, root: Path = ROOT) -> list[tuple[dict, str, dict]]:
     """``(row, source, result)`` per cell of a grid manifest (``{"sources": [bench JSON, ...]}``, oldest first, paths
     relative to the project root): each cell's row from the last source that served it, in grid order."""
+    sources = manifest.get("sources")
+    if not (isinstance(sources, list) and sources and all(isinstance(x, str) for x in sources)):
+        raise ValueError(f"a grid manifest's `sources` is a non-empty list of bench JSON paths (oldest first), got "
+                         f"{sources!r}")
     latest: dict[tuple, tuple[dict, str, dict]] = {}
-    for source in manifest["sources"]:
+    for source in sources:
         path = root / source
         if not path.is_file():
             raise FileNotFoundError(f"the grid manifest lists {source}, which is not a file under {root}")
-        result = json.loads(path.read_text())
+        try:
+            result = json.loads(path.read_text())
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"the grid manifest lists {source}, which is not JSON ({exc})") from None
+        if not (isinstance(result, dict) and isinstance(result.get("table"), list)):
+            raise ValueError(f"the grid manifest lists {source}, which is not a bench/serve.py result (no `table`)")  # noqa: TRY004
         for row in result["table"]:
             latest[(row["category"], row["sampling"], row["concurrency"])] = (row, source, result)
     return [latest[k] for k in sorted(latest, key=lambda k: (k[1] != "greedy", k[0], k[2]))]
