@@ -106,7 +106,7 @@ def test_my_model_collect_train_profile_eval_and_vllm_serve(tmp_path):
     fitted = load_step_cost(cost)
     assert fitted.source["device"] == "cpu" and fitted.source["cpu"].startswith(this_machine().split(",")[0])
     assert fitted.source["cpu"] != this_machine() or len(allowed) == 1, fitted.source  # the pinned process's cores
-    assert fitted.source["steps"] > 0 and float(fitted.verify(T=4, B=1)) > 0
+    assert fitted.source["steps"] > 0 and float(fitted.verify_at(4, 1)) > 0
 
     # 4. eval: the replay priced by that step cost
     _run("eval.py", f"data.test=[{bank}]", f"tables={tables}", "cost=engine", f"cost.engine.path={cost}",
