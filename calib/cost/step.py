@@ -22,7 +22,7 @@ DRAFTER_PARTS = {"idle": ("drafter_first_pass",), "lm_head": ("drafter_lm_head",
                  "more": ("drafter_more_passes",)}
 CHAIN_PARTS = ("ngram_propose",)
 CALIB_PARTS = ("calib",)
-STEP_COST_VERSION = 3  # 2 added the ``sampled`` term (a version-1 file reads with it zero); 3 ``verify``'s Q input
+STEP_COST_VERSION = 3  # 2 added the ``sampled`` term (a version-1 file reads with it zero); 3 verify's C and Q
 READABLE_VERSIONS = (1, 2, 3)
 # verify's inputs: T positions, B requests; with a profile that recorded each step's context (3), C thousands of tokens
 # in the requests' KV caches (rows' ``context``: read once a step per request) and Q thousands of (query, key) pairs
@@ -154,8 +154,8 @@ def fit_step_cost(rows: list[dict], source: dict) -> StepCost:
     idle_s = np.array([_part_ms(r, DRAFTER_PARTS["idle"]) for r in rows]) / 1e3
     loaded = idle_s > 0
     plain = ~jumped if (~jumped).any() else np.ones(len(rows), dtype=bool)
-    # the attention's (query, key) pairs, where the profile recorded them: verify is then fitted on those rows alone
-    # (a profile of an older bench beside a newer one lends its drafter and chain parts, not its verify)
+    # each step's context (tokens cached, query-key pairs), where the profile recorded it: verify is then fitted on
+    # those rows alone (a profile of an older bench beside a newer one lends its drafter and chain parts, not its verify)
     keyed = np.array(["query_keys" in r and "context" in r for r in rows])
     source = dict(source)
     if keyed.any():

@@ -215,7 +215,7 @@ def _context_len(t, notes: list) -> np.ndarray | None:
         if known.all():
             return ctx
         request = [k for k in schema.KEYS if k != "round_idx"]
-        keys = pd.DataFrame({k: t.column(k).to_pylist() for k in request})
+        keys = t.select(request).to_pandas()
         group = keys.ne(keys.shift()).any(axis=1).cumsum().to_numpy()  # rows are sorted by the bank keys
         step = np.asarray(t.column("accept").to_numpy(zero_copy_only=False), dtype=np.float64) + 1
         before = pd.Series(step).groupby(group).cumsum().to_numpy() - step  # committed before each round
