@@ -127,7 +127,9 @@ def plan_draft(
     if impl != "reference" or B == 0 or not all(isinstance(t, torch.Tensor) and t.device.type == "cpu"
                                                 and not t.requires_grad for t in tensors):
         return _plan_draft_loop(known, forecast, **kwargs)
-    extras = [sunk + (g - done) * pass_cost for g in range(done, K + 1)]
+    # float64 whatever types sunk and pass_cost arrive as: the compiled plan was warmed on float64 (a float32 array
+    # here compiled a second specialisation inside the first serving step, ~1.5 s)
+    extras = [float(sunk + (g - done) * pass_cost) for g in range(done, K + 1)]
     try:
         p, other, chain_first, cost64 = _plan_inputs(known, forecast, cost, chain, done_p, extras, impl)
     except Exception:  # noqa: BLE001 - anything the loop would refuse: it raises what allocate_probs does
@@ -136,11 +138,11 @@ def plan_draft(
     if kernel is not None:
         free_p = np.zeros((B, 0), dtype=np.float32) if other is None else np.ascontiguousarray(other)
         value, _, depth, free = kernel(np.ascontiguousarray(p), free_p, other is not None, chain_first, done,
-                                       np.ascontiguousarray(cost64), np.array(extras))
+                                       np.ascontiguousarray(cost64), np.array(extras, dtype=np.float64))
         free = None if other is None else free
     else:
         value, _, depth, free = _plan_all(p, other, chain_first=chain_first, done=done, cost=cost64,
-                                          extras=np.array(extras))
+                                          extras=np.array(extras, dtype=np.float64))
     drafting = depth > done
     run = bool(drafting.any())
     drafting = torch.from_numpy(drafting) if run else torch.zeros(B, dtype=torch.bool)

@@ -96,3 +96,19 @@ def test_the_compiled_host_allocation_is_the_numpy_one(seed, monkeypatch):
         for a, b in zip(got, want, strict=True):
             assert all(np.array_equal(x, y) and x.dtype == y.dtype for x, y in zip(a, b, strict=True)), (a, b)
     assert any(w[0][1].any() for w in compiled) and any(w[1][1].any() for w in compiled)
+
+
+@pytest.mark.skipif(NO_NUMBA, reason="numba not installed: the numpy rules run, nothing is compiled")
+def test_a_served_plan_compiles_nothing_after_the_warm_up():
+    """Serving warms the compiled rules at engine start (calib.allocate.compiled.warm); a plan whose draft prices
+    arrive as float32 must reuse that compilation, not compile another inside the first step (~1.5 s)."""
+    from calib.allocate.compiled import kernels, warm
+
+    warm()
+    kernel = kernels()["plan_all_loops"]
+    before = len(kernel.signatures)
+    known = {"model": torch.full((4, 0), 0.5), "ngram": torch.full((4, 4), 0.7)}
+    cost = torch.linspace(0.06, 0.2, 41, dtype=torch.float32)
+    for price in (0.01, np.float32(0.01), np.float64(0.01)):
+        plan_draft(known, torch.full((4, 4), 0.6), cost=cost, pass_cost=price, sunk=price * 0, impl="reference")
+    assert len(kernel.signatures) == before
