@@ -374,10 +374,16 @@ def _grid_as_bench(manifest: dict, path: Path) -> dict:
     runs = {src: res for _, src, res in cells}
     shas = {res.get("tables_sha256") for res in runs.values()}
     newest = max(runs.values(), key=lambda r: str(r.get("date", "")))
-    return {"command": f"each cell's latest run of {len(runs)} (`python bench/serve.py --from-json {path.name}`)",
+    return {"command": f"each cell's latest of {len(runs)} runs: python bench/serve.py --from-json {path.name}",
             "date": newest.get("date"), "cpu": newest.get("cpu"), "table": [row for row, _, _ in cells],
             "arms": sorted({a for res in runs.values() for a in res.get("arms", [])}),
-            "tables_sha256": shas.pop() if len(shas) == 1 else None}
+            "tables_sha256": shas.pop() if len(shas) == 1 else (f"{len(shas)} digests" if any(shas) else None)}
+
+
+def _digest(sha) -> str:
+    """A recorded tables digest as the report shows it: a sha256 shortened, anything else (a grid's "2 digests") whole."""
+    sha = str(sha)
+    return f"{sha[:12]}…" if len(sha) == 64 else sha
 
 
 def clock_lines(clock: dict | None, out: Path | None = None) -> list[str]:
@@ -389,7 +395,7 @@ def clock_lines(clock: dict | None, out: Path | None = None) -> list[str]:
     bench = Path(clock["bench"])
     link = os.path.relpath(bench, out) if out is not None else bench.name
     whose = {"these": "these tables",
-             "other": f"**other tables** (tables.json sha256 {str(clock['tables_sha256'])[:12]}…, not these)",
+             "other": f"**other tables** (tables.json sha256 {_digest(clock['tables_sha256'])}, not these)",
              "unrecorded": "tables it does not record (an older bench: **not necessarily these tables**)"}[clock["tables"]]
     b, h, e = clock["calib_best_vs_best_vllm"], clock["headroom_captured"], clock["prediction_abs_error"]
     s = (f"**On a clock — the answer** (`{clock['command']}`, {clock.get('date') or '?'}, {clock.get('cpu') or '?'}; "

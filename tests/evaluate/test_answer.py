@@ -179,3 +179,7 @@ def test_the_report_reads_the_grid_each_cell_from_its_latest_run(tmp_path):
     summary = clock_summary(found, "a" * 64)
     assert summary["cells"] == 2 and summary["date"] == "2026-12-02" and summary["tables"] == "these"
     assert "0.90–1.20× the best vLLM arm" in " ".join(clock_lines(summary))
+    (folder / "serve-b.json").write_text(json.dumps({**common, "tables_sha256": "b" * 64, "date": "2026-12-02",
+                                                     "table": [row("chat", 1.2)]}))
+    mixed = clock_summary(found, "a" * 64)  # runs that served different tables: not these, and said so
+    assert mixed["tables"] == "other" and "sha256 2 digests, not these" in " ".join(clock_lines(mixed))
