@@ -409,12 +409,12 @@ def report(result: dict, args=None, source: str | None = None) -> None:
     ``args.readme``, the marked blocks of those files that cite ``source`` are redrawn from it."""
     from calib.evaluate import clock_blocks
 
+    rel = os.path.relpath(Path(source).resolve(), ROOT) if source else None  # as the marked blocks cite it
     if "sources" in result:  # a grid manifest (docs/bench/grid-*.json): each cell's latest run, one answer
-        print(clock_blocks.render_grid(result, os.path.relpath(Path(source).resolve(), ROOT) if source else "grid"))
+        print(clock_blocks.render_grid(result, rel or "grid"))
     else:
         _report_run(result)
     for doc in (args.readme if args is not None else []):
-        rel = os.path.relpath(Path(source).resolve(), ROOT) if source else None
         n = clock_blocks.redraw(Path(doc), ROOT, only=rel)
         print(f"redrew {n} marked block(s) of {doc} citing {rel}")
 

@@ -311,27 +311,28 @@ class EngineStepCurve(CostCurve):
     def with_context(self, context: np.ndarray | None) -> EngineStepCurve:
         """This curve charging each step's attention by ``context`` [S, B] (tokens cached per request; the prices
         stay as serving's)."""
+        if context is None and self.context is None:
+            return self
         return EngineStepCurve(self.name, self.cost, self.t_max, self.unit, self.batch, self.drafter, self.sampled,
                                charging=self.charging, context=context)
 
     def charge(self, depth: np.ndarray) -> np.ndarray:
-        """A step's cost given its verified draft depths ``[S, B]``; under sampling the sampled path's extra work
-        at the step's own draft tokens and drafting requests (the curve's values assume the most requests)."""
+        """A step's cost given its verified draft depths ``[S, B]``: the verify over its ``B + Σ depth`` positions (with
+        :meth:`with_context` and a context-aware model, its own cached tokens and query-key pairs; else as
+        :attr:`values` prices it), the idle drafter's forward where one is loaded, and under sampling the sampled
+        path's extra work at the step's own draft tokens and drafting requests (the curve's values assume the most)."""
         depth = np.asarray(depth)
         model = self.charging or self.cost
-        if self.charging is None and (self.context is None or not model.context_aware):
-            plain = super().charge(depth) if not self.sampled else self._with(sampled=False).charge(depth)
-        else:
-            T = self.batch + depth.sum(axis=-1)
-            cached = queries = None
-            if self.context is not None and model.context_aware:
-                q = 1 + depth  # a request's positions: its bonus and its drafts
-                cached = np.broadcast_to(self.context, depth.shape).sum(axis=-1) / 1e3
-                queries = (q * self.context + q * (q + 1) / 2).sum(axis=-1) / 1e3
-            plain = model.verify_at(T, self.batch, cached, queries) + (model.idle(T=T) if self.drafter else 0.0)
+        T = depth.shape[-1] + depth.sum(axis=-1)
+        cached = queries = None
+        if self.context is not None and model.context_aware:
+            q = 1 + depth  # a request's positions: its bonus and its drafts
+            cached = np.broadcast_to(self.context, depth.shape).sum(axis=-1) / 1e3
+            queries = (q * self.context + q * (q + 1) / 2).sum(axis=-1) / 1e3
+        cost = model.verify_at(T, self.batch, cached, queries) + (model.idle(T=T) if self.drafter else 0.0)
         if not self.sampled:
-            return plain
-        return plain + model.speculating_sampled(depth.sum(axis=-1), (depth > 0).sum(axis=-1))
+            return cost
+        return cost + model.speculating_sampled(depth.sum(axis=-1), (depth > 0).sum(axis=-1))
 
     def draft(self, passes) -> np.ndarray:
         return self.cost.draft(passes, self.batch)
