@@ -279,7 +279,10 @@ def main(argv=None) -> None:
         return worker(args.worker)
     replay_given, args.replay = args.replay is not None, args.replay or "runs/eval/default/metrics.json"
     if args.from_json:
-        done = json.loads(Path(args.from_json).read_text())
+        if args.retable and Path(args.retable).resolve() == Path(args.from_json).resolve():
+            sys.exit(f"--retable {args.retable}: that is the --from-json file itself; the retabled result goes to a new "
+                     "file, so that the run as it was measured is kept")
+        done = _read_result(args.from_json)
         if args.retable and "sources" in done:
             sys.exit(f"--retable: {args.from_json} is a grid manifest; retable each run it lists")
         if args.retable:  # the table recomputed from the run's records by this code, to a new file
@@ -393,6 +396,22 @@ def _cost_file(args) -> dict:
     return out
 
 
+def _read_result(path: str) -> dict:
+    """``--from-json``'s file: a bench/serve.py result (``table`` and ``arms``) or a grid manifest (``sources``);
+    anything else exits naming the file and what it lacks, not with a traceback from deep in the report."""
+    from calib.sidefiles import SideFileError, read_json
+
+    hint = "--from-json takes a bench/serve.py --out JSON or a grid manifest (docs/bench/grid-*.json)"
+    try:
+        done = read_json(path, dict, hint=hint)
+    except SideFileError as exc:
+        sys.exit(f"bench/serve.py: {exc}")
+    if "sources" not in done and not (isinstance(done.get("table"), list) and isinstance(done.get("arms"), list)):
+        sys.exit(f"bench/serve.py: {path}: no `table` and `arms` lists (a run's result) nor `sources` (a grid "
+                 f"manifest); {hint}")
+    return done
+
+
 def _cells_digest(cells: list, args) -> str:
     return hashlib.sha256(json.dumps([cells, args.set, _code_digest()], sort_keys=True).encode()).hexdigest()[:12]
 
@@ -411,7 +430,10 @@ def report(result: dict, args=None, source: str | None = None) -> None:
 
     rel = os.path.relpath(Path(source).resolve(), ROOT) if source else None  # as the marked blocks cite it
     if "sources" in result:  # a grid manifest (docs/bench/grid-*.json): each cell's latest run, one answer
-        print(clock_blocks.render_grid(result, rel or "grid"))
+        try:
+            print(clock_blocks.render_grid(result, rel or "grid"))
+        except (FileNotFoundError, ValueError) as exc:  # the manifest or a source it lists, named by the message
+            sys.exit(f"bench/serve.py: {source}: {exc}")
     else:
         _report_run(result)
     for doc in (args.readme if args is not None else []):

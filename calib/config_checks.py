@@ -208,7 +208,38 @@ def check_serve(cfg) -> None:
             lo, hi = get(cfg, lo_key), get(cfg, hi_key)
             if lo is not ABSENT and hi is not ABSENT and lo > hi:
                 refuse(job, lo_key, lo, f"it must be at most {hi_key}={hi!r}")
+    _check_reference_out(job, cfg)
     if get(cfg, "policy.calib") is True:
         from calib.chains import chain_names
 
         validate_config(job, cfg, {"policy.chains": [Subset(chain_names())], "policy.plan": [Boolean()]})
+
+
+def _check_reference_out(job: str, cfg) -> None:
+    """``reference_out``: the file a no-speculation run writes the clock oracle's reference to, at its end. A folder
+    there, or a file that is not such a reference (a prompt file, a bench result), is refused now: the run would
+    replace the user's file with its outputs."""
+    out = get(cfg, "reference_out", None)
+    if not isinstance(out, str) or not out:
+        return
+    from pathlib import Path
+
+    try:
+        root = get(cfg, "root", ".")
+    except Exception:  # noqa: BLE001 - an OmegaConf config composed outside Hydra: ${hydra:runtime.cwd}
+        return
+    path = Path(out) if Path(out).is_absolute() else Path(str(root)) / out
+    if path.is_dir():
+        refuse(job, "reference_out", out, f"{path} is a folder; name the reference file to write (a new .json path)")
+    if path.exists():
+        from calib.serve.oracle import FORMAT
+        from calib.sidefiles import SideFileError, read_json
+
+        try:
+            fmt = read_json(path).get("format")
+        except SideFileError:
+            fmt = None
+        if fmt != FORMAT:
+            refuse(job, "reference_out", out, f"{path} exists and is not a clock-oracle reference ({FORMAT}): the run "
+                                              "would replace it with its outputs; name a new file, or delete that one")
+

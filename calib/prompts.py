@@ -65,6 +65,13 @@ def _record(rec) -> tuple[str, str, list]:
         if m["role"] == "user" and not m["content"].strip():
             raise ValueError(f"messages[{i}].content is {m['content']!r}: an empty user message (the model would "
                              "answer nothing in particular); write the prompt or drop the record")
+    if not any(m["role"] == "user" for m in msgs):
+        raise ValueError(f"messages hold no user message (roles {[m['role'] for m in msgs]}): there is nothing for "
+                         "the model to answer; add the user's turn")
+    if msgs[-1]["role"] == "assistant":
+        raise ValueError(f"messages[{len(msgs) - 1}] is the assistant's turn: calib sends the messages with a "
+                         "generation prompt, so the model would answer after its own answer (and a drafter could copy "
+                         "it); drop the last message, or end the record with the user's turn")
     return str(pid), cat, msgs
 
 
@@ -77,7 +84,7 @@ def _lines(path: Path) -> list[str]:
     except OSError as exc:
         raise ValueError(f"prompt file {path} cannot be read ({exc.strerror or exc})") from exc
     try:
-        text = raw.decode("utf-8")
+        text = raw.decode("utf-8-sig")  # an editor's byte-order mark is not part of the first record
     except UnicodeDecodeError as exc:
         line_no = raw.count(b"\n", 0, exc.start) + 1
         raise ValueError(f"{path}, line {line_no}: not UTF-8 text (byte {exc.start}); prompt files are "
@@ -92,8 +99,9 @@ def load_prompts(files, limit_per_file: int | None = None, root: str | Path = ".
     A file without a single prompt, or a set without any, is an error naming the file: callers load
     prompts before a model, so a typo or an empty file fails at once, not after an engine started.
     So is a malformed record (not JSON, not an object, a missing or mistyped field, empty messages, a
-    message whose role is not one of :data:`ROLES` or whose content is not a string, an empty user message, a
-    category with surrounding spaces or control characters), naming the
+    message whose role is not one of :data:`ROLES` or whose content is not a string, an empty user message, no
+    user message, a last message that is the assistant's, a category with surrounding spaces or control
+    characters), naming the
     file and the line, and a file that is not UTF-8 text or is a folder.
     """
     if limit_per_file is not None and (isinstance(limit_per_file, bool) or int(limit_per_file) < 1):

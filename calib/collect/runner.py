@@ -37,6 +37,7 @@ from calib.bank import load, write_bank
 from calib.chains import recomputed_chains
 from calib.collect.assemble import RunKeys, build_tables, engine_request_prefix, read_capture, reconcile
 from calib.fingerprint import identity
+from calib.params import finite_number
 from calib.prompts import encode_chat, load_prompts
 from calib.sidefiles import field, read_json
 from calib.vllm.engine import (  # capture hooks V1 with sync scheduling
@@ -131,13 +132,18 @@ def check_config(cfg: dict) -> None:
     for key in ("part_size", "concurrency"):
         if not isinstance(cfg.get(key), int) or isinstance(cfg.get(key), bool) or cfg[key] < 1:
             fail(f"{key}={cfg.get(key)!r}: expected a whole number >= 1")
+    seed = cfg.get("seed", 0)
+    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+        fail(f"seed={seed!r}: expected a whole number >= 0")
     sampling = cfg["sampling"]
-    if not isinstance(sampling.get("temperature"), (int, float)) or sampling["temperature"] < 0:
-        fail(f"sampling.temperature={sampling.get('temperature')!r}: expected a number >= 0 (0: greedy)")
-    if not 0 < float(sampling.get("top_p", 1.0)) <= 1:
-        fail(f"sampling.top_p={sampling.get('top_p')!r}: expected a number in (0, 1]")
-    if not isinstance(sampling.get("max_tokens"), int) or sampling["max_tokens"] < 1:
-        fail(f"sampling.max_tokens={sampling.get('max_tokens')!r}: expected a whole number >= 1")
+    temperature, top_p = sampling.get("temperature"), sampling.get("top_p", 1.0)
+    if not finite_number(temperature) or temperature < 0:  # NaN passed `< 0` and was recorded as the bank's T
+        fail(f"sampling.temperature={temperature!r}: expected a finite number >= 0 (0: greedy)")
+    if not finite_number(top_p) or not 0 < top_p <= 1:
+        fail(f"sampling.top_p={top_p!r}: expected a number in (0, 1]")
+    max_tokens = sampling.get("max_tokens")
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+        fail(f"sampling.max_tokens={max_tokens!r}: expected a whole number >= 1")
     path = (cfg.get("model") or {}).get("path")
     if path is not None:
         if not isinstance(path, str) or not path.strip():

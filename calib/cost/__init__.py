@@ -86,30 +86,44 @@ def read_curve_csv(path, column: str = "seconds") -> tuple[np.ndarray, np.ndarra
     """``(T, cost)`` sorted by ``T`` from a CSV with columns ``T`` and ``column``; a row with a missing,
     non-numeric, non-positive or non-finite value, or a repeated or non-positive ``T``, is an error
     naming the file and line, and so is a file with fewer than two rows (nothing to interpolate)."""
+    if Path(path).is_dir():
+        raise ValueError(f"{path} is a folder, not a CSV file: a measured curve is the file bench/verify_cost.py "
+                         "writes (columns T, seconds[, seconds_min]); name the .csv itself")
+    try:
+        with open(path, newline="", encoding="utf-8-sig") as fh:  # -sig: a spreadsheet's byte-order mark is no column
+            return _curve_rows(path, csv.DictReader(fh), column)
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not UTF-8 text (byte {exc.start}); a measured curve is a UTF-8 CSV "
+                         "(bench/verify_cost.py): re-save it as UTF-8") from None
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot be read ({exc.strerror or exc}); a measured curve is the CSV "
+                         "bench/verify_cost.py writes") from None
+
+
+def _curve_rows(path, reader, column: str) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`read_curve_csv`'s rows from the open ``reader``."""
     rows = []
-    with open(path, newline="") as fh:
-        reader = csv.DictReader(fh)
-        missing = [c for c in ("T", column) if c not in (reader.fieldnames or [])]
-        if missing:
-            raise ValueError(f"{path}: no column {missing} (columns: {reader.fieldnames}); a measured curve "
-                             f"has columns T, seconds[, seconds_min] (bench/verify_cost.py)")
-        seen: dict[int, int] = {}
-        for r in reader:
-            line = reader.line_num
-            try:
-                t, c = int(r["T"]), float(r[column])
-            except (TypeError, ValueError):
-                raise ValueError(f"{path}, line {line}: T={r['T']!r}, {column}={r[column]!r}: expected an "
-                                 f"integer T and a number") from None
-            if t < 1:
-                raise ValueError(f"{path}, line {line}: T={t}; a verify pass scores T >= 1 positions")
-            if not (np.isfinite(c) and c > 0):
-                raise ValueError(f"{path}, line {line}: {column}={c!r} at T={t}; a verify cost must be "
-                                 "finite and positive")
-            if t in seen:
-                raise ValueError(f"{path}, line {line}: T={t} again (first on line {seen[t]})")
-            seen[t] = line
-            rows.append((t, c))
+    missing = [c for c in ("T", column) if c not in (reader.fieldnames or [])]
+    if missing:
+        raise ValueError(f"{path}: no column {missing} (columns: {reader.fieldnames}); a measured curve "
+                         f"has columns T, seconds[, seconds_min] (bench/verify_cost.py)")
+    seen: dict[int, int] = {}
+    for r in reader:
+        line = reader.line_num
+        try:
+            t, c = int(r["T"]), float(r[column])
+        except (TypeError, ValueError):
+            raise ValueError(f"{path}, line {line}: T={r['T']!r}, {column}={r[column]!r}: expected an "
+                             f"integer T and a number") from None
+        if t < 1:
+            raise ValueError(f"{path}, line {line}: T={t}; a verify pass scores T >= 1 positions")
+        if not (np.isfinite(c) and c > 0):
+            raise ValueError(f"{path}, line {line}: {column}={c!r} at T={t}; a verify cost must be "
+                             "finite and positive")
+        if t in seen:
+            raise ValueError(f"{path}, line {line}: T={t} again (first on line {seen[t]})")
+        seen[t] = line
+        rows.append((t, c))
     if len(rows) < 2:
         raise ValueError(f"{path}: {len(rows)} row(s); a measured curve needs at least two "
                          f"(T, {column}) rows to interpolate and extrapolate")
@@ -140,7 +154,10 @@ def make_curve(name: str, cfg: dict, t_max: int, root: str | Path = ".") -> Cost
         if cfg.get("charge"):  # a richer model of the same engine the replay charges by (serving prices by `path`)
             charge = Path(cfg["charge"])
             charging = load_step_cost(charge if charge.is_absolute() else Path(root) / charge)
-        return EngineStepCurve(name, cost, t_max, charging=charging)
+        try:
+            return EngineStepCurve(name, cost, t_max, charging=charging)
+        except ValueError as exc:  # e.g. a verify term that prices a step at 0 s: name the file that says so
+            raise ValueError(f"{path}: {exc}; fix the file or re-run bench/profile_step.py --step-cost {path}") from None
     t = np.arange(t_max + 1, dtype=np.float64)
     if kind == "parametric":
         values = float(cfg["weight_read"]) + float(cfg["per_position"]) * t

@@ -29,6 +29,9 @@ READABLE_VERSIONS = (1, 2, 3)
 # attended over (rows' ``query_keys``: each position against its request's cache)
 VERIFY_INPUTS = ("T", "B", "C", "Q")
 CONTEXT_INPUTS = ("C", "Q")
+# what each term is read over (StepCost's docstring): a slope over anything else is not one this calib can price
+TERM_INPUTS = {"verify": VERIFY_INPUTS, "idle": ("T",), "lm_head": ("B",), "more": ("B",), "chain": ("B",),
+               "calib": ("B",), "sampled": ("D", "R")}
 
 
 @dataclass(frozen=True)
@@ -212,13 +215,21 @@ def load_step_cost(path) -> StepCost:
         if key == "sampled" and isinstance(term, dict) and not set(term.get("slopes") or {}) <= {"D", "R"}:
             raise ValueError(f"{path}: sampled: slopes over {sorted(term['slopes'])}; this calib reads D (draft tokens) "
                              f"and R (requests with draft tokens) (re-run bench/profile_step.py --step-cost {path})")
+        slopes = term.get("slopes") if isinstance(term, dict) else None
+        if isinstance(slopes, dict) and not set(slopes) <= set(TERM_INPUTS[key]):
+            raise ValueError(f"{path}: {key}: slopes over {sorted(slopes)}; this calib prices {key} over "
+                             f"{list(TERM_INPUTS[key])} only (re-run bench/profile_step.py --step-cost {path})")
         ok = (isinstance(term, dict) and isinstance(term.get("slopes"), dict)
               and all(_nonneg(v) for v in [term.get("intercept"), *term["slopes"].values()]))
         if not ok:
             raise ValueError(f"{path}: {key}: expected {{intercept, slopes: {{input: seconds}}}} with finite "
                              f"values >= 0, got {term!r}")
         terms[key] = Linear(float(term["intercept"]), {k: float(v) for k, v in term["slopes"].items()})
-    return StepCost(**terms, source=doc.get("source", {}))
+    source = doc.get("source", {})
+    if not isinstance(source, dict):  # a file's content: a ValueError as every refusal here
+        raise ValueError(f"{path}: source: {source!r} ({type(source).__name__}); expected an object (the profile's "  # noqa: TRY004
+                         f"command, date, cpu, device) or no key at all (re-run bench/profile_step.py --step-cost {path})")
+    return StepCost(**terms, source=source)
 
 
 def this_machine() -> str:

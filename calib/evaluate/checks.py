@@ -66,10 +66,38 @@ def _check_costs(job: str, cfg) -> None:
             validate_config(job, sub, {f"cost.{name}.weight_read": [Interval(numbers.Real, 0, None, closed="neither")],
                                        f"cost.{name}.per_position": [REAL_0]})
         elif c.get("kind", name) == "engine":
-            validate_config(job, sub, {f"cost.{name}.path": [TEXT]})
+            validate_config(job, sub, {f"cost.{name}.path": [TEXT], f"cost.{name}.charge": [NoneValue(), TEXT]})
+            _check_cost_file(job, cfg, f"cost.{name}.path", c["path"], "engine")
+            if c.get("charge"):
+                _check_cost_file(job, cfg, f"cost.{name}.charge", c["charge"], "engine")
         elif c.get("kind", name) == "measured":
             validate_config(job, sub, {f"cost.{name}.path": [TEXT], f"cost.{name}.column": [NoneValue(), TEXT],
                                        f"cost.{name}.pad_to_cheaper": [Boolean()]})
+            _check_cost_file(job, cfg, f"cost.{name}.path", c["path"], "measured", c.get("column") or "seconds")
+
+
+def _check_cost_file(job: str, cfg, key: str, value: str, kind: str, column: str = "seconds") -> None:
+    """The file a cost curve reads, read now (a few hundred bytes), so that a folder, a profile instead of a fit or a
+    mistyped term is said before any bank loads, naming the key; skipped where ``root`` cannot be resolved yet."""
+    from pathlib import Path
+
+    from calib.cost import read_curve_csv
+    from calib.cost.step import load_step_cost
+
+    try:
+        root = get(cfg, "root", ".")
+    except Exception:  # noqa: BLE001 - an OmegaConf config composed outside Hydra: ${hydra:runtime.cwd}
+        return
+    path = Path(value) if Path(value).is_absolute() else Path(str(root)) / value
+    try:
+        if kind == "engine":
+            load_step_cost(path)
+        else:
+            read_curve_csv(path, column)
+    except ValueError as exc:
+        want = "an engine step-cost JSON (bench/profile_step.py --step-cost)" if kind == "engine" else \
+            "a measured verify-cost CSV (bench/verify_cost.py)"
+        refuse(job, key, value, f"it must name {want}: {exc}")
 
 
 def check_eval(cfg) -> None:

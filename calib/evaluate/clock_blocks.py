@@ -146,8 +146,15 @@ def latest_cells(manifest: dict, root: Path = ROOT) -> list[tuple[dict, str, dic
             raise ValueError(f"the grid manifest lists {source}, which is not JSON ({exc})") from None
         if not (isinstance(result, dict) and isinstance(result.get("table"), list)):
             raise ValueError(f"the grid manifest lists {source}, which is not a bench/serve.py result (no `table`)")  # noqa: TRY004
-        for row in result["table"]:
-            latest[(row["category"], row["sampling"], row["concurrency"])] = (row, source, result)
+        for i, row in enumerate(result["table"]):
+            cell = [row.get(k) for k in ("category", "sampling", "concurrency")] if isinstance(row, dict) else None
+            if cell is None or None in cell:
+                raise ValueError(f"the grid manifest lists {source}, whose table row {i} names no cell (category, "
+                                 f"sampling, concurrency): {str(row)[:120]}; re-table it (bench/serve.py --retable)")
+            latest[tuple(cell)] = (row, source, result)
+    if not latest:
+        raise ValueError(f"the grid manifest's sources {sources} hold no cell (every `table` is empty); list the "
+                         "bench/serve.py results that served the grid")
     return [latest[k] for k in sorted(latest, key=lambda k: (k[1] != "greedy", k[0], k[2]))]
 
 
