@@ -14,6 +14,12 @@ time, not acceptance. The engine's own time is bench/profile_step.py's (the real
 this one isolates calib's part so that a change to it can be judged in seconds, on a quiet or a busy machine
 alike (``--vs``-style ratios: run it before and after on the same machine).
 
+Warm or cold. Back to back, the hooks find their code and data in the CPU's caches. Inside the engine they do not:
+each hook runs after the target's forward has streamed the model's weights (~540 MB in float32) through the caches,
+so every line of Python, numpy and torch a hook touches comes from memory again. ``--evict-mb 600`` streams that
+much between hooks (outside the timers), and the same work then costs what it costs inside the engine, or more
+(docs/profile.md, "Cold caches").
+
 Why argparse, not Hydra like train.py/eval.py: a handful of flags, no config tree from conf/.
 """
 
@@ -124,8 +130,18 @@ class StandIn:
         return drafts
 
 
+def evictor(mb: int):
+    """A call that streams ``mb`` MB through the caches, as a forward streams the weights (None for 0: warm)."""
+    import numpy as np
+
+    if mb <= 0:
+        return None
+    sweep = np.ones(mb * (1 << 20) // 4, dtype=np.float32)
+    return lambda: float(sweep.sum())
+
+
 def run(engine: str, B: int, steps: int, temperature: float, tables: str, cost: str, seed: int,
-        profile: int = 0, aside_after: int = 4) -> dict:
+        profile: int = 0, aside_after: int = 4, evict_mb: int = 0) -> dict:
     """Per-part milliseconds (median, p90 over steps after a warm-up of 5) of ``steps`` steps at batch ``B``."""
     from types import SimpleNamespace
 
@@ -150,9 +166,11 @@ def run(engine: str, B: int, steps: int, temperature: float, tables: str, cost: 
     out_type = SimpleNamespace
     sampled_prev = None
     digest = 0  # CRC-32 of every step's draft lists: a change to calib's speed must not change it
+    evict = evictor(evict_mb) or (lambda: None)  # before each hook, off the clock
     for s in range(steps):
         on = prof is not None and s >= 5  # calib's parts only: not the stand-in's drafting and bookkeeping
         sched = SimpleNamespace(num_spec_tokens_to_schedule=stand.k if engine == "eagle" else 0)
+        evict()
         t0 = CLOCK()
         if on:
             prof.enable()
@@ -171,6 +189,7 @@ def run(engine: str, B: int, steps: int, temperature: float, tables: str, cost: 
 
             engine_drafts = [propose(runner.input_batch.token_ids_cpu[b, : int(runner.input_batch.num_tokens_no_spec[b])],
                                      (1, 4, stand.k))[0] for b in range(B)]
+        evict()
         t2 = CLOCK()
         if on:
             prof.enable()
@@ -189,6 +208,7 @@ def run(engine: str, B: int, steps: int, temperature: float, tables: str, cost: 
                 a += 1
             sampled[b, : a + 1] = torch.tensor(truth[b][: a + 1])
             num_draft.append(len(x))
+        evict()
         t4 = CLOCK()
         if on:
             prof.enable()
@@ -210,7 +230,7 @@ def run(engine: str, B: int, steps: int, temperature: float, tables: str, cost: 
         pstats.Stats(prof, stream=buf).sort_stats(os.environ.get("HOT_PATH_SORT", "cumulative")).print_stats(profile)
         print(buf.getvalue())
     total = [sum(v) for v in zip(*times.values())]
-    row = {"engine": engine, "concurrency": B, "temperature": temperature, "steps": len(total),
+    row = {"engine": engine, "concurrency": B, "temperature": temperature, "evict_mb": evict_mb, "steps": len(total),
            "decided": srv.stats.decided, "passthrough": srv.stats.passthrough, "errors": srv.stats.errors,
            "passes_planned": srv.stats.passes_planned, "planned": srv.stats.planned,
            "aside_engine": srv.stats.aside_engine, "aside_none": srv.stats.aside_none, "drafts_crc32": digest,
@@ -239,6 +259,9 @@ def main(argv=None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--aside-after", type=int, default=4,
                     help="serve.aside_after (0: decide every step, to time the decision itself)")
+    ap.add_argument("--evict-mb", type=int, default=0, metavar="MB",
+                    help="stream MB megabytes through the caches before each hook, as the target's forward does, so "
+                         "that each starts cold as inside the engine (600 ~ SmolLM2-135M in float32; 0: warm)")
     ap.add_argument("--profile", type=int, default=0, help="print the N costliest calls (cProfile, cumulative)")
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
     args = ap.parse_args(argv)
@@ -247,7 +270,8 @@ def main(argv=None) -> None:
     for engine in args.engine:
         for temp in args.temperature:
             for B in args.concurrency:
-                r = run(engine, B, args.steps, temp, args.tables, args.cost, args.seed, args.profile, args.aside_after)
+                r = run(engine, B, args.steps, temp, args.tables, args.cost, args.seed, args.profile, args.aside_after,
+                        args.evict_mb)
                 rows.append(r)
                 print(f"{engine:<7}{B:>4}{temp:>5}  " + "".join(f"{r['ms'].get(p, 0.0):>9.2f}" for p in PARTS)
                       + f"{r['total_ms']:>9.2f}{r['total_p90_ms']:>8.2f}", flush=True)
