@@ -242,38 +242,37 @@ def identity(records: list) -> dict:
 
 
 def main(argv=None) -> None:
-    ap = plain_parser(__doc__)
+    ap = plain_parser(__doc__, epilog=None)  # the --help-all line says it: 40 lines in 80 columns
     ap.add_argument("--worker", help=argparse.SUPPRESS)
-    ap.add_argument("--tables", default="runs/train/default", help="tables folder (python train.py out_dir=DIR)")
+    ap.add_argument("--tables", default="runs/train/default", metavar="DIR", help="train.py's out_dir")
     ap.add_argument("--arms", nargs="+", default=DEFAULT_ARMS, choices=list(ARMS), metavar="ARM",
-                    help="e.g. none vllm_ngram calib_ngram (a wrong name lists them all)")
+                    help="e.g. none vllm_ngram (a wrong name lists them all)")
     ap.add_argument("--concurrency", nargs="+", type=int, default=[1, 4, 16, 64], metavar="C")
-    ap.add_argument("--categories", nargs="+", default=["chat", "code_edit"], metavar="NAME")
+    ap.add_argument("--categories", nargs="+", default=["chat", "code_edit"], metavar="CAT")
     ap.add_argument("--sampling", nargs="+", default=["greedy", "sampled"], choices=list(SAMPLING), metavar="S")
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=3, metavar="N")
+    ap.add_argument("--max-tokens", type=int, default=64, metavar="N")
     from calib.evaluate.clock import MIN_CELL_PROMPTS, PROMPTS_PER_REQUEST
 
-    ap.add_argument("--min-prompts", type=int, default=MIN_CELL_PROMPTS,
+    ap.add_argument("--min-prompts", type=int, default=MIN_CELL_PROMPTS, metavar="N",
                     help=f"prompts per cell: max(this, {PROMPTS_PER_REQUEST} x concurrency)")
     ap.add_argument("--identity", action=argparse.BooleanOptionalAction, default=True,
                     help="float32 greedy outputs against no speculation's")
-    ap.add_argument("--identity-prompts", type=int, default=8)
-    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="serve.py overrides for every arm")
-    ap.add_argument("--out", default="runs/bench/serve.json")
-    ap.add_argument("--work", default="runs/bench/serve-work", help="finished (arm, rep) kept here: a rerun resumes")
-    ap.add_argument("--from-json", help="print an earlier --out file's tables (runs nothing)")
-    ap.add_argument("--retable", metavar="OUT", help="with --from-json: recompute its table with this code, to OUT")
-    ap.add_argument("--replay", default=None,
-                    help="eval.py's metrics.json (predictions; default runs/eval/default/metrics.json; with "
-                         "--retable, replaces the run's recorded one)")
-    ap.add_argument("--cost-model", default="engine", help="the ladder's cost model the prediction reads")
-    ap.add_argument("--readme", nargs="*", default=[], help="redraw these files' marked blocks citing --out")
+    ap.add_argument("--identity-prompts", type=int, default=8, metavar="N")
+    ap.add_argument("--set", nargs="*", default=[], metavar="K=V", help="serve.py overrides for every arm")
+    ap.add_argument("--out", default="runs/bench/serve.json", metavar="PATH")
+    ap.add_argument("--work", default="runs/bench/serve-work", metavar="DIR", help="done (arm, rep); a rerun resumes")
+    ap.add_argument("--from-json", metavar="PATH", help="print an earlier --out's tables (runs nothing)")
+    ap.add_argument("--retable", metavar="OUT", help="with --from-json: its table redone, to OUT")
+    ap.add_argument("--replay", default=None, metavar="PATH",  # under --retable: replaces the run's recorded one
+                    help="eval.py's metrics.json (default runs/eval/default/)")
+    ap.add_argument("--cost-model", default="engine", metavar="NAME", help="the ladder's cost model to predict by")
+    ap.add_argument("--readme", nargs="*", default=[], metavar="FILE", help="redraw their blocks citing --out")
     ap.add_argument("--oracle", action=argparse.BooleanOptionalAction, default=True,
                     help="the clock oracle's arms in greedy cells")
-    ap.add_argument("--tolerance", type=float, default=0.10,
-                    help="add repetitions while a ratio spreads wider than this")
-    ap.add_argument("--max-reps", type=int, default=None, help="the most repetitions (default: --reps)")
+    ap.add_argument("--tolerance", type=float, default=0.10, metavar="F",
+                    help="more repetitions while a ratio spreads wider")
+    ap.add_argument("--max-reps", type=int, default=None, metavar="N", help="the most repetitions (default: --reps)")
     args = ap.parse_args(argv)
     if args.worker:
         return worker(args.worker)

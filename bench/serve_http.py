@@ -221,30 +221,30 @@ def print_table(summary: dict, ratio: dict) -> None:
 
 def _parser() -> argparse.ArgumentParser:
     class Fmt(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-        pass
+        def _get_help_string(self, action):  # "(default: None)" says nothing and costs a line in 80 columns
+            return action.help if action.default in (None, []) else super()._get_help_string(action)
 
     ap = plain_parser(__doc__, formatter_class=Fmt)
-    ap.add_argument("--tables", required=True,
-                    help="calib tables folder for the 'on' arm (make one: python train.py out_dir=DIR logger=none)")
-    ap.add_argument("--prompts", default="code_edit", help="a conf/prompts/ name (its files, in order)")
-    ap.add_argument("--requests", type=int, default=16, help="measured requests per arm and repetition")
-    ap.add_argument("--clients", type=int, default=4, help="requests in flight (vllm bench serve --max-concurrency)")
-    ap.add_argument("--max-tokens", type=int, default=64, help="output tokens per request")
-    ap.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0 = greedy)")
-    ap.add_argument("--reps", type=int, default=3, help="repetitions; the arms alternate on the clock")
-    ap.add_argument("--warmups", type=int, default=2, help="warm-up requests per repetition, not counted")
-    ap.add_argument("--dtype", default="auto", help="the servers' --dtype (float32 for text identity across CPUs)")
-    ap.add_argument("--speculator", choices=("ngram", "eagle"), default="ngram",
-                    help="n-gram (prompt lookup 1..4) or the EAGLE head --eagle-dir")
+    ap.add_argument("--tables", required=True, metavar="DIR", help="the 'on' arm's tables (train.py out_dir=DIR)")
+    ap.add_argument("--prompts", default="code_edit", metavar="NAME", help="a conf/prompts/ name")
+    ap.add_argument("--requests", type=int, default=16, metavar="N", help="measured requests per arm and rep")
+    ap.add_argument("--clients", type=int, default=4, metavar="N", help="requests in flight (--max-concurrency)")
+    ap.add_argument("--max-tokens", type=int, default=64, metavar="N", help="output tokens per request")
+    ap.add_argument("--temperature", type=float, default=0.0, metavar="T", help="sampling temperature (0 = greedy)")
+    ap.add_argument("--reps", type=int, default=3, metavar="N", help="repetitions; the arms alternate")
+    ap.add_argument("--warmups", type=int, default=2, metavar="N", help="warm-up requests per rep, not counted")
+    ap.add_argument("--dtype", default="auto", help="the servers' --dtype (float32: the same text on any CPU)")
+    ap.add_argument("--speculator", choices=("ngram", "eagle"), default="ngram", metavar="KIND",
+                    help="ngram (lookup 1..4) or eagle")
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
-    ap.add_argument("--eagle-dir", default=str(EAGLE_DIR), help="EAGLE drafter folder (--speculator eagle)")
-    ap.add_argument("--cost", default=None, help="the 'on' server's step cost (CALIB_SERVE's cost; unset: calib's default)")
-    ap.add_argument("--on-env", action="append", default=[], metavar="KEY=VALUE",
-                    help="extra environment variable for the 'on' server (repeatable)")
-    ap.add_argument("--arms", default="none,off,on", help="comma-separated, of none,off,on")
-    ap.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for /health")
-    ap.add_argument("--model-dir", default=None, help="target HF folder (unset: calib.target.prepare_target())")
-    ap.add_argument("--out", default=None, help="JSON results (server logs next to it as FILE.<arm>.log)")
+    ap.add_argument("--eagle-dir", default=str(EAGLE_DIR), metavar="DIR", help="EAGLE drafter (--speculator eagle)")
+    ap.add_argument("--cost", default=None, metavar="PATH", help="the 'on' server's step cost (unset: calib's default)")
+    ap.add_argument("--on-env", action="append", default=[], metavar="K=V",
+                    help="extra env variable for the 'on' server (repeatable)")
+    ap.add_argument("--arms", default="none,off,on", metavar="LIST", help="a comma-separated subset")
+    ap.add_argument("--startup-timeout", type=float, default=600.0, metavar="S", help="seconds to wait for /health")
+    ap.add_argument("--model-dir", default=None, metavar="DIR", help="target HF folder (unset: the embedded SmolLM2)")
+    ap.add_argument("--out", default=None, metavar="PATH", help="JSON results (server logs beside it: FILE.<arm>.log)")
     return ap
 
 

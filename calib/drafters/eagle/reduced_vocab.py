@@ -12,14 +12,15 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-import torch
-from torch import nn
+if __name__ != "__main__":  # as the command, Hydra answers --help first; main() then imports this module whole
+    import torch
+    from torch import nn
 
-from calib.cost.draft import DRAFT_COST_KEY, check_draft_cost
-from calib.drafters.eagle.distill import HiddenStateSequences, load_hidden_states, read_chunked_jsonl
-from calib.drafters.eagle.export import export_head, load_exported
-from calib.drafters.eagle.model import EagleHead
-from calib.vllm.plugin import D2T_KEY, REDUCED_VOCAB_EAGLE
+    from calib.cost.draft import DRAFT_COST_KEY, check_draft_cost
+    from calib.drafters.eagle.distill import HiddenStateSequences, load_hidden_states, read_chunked_jsonl
+    from calib.drafters.eagle.export import export_head, load_exported
+    from calib.drafters.eagle.model import EagleHead
+    from calib.vllm.plugin import D2T_KEY, REDUCED_VOCAB_EAGLE
 
 FLOPS_COST_KEY = "calib_draft_cost_flops"  # the matmul-FLOP ratio, beside the measured DRAFT_COST_KEY
 
@@ -242,6 +243,8 @@ def main() -> None:
 
     @hydra.main(config_path="../../../conf", config_name="eagle_reduced", version_base="1.3")
     def _main(cfg) -> None:
+        from calib.drafters.eagle.reduced_vocab import run  # the module with torch (not this light __main__)
+
         run(OmegaConf.to_container(cfg, resolve=True))
 
     _main()
