@@ -3,14 +3,15 @@
     python bench/profile_step.py                                   # 4 arms x concurrency 1 4 16, code edits
     python bench/profile_step.py --arms none calib_two_drafter --concurrency 4 --sampling sampled
 
-Each arm (bench/serve.py's arms) runs in its own process with perf_counter wrappers on vLLM's V1 runner
-(installed once the engine has started): the target's forward and LM head, the verify/sampling, the
-drafter's first pass (it keeps the head's KV cache right and runs even when 0 tokens are drafted), its
-further passes and its LM head, the n-gram proposer and bookkeeping; calib's hooks come from its
-serving statistics, "other" is the scheduler, output processing and the rest. One row per engine step
-(batch, tokens, draft passes, the parts) goes to ``--out`` (runs/bench/profile.json); the table of
-medians is printed and, with ``--docs``, written into docs/profile.md's marked block; ``--step-cost``
-fits the replay's engine step cost (calib/cost/step.py) to the rows. Run it alone on the machine.
+Each arm (bench/serve.py's arms) runs in its own process on vLLM's V1 runner with sync scheduling, the engine
+calib serves on, vLLM's own arms too (on a GPU bench/serve.py leaves those on vLLM's V2 + async defaults),
+with perf_counter wrappers on that runner (installed once the engine has started): the target's forward and LM
+head, the verify/sampling, the drafter's first pass (it keeps the head's KV cache right and runs even when 0
+tokens are drafted), its further passes and its LM head, the n-gram proposer and bookkeeping; calib's hooks
+come from its serving statistics, "other" is the scheduler, output processing and the rest. One row per engine
+step (batch, tokens, draft passes, the parts) goes to ``--out`` (runs/bench/profile.json); the table of
+medians is printed and, with ``--docs``, written into docs/profile.md's marked block; ``--step-cost`` fits the
+replay's engine step cost (calib/cost/step.py) to the rows. Run it alone on the machine.
 
 Why argparse, not Hydra like train.py/eval.py: it orchestrates one subprocess per serving arm; its settings
 are the grid's flags, not a config tree from conf/.
@@ -193,7 +194,9 @@ def worker(spec_path: str) -> None:
 
     spec = json.loads(Path(spec_path).read_text())
     cfg = bench_serve.compose(spec["overrides"])
-    llm = build_engine(cfg, ROOT, max_num_seqs=max(spec["concurrency"]))
+    # every arm on V1 + sync scheduling, the engine calib serves on (the fit is its step cost; the timers wrap V1's
+    # runner, so a vLLM arm left on V2, vLLM's GPU default, would record no rows)
+    llm = build_engine(cfg, ROOT, max_num_seqs=max(spec["concurrency"]), v1_sync=True)
     install_timers()  # after the engine: its start scans every loaded module (vLLM's Triton overrides)
     prompts = load_prompts(cfg["prompts"]["files"], root=ROOT)
     sampling = {**cfg["sampling"], "max_tokens": spec["max_tokens"]}

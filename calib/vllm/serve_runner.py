@@ -203,9 +203,10 @@ def _serve(cfg: dict, root: Path, tokens: dict | None = None) -> tuple[dict, dic
     return record, texts
 
 
-def build_engine(cfg: dict, root: Path, max_num_seqs: int):
+def build_engine(cfg: dict, root: Path, max_num_seqs: int, *, v1_sync: bool = False):
     """vLLM's ``LLM`` for ``cfg``'s policy and speculative config, with calib's serving mode switched on
-    (``CALIB_SERVE``, before the engine starts) for the calib policies. One per process."""
+    (``CALIB_SERVE``, before the engine starts) for the calib policies. One per process. ``v1_sync``: every
+    arm on the V1 runner with sync scheduling, calib's engine (bench/profile_step.py times V1's runner)."""
     from calib.target import target_dir
     from calib.vllm.engine import build_engine as start_engine
     from calib.vllm.engine import speculative_config
@@ -231,7 +232,7 @@ def build_engine(cfg: dict, root: Path, max_num_seqs: int):
     # a calib policy serves through calib's V1 hooks: V1 runner and sync scheduling asked for (vLLM picks V2 and
     # async on a GPU, where calib would stand down); vLLM's own arms keep vLLM's defaults of runner and scheduling,
     # async, what a user deploys; a variable left by an earlier calib arm in this process is removed
-    hooked = (V1_RUNNER, SYNC_SCHEDULING) if knobs else (dict.fromkeys(V1_RUNNER), {})
+    hooked = (V1_RUNNER, SYNC_SCHEDULING) if knobs or v1_sync else (dict.fromkeys(V1_RUNNER), {})
     llm = start_engine(model_dir, {**cfg["engine"], "dtype": dtype}, max_num_seqs=max_num_seqs, seed=int(cfg["seed"]),
                        env={"VLLM_ENABLE_V1_MULTIPROCESSING": not cfg["engine"]["in_process"],
                             "VLLM_CPU_KVCACHE_SPACE": cfg["engine"]["kv_cache_gb"], "CALIB_COLLECT_DIR": None,

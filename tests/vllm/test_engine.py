@@ -79,6 +79,10 @@ def test_serve_engine_kwargs_and_knobs(started, monkeypatch, tmp_path):
     assert started["env"]["CALIB_SERVE"] is None and started["kwargs"]["speculative_config"] is None
     # vLLM's own arms keep vLLM's defaults (what a user deploys): no scheduling or runner asked for
     assert "async_scheduling" not in started["kwargs"] and started["env"]["VLLM_USE_V2_MODEL_RUNNER"] is None
+    # bench/profile_step.py: every arm on calib's engine, whose V1 runner its timers wrap
+    with pytest.raises(Stop):
+        runner.build_engine(compose("serve", "policy=none"), ROOT, max_num_seqs=2, v1_sync=True)
+    assert started["kwargs"]["async_scheduling"] is False and started["env"]["VLLM_USE_V2_MODEL_RUNNER"] == "0"
 
 
 def test_recipe_engines_kwargs(started, tmp_path):
