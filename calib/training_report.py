@@ -175,4 +175,5 @@ def _chain_depths(bank) -> dict[str, int]:
 def wandb_note(out_dir: Path) -> str:
     """Where the W&B offline runs ended up: W&B names the staging folder they were written in."""
     runs = sorted(Path(out_dir).glob("wandb/offline-run-*"))
-    return "".join(f"\nW&B offline run published with the outputs: wandb sync {r}" for r in runs)
+    return "".join(f"\nW&B offline run published with the outputs: wandb sync {r}" for r in runs) + (
+        f"\nthen: python -m calib.tracking declare-inputs {out_dir} (the input banks' lineage edge)" if runs else "")

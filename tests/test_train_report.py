@@ -3,7 +3,7 @@ each table once. SYNTHETIC metadata, a recording tracker."""
 
 from __future__ import annotations
 
-from calib.training_report import _log
+from calib.training_report import _log, wandb_note
 
 
 class Recorder:
@@ -40,3 +40,13 @@ def test_train_declares_its_banks_and_logs_both_chains_headlines_once(tmp_path):
     assert rec.scalars["ngram/test/model/ece"] == 0.030 and rec.scalars["ngram/test/table/ece"] == 0.028
     assert sorted(rec.tables) == ["fit", "model_test_per_depth", "model_val_per_depth"]  # each once
     assert rec.outputs == [("calib-tables", "tables")]
+
+
+def test_wandb_note_names_the_sync_and_then_declare_inputs(tmp_path):
+    """After an offline run, train says how to sync it and then declare its banks (as eval does its tables)."""
+    assert wandb_note(tmp_path) == ""  # no offline run (logger=csv, or online): nothing to sync or declare
+    run = tmp_path / "wandb" / "offline-run-20261205_000000-abc"
+    run.mkdir(parents=True)
+    note = wandb_note(tmp_path).splitlines()
+    assert note[1:] == [f"W&B offline run published with the outputs: wandb sync {run}",
+                        f"then: python -m calib.tracking declare-inputs {tmp_path} (the input banks' lineage edge)"]
