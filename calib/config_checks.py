@@ -229,17 +229,9 @@ def _check_reference_out(job: str, cfg) -> None:
     except Exception:  # noqa: BLE001 - an OmegaConf config composed outside Hydra: ${hydra:runtime.cwd}
         return
     path = Path(out) if Path(out).is_absolute() else Path(str(root)) / out
-    if path.is_dir():
-        refuse(job, "reference_out", out, f"{path} is a folder; name the reference file to write (a new .json path)")
-    if path.exists():
-        from calib.serve.oracle import FORMAT
-        from calib.sidefiles import SideFileError, read_json
+    from calib.serve.oracle import unreplaceable
 
-        try:
-            fmt = read_json(path).get("format")
-        except SideFileError:
-            fmt = None
-        if fmt != FORMAT:
-            refuse(job, "reference_out", out, f"{path} exists and is not a clock-oracle reference ({FORMAT}): the run "
-                                              "would replace it with its outputs; name a new file, or delete that one")
+    why = unreplaceable(path)
+    if why is not None:
+        refuse(job, "reference_out", out, why)
 

@@ -132,10 +132,36 @@ class Reference:
         return ref[n:end].tolist()
 
 
+def unreplaceable(path: str | Path) -> str | None:
+    """Why a reference must not be written to ``path``: a folder, or an existing file that is not a clock-oracle
+    reference (a prompt file, a bench result: the run would replace it with its outputs); None where writing
+    there replaces nothing of the user's. serve.py's config check refuses such a path before the run, and
+    :func:`write_reference` before it writes."""
+    path = Path(path)
+    if path.is_dir():
+        return f"{path} is a folder; name the reference file to write (a new .json path)"
+    if path.exists():
+        from calib.sidefiles import SideFileError, read_json
+
+        try:
+            obj = read_json(path)
+        except SideFileError:
+            obj = None
+        if not (isinstance(obj, dict) and obj.get("format") == FORMAT):
+            return (f"{path} exists and is not a clock-oracle reference ({FORMAT}): the run would replace it with "
+                    "its outputs; name a new file, or delete that one")
+    return None
+
+
 def write_reference(path: str | Path, outputs: Mapping[str, Sequence[int]], max_tokens: int, dtype: str) -> Path:
     """Write ``outputs`` ({:func:`prompt_key`: output token ids}) as a reference file, atomically (a temp file
-    beside ``path``, then one rename); checked first, so a bad entry is refused before anything is written."""
+    beside ``path``, then one rename); checked first, so a bad entry is refused before anything is written, and so
+    is a ``path`` that holds something else (:func:`unreplaceable`)."""
     from calib.atomic import write_text_atomic
+
+    why = unreplaceable(path)
+    if why is not None:
+        raise FileExistsError(f"oracle reference not written: {why}")
 
     obj = {"format": FORMAT, "max_tokens": int(max_tokens), "dtype": str(dtype),
            "outputs": {str(k): [int(t) for t in v] for k, v in sorted(outputs.items())}}

@@ -98,6 +98,24 @@ def test_write_reference_refuses_before_writing(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("what", ["a prompt file", "a list", "a folder"])
+def test_write_reference_never_replaces_what_is_not_a_reference(tmp_path, what):
+    """The guard is in write_reference itself, not only in serve.py's config check: a caller that skips the check
+    still cannot replace a user's file (or write into a folder); an earlier reference is replaced."""
+    path = tmp_path / "out.json"
+    if what == "a folder":
+        path.mkdir()
+    else:
+        path.write_text('{"messages": []}\n' if what == "a prompt file" else "[1, 2]")
+    before = None if what == "a folder" else path.read_bytes()
+    with pytest.raises(FileExistsError, match="not written: .*(folder|not a clock-oracle reference)"):
+        write_reference(path, {prompt_key([1]): [1]}, 8, "auto")
+    assert path.is_dir() if what == "a folder" else path.read_bytes() == before
+    ref = write_reference(tmp_path / "ref.json", {prompt_key([1]): [1]}, 8, "auto")
+    write_reference(ref, {prompt_key([1]): [1, 2]}, 8, "auto")  # a reference replaced by the next one
+    assert json.loads(ref.read_text())["outputs"][prompt_key([1])] == [1, 2]
+
+
 def test_oracle_choice_commits_most_ties_to_the_cheaper_chain():
     offers = {"model": [[1, 2, 3], [1, 2], [5], [1, 9], [4]],
               "ngram": [[1, 2], [1, 2, 3], [6], [1, 8], []]}
