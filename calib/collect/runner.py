@@ -320,6 +320,7 @@ def _engine(cfg, model_dir, spec, capture_dir, ngram_params):
             "CALIB_ROUTING": routing,
             "CALIB_SHADOW_ROUTER": _shadow_router_dir(cfg) if routing else None,
             "CALIB_CPU_SAMPLING_FIX": True,  # the plugin applies it on CPU builds only
+            "CALIB_DTYPE_CHOICE": why if why.startswith("engine.dtype auto") else None,  # the engine line says it
             **V1_RUNNER,
         },
         config_of_env=_CONFIG_OF_ENV, speculative_config=spec, **SYNC_SCHEDULING,

@@ -251,17 +251,37 @@ def this_machine() -> str:
     return f"{name}, {cores}, {' '.join(isa)}"
 
 
+def accelerator_name(device: str) -> str | None:
+    """The model of the accelerator an engine on ``device`` steps on (torch's ``get_device_name``, e.g. "NVIDIA H100
+    80GB HBM3"); None on a CPU, or where torch cannot say. Two GPUs of one kind price a step apart (an A100's step
+    cost is not an H100's), so a step cost records it beside the kind (``source.accelerator``)."""
+    if device == "cpu":
+        return None
+    try:
+        import torch
+
+        backend = getattr(torch, device, None)
+        return str(backend.get_device_name(0)) if backend is not None and backend.is_available() else None
+    except Exception:  # noqa: BLE001 - a backend that cannot answer: the kind alone is compared
+        return None
+
+
 def other_machine(cost: StepCost, device: str = "cpu") -> str | None:
     """A sentence when ``cost`` was fitted on another machine than this one (its prices may be far off), else None.
 
     ``device``: what the engine steps on (vLLM's ``device_config.device_type``). A CPU engine compares CPUs
     (model, cores, the vector extensions that decide bf16 speed); any other device is compared by kind, since a
-    step cost records the device it was measured on (``source.device``, "cpu" where it records none)."""
+    step cost records the device it was measured on (``source.device``, "cpu" where it records none), and by model
+    where both the fit and this process know it (``source.accelerator``, :func:`accelerator_name`)."""
     refit = "re-run bench/profile_step.py --step-cost PATH on this engine; docs/deployment.md"
     fitted, fitted_device = cost.source.get("cpu"), str(cost.source.get("device") or "cpu")
     if device != "cpu":
         if fitted_device == device:
-            return None
+            fitted_model, model = cost.source.get("accelerator"), accelerator_name(device)
+            if not (fitted_model and model and fitted_model != model):
+                return None
+            return (f"the step cost was fitted on {device} {fitted_model!r}, this engine steps on {device} {model!r}: "
+                    f"its prices may be far off ({refit})")
         return (f"the step cost was fitted on {fitted_device} ({fitted or 'no CPU recorded'}), this engine steps on "
                 f"{device}: its prices are not this engine's ({refit})")
     here = this_machine()

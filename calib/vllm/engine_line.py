@@ -52,6 +52,7 @@ class EngineFacts:
     pipeline_parallel: int = 1  # parallel_config.pipeline_parallel_size
     cost_note: str = ""  # serving's step cost fitted on other hardware: what and how to refit ("" otherwise)
     dtype_note: str = ""  # the tables' banks collected in another dtype than this engine serves in ("" otherwise)
+    dtype_choice: str = ""  # why the engine computes in its dtype, where calib chose it (engine.dtype auto on a CPU)
 
 
 @dataclass(frozen=True)
@@ -125,11 +126,11 @@ def decide_mode(mode: str, f: EngineFacts) -> ModeState:
                else "capture reads each round from a synchronous step")
         return ModeState(mode, False, reason=f"async scheduling on the V1 runner ({why})", fix=SYNC_FIX)
     return ModeState(mode, True, via=f"V1 runner, sync scheduling, {spec}", ranks=ranks,
-                     note=_serve_note(f) if mode == "serve" else "")
+                     note=_serve_note(f) if mode == "serve" else f.dtype_choice)
 
 
 def _serve_note(f: EngineFacts) -> str:
-    return "; ".join(n for n in (f.cost_note, f.dtype_note) if n)
+    return "; ".join(n for n in (f.dtype_choice, f.cost_note, f.dtype_note) if n)
 
 
 def _ranks_note(mode: str, f: EngineFacts) -> str:
@@ -163,6 +164,8 @@ def line(states: dict[str, ModeState]) -> str | None:
 
 def facts_from_config(vllm_config, capture: bool, serve: bool) -> EngineFacts:
     """:class:`EngineFacts` of an engine's ``VllmConfig`` (the runner and scheduling it resolved)."""
+    from calib import envs
+
     sc = getattr(vllm_config, "speculative_config", None)
     pc = getattr(vllm_config, "parallel_config", None)
     method = getattr(sc, "method", None) if sc is not None and getattr(sc, "num_speculative_tokens", None) else None
@@ -178,7 +181,8 @@ def facts_from_config(vllm_config, capture: bool, serve: bool) -> EngineFacts:
         cost_note=cost_note(str(getattr(getattr(vllm_config, "device_config", None), "device_type", "cpu") or "cpu"))
         if serve and method else "",
         dtype_note=dtype_note(str(getattr(getattr(vllm_config, "model_config", None), "dtype", "")))
-        if serve and method else "")
+        if serve and method else "",
+        dtype_choice=envs.CALIB_DTYPE_CHOICE or "")
 
 
 def dtype_note(served: str, calib_serve: str | None = None) -> str:

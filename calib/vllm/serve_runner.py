@@ -237,6 +237,7 @@ def build_engine(cfg: dict, root: Path, max_num_seqs: int, *, v1_sync: bool = Fa
                        env={"VLLM_ENABLE_V1_MULTIPROCESSING": not cfg["engine"]["in_process"],
                             "VLLM_CPU_KVCACHE_SPACE": cfg["engine"]["kv_cache_gb"], "CALIB_COLLECT_DIR": None,
                             "CALIB_CPU_SAMPLING_FIX": True, "CALIB_SERVE": knobs.to_json() if knobs else None,
+                            "CALIB_DTYPE_CHOICE": why if why.startswith("engine.dtype auto") else None,
                             **hooked[0]},
                        speculative_config=spec, disable_log_stats=False, **hooked[1])
     llm._calib_spec = spec  # what serve_cell reports

@@ -294,6 +294,20 @@ def test_cost_note_compares_the_device_and_the_cpu(tmp_path):
     assert cost_note("cuda", "not json") == ""  # the server refuses bad knobs itself, by name
 
 
+def test_cost_note_compares_the_gpu_model_where_both_know_it(tmp_path, monkeypatch):
+    """Issue 43: an A100's step cost on an H100 is said (one device kind, another model); the same model, or a fit
+    that recorded no model, says nothing beyond the kind."""
+    from calib.cost import step
+    from calib.vllm.engine_line import cost_note
+
+    monkeypatch.setattr(step, "accelerator_name", lambda device: "NVIDIA H100 80GB HBM3")
+    other = cost_note("cuda", _cost_file(tmp_path, {"cpu": "Host", "device": "cuda", "accelerator": "NVIDIA A100-SXM4-40GB"}))
+    assert "fitted on cuda 'NVIDIA A100-SXM4-40GB', this engine steps on cuda 'NVIDIA H100 80GB HBM3'" in other
+    assert "bench/profile_step.py --step-cost PATH" in other
+    assert cost_note("cuda", _cost_file(tmp_path, {"device": "cuda", "accelerator": "NVIDIA H100 80GB HBM3"})) == ""
+    assert cost_note("cuda", _cost_file(tmp_path, {"device": "cuda"})) == ""  # an older fit: the kind alone
+
+
 def test_facts_carry_the_cost_note_of_the_engines_device(monkeypatch):
     monkeypatch.setenv("CALIB_SERVE", '{"tables": "t"}')
     cfg = NS(use_v2_model_runner=True, scheduler_config=NS(async_scheduling=True), device_config=NS(device_type="cuda"),
@@ -301,6 +315,26 @@ def test_facts_carry_the_cost_note_of_the_engines_device(monkeypatch):
                                    rejection_sample_method="standard"))
     assert "this engine steps on cuda" in facts_from_config(cfg, capture=False, serve=True).cost_note
     assert facts_from_config(cfg, capture=True, serve=False).cost_note == ""
+
+
+def test_the_dtype_calib_chose_is_stated_in_the_engine_line(monkeypatch):
+    """Issue 43, Must 4: where serve.py or collect.py resolved engine.dtype auto for the CPU (CALIB_DTYPE_CHOICE,
+    written for the engine), the engine line says which dtype and why, serving and capture alike; unset, nothing."""
+    from calib.vllm.engine import cpu_dtype
+    from calib.vllm.engine_line import decide
+
+    _, why = cpu_dtype("auto", flags=["avx2"])
+    cfg = NS(use_v2_model_runner=False, scheduler_config=NS(async_scheduling=False), device_config=NS(device_type="cpu"),
+             model_config=NS(dtype="torch.float32"),
+             speculative_config=NS(method="ngram", num_speculative_tokens=4, rejection_sample_method="standard"))
+    monkeypatch.setenv("CALIB_SERVE", '{"tables": "t", "cost": "1.0,0.01"}')
+    monkeypatch.setenv("CALIB_DTYPE_CHOICE", why)
+    for capture, serve in ((False, True), (True, False)):
+        _, text = decide(facts_from_config(cfg, capture=capture, serve=serve))
+        assert "engine.dtype auto -> float32: this CPU has no bf16 arithmetic" in text, text
+    monkeypatch.delenv("CALIB_DTYPE_CHOICE")
+    _, text = decide(facts_from_config(cfg, capture=True, serve=False))
+    assert "engine.dtype" not in text
 
 
 def test_dtype_note_names_the_banks_dtype_and_the_served_one(tmp_path, monkeypatch):
