@@ -132,6 +132,19 @@ def get(cfg, key: str, default=ABSENT):
     return node
 
 
+def config_path(cfg, value: str):
+    """``value`` (a path a config names) as a ``Path`` under the config's ``root`` where relative; None where
+    ``root`` cannot be resolved yet (an OmegaConf config composed outside Hydra: ``${hydra:runtime.cwd}``), so a
+    check that reads the file is skipped there."""
+    from pathlib import Path
+
+    try:
+        root = get(cfg, "root", ".")
+    except Exception:  # noqa: BLE001 - the interpolation needs Hydra's runtime
+        return None
+    return Path(value) if Path(value).is_absolute() else Path(str(root)) / value
+
+
 def refuse(job: str, key: str, value, want: str) -> None:
     raise ValueError(f"{job} config: parameter {key}={value!r} is invalid; {want} (set it with "
                      f"`python {job} {key}=...`)")
@@ -220,15 +233,9 @@ def _check_reference_out(job: str, cfg) -> None:
     there, or a file that is not such a reference (a prompt file, a bench result), is refused now: the run would
     replace the user's file with its outputs."""
     out = get(cfg, "reference_out", None)
-    if not isinstance(out, str) or not out:
+    path = config_path(cfg, out) if isinstance(out, str) and out else None
+    if path is None:
         return
-    from pathlib import Path
-
-    try:
-        root = get(cfg, "root", ".")
-    except Exception:  # noqa: BLE001 - an OmegaConf config composed outside Hydra: ${hydra:runtime.cwd}
-        return
-    path = Path(out) if Path(out).is_absolute() else Path(str(root)) / out
     from calib.serve.oracle import unreplaceable
 
     why = unreplaceable(path)

@@ -44,6 +44,7 @@ from calib.vllm.engine import (  # capture hooks V1 with sync scheduling
     SYNC_SCHEDULING,
     V1_RUNNER,
     build_engine,
+    chosen_dtype,
     cpu_dtype,
     speculative_config,
 )
@@ -320,7 +321,7 @@ def _engine(cfg, model_dir, spec, capture_dir, ngram_params):
             "CALIB_ROUTING": routing,
             "CALIB_SHADOW_ROUTER": _shadow_router_dir(cfg) if routing else None,
             "CALIB_CPU_SAMPLING_FIX": True,  # the plugin applies it on CPU builds only
-            "CALIB_DTYPE_CHOICE": why if why.startswith("engine.dtype auto") else None,  # the engine line says it
+            "CALIB_DTYPE_CHOICE": chosen_dtype(why),  # the engine line says it
             **V1_RUNNER,
         },
         config_of_env=_CONFIG_OF_ENV, speculative_config=spec, **SYNC_SCHEDULING,

@@ -212,9 +212,6 @@ def load_step_cost(path) -> StepCost:
         if key == "verify" and isinstance(term, dict) and not set(term.get("slopes") or {}) <= set(VERIFY_INPUTS):
             raise ValueError(f"{path}: verify: slopes over {sorted(term['slopes'])}; this calib reads "
                              f"{list(VERIFY_INPUTS)} (re-run bench/profile_step.py --step-cost {path})")
-        if key == "sampled" and isinstance(term, dict) and not set(term.get("slopes") or {}) <= {"D", "R"}:
-            raise ValueError(f"{path}: sampled: slopes over {sorted(term['slopes'])}; this calib reads D (draft tokens) "
-                             f"and R (requests with draft tokens) (re-run bench/profile_step.py --step-cost {path})")
         slopes = term.get("slopes") if isinstance(term, dict) else None
         if isinstance(slopes, dict) and not set(slopes) <= set(TERM_INPUTS[key]):
             raise ValueError(f"{path}: {key}: slopes over {sorted(slopes)}; this calib prices {key} over "

