@@ -46,6 +46,8 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 import torch
 
+from calib.tables.lookup_compiled import NO_CORRECTION, lookup_kernel
+
 
 @runtime_checkable
 class AcceptanceTables(Protocol):
@@ -155,6 +157,14 @@ def chain_lookup_host(table: ChainTable, x: np.ndarray, name: str = "inputs", ch
     if not checked:
         x = check_chain_inputs(np.asarray(x, dtype=np.float32), table, name)  # numpy has what the checks read
     host = table.host_arrays()
+    compiled = lookup_kernel()
+    if compiled is not None and (table.read is None or table.read_arrays is not None):  # one compiled call
+        correction = table.read_arrays() if table.read_arrays is not None else None  # None: nothing learnt yet
+        p, bad = compiled(np.ascontiguousarray(x), host["edges"], host["finite"], host["strides"],
+                          table.interpolated, table.points, host["grid"],
+                          correction is not None, *(correction or NO_CORRECTION))
+        if not bad:  # else the numpy lookup below refuses the confidence by name
+            return p
     first = x[..., 0]  # [B, L]
     no_token = np.isnan(first)
     interpolated = table.interpolated
@@ -205,6 +215,9 @@ class ChainTable:
     # :attr:`read` in numpy ((rows, columns) int64 arrays -> float32 array) for :func:`chain_lookup_host`; a table
     # with a ``read`` but none is looked up in torch
     read_host: Callable | None = field(default=None, repr=False, compare=False)
+    # what the compiled lookup (calib.tables.lookup_compiled) reads :attr:`read`'s values from: () -> the online
+    # correction's arrays, or None while it has learnt nothing (the grid's values then); None: look up in numpy
+    read_arrays: Callable | None = field(default=None, repr=False, compare=False)
     _host: dict | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:

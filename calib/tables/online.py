@@ -50,6 +50,7 @@ from calib.params import Boolean, Interval, Satisfies, validate_params
 from calib.tables.online_kernels import (
     EPS,
     FMAX,
+    MIN_SCALE,
     colsum,
     corrected,
     cut,
@@ -60,8 +61,6 @@ from calib.tables.online_kernels import (
     sigmoid,
     verified,
 )
-
-MIN_SCALE = 0.1  # the slope's floor on 1 + β: a correction flattens the table, never reverses its order
 
 
 @dataclass(frozen=True)
@@ -134,28 +133,50 @@ class OnlineCorrection:
     docstring). :meth:`apply` reads table probabilities through it; :meth:`update` learns from the outcomes
     of rounds decided with table probabilities ``p`` (what :meth:`apply` turned into what was used)."""
 
-    def __init__(self, n_depths: int, settings: OnlineSettings | None = None):
+    def __init__(self, n_depths: int, settings: OnlineSettings | None = None, compiled: bool | None = None):
         self.settings = settings or OnlineSettings()
         self.n_depths = int(n_depths)
-        self._state: dict[int, np.ndarray] = {}  # cell -> float64 [3, n_depths]: δ, H, positions seen
+        # every cell's state, float64 [3, cells + 1, n_depths]: δ_c, H, positions seen; the last cell stands for
+        # every id past them and stays 0 (a read of a cell no update saw is the pooled level alone)
+        self._cells = np.zeros((3, 1, self.n_depths))
         self._pooled = np.zeros((3, self.n_depths))  # the same for the level every cell shares
         # the pooled level's slope: float64 [3, n_depths]: β, its information, the (δ₀, β) cross information
         self._slope = np.zeros((3, self.n_depths))
         self._sloped = self.settings.pooled and self.settings.slope
         self._learnt = False  # whether an update has seen a position: before it, the tables alone
-        # what a read needs, kept between updates (a step reads many times and learns once): each cell's δ_c
-        # by cell id (0 for cells unseen; the last row stands for every id past them), and caches of
-        # δ₀ + δ_c and of 1 + β, rebuilt after an update
-        self._own = np.zeros((1, self.n_depths))  # [cells + 1, n_depths]
+        # what a read needs, kept between updates (a step reads many times and learns once): caches of δ₀ + δ_c
+        # and of 1 + β, rebuilt after an update
         self._offsets: np.ndarray | None = None  # [cells + 1, n_depths]
         self._factor: np.ndarray | None = None  # [n_depths]
         self._columns: dict[int, np.ndarray] = {}  # width -> its columns' tracked depths
+        # the update in one compiled call (calib.tables.online_compiled) where numba is installed; False: numpy
+        self._kernel = None
+        if compiled is not False:
+            from calib.tables.online_compiled import update_kernel
+
+            self._kernel = update_kernel()
+            if compiled and self._kernel is None:
+                raise RuntimeError("online correction: compiled=True needs numba (pip install numba)")
+
+    @property
+    def _own(self) -> np.ndarray:
+        """``[cells + 1, n_depths]``: each cell's ``δ_c`` by cell id (0 in the last row: every id past them)."""
+        return self._cells[0]
 
     def _cell(self, c: int) -> np.ndarray:
-        s = self._state.get(c)
-        if s is None:
-            s = self._state[c] = np.zeros((3, self.n_depths))
-        return s
+        """Cell ``c``'s state ``[3, n_depths]`` (a view; the cells grown to hold it)."""
+        self._grow(c)
+        return self._cells[:, c, :]
+
+    def _grow(self, largest: int) -> None:
+        """Room for cell ids up to ``largest`` (refusing a negative one)."""
+        if largest < 0:
+            raise ValueError(f"online correction: context cell {largest} is negative; cells are context cell indices")
+        held = self._cells.shape[1] - 1
+        if largest >= held:
+            cells = np.zeros((3, max(largest + 1, 2 * held) + 1, self.n_depths))
+            cells[:, :held] = self._cells[:, :held]
+            self._cells, self._offsets = cells, None
 
     def _cols(self, width: int | None) -> np.ndarray:
         """Tracked depth of each of ``width`` columns (depths past the tracked ones take the deepest's)."""
@@ -222,10 +243,24 @@ class OnlineCorrection:
         p, acc = np.asarray(p, dtype=np.float64), np.asarray(acc, dtype=np.float64)
         K = min(p.shape[1], self.n_depths)
         p, acc = p[:, :K], acc[:, :K]
+        cells = np.asarray(cells, dtype=np.int64).ravel()
+        if self._kernel is not None:  # one compiled call: what follows, in loops
+            args = (np.ascontiguousarray(p), np.ascontiguousarray(acc), cells, self.settings.pooled, self._sloped,
+                    self.settings.decay, self.settings.prior, self._pooled, self._slope)
+            added = int(self._kernel(*args, self._cells))
+            if added < 0:  # a cell past those held: grown (a negative one refused), then learnt
+                self._grow(int(cells.min()))
+                self._grow(int(cells.max()))
+                added = int(self._kernel(*args, self._cells))
+            if added:
+                self._factor, self._offsets, self._learnt = None, None, True
+            return added
+        if cells.size:
+            self._grow(int(cells.min()))  # a negative cell is refused, naming it, before anything is learnt
+            self._grow(int(cells.max()))
         seen = verified(acc) & moved(p)  # [B, K]: verified_mask(acc) & ~kept(p)
         if not seen.any():
             return 0
-        cells = np.asarray(cells, dtype=np.int64).ravel()
         z = logit(np.where(np.isnan(p), 0.5, p))  # [B, K]; ±inf clip as np.nan_to_num's ±max would
         y = np.minimum(np.maximum(acc, -FMAX), FMAX)  # [B, K]: np.nan_to_num where seen (NaN only where not)
         if self.settings.pooled:
@@ -242,21 +277,10 @@ class OnlineCorrection:
             n = int(np.count_nonzero(seen[rows]))
             if n:
                 added += n
-                s = self._cell(c)
+                s = self._cell(c)  # a view: δ_c is its row of _own
                 self._newton(s, seen[rows], y[rows], base[rows] + s[0, :K], K, ridge=self.settings.pooled)
-                self._own_row(c)[:] = s[0]
         self._offsets, self._learnt = None, True
         return added
-
-    def _own_row(self, c: int) -> np.ndarray:
-        """Cell ``c``'s row of :attr:`_own` (grown to hold it)."""
-        if c < 0:
-            raise ValueError(f"online correction: context cell {c} is negative; cells are context cell indices")
-        if c >= len(self._own) - 1:
-            own = np.zeros((max(c + 1, 2 * (len(self._own) - 1)) + 1, self.n_depths))
-            own[: len(self._own) - 1] = self._own[:-1]
-            self._own = own
-        return self._own[c]
 
     def _newton(self, s: np.ndarray, seen, y, u, K: int, ridge: bool = False, slope=None) -> None:
         """One Newton step of a level's state ``s`` [3, n_depths] (δ, H, n) on positions ``seen`` [B, K] with
@@ -292,7 +316,8 @@ class OnlineCorrection:
         def level(s):
             return {"offset": s[0].tolist(), "information": s[1].tolist(), "n": s[2].tolist()}
 
-        cells = {int(c): level(s) for c, s in sorted(self._state.items())}
+        held = self._cells.shape[1] - 1
+        cells = {c: level(self._cells[:, c, :]) for c in range(held) if self._cells[2, c].any()}  # cells a round taught
         if not self.settings.pooled:
             return cells
         pooled = level(self._pooled)
@@ -392,6 +417,7 @@ class OnlineTables:
             self.chains[name].update(edge_grid=grid, strides=strides)
             t.read = lambda rows, cols, name=name: self.read(name, rows, cols)
             t.read_host = lambda rows, cols, name=name: self.read_host(name, rows, cols)
+            t.read_arrays = lambda name=name: self.read_arrays(name)
         self._dirty: set[tuple[str, int]] = set()
         self._whole: set[str] = set()  # chains whose pooled level moved: every cell is rewritten
 
@@ -465,6 +491,18 @@ class OnlineTables:
             return c["host_prior"][rows, cols]
         delta = corr._offset_table()[corr._rows_of(cols // c["width"]), rows]  # [B, L]: corr.offset's, entry by entry
         return _host_values(c, rows, cols, corr._scale_all()[rows], delta).astype(np.float32)
+
+    def read_arrays(self, name: str) -> tuple | None:
+        """What the compiled lookup (:mod:`calib.tables.lookup_compiled`) reads :meth:`read_host`'s values from:
+        chain ``name``'s host logits, kept entries and prior ``[D, C]``, the correction's offsets by cell
+        ``[cells + 1, D]`` and scale ``[D]``, and the grid columns per context cell; None while the correction has
+        learnt nothing (the prior is read then)."""
+        c = self.chains[name]
+        corr = c["correction"]
+        if not corr._learnt:
+            return None
+        return (c["host_logit"], c["host_keep"], c["host_prior"], corr._offset_table(), corr._scale_all(),
+                c["width"])
 
     def _write(self, c: dict, cells: np.ndarray) -> None:
         """The grid columns of context ``cells`` at ``σ(scale·logit prior + δ)`` (one offset per depth and cell,

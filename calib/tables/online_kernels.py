@@ -11,6 +11,7 @@ import numpy as np
 
 EPS = 1e-6
 FMAX = np.finfo(np.float64).max
+MIN_SCALE = 0.1  # the slope's floor on 1 + β: a correction flattens the table, never reverses its order
 colsum = np.add.reduce  # [B, K] -> [K] over axis 0: ndarray.sum's reduction, without its Python wrapper
 
 

@@ -107,8 +107,10 @@ class Server(DraftPlanning):
                           online=self.knobs.online_settings(),
                           sampled_price=sampled_price(self.cost_text))  # priced where a step samples
         from calib.allocate.compiled import warm
+        from calib.tables.lookup_compiled import lookup_kernel
 
         warm()  # the allocator's compiled rules now, not in the first step (numba: seconds once per machine)
+        lookup_kernel()  # the table lookup's too (the online correction's update compiled with the decider)
         self.recompute_chains(dec, drafted, sc)
         for rec in self.recomputed.values():
             rec.warm()  # compiled now (numba: ~1 s once), not in the first step

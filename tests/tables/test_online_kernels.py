@@ -1,5 +1,5 @@
 """The online correction's faster per-step path (calib/tables/online_kernels.py, the read caches of
-calib/tables/online.py) against the computation it replaced, bit for bit: the correction drives serving
+calib/tables/online.py; its numpy update, ``compiled=False``) against the computation it replaced, bit for bit: the correction drives serving
 decisions, so a faster step must decide the same. SYNTHETIC data throughout: seeded random probabilities,
 outcomes, cells and context values, with the awkward values (NaN, 0, 1, ±inf) mixed in."""
 
@@ -130,7 +130,7 @@ class _Previous:
 def test_the_correction_learns_and_reads_exactly_as_before(settings):
     rng = np.random.default_rng(11)
     D = 4
-    new, old = OnlineCorrection(D, settings), _Previous(D, settings)
+    new, old = OnlineCorrection(D, settings, compiled=False), _Previous(D, settings)  # the numpy update
     for step in range(150):
         B = int(rng.integers(1, 20))
         K = int(rng.integers(1, 7))  # past the tracked depths too

@@ -1,0 +1,170 @@
+"""The online correction's update in one compiled call (:meth:`calib.tables.online.OnlineCorrection.update`).
+
+In serving the update runs once per engine step, between the target's forwards, where every numpy call starts with
+cold caches (docs/profile.md, "Why inside costs 2–3× alone"): vectorised, one Newton step is some fifteen numpy
+calls, and a step takes one for the pooled level and one per context cell its rounds fall in (0.2–0.6 ms a step
+inside the engine). Here the same arithmetic runs in loops numba compiles: one call per step.
+
+The formulas and their order are the numpy update's (sums over a level's rounds in round order, the pooled step
+before the cells', the cells in ascending id, each cell's step on the logits the pooled step left). The values
+agree with the numpy update to float64 rounding, not bit for bit: numpy's ``exp``/``log`` on SIMD hardware and
+its pairwise sums over long single columns round differently from the scalar loops (tests/tables/
+test_online_compiled.py bounds the difference). Without numba :func:`update_kernel` is None and the numpy update
+runs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from calib.tables.online_kernels import EPS, FMAX, MIN_SCALE
+
+_KERNEL: list = []  # [compiled update_loops or None], filled at first use
+
+
+def update_kernel():
+    """The compiled :func:`update_loops`, or None where numba is not installed or cannot compile it (the numpy
+    update then runs). Compiled and run once on tiny inputs at the first call in a process (seconds the first time
+    on a machine, then numba's disk cache)."""
+    if not _KERNEL:
+        try:
+            from numba import njit
+        except ImportError:
+            _KERNEL.append(None)
+            return None
+        jit = njit(cache=True, nogil=True)
+        for f in (_sigmoid, _logit, _newton_loops):
+            globals()[f.__name__] = jit(f)  # the entry calls the compiled helpers
+        kernel = jit(update_loops)
+        try:
+            p = np.full((1, 1), 0.5)
+            kernel(p, np.ones((1, 1)), np.zeros(1, dtype=np.int64), True, True, 0.99, 50.0,
+                   np.zeros((3, 1)), np.zeros((3, 1)), np.zeros((3, 2, 1)))  # one cell held
+        except Exception as exc:  # noqa: BLE001 - a compiler that fails here: the numpy update, said once
+            import logging
+
+            logging.getLogger("calib").warning("calib: numba could not compile the online correction's update (%s); "
+                                               "the numpy update runs instead", exc)
+            kernel = None
+        _KERNEL.append(kernel)
+    return _KERNEL[0]
+
+
+def _sigmoid(u):
+    return 1.0 / (1.0 + math.exp(-u))
+
+
+def _logit(p):
+    q = min(max(p, EPS), 1 - EPS)
+    return math.log(q) - math.log1p(-q)
+
+
+def update_loops(p, acc, cells, pooled_on, sloped, decay, prior, pooled, slope, cell_state):
+    """One update of the correction's state, in place; returns the positions used (-1: see below).
+
+    ``p`` float64 ``[B, K]`` table probabilities (K already cut to the tracked depths), ``acc`` float64 ``[B, K]``
+    outcomes (1/0, NaN not drafted), ``cells`` int64 ``[B]`` context cells (each below ``cell_state``'s cell
+    count), ``pooled`` / ``slope`` float64 ``[3, D]`` (δ₀, H, n / β, its information, the cross information),
+    ``cell_state`` float64 ``[3, C + 1, D]`` (δ_c, H, n of every cell; the last stays 0). What
+    :meth:`calib.tables.online.OnlineCorrection.update` does in numpy. Returns -1, having changed nothing, where a
+    cell is negative or past ``C - 1``."""
+    B, K = p.shape
+    for b in range(B):
+        if cells[b] < 0 or cells[b] >= cell_state.shape[1] - 1:
+            return -1  # a cell past those held (or negative): nothing learnt; the caller grows and calls again
+    seen = np.zeros((B, K), dtype=np.bool_)
+    z = np.zeros((B, K))
+    y = np.zeros((B, K))
+    total = 0
+    for b in range(B):
+        reached = True  # accepted at every earlier depth
+        for k in range(K):
+            a = acc[b, k]
+            x = p[b, k]
+            seen[b, k] = reached and not math.isnan(a) and x > 0 and x < 1
+            reached = reached and a == 1
+            z[b, k] = _logit(0.5 if math.isnan(x) else x)
+            y[b, k] = min(max(a, -FMAX), FMAX)
+            if seen[b, k]:
+                total += 1
+    if total == 0:
+        return 0
+    info0 = prior / 4.0
+    u = np.empty((B, K))
+    if pooled_on:
+        for b in range(B):
+            c = cells[b]
+            for k in range(K):
+                u[b, k] = z[b, k] * (1.0 + slope[0, k]) + (pooled[0, k] + cell_state[0, c, k])
+        rows = np.arange(B)
+        _newton_loops(pooled, slope, sloped, rows, seen, y, u, z, K, False, decay, info0)
+    # the cells learn what the pooled step left: z·(1 + β) + δ₀ (the new β and δ₀), each cell in ascending id
+    order = np.argsort(cells, kind="mergesort")  # stable: a cell's rounds keep their order
+    start = 0
+    added = 0
+    dummy = np.zeros((3, 1))
+    while start < B:
+        c = cells[order[start]]
+        end = start
+        while end < B and cells[order[end]] == c:
+            end += 1
+        rows = np.sort(order[start:end])
+        n = 0
+        for b in rows:
+            for k in range(K):
+                if seen[b, k]:
+                    n += 1
+        if n:
+            added += n
+            s = cell_state[:, c, :]
+            for b in rows:
+                for k in range(K):
+                    base = z[b, k] * (1.0 + slope[0, k]) if pooled_on else z[b, k]
+                    if pooled_on:
+                        base = base + pooled[0, k]
+                    u[b, k] = base + s[0, k]
+            _newton_loops(s, dummy, False, rows, seen, y, u, z, K, pooled_on, decay, info0)
+        start = end
+    return added
+
+
+def _newton_loops(s, b_state, with_slope, rows, seen, y, u, z, K, ridge, decay, info0):
+    """:meth:`calib.tables.online.OnlineCorrection._newton` of level ``s`` ``[3, D]`` on ``rows`` of the step
+    (with the pooled slope ``b_state`` when ``with_slope``)."""
+    for k in range(K):
+        cnt = 0
+        g = 0.0
+        h = 0.0
+        g_b = 0.0
+        h_zz = 0.0
+        h_z = 0.0
+        for b in rows:
+            q = min(max(_sigmoid(u[b, k]), EPS), 1 - EPS)
+            r, w = 0.0, 0.0
+            if seen[b, k]:
+                cnt += 1
+                r = y[b, k] - q
+                w = q * (1 - q)
+            g += r
+            h += w
+            if with_slope:
+                zz = z[b, k]
+                h_zz += w * zz * zz
+                h_z += w * zz
+                g_b += r * zz
+        fade = decay ** float(cnt)  # numpy's float64 ** int64 is pow(), not repeated products
+        if ridge:
+            g = g - (1.0 - fade) * info0 * s[0, k]
+        s[1, k] = fade * s[1, k] + h
+        s[2, k] += cnt
+        if not with_slope:
+            s[0, k] += g / (s[1, k] + info0)
+            continue
+        b_state[1, k] = fade * b_state[1, k] + h_zz
+        b_state[2, k] = fade * b_state[2, k] + h_z
+        h_aa, h_bb, h_ab = s[1, k] + info0, b_state[1, k] + info0, b_state[2, k]
+        det = h_aa * h_bb - h_ab * h_ab
+        s[0, k] += (h_bb * g - h_ab * g_b) / det
+        b_state[0, k] = max(b_state[0, k] + (h_aa * g_b - h_ab * g) / det, MIN_SCALE - 1.0)

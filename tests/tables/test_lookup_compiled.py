@@ -1,0 +1,75 @@
+"""The compiled table lookup (calib/tables/lookup_compiled.py) against the numpy lookup it stands in for
+(calib.tables.layout.chain_lookup_host with the kernel off). SYNTHETIC tables and inputs (seeded): an interpolated
+confidence axis with binned context axes, a binned-only chain, NaN confidences and contexts, values on the edges, ±inf.
+The table's own values bit for bit; values read through a learnt online correction to one float32 ulp (numba's scalar
+``exp`` and numpy's vector loop can round a float64 apart)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from calib.tables import layout
+from calib.tables.lookup_compiled import lookup_kernel
+from calib.tables.online import OnlineSettings, OnlineTables
+from tests.allocate.test_context_axes import _signals, _tables
+
+pytestmark = pytest.mark.skipif(lookup_kernel() is None, reason="numba is not installed: the numpy lookup runs")
+
+
+def _numpy_lookup(monkeypatch, table, x, name):
+    with monkeypatch.context() as m:
+        m.setattr(layout, "lookup_kernel", lambda: None)
+        return layout.chain_lookup_host(table, x, name)
+
+
+def _inputs(seed: int, B: int = 24) -> dict:
+    """SYNTHETIC signals of tests/allocate/test_context_axes.py, with edge values and ±inf mixed in."""
+    x = {n: v.numpy().astype(np.float32) for n, v in _signals(B, 5, 4, seed).items()}
+    rng = np.random.default_rng(seed)
+    model, ngram = x["model"], x["ngram"]
+    model[rng.uniform(size=model.shape[:2]) < 0.1, 0] = rng.choice([0.0, 1.0])  # the confidence axis' ends
+    model[rng.uniform(size=model.shape[:2]) < 0.1, 1] = 0.4  # a value on an edge
+    model[rng.uniform(size=model.shape[:2]) < 0.05, 2] = np.inf
+    ngram[rng.uniform(size=ngram.shape[:2]) < 0.1, 0] = 2.5
+    ngram[rng.uniform(size=ngram.shape[:2]) < 0.05, 1] = -np.inf
+    return x
+
+
+def _same(a, b) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_compiled_lookup_reads_the_grid_bit_for_bit(monkeypatch, seed):
+    tables = _tables(seed)
+    for name, x in _inputs(seed).items():
+        t = tables.chains[name]
+        assert _same(layout.chain_lookup_host(t, x, name), _numpy_lookup(monkeypatch, t, x, name))
+
+
+def test_the_compiled_lookup_reads_a_learnt_correction(monkeypatch):
+    tables = _tables(3)
+    online = OnlineTables(tables, OnlineSettings())
+    rng = np.random.default_rng(0)
+    for step in range(40):
+        x = _inputs(100 + step)
+        for name in ("model", "ngram"):
+            t = tables.chains[name]
+            fast, plain = layout.chain_lookup_host(t, x[name], name), _numpy_lookup(monkeypatch, t, x[name], name)
+            np.testing.assert_array_max_ulp(np.nan_to_num(fast, nan=-1.0), np.nan_to_num(plain, nan=-1.0), maxulp=1)
+            assert (np.isnan(fast) == np.isnan(plain)).all()
+            # learn: the rounds' outcomes, every round in some context cell
+            p = np.where(np.isnan(plain), np.nan, np.clip(plain, 0.01, 0.99)).astype(np.float64)
+            acc = np.where(np.isnan(p), np.nan, (rng.uniform(size=p.shape) < 0.3).astype(np.float64))
+            online.observe(name, p, acc, rng.integers(0, online.chains[name]["n_cells"], len(p)))
+        online.refresh()
+    assert all(c["correction"]._learnt for c in online.chains.values())
+
+
+def test_a_confidence_outside_0_1_is_still_refused_by_name():
+    tables = _tables(0)
+    x = _inputs(0)["model"]
+    x[2, 1, 0] = 1.5
+    with pytest.raises(ValueError, match="model"):
+        layout.chain_lookup_host(tables.chains["model"], x, "model")

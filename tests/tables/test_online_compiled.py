@@ -1,0 +1,56 @@
+"""The online correction's compiled update (calib/tables/online_compiled.py) against its numpy update. SYNTHETIC
+data: the seeded stream of tests/tables/test_online_kernels.py (NaN, 0, 1, ±inf mixed in). Not bit for bit: numba's
+scalar ``exp``/``log`` round differently from numpy's vector loops on some CPUs, in the last bit of a few percent of
+values (measured here: 4.6 % of a million ``exp``), so the states agree to float64 rounding, and the positions
+each update counts exactly."""
+
+import numpy as np
+import pytest
+
+from calib.tables.online import OnlineCorrection, OnlineSettings
+from calib.tables.online_compiled import update_kernel
+from tests.tables.test_online_kernels import _outcomes, _probs
+
+pytestmark = pytest.mark.skipif(update_kernel() is None, reason="numba is not installed: the numpy update runs")
+
+SETTINGS = [OnlineSettings(), OnlineSettings(decay=0.9, prior=4.0), OnlineSettings(slope=False),
+            OnlineSettings(pooled=False), OnlineSettings(decay=1.0, prior=1.0)]
+
+
+def _levels(state: dict) -> np.ndarray:
+    """Every number of a :meth:`OnlineCorrection.state`, in key order."""
+    return np.array([v for key in sorted(state, key=str) for name in sorted(state[key])
+                     for v in np.atleast_1d(state[key][name])], dtype=np.float64)
+
+
+@pytest.mark.parametrize("settings", SETTINGS)
+def test_the_compiled_update_learns_what_the_numpy_update_learns(settings):
+    rng = np.random.default_rng(11)
+    D = 4
+    fast, plain = OnlineCorrection(D, settings, compiled=True), OnlineCorrection(D, settings, compiled=False)
+    for step in range(300):
+        B = int(rng.integers(1, 40))
+        K = int(rng.integers(1, 7))  # past the tracked depths too
+        cells = (np.full(B, rng.integers(0, 5)) if step % 3 == 0 else rng.integers(0, 12 if step % 3 == 1 else 200, B))
+        p, acc = _probs(rng, (B, K)), _outcomes(rng, (B, K))
+        assert fast.update(p, acc, cells) == plain.update(p, acc, cells)
+        served = rng.integers(0, 250, B)
+        np.testing.assert_allclose(fast.apply(p, served), plain.apply(p, served), rtol=1e-9, atol=1e-12)
+    assert fast.state().keys() == plain.state().keys()
+    np.testing.assert_allclose(_levels(fast.state()), _levels(plain.state()), rtol=1e-9, atol=1e-12)
+    assert plain.state()  # the stream taught something
+
+
+def test_an_update_that_sees_nothing_leaves_the_tables_alone():
+    corr = OnlineCorrection(3, compiled=True)
+    p = np.full((2, 3), 0.5)
+    assert corr.update(p, np.full((2, 3), np.nan), [0, 1]) == 0  # nothing drafted
+    assert corr.update(np.array([[0.0, 1.0, np.nan]] * 2), np.ones((2, 3)), [0, 1]) == 0  # certainties only
+    assert corr.apply(p, [0, 1]) is not None and (corr.apply(p, [0, 1]) == p).all() and not corr.state()["pooled"]["n"][0]
+
+
+def test_a_negative_cell_is_refused_before_anything_is_learnt():
+    corr = OnlineCorrection(2, compiled=True)
+    with pytest.raises(ValueError, match="negative"):
+        corr.update(np.full((2, 2), 0.5), np.ones((2, 2)), [0, -1])
+    assert not any(corr.state()["pooled"]["n"])
