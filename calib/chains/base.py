@@ -96,7 +96,8 @@ class ChainKind:
     # with where vLLM drafts another chain; "": none (the kind's defaults)
     serve_knob: str = ""
     # (per-request feature rows of ``propose_batch`` [B][F] (float64), lengths [B], own feature names, width) ->
-    # float32 [B, width, F]: ``step_features`` for what ``propose_batch`` returns; None: the kind has no batch path
+    # float32 [B, width, F] (a numpy array or a tensor): ``step_features`` for what ``propose_batch`` returns; None:
+    # the kind has no batch path
     batch_features: Callable | None = None
 
     def recompute(self, settings, k: int):

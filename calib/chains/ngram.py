@@ -129,11 +129,11 @@ def propose_batch(token_ids, rows, num_tokens, prompt_lens, settings: tuple[int,
     return find_matches(token_ids, rows, num_tokens, prompt_lens, lo, hi, k, max_model_len, extra, extra_len)
 
 
-def batch_feature_tensor(features, lengths: Sequence[int], names: Sequence[str], width: int):
-    """float32 ``[B, width, F]`` of :func:`propose_batch`'s features (``[B, F]``, or its rows; columns ``names``),
-    as :func:`step_feature_tensor` lays them out: repeated over depths ``< lengths[b]``, NaN beyond."""
-    import torch
-
+def batch_feature_array(features, lengths: Sequence[int], names: Sequence[str], width: int) -> np.ndarray:
+    """numpy float32 ``[B, width, F]`` of :func:`propose_batch`'s features (``[B, F]``, or its rows; columns
+    ``names``), as :func:`step_feature_tensor` lays them out: repeated over depths ``< lengths[b]``, NaN beyond.
+    numpy, not a tensor: serving reads it in numpy (calib.chains.base.offer_inputs), where a torch call each way
+    would start cold inside the engine."""
     from calib.ngram import MATCH_FEATURES
 
     cols = [MATCH_FEATURES.index(n) for n in names]
@@ -141,8 +141,7 @@ def batch_feature_tensor(features, lengths: Sequence[int], names: Sequence[str],
         features = np.array(features, dtype=np.float64) if len(features) else np.zeros((0, len(MATCH_FEATURES)))
     reached = np.arange(width)[None, :] < np.asarray(lengths, dtype=np.int64)[:, None]  # [B, width]
     # rounded to float32 before the broadcast (the same values as after it: one rounding either way)
-    return torch.from_numpy(np.where(reached[:, :, None], features[:, cols].astype(np.float32)[:, None, :],
-                                     np.float32(np.nan)))
+    return np.where(reached[:, :, None], features[:, cols].astype(np.float32)[:, None, :], np.float32(np.nan))
 
 
 def ngram_settings(given, k: int) -> tuple[int, int, int]:
@@ -170,6 +169,6 @@ NGRAM = ChainKind(
     drafted_depth=ngram_drafted_depth, round_data=ngram_round_data,
     bank_file=schema.NGRAM, column_prefix=PREFIX, manifest_key="ngram_chain", engine_methods=("ngram",),
     propose=propose, propose_batch=propose_batch, bank=schema.NGRAM_FILE, settings=ngram_settings,
-    step_features=step_feature_tensor, batch_features=batch_feature_tensor, engine_settings=ngram_engine_settings,
+    step_features=step_feature_tensor, batch_features=batch_feature_array, engine_settings=ngram_engine_settings,
     serve_knob="ngram",
     description="prompt lookup (vLLM ngram): match features of the chain the context offered")

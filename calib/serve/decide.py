@@ -77,23 +77,54 @@ def check_price_mode(cost, sampled_price) -> None:
         raise ValueError("sampled_price prices a sampled step's drafts: it needs `cost` (price mode), not a budget")
 
 
-@dataclass(frozen=True)
 class StepDecision:
-    """The step's decision per request (batch order, as in the :class:`StepInputs`)."""
+    """The step's decision per request (batch order, as in the :class:`StepInputs`).
 
-    req_ids: list[str]  # [B]
-    drafts: list[list[int]]  # [B][<= k_max]: the new draft list per request (a prefix of the chosen chain, or [])
-    chain: torch.Tensor  # int8 [B]: registry id of the chosen chain (calib.chains; 0 = none)
-    depth: torch.Tensor  # int32 [B]: len(drafts[i])
-    expected_accepted: torch.Tensor  # float32 [B]: calibrated expected accepted tokens (NaN: pass-through)
-    allocator_ms: float  # wall time of the decision (inputs built + allocate), milliseconds
-    passthrough: bool = False  # True: the engine's own drafts, unchanged (SafeDecider after an error)
-    # float32 [B, W]: the chosen chain's P(accept | reached) per drafted token as decided (NaN beyond a
-    # request's draft); None where the path did not expose them (the Triton kernel looks them up itself)
-    probs: torch.Tensor | None = None
-    # context axes (names, in table order) -> float64 [B, A_ctx]: the history and temperature columns the decision
-    # read (the online correction keys its cells on the same); None where the path did not keep them
-    context: dict | None = None
+    ``chain``, ``depth``, ``expected_accepted`` and ``probs`` read as tensors; a decision made in numpy (the serving
+    decider's host path) keeps its arrays and makes each tensor at its first read (a view, no copy), and
+    :meth:`host` hands out the numpy arrays without a torch call: inside an engine each torch call starts cold
+    (docs/profile.md), and serving reads the decision in numpy."""
+
+    __slots__ = ("_held", "allocator_ms", "context", "drafts", "passthrough", "req_ids")
+
+    def __init__(self, req_ids: list[str], drafts: list[list[int]], chain, depth, expected_accepted,
+                 allocator_ms: float, passthrough: bool = False, probs=None, context: dict | None = None) -> None:
+        self.req_ids = req_ids  # [B]
+        self.drafts = drafts  # [B][<= k_max]: the new draft list per request (a prefix of the chosen chain, or [])
+        self.allocator_ms = allocator_ms  # wall time of the decision (inputs built + allocate), milliseconds
+        self.passthrough = passthrough  # True: the engine's own drafts, unchanged (SafeDecider after an error)
+        # context axes (names, in table order) -> float64 [B, A_ctx]: the history and temperature columns the
+        # decision read (the online correction keys its cells on the same); None where the path did not keep them
+        self.context = context
+        # tensors or numpy arrays, as the path made them: chain int8 [B] (registry id of the chosen chain,
+        # calib.chains; 0 = none), depth int32 [B] (len(drafts[i])), expected_accepted float32 [B] (calibrated
+        # expected accepted tokens; NaN: pass-through), probs float32 [B, W] (the chosen chain's P(accept | reached)
+        # per drafted token as decided, NaN beyond a request's draft; None where the path did not expose them: the
+        # Triton kernel looks them up itself)
+        self._held = {"chain": chain, "depth": depth, "expected_accepted": expected_accepted, "probs": probs}
+
+    def _tensor(self, name: str) -> torch.Tensor | None:
+        x = self._held[name]
+        if x is not None and not isinstance(x, torch.Tensor):
+            x = self._held[name] = torch.from_numpy(np.asarray(x))  # made once, at the first read
+        return x
+
+    chain = property(lambda self: self._tensor("chain"), doc="int8 [B]: registry id of the chosen chain (0 = none)")
+    depth = property(lambda self: self._tensor("depth"), doc="int32 [B]: len(drafts[i])")
+    expected_accepted = property(lambda self: self._tensor("expected_accepted"),
+                                 doc="float32 [B]: calibrated expected accepted tokens (NaN: pass-through)")
+    probs = property(lambda self: self._tensor("probs"),
+                     doc="float32 [B, W]: the chosen chain's P(accept | reached) per drafted token, or None")
+
+    def host(self, name: str) -> np.ndarray | None:
+        """Field ``name`` (``"chain"``, ``"depth"``, ``"expected_accepted"``, ``"probs"``) as a numpy array (a view
+        where the path made a tensor), or None."""
+        x = self._held[name]
+        return x.numpy() if isinstance(x, torch.Tensor) else x
+
+    def __repr__(self) -> str:
+        return (f"StepDecision(req_ids={self.req_ids!r}, drafts={self.drafts!r}, chain={self.host('chain')!r}, "
+                f"passthrough={self.passthrough})")
 
 
 def decide_step(tables, inputs: StepInputs, history: RequestHistory, *, k_max: int,
@@ -143,8 +174,7 @@ def _decide_step(tables, inputs: StepInputs, history: RequestHistory, *, k_max: 
     if impl == "host" and budget is None:  # serving: numpy, one lookup per chain (calib/serve/allocation.py)
         drafter, depth, expected, chosen = host_decision(tables, signals, given, cost, sampled_price, temps, k_max,
                                                          cache)
-        drafter, depth, expected = torch.from_numpy(drafter), torch.from_numpy(depth), torch.from_numpy(expected)
-        chosen = torch.from_numpy(chosen)
+        # kept in numpy: StepDecision makes a tensor only where one is read (serving reads none)
     else:
         signals = {n: torch.from_numpy(x) for n, x in signals.items()}
         given = {n: torch.from_numpy(p) for n, p in given.items()}
@@ -285,13 +315,13 @@ class SafeDecider:
             return
         try:
             B = len(inputs.req_ids)
-            depth = decision.depth.numpy().astype(np.int64)  # [B]
+            depth = decision.host("depth").astype(np.int64)  # [B]
             drafted = depth > 0
             if any(skip):
                 skipped = np.zeros(B, dtype=bool)
                 skipped[: min(len(skip), B)] = np.asarray(skip, dtype=bool)[:B]
                 drafted &= ~skipped
-            ids = np.where(drafted, decision.chain.numpy(), NO_CHAIN)  # int8 [B]: the chain each kept row verifies
+            ids = np.where(drafted, decision.host("chain"), NO_CHAIN)  # int8 [B]: the chain each kept row verifies
             probs = None
             known = decision.context or {}
             for name, c in self.online.chains.items():
@@ -299,7 +329,7 @@ class SafeDecider:
                 if not rows.size:
                     continue
                 if probs is None:
-                    probs = decision.probs.numpy().astype(np.float64)  # [B, W], NaN past each row's depth
+                    probs = decision.host("probs").astype(np.float64)  # [B, W], NaN past each row's depth
                 ctx = c["context"]
                 values = known.get(tuple(ctx))
                 if values is None:

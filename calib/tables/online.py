@@ -150,12 +150,12 @@ class OnlineCorrection:
         self._factor: np.ndarray | None = None  # [n_depths]
         self._columns: dict[int, np.ndarray] = {}  # width -> its columns' tracked depths
         # the update in one compiled call (calib.tables.online_compiled) where numba is installed; False: numpy
-        self._kernel = None
+        self._kernels = None
         if compiled is not False:
-            from calib.tables.online_compiled import update_kernel
+            from calib.tables.online_compiled import kernels
 
-            self._kernel = update_kernel()
-            if compiled and self._kernel is None:
+            self._kernels = kernels()
+            if compiled and self._kernels is None:
                 raise RuntimeError("online correction: compiled=True needs numba (pip install numba)")
 
     @property
@@ -229,6 +229,11 @@ class OnlineCorrection:
         q = np.asarray(q, dtype=np.float64)
         if not self.settings.enabled or q.size == 0 or not self._learnt:
             return q
+        if self._kernels is not None and q.ndim == 2:  # one compiled call
+            cells = np.asarray(cells, dtype=np.int64).ravel()
+            if cells.size == q.shape[0]:
+                return self._kernels["table_of_loops"](np.ascontiguousarray(q), cells, self._offset_table(),
+                                                       self._scale_all())
         z = (logit(q) - self.offset(cells, q.shape[1])) / self.scale(q.shape[1])
         return np.where(moved(q), sigmoid(z), q)
 
@@ -244,14 +249,15 @@ class OnlineCorrection:
         K = min(p.shape[1], self.n_depths)
         p, acc = p[:, :K], acc[:, :K]
         cells = np.asarray(cells, dtype=np.int64).ravel()
-        if self._kernel is not None:  # one compiled call: what follows, in loops
+        if self._kernels is not None:  # one compiled call: what follows, in loops
+            update = self._kernels["update_loops"]
             args = (np.ascontiguousarray(p), np.ascontiguousarray(acc), cells, self.settings.pooled, self._sloped,
                     self.settings.decay, self.settings.prior, self._pooled, self._slope)
-            added = int(self._kernel(*args, self._cells))
+            added = int(update(*args, self._cells))
             if added < 0:  # a cell past those held: grown (a negative one refused), then learnt
                 self._grow(int(cells.min()))
                 self._grow(int(cells.max()))
-                added = int(self._kernel(*args, self._cells))
+                added = int(update(*args, self._cells))
             if added:
                 self._factor, self._offsets, self._learnt = None, None, True
             return added
@@ -428,6 +434,9 @@ class OnlineTables:
         if not c["edges"]:
             return context_cells(context, [])
         values = np.asarray(context, dtype=np.float64).reshape(-1, len(c["edges"]))  # [B, A_ctx]
+        kernels = c["correction"]._kernels
+        if kernels is not None:  # one compiled call
+            return kernels["cut_loops"](np.ascontiguousarray(values), c["edge_grid"], c["strides"])
         return cut(values, c["edge_grid"], c["strides"])
 
     def table_of(self, name: str, q, cells) -> np.ndarray:

@@ -1,4 +1,6 @@
-"""The online correction's update in one compiled call (:meth:`calib.tables.online.OnlineCorrection.update`).
+"""The online correction's per-step work in compiled calls: its update (:meth:`calib.tables.online.OnlineCorrection.update`),
+the table probabilities behind those served (:meth:`~calib.tables.online.OnlineCorrection.table_of`) and the context
+cell cut (:meth:`calib.tables.online.OnlineTables.cells`).
 
 In serving the update runs once per engine step, between the target's forwards, where every numpy call starts with
 cold caches (docs/profile.md, "Why inside costs 2–3× alone"): vectorised, one Newton step is some fifteen numpy
@@ -9,8 +11,8 @@ The formulas and their order are the numpy update's (sums over a level's rounds 
 before the cells', the cells in ascending id, each cell's step on the logits the pooled step left). The values
 agree with the numpy update to float64 rounding, not bit for bit: numpy's ``exp``/``log`` on SIMD hardware and
 its pairwise sums over long single columns round differently from the scalar loops (tests/tables/
-test_online_compiled.py bounds the difference). Without numba :func:`update_kernel` is None and the numpy update
-runs.
+test_online_compiled.py bounds the difference; the cut is exact). Without numba :func:`kernels` is None and the
+numpy versions run.
 """
 
 from __future__ import annotations
@@ -21,35 +23,78 @@ import numpy as np
 
 from calib.tables.online_kernels import EPS, FMAX, MIN_SCALE
 
-_KERNEL: list = []  # [compiled update_loops or None], filled at first use
+_KERNELS: list = []  # [{name: compiled function} or None], filled at first use
+ENTRIES = ("update_loops", "table_of_loops", "cut_loops")  # what kernels() hands out
 
 
-def update_kernel():
-    """The compiled :func:`update_loops`, or None where numba is not installed or cannot compile it (the numpy
-    update then runs). Compiled and run once on tiny inputs at the first call in a process (seconds the first time
-    on a machine, then numba's disk cache)."""
-    if not _KERNEL:
+def kernels() -> dict | None:
+    """``{name: compiled function}`` of :data:`ENTRIES`, or None where numba is not installed or cannot compile
+    them (the numpy versions then run). Compiled and run once on tiny inputs at the first call in a process
+    (seconds the first time on a machine, then numba's disk cache)."""
+    if not _KERNELS:
         try:
             from numba import njit
         except ImportError:
-            _KERNEL.append(None)
+            _KERNELS.append(None)
             return None
         jit = njit(cache=True, nogil=True)
         for f in (_sigmoid, _logit, _newton_loops):
-            globals()[f.__name__] = jit(f)  # the entry calls the compiled helpers
-        kernel = jit(update_loops)
+            globals()[f.__name__] = jit(f)  # the entries call the compiled helpers
+        compiled = {name: jit(globals()[name]) for name in ENTRIES}
         try:
-            p = np.full((1, 1), 0.5)
-            kernel(p, np.ones((1, 1)), np.zeros(1, dtype=np.int64), True, True, 0.99, 50.0,
-                   np.zeros((3, 1)), np.zeros((3, 1)), np.zeros((3, 2, 1)))  # one cell held
-        except Exception as exc:  # noqa: BLE001 - a compiler that fails here: the numpy update, said once
+            p, one = np.full((1, 1), 0.5), np.ones(1)
+            compiled["update_loops"](p, np.ones((1, 1)), np.zeros(1, dtype=np.int64), True, True, 0.99, 50.0,
+                                     np.zeros((3, 1)), np.zeros((3, 1)), np.zeros((3, 2, 1)))  # one cell held
+            compiled["table_of_loops"](p, np.zeros(1, dtype=np.int64), np.zeros((2, 1)), one)
+            compiled["cut_loops"](p, p, np.ones(1, dtype=np.int64))
+        except Exception as exc:  # noqa: BLE001 - a compiler that fails here: the numpy versions, said once
             import logging
 
-            logging.getLogger("calib").warning("calib: numba could not compile the online correction's update (%s); "
-                                               "the numpy update runs instead", exc)
-            kernel = None
-        _KERNEL.append(kernel)
-    return _KERNEL[0]
+            logging.getLogger("calib").warning("calib: numba could not compile the online correction's kernels (%s); "
+                                               "the numpy versions run instead", exc)
+            compiled = None
+        _KERNELS.append(compiled)
+    return _KERNELS[0]
+
+
+def table_of_loops(q, cells, offsets, scale):
+    """:meth:`calib.tables.online.OnlineCorrection.table_of` of float64 ``q [B, W]`` in int64 ``cells [B]``:
+    ``σ((logit q − δ) / (1 + β))`` where ``q`` is strictly inside (0, 1), ``q`` elsewhere; ``offsets [cells + 1, D]``
+    (δ₀ + δ_c by cell, the last row for any cell past them), ``scale [D]``; depths past ``D`` take the deepest's."""
+    B, W = q.shape
+    last, deepest = offsets.shape[0] - 1, scale.shape[0] - 1
+    out = np.empty((B, W))
+    for b in range(B):
+        c = cells[b]
+        row = last if c < 0 or c > last else c  # numpy reads a negative id as unsigned: past the table
+        for k in range(W):
+            x = q[b, k]
+            if x > 0 and x < 1:
+                d = min(k, deepest)
+                out[b, k] = _sigmoid((_logit(x) - offsets[row, d]) / scale[d])
+            else:
+                out[b, k] = x
+    return out
+
+
+def cut_loops(values, grid, strides):
+    """:func:`calib.tables.online_kernels.cut`: the context cell ``[B]`` of float64 context values ``[B, A]`` (an
+    axis's bucket is the number of its edges at or below the value; NaN edges pad, a NaN value counts none)."""
+    B, A = values.shape
+    out = np.zeros(B, dtype=np.int64)
+    for b in range(B):
+        cell = 0
+        for a in range(A):
+            v = values[b, a]
+            if not math.isnan(v):
+                v = min(max(v, -FMAX), FMAX)  # ±inf read as ±max, as numpy's cut does (NaN: no edge at or below)
+            count = 0
+            for e in range(grid.shape[1]):
+                if v >= grid[a, e]:
+                    count += 1
+            cell += count * strides[a]
+        out[b] = cell
+    return out
 
 
 def _sigmoid(u):

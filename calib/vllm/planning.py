@@ -54,14 +54,14 @@ class DraftPlanning:
         order), None: none."""
         return next(iter(self.recomputed), None)
 
-    def planned_probs(self, keys: tuple) -> torch.Tensor | None:
-        """float32 ``[B, W]``: the probabilities the plan looked up this step on its chain, when it did so for every
+    def planned_probs(self, keys: tuple) -> np.ndarray | None:
+        """numpy float32 ``[B, W]``: the probabilities the plan looked up this step on its chain, when it did so for every
         request on the chain the decision sees now (same contexts ``keys``); else None (look them up)."""
         planned = self.planned
         if planned is None or not keys:
             return None
         rows = planned.rows(keys)
-        return None if rows is None else torch.from_numpy(planned.probs[rows])
+        return None if rows is None else planned.probs[rows]
 
     # -- the number of draft passes ----------------------------------------------------------------
     def plan_passes(self, runner, scheduler_output, sampled_token_ids) -> None:
@@ -204,6 +204,5 @@ class DraftPlanning:
         ids = np.where(depth > 0, np.int8(chain(planned.chain).id), np.int8(NO_CHAIN))
         self.stats.plan_decided += 1
         context = planned.columns if isinstance(rows, slice) else {k: v[rows] for k, v in planned.columns.items()}
-        return StepDecision(list(inputs.req_ids), drafts, torch.from_numpy(ids), torch.from_numpy(depth.astype(np.int32)),
-                            torch.from_numpy(expected), (time.perf_counter() - start) * 1e3,
-                            probs=torch.from_numpy(taken), context=context)
+        return StepDecision(list(inputs.req_ids), drafts, ids, depth.astype(np.int32), expected,  # numpy: no torch call
+                            (time.perf_counter() - start) * 1e3, probs=taken, context=context)

@@ -279,7 +279,7 @@ class Server(DraftPlanning):
         if verdict == "none":  # no draft tokens: the step costs what a step without speculation costs
             self.stats.aside_none += 1
             self.planned = None
-            drafts, chain_ids = [[] for _ in req_ids], torch.full((len(req_ids),), NO_CHAIN, dtype=torch.int8)
+            drafts, chain_ids = [[] for _ in req_ids], np.full(len(req_ids), NO_CHAIN, dtype=np.int8)
         else:
             planned = self.planned  # offers() clears it
             inputs = StepInputs(req_ids, temps, self.offers(dec, req_ids, engine, batch, rows))
@@ -294,9 +294,9 @@ class Server(DraftPlanning):
             if d.passthrough:
                 self.stats.passthrough += 1
                 return out
-            drafts, chain_ids = d.drafts, d.chain
+            drafts, chain_ids = d.drafts, d.host("chain")  # int8 [B], numpy: no torch call in the step
             if any(left):
-                drafts, chain_ids = keep_engine_rows(drafts, chain_ids, engine, left, dec.engine_chain)
+                drafts, chain_ids = keep_engine_rows(drafts, d.chain, engine, left, dec.engine_chain)
         if len(drafts) != len(req_ids) or any(len(x) > K or any(t < 0 for t in x) for x in drafts):
             raise RuntimeError("decision out of bounds (more than K tokens, or a negative id)")
         if self.ranks is not None and not self.ranks_agree(digest(drafts), "drafts"):  # before anything changes
@@ -378,7 +378,7 @@ class Server(DraftPlanning):
                 model_tokens.append(toks[: len(c)])  # a depth without its confidence is not offered
                 if c:
                     conf[b, : len(c)] = c[:K]
-            conf = torch.from_numpy(conf)  # float32 [B, K], filled in numpy: no torch call per request
+            # float32 [B, K], numpy: filled and read (calib.chains.base.offer_inputs) without a torch call
             # a chain with no token anywhere cannot be chosen: beside a recomputed chain, leave it out and the
             # (cheaper) one-chain rule decides the same
             if any(model_tokens) or not self.recomputed:

@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 
 from calib.tables.online import OnlineCorrection, OnlineSettings
-from calib.tables.online_compiled import update_kernel
+from calib.tables.online_compiled import kernels
+from calib.tables.online_kernels import cut, edge_grid
 from tests.tables.test_online_kernels import _outcomes, _probs
 
-pytestmark = pytest.mark.skipif(update_kernel() is None, reason="numba is not installed: the numpy update runs")
+pytestmark = pytest.mark.skipif(kernels() is None, reason="numba is not installed: the numpy versions run")
 
 SETTINGS = [OnlineSettings(), OnlineSettings(decay=0.9, prior=4.0), OnlineSettings(slope=False),
             OnlineSettings(pooled=False), OnlineSettings(decay=1.0, prior=1.0)]
@@ -34,8 +35,11 @@ def test_the_compiled_update_learns_what_the_numpy_update_learns(settings):
         cells = (np.full(B, rng.integers(0, 5)) if step % 3 == 0 else rng.integers(0, 12 if step % 3 == 1 else 200, B))
         p, acc = _probs(rng, (B, K)), _outcomes(rng, (B, K))
         assert fast.update(p, acc, cells) == plain.update(p, acc, cells)
-        served = rng.integers(0, 250, B)
+        served = rng.integers(-2, 250, B)  # a negative id reads the pooled level, as numpy's unsigned view does
         np.testing.assert_allclose(fast.apply(p, served), plain.apply(p, served), rtol=1e-9, atol=1e-12)
+        back = fast.table_of(p, served)  # compiled once something is learnt
+        np.testing.assert_allclose(back, plain.table_of(p, served), rtol=1e-9, atol=1e-12)
+        assert (np.isnan(back) == np.isnan(p)).all()
     assert fast.state().keys() == plain.state().keys()
     np.testing.assert_allclose(_levels(fast.state()), _levels(plain.state()), rtol=1e-9, atol=1e-12)
     assert plain.state()  # the stream taught something
@@ -54,3 +58,16 @@ def test_a_negative_cell_is_refused_before_anything_is_learnt():
     with pytest.raises(ValueError, match="negative"):
         corr.update(np.full((2, 2), 0.5), np.ones((2, 2)), [0, -1])
     assert not any(corr.state()["pooled"]["n"])
+
+
+@pytest.mark.parametrize("edges", [[[0.5]], [[0.0, 2.0], [0.4]], [[-1.0, 0.0, 1.0, 3.0], [0.4], [2.0, 8.0]]])
+def test_the_compiled_cut_gives_numpys_cells(edges):
+    rng = np.random.default_rng(len(edges))
+    values = rng.normal(0, 3, size=(500, len(edges)))
+    values[rng.uniform(size=values.shape) < 0.05] = np.nan
+    values[rng.uniform(size=values.shape) < 0.03] = np.inf
+    values[rng.uniform(size=values.shape) < 0.03] = -np.inf
+    flat = np.array([e for axis in edges for e in axis])
+    values[rng.uniform(size=values.shape) < 0.1] = rng.choice(flat)  # on an edge
+    grid, strides = edge_grid(edges)
+    assert np.array_equal(kernels()["cut_loops"](values, grid, strides), cut(values, grid, strides))

@@ -7,7 +7,6 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import numpy as np
-import torch
 
 from calib.chains import chain, recomputed_chains
 from calib.vllm.recomputed import Recomputed, StepContexts
@@ -63,7 +62,7 @@ def test_a_step_is_recomputed_once_and_as_the_kind_recomputes_it():
         n = len(want)
         if n:
             assert plan[1][b, :n].tolist() == [[np.float32(feats["match_n"]), np.float32(feats["context_len"])]] * n
-        assert torch.isnan(plan[1][b, n:]).all()
+        assert np.isnan(np.asarray(plan[1][b, n:])).all()
     # a request whose context moved on is recomputed alone; the others keep their chains
     after.token_ids_cpu[3, 3] = 5
     after.num_tokens_no_spec[3] += 1
