@@ -311,7 +311,7 @@ class SafeDecider:
         for the online correction to learn from when :meth:`observe` reports the outcome; rows where
         ``skip`` is true (requests left to the engine) are not kept. Once per chain over the batch (a
         :class:`_Remembered` of its rows; each request points at its row). Never raising."""
-        if self.online is None or decision.passthrough or decision.probs is None:
+        if self.online is None or decision.passthrough or decision.host("probs") is None:
             return
         try:
             B = len(inputs.req_ids)

@@ -201,7 +201,9 @@ class Server(DraftPlanning):
             return
         start = time.perf_counter()
         num_draft = spec_decode_metadata.num_draft_tokens
-        sampled = sampled_token_ids.cpu().numpy()  # numpy: a few rows, where a torch call's fixed cost dominates
+        # numpy: a few rows, where a torch call's fixed cost dominates (no .cpu() call where it is on the CPU already)
+        on_cpu = sampled_token_ids.device.type == "cpu"
+        sampled = (sampled_token_ids if on_cpu else sampled_token_ids.cpu()).numpy()
         accepted = ((sampled != -1).sum(axis=1) - 1).tolist()
         rounds = [(r, max(0, min(int(a), int(d))), int(d))  # the requests that verified draft tokens
                   for r, a, d in zip(runner.input_batch.req_ids[: len(num_draft)], accepted, num_draft) if d]
