@@ -118,9 +118,9 @@ class StepDecision:
 
     def host(self, name: str) -> np.ndarray | None:
         """Field ``name`` (``"chain"``, ``"depth"``, ``"expected_accepted"``, ``"probs"``) as a numpy array (a view
-        where the path made a tensor), or None."""
+        of a CPU tensor where the path made one), or None."""
         x = self._held[name]
-        return x.numpy() if isinstance(x, torch.Tensor) else x
+        return x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else x
 
     def __repr__(self) -> str:
         return (f"StepDecision(req_ids={self.req_ids!r}, drafts={self.drafts!r}, chain={self.host('chain')!r}, "

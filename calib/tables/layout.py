@@ -158,7 +158,7 @@ def chain_lookup_host(table: ChainTable, x: np.ndarray, name: str = "inputs", ch
         x = check_chain_inputs(np.asarray(x, dtype=np.float32), table, name)  # numpy has what the checks read
     host = table.host_arrays()
     compiled = lookup_kernel()
-    if compiled is not None and (table.read is None or table.read_arrays is not None):  # one compiled call
+    if compiled is not None and x.ndim == 3 and (table.read is None or table.read_arrays is not None):  # one call
         correction = table.read_arrays() if table.read_arrays is not None else None  # None: nothing learnt yet
         p, bad = compiled(np.ascontiguousarray(x), host["edges"], host["finite"], host["strides"],
                           table.interpolated, table.points, host["grid"],

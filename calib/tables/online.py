@@ -34,7 +34,8 @@ Only verified positions are observations: a round's accepted depths (``y = 1``) 
 rejected depth (``y = 0``); positions after the first rejection were never judged by the target and
 are skipped, never counted as rejections. The same object runs in serving
 (:class:`calib.serve.decide.SafeDecider`) and in eval's replay of a bank's rounds in collection order
-(:func:`replay_online`), so eval measures what is served. numpy only: it runs on the serving path.
+(:func:`replay_online`), so eval measures what is served. numpy, and the per-step work compiled with numba where
+it is installed (:mod:`calib.tables.online_compiled`): it runs on the serving path.
 """
 
 from __future__ import annotations
@@ -149,7 +150,8 @@ class OnlineCorrection:
         self._offsets: np.ndarray | None = None  # [cells + 1, n_depths]
         self._factor: np.ndarray | None = None  # [n_depths]
         self._columns: dict[int, np.ndarray] = {}  # width -> its columns' tracked depths
-        # the update in one compiled call (calib.tables.online_compiled) where numba is installed; False: numpy
+        # the update, table_of and the context cut each in one compiled call (calib.tables.online_compiled) where
+        # numba is installed; compiled=False: the numpy versions (True: refuse to run without numba)
         self._kernels = None
         if compiled is not False:
             from calib.tables.online_compiled import kernels
