@@ -6,15 +6,17 @@ The table's own values bit for bit; values read through a learnt online correcti
 
 from __future__ import annotations
 
+from importlib.util import find_spec
+
 import numpy as np
 import pytest
 
 from calib.tables import layout
-from calib.tables.lookup_compiled import lookup_kernel
 from calib.tables.online import OnlineSettings, OnlineTables
 from tests.allocate.test_context_axes import _signals, _tables
 
-pytestmark = pytest.mark.skipif(lookup_kernel() is None, reason="numba is not installed: the numpy lookup runs")
+# numba is imported by the tests, never at collection (its modules in sys.modules upset vLLM's kernel rebinding)
+pytestmark = pytest.mark.skipif(find_spec("numba") is None, reason="numba is not installed: the numpy lookup runs")
 
 
 def _numpy_lookup(monkeypatch, table, x, name):
