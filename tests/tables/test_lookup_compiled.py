@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from calib.tables import layout
+from calib.tables.lookup_compiled import lookup_kernel
 from calib.tables.online import OnlineSettings, OnlineTables
 from tests.allocate.test_context_axes import _signals, _tables
 
@@ -44,6 +45,7 @@ def _same(a, b) -> bool:
 
 @pytest.mark.parametrize("seed", range(6))
 def test_the_compiled_lookup_reads_the_grid_bit_for_bit(monkeypatch, seed):
+    assert lookup_kernel() is not None  # numba is installed: a kernel that stops compiling fails here, not silently
     tables = _tables(seed)
     for name, x in _inputs(seed).items():
         t = tables.chains[name]
