@@ -31,7 +31,7 @@ def lookup_kernel():
         except ImportError:
             _KERNEL.append(None)
             return None
-        jit = njit(cache=True, nogil=True)
+        jit = njit(cache=True, nogil=True, boundscheck=True)  # an index past an array raises, as numpy would
         globals()["_value"] = jit(_value)  # the entry calls the compiled helper
         kernel = jit(lookup_loops)
         try:

@@ -251,7 +251,7 @@ class OnlineCorrection:
         K = min(p.shape[1], self.n_depths)
         p, acc = p[:, :K], acc[:, :K]
         cells = np.asarray(cells, dtype=np.int64).ravel()
-        if self._kernels is not None:  # one compiled call: what follows, in loops
+        if self._kernels is not None and acc.shape == p.shape and cells.size == len(p):  # one compiled call, in loops
             update = self._kernels["update_loops"]
             args = (np.ascontiguousarray(p), np.ascontiguousarray(acc), cells, self.settings.pooled, self._sloped,
                     self.settings.decay, self.settings.prior, self._pooled, self._slope)

@@ -37,7 +37,7 @@ def kernels() -> dict | None:
         except ImportError:
             _KERNELS.append(None)
             return None
-        jit = njit(cache=True, nogil=True)
+        jit = njit(cache=True, nogil=True, boundscheck=True)  # an index past an array raises, as numpy would
         for f in (_sigmoid, _logit, _newton_loops):
             globals()[f.__name__] = jit(f)  # the entries call the compiled helpers
         compiled = {name: jit(globals()[name]) for name in ENTRIES}
