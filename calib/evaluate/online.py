@@ -30,7 +30,7 @@ def replays(banks, tables, settings: OnlineSettings, split: str = "test") -> lis
     ``bank``, ``chain``, ``keep`` (round indices ``[R]``), ``temperature`` ``[R]`` (NaN: not recorded),
     ``acc`` ``[R, K]``, ``raw`` (the drafter's own confidence ``[R, K]``, None without one), ``tables`` and
     ``online`` ``[R, K]`` (the tables alone, corrected online as serving reads them). The correction is
-    keyed per depth and per the ``tables``' context cell of the round (:class:`calib.tables.online.OnlineTables`)."""
+    keyed per depth and per the ``tables``' context cell of the round (:class:`calib.tables.online_tables.OnlineTables`)."""
     out = []
     for bank in banks:
         temps = (bank.round_temperature if bank.round_temperature is not None

@@ -245,7 +245,7 @@ class SafeDecider:
                  history: RequestHistory | None = None, identity: dict | None = None, online=None,
                  sampled_price: SampledPrice | None = None) -> None:
         from calib.tables import load
-        from calib.tables.online import OnlineTables
+        from calib.tables.online_tables import OnlineTables
 
         chains = chain_names() if chains is None else chains  # default: every registered chain kind
         validate_params("SafeDecider", {"model_id": model_id, "speculator": speculator, "method": method,

@@ -133,7 +133,7 @@ def chain_lookup(table: ChainTable, inputs, name: str = "inputs") -> torch.Tenso
         cell = (counted.sum(-1) * strides).sum(-1)  # [B, L]
     cell = torch.where(no_token, torch.zeros_like(cell), cell)
     rows = rows[None, :].expand_as(cell)
-    # a table whose values are read through a correction (calib.tables.online.OnlineTables): the same values a
+    # a table whose values are read through a correction (calib.tables.online_tables.OnlineTables): the same values a
     # rewritten grid would hold, computed for the entries read only
     read = table.read if table.read is not None else (lambda r, c: grid[r, c])
     points = table.points
@@ -210,7 +210,7 @@ class ChainTable:
     edges: torch.Tensor  # float32 [A_b, E], +inf padded ([0, 1] without binned axes)
     strides: torch.Tensor  # int64 [A_b]
     # (depth rows, grid columns) int64 [B, L] each -> float32 [B, L]: the values a lookup reads, where they are
-    # not the grid's own (an online correction's, calib.tables.online.OnlineTables); None: the grid's
+    # not the grid's own (an online correction's, calib.tables.online_tables.OnlineTables); None: the grid's
     read: Callable | None = field(default=None, repr=False, compare=False)
     # :attr:`read` in numpy ((rows, columns) int64 arrays -> float32 array) for :func:`chain_lookup_host`; a table
     # with a ``read`` but none is looked up in torch

@@ -57,7 +57,7 @@ def lookup_loops(x, edges, finite, strides, interpolated, points, grid, correcte
 
     ``edges`` float32 ``[A_b, E]`` and ``finite`` bool ``[A_b, E]`` (padding never counts), ``strides`` int64
     ``[A_b]``, ``grid`` float32 ``[D, C]``. With ``corrected`` the values are the online correction's
-    (:meth:`calib.tables.online.OnlineTables.read_host`): ``σ(logit[r, c]·scale[r] + offsets[cell, r])`` in float64,
+    (:meth:`calib.tables.online_tables.OnlineTables.read_host`): ``σ(logit[r, c]·scale[r] + offsets[cell, r])`` in float64,
     ``prior[r, c]`` where ``keep``; the cell is the column's block of ``width``, the last row of ``offsets`` past
     them."""
     B, L = x.shape[0], x.shape[1]

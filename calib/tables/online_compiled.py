@@ -1,6 +1,6 @@
 """The online correction's per-step work in compiled calls: its update (:meth:`calib.tables.online.OnlineCorrection.update`),
 the table probabilities behind those served (:meth:`~calib.tables.online.OnlineCorrection.table_of`) and the context
-cell cut (:meth:`calib.tables.online.OnlineTables.cells`).
+cell cut (:meth:`calib.tables.online_tables.OnlineTables.cells`).
 
 In serving the update runs once per engine step, between the target's forwards, where every numpy call starts with
 cold caches (docs/profile.md, "Why inside costs 2–3× alone"): vectorised, one Newton step is some fifteen numpy

@@ -13,7 +13,8 @@ import pytest
 
 from calib.tables import layout
 from calib.tables.lookup_compiled import lookup_kernel
-from calib.tables.online import OnlineSettings, OnlineTables
+from calib.tables.online import OnlineSettings
+from calib.tables.online_tables import OnlineTables
 from tests.allocate.test_context_axes import _signals, _tables
 
 # numba is imported by the tests, never at collection (its modules in sys.modules upset vLLM's kernel rebinding)
