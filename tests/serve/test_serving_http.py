@@ -22,6 +22,7 @@ parsed by vLLM's own parser, and its summary of repetitions. ``SafeDecider``'s r
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import time
@@ -43,8 +44,9 @@ def _bench():
 
 
 @contextlib.contextmanager
-def _server(tmp: Path, tables: Path, env_extra: dict):
-    """One real server (n-gram K=4, float32) with calib on for ``tables``; stopped on the way out."""
+def _server(tmp: Path, tables: Path, env_extra: dict, knobs: dict | None = None):
+    """One real server (n-gram K=4, float32) with calib on for ``tables`` (and serving ``knobs`` beside them);
+    stopped on the way out."""
     from calib.target import prepare_target
 
     bench = _bench()
@@ -54,6 +56,7 @@ def _server(tmp: Path, tables: Path, env_extra: dict):
     pythonpath = os.pathsep.join([str(HELPER), str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
     env = bench.server_env(tables, cost="1.0,0.3",  # dear positions: the random tables cut drafts often
                            extra={"PYTHONPATH": pythonpath, **env_extra})
+    env["CALIB_SERVE"] = json.dumps({**json.loads(env["CALIB_SERVE"]), **(knobs or {})})
     cmd = bench.server_command(model_dir, port, bench.speculative_config("ngram", 4), dtype="float32",
                                max_num_seqs=CLIENTS)
     start = time.monotonic()
@@ -94,7 +97,10 @@ def test_allocator_fault_mid_run_every_request_answers(tmp_path):
     from tests.serve.test_serving_engine import _synthetic_tables
 
     tables = _synthetic_tables(tmp_path / "tables")
-    with _server(tmp_path, tables, {"CALIB_TEST_FAULT_AFTER": str(FAULT_AFTER)}) as (bench, port, log_path, model):
+    # every step decided (no standing aside): the failures after the fault come in a row, whatever the batches'
+    # timing, so the decider disables itself within the run
+    with _server(tmp_path, tables, {"CALIB_TEST_FAULT_AFTER": str(FAULT_AFTER)}, knobs={"aside_after": 0}) as (
+            bench, port, log_path, model):
         _load(bench, port, tmp_path, model)
         lines = _log_lines(log_path, "calib serve: decide failed")
     calib = [line for line in lines if "calib serve" in line]
