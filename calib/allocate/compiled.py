@@ -17,39 +17,24 @@ import numpy as np
 
 from calib.allocate.reference import SCALE
 from calib.allocate.shape import MAX_ITERS, PRICE_SCALE
+from calib.compiled import Kernels
 
-_KERNELS: list = []  # [{name: compiled function} or None], filled at first use
 ENTRIES = ("plan_all_loops", "allocate_loops", "dinkelbach_loops")  # what kernels() hands out
+
+
+def _warm_up(compiled: dict) -> None:
+    p = np.full((1, 1), 0.5, dtype=np.float32)
+    compiled["plan_all_loops"](p, p.copy(), True, True, 0, np.ones(4), np.zeros(2))
+    q = np.ones((1, 1), dtype=np.int64)
+    compiled["allocate_loops"](q, q, True, np.ones(4))
+    compiled["dinkelbach_loops"](np.ones((2, 1, 1), dtype=np.int64), np.zeros((1, 2), dtype=np.int64), 1)
 
 
 def kernels() -> dict | None:
     """``{name: compiled function}`` of :data:`ENTRIES`, or None where numba is not installed or cannot compile
-    them (the numpy rules then run). Compiled and run once on tiny inputs at the first call in a process (seconds
-    the first time on a machine, then numba's disk cache); the helpers they call are compiled with them."""
-    if not _KERNELS:
-        try:
-            from numba import njit
-        except ImportError:
-            _KERNELS.append(None)
-            return None
-        jit = njit(cache=True, nogil=True)
-        for f in (_gains, _best_prefix, _take_top, _sorted_desc, _allocate, _plan_value):
-            globals()[f.__name__] = jit(f)  # the entries call the compiled helpers
-        compiled = {name: jit(globals()[name]) for name in ENTRIES}
-        try:
-            p = np.full((1, 1), 0.5, dtype=np.float32)
-            compiled["plan_all_loops"](p, p.copy(), True, True, 0, np.ones(4), np.zeros(2))
-            q = np.ones((1, 1), dtype=np.int64)
-            compiled["allocate_loops"](q, q, True, np.ones(4))
-            compiled["dinkelbach_loops"](np.ones((2, 1, 1), dtype=np.int64), np.zeros((1, 2), dtype=np.int64), 1)
-        except Exception as exc:  # noqa: BLE001 - a compiler that fails here: the numpy rules, said once
-            import logging
-
-            logging.getLogger("calib").warning("calib: numba could not compile the allocator's rules (%s); the "
-                                               "numpy rules run instead", exc)
-            compiled = None
-        _KERNELS.append(compiled)
-    return _KERNELS[0]
+    them (the numpy rules then run); compiled at the first call in a process (:class:`calib.compiled.Kernels`),
+    the helpers they call with them."""
+    return _KERNELS.get()
 
 
 def plan_kernel():
@@ -261,3 +246,7 @@ def dinkelbach_loops(q, price_q, n_requests):
             break
         choice, depth, lam = new_choice, new_depth, lam_new
     return choice, depth
+
+
+_KERNELS = Kernels(globals(), ENTRIES, (_gains, _best_prefix, _take_top, _sorted_desc, _allocate, _plan_value),
+                   _warm_up, "the allocator's rules", "the numpy rules run")

@@ -16,37 +16,25 @@ import math
 
 import numpy as np
 
-_KERNEL: list = []  # [compiled lookup_loops or None], filled at first use
+from calib.compiled import Kernels
+
 # what the kernel reads where a table has no online correction (typed alike; never read)
 NO_CORRECTION = (np.zeros((1, 1), dtype=np.float32), np.zeros((1, 1), dtype=np.bool_),
                  np.zeros((1, 1), dtype=np.float32), np.zeros((1, 1)), np.zeros(1), 1)
 
 
+def _warm_up(compiled: dict) -> None:
+    x = np.full((1, 1, 2), 0.5, dtype=np.float32)
+    edges = np.full((1, 1), 0.5, dtype=np.float32)
+    compiled["lookup_loops"](x, edges, np.ones((1, 1), dtype=np.bool_), np.ones(1, dtype=np.int64), True, 2,
+                             np.zeros((1, 4), dtype=np.float32), False, *NO_CORRECTION)
+
+
 def lookup_kernel():
     """The compiled :func:`lookup_loops`, or None where numba is not installed or cannot compile it (the numpy
-    lookup then runs). Compiled and run once on tiny inputs at the first call in a process."""
-    if not _KERNEL:
-        try:
-            from numba import njit
-        except ImportError:
-            _KERNEL.append(None)
-            return None
-        jit = njit(cache=True, nogil=True, boundscheck=True)  # an index past an array raises, as numpy would
-        globals()["_value"] = jit(_value)  # the entry calls the compiled helper
-        kernel = jit(lookup_loops)
-        try:
-            x = np.full((1, 1, 2), 0.5, dtype=np.float32)
-            edges = np.full((1, 1), 0.5, dtype=np.float32)
-            kernel(x, edges, np.ones((1, 1), dtype=np.bool_), np.ones(1, dtype=np.int64), True, 2,
-                   np.zeros((1, 4), dtype=np.float32), False, *NO_CORRECTION)
-        except Exception as exc:  # noqa: BLE001 - a compiler that fails here: the numpy lookup, said once
-            import logging
-
-            logging.getLogger("calib").warning("calib: numba could not compile the table lookup (%s); the numpy "
-                                               "lookup runs instead", exc)
-            kernel = None
-        _KERNEL.append(kernel)
-    return _KERNEL[0]
+    lookup then runs); compiled at the first call in a process (:class:`calib.compiled.Kernels`)."""
+    compiled = _KERNELS.get()
+    return None if compiled is None else compiled["lookup_loops"]
 
 
 def lookup_loops(x, edges, finite, strides, interpolated, points, grid, corrected, logit, keep, prior, offsets,
@@ -106,3 +94,7 @@ def _value(grid, corrected, logit, keep, prior, offsets, scale, width, row, col)
     cell = min(col // width, offsets.shape[0] - 1)
     u = np.float64(logit[row, col]) * scale[row] + offsets[cell, row]
     return np.float32(1.0 / (1.0 + math.exp(-u)))
+
+
+_KERNELS = Kernels(globals(), ("lookup_loops",), (_value,), _warm_up, "the table lookup", "the numpy lookup runs",
+                   boundscheck=True)  # an index past an array raises, as numpy would

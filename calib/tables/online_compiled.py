@@ -21,40 +21,24 @@ import math
 
 import numpy as np
 
+from calib.compiled import Kernels
 from calib.tables.online_kernels import EPS, FMAX, MIN_SCALE
 
-_KERNELS: list = []  # [{name: compiled function} or None], filled at first use
 ENTRIES = ("update_loops", "table_of_loops", "cut_loops")  # what kernels() hands out
+
+
+def _warm_up(compiled: dict) -> None:
+    p, one = np.full((1, 1), 0.5), np.ones(1)
+    compiled["update_loops"](p, np.ones((1, 1)), np.zeros(1, dtype=np.int64), True, True, 0.99, 50.0,
+                             np.zeros((3, 1)), np.zeros((3, 1)), np.zeros((3, 2, 1)))  # one cell held
+    compiled["table_of_loops"](p, np.zeros(1, dtype=np.int64), np.zeros((2, 1)), one)
+    compiled["cut_loops"](p, p, np.ones(1, dtype=np.int64))
 
 
 def kernels() -> dict | None:
     """``{name: compiled function}`` of :data:`ENTRIES`, or None where numba is not installed or cannot compile
-    them (the numpy versions then run). Compiled and run once on tiny inputs at the first call in a process
-    (seconds the first time on a machine, then numba's disk cache)."""
-    if not _KERNELS:
-        try:
-            from numba import njit
-        except ImportError:
-            _KERNELS.append(None)
-            return None
-        jit = njit(cache=True, nogil=True, boundscheck=True)  # an index past an array raises, as numpy would
-        for f in (_sigmoid, _logit, _newton_loops):
-            globals()[f.__name__] = jit(f)  # the entries call the compiled helpers
-        compiled = {name: jit(globals()[name]) for name in ENTRIES}
-        try:
-            p, one = np.full((1, 1), 0.5), np.ones(1)
-            compiled["update_loops"](p, np.ones((1, 1)), np.zeros(1, dtype=np.int64), True, True, 0.99, 50.0,
-                                     np.zeros((3, 1)), np.zeros((3, 1)), np.zeros((3, 2, 1)))  # one cell held
-            compiled["table_of_loops"](p, np.zeros(1, dtype=np.int64), np.zeros((2, 1)), one)
-            compiled["cut_loops"](p, p, np.ones(1, dtype=np.int64))
-        except Exception as exc:  # noqa: BLE001 - a compiler that fails here: the numpy versions, said once
-            import logging
-
-            logging.getLogger("calib").warning("calib: numba could not compile the online correction's kernels (%s); "
-                                               "the numpy versions run instead", exc)
-            compiled = None
-        _KERNELS.append(compiled)
-    return _KERNELS[0]
+    them (the numpy versions then run); compiled at the first call in a process (:class:`calib.compiled.Kernels`)."""
+    return _KERNELS.get()
 
 
 def table_of_loops(q, cells, offsets, scale):
@@ -213,3 +197,8 @@ def _newton_loops(s, b_state, with_slope, rows, seen, y, u, z, K, ridge, decay, 
         det = h_aa * h_bb - h_ab * h_ab
         s[0, k] += (h_bb * g - h_ab * g_b) / det
         b_state[0, k] = max(b_state[0, k] + (h_aa * g_b - h_ab * g) / det, MIN_SCALE - 1.0)
+
+
+_KERNELS = Kernels(globals(), ENTRIES, (_sigmoid, _logit, _newton_loops), _warm_up,
+                   "the online correction's kernels", "the numpy versions run",
+                   boundscheck=True)  # an index past an array raises, as numpy would
