@@ -190,7 +190,7 @@ def calib_totals(st) -> dict:
 
 def worker(spec_path: str) -> None:
     from calib.prompts import load_prompts
-    from calib.vllm.serve_runner import build_engine
+    from calib.vllm.serve_runner import build_engine, forget_served
 
     spec = json.loads(Path(spec_path).read_text())
     cfg = bench_serve.compose(spec["overrides"])
@@ -200,7 +200,8 @@ def worker(spec_path: str) -> None:
     install_timers()  # after the engine: its start scans every loaded module (vLLM's Triton overrides)
     prompts = load_prompts(cfg["prompts"]["files"], root=ROOT)
     sampling = {**cfg["sampling"], "max_tokens": spec["max_tokens"]}
-    profile_cell(llm, cfg, prompts[:2], {**sampling, "max_tokens": 8}, 2)  # warm-up, off the record
+    category = cfg["prompts"]["name"]
+    profile_cell(llm, cfg, bench_serve.warmup_prompts(category), {**sampling, "max_tokens": 8}, 2)  # off the record
     # what the engine steps on (vLLM's device_config): the step cost records it, and serving's engine line compares it
     device = str(getattr(getattr(llm.llm_engine.vllm_config, "device_config", None), "device_type", None) or "cpu")
     from calib.cost.step import accelerator_name
@@ -208,6 +209,7 @@ def worker(spec_path: str) -> None:
     accelerator = accelerator_name(device)  # the GPU's model: two GPUs of one kind step apart
     out = []
     for c in spec["concurrency"]:
+        forget_served(llm)  # each cell from an empty prefix cache and suffix trees (bench/serve.py does the same)
         rows = profile_cell(llm, cfg, prompts[: max(spec["min_prompts"], 2 * c)], sampling, c)
         out.append({"arm": spec["arm"], "concurrency": c, "device": device, "accelerator": accelerator, "steps": rows})
         print(f"  {spec['arm']:<18} c={c:<3} {len(rows)} steps, median {statistics.median(r['step_ms'] for r in rows):.1f} ms",

@@ -90,12 +90,26 @@ def cell_prompts(prompts: list, n: int) -> list:
     return [prompts[i % len(prompts)] for i in range(n)]
 
 
+def warmup_prompts(category: str, n: int = 2) -> list:
+    """The warm-up's prompts: the category's first held-out prompts (data/prompts/holdout/; another category's where
+    it has none), which no cell serves, so that the warm-up leaves nothing in a cache a cell could reuse (the
+    cells' prompts are the category's own file, :func:`cell_prompts`)."""
+    from calib.prompts import load_prompts
+
+    folder = ROOT / "data/prompts/holdout"
+    files = [folder / f"{category}.jsonl"] if (folder / f"{category}.jsonl").is_file() else sorted(folder.glob("*.jsonl"))
+    if not files:
+        raise FileNotFoundError(f"{folder}: the warm-up serves held-out prompts (no cell serves them), and there are "
+                                "none; restore data/prompts/holdout/ from the repository")
+    return load_prompts([str(files[0])], root=ROOT)[:n]
+
+
 def worker(spec_path: str) -> None:
     """One (arm, repetition): build the engine, warm it up, serve every cell; results to spec['out']."""
     import random
 
     from calib.prompts import load_prompts
-    from calib.vllm.serve_runner import build_engine, calib_off, serve_cell
+    from calib.vllm.serve_runner import build_engine, calib_off, forget_served, serve_cell
 
     spec = json.loads(Path(spec_path).read_text())
     cfg = compose(spec["overrides"])
@@ -112,8 +126,9 @@ def worker(spec_path: str) -> None:
         prompts = cell_prompts(by_category[cat], cell["n_prompts"])
         sampling = compose([f"sampling={cell['sampling']}"])["sampling"]
         sampling["max_tokens"] = cell["max_tokens"]
-        if i == 0:  # warm-up: first-call costs (lazy tables, allocator, caches) off the clock
-            serve_cell(llm, cfg, prompts[:2], {**sampling, "max_tokens": 8}, 2, cat, progress=False)
+        if i == 0:  # warm-up: first-call costs (lazy tables, allocator, caches) off the clock, on prompts no cell serves
+            serve_cell(llm, cfg, warmup_prompts(cat), {**sampling, "max_tokens": 8}, 2, cat, progress=False)
+        forget_served(llm)  # every arm starts every cell from an empty prefix cache and suffix trees
         record, texts = serve_cell(llm, cfg, prompts, sampling, cell["concurrency"], cat, progress=False,
                                    tokens=reference)
         # A calib arm that decided nothing is vLLM's own arm under another name: recorded, never counted.

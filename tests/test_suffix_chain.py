@@ -109,3 +109,23 @@ def test_round_data_reads_its_features(tmp_path):
     assert (data.inputs[has, 0, 1] == rounds.column("sx_match_n").to_numpy()[has]).all()
     src = set(rounds.column("sx_label_source").to_pylist())
     assert src <= {"counterfactual", "none"} and "counterfactual" in src
+
+
+def test_forgetting_the_responses_drafts_a_served_prompt_again_as_the_first_time():
+    """Between benchmark cells (calib.vllm.serve_runner.forget_served): a re-served greedy prompt must not be drafted
+    from its own earlier output; the requests still held as active (finished, not yet told) are stopped first."""
+    toks = _requests(n=1)[0]
+    prompt = 20
+
+    def drafts(proposer, req):
+        return [proposer.propose(req, toks[:n], prompt, 2048)[0] for n in range(prompt + 1, len(toks))]
+
+    fresh = SUFFIX.recompute(None, 4)
+    first = drafts(fresh, "a")  # "a" stays active: its end not told, as after a cell's last step
+    again = drafts(fresh, "b")
+    assert again != first  # the global tree holds "a"'s output: the re-served prompt drafts further
+    served = SUFFIX.recompute(None, 4)
+    drafts(served, "a")
+    assert served.forget_responses() == 1
+    assert not served.cache.active_requests and not served.cache.cached_requests
+    assert drafts(served, "b") == first

@@ -117,6 +117,25 @@ class SuffixProposer:
             self.cache.stop_request(req_id)
         self.seen.pop(req_id, None)
 
+    def forget_responses(self) -> int:
+        """:func:`forget_responses` of this proposer's cache (no request in flight)."""
+        self.seen.clear()
+        return forget_responses(self.cache)
+
+
+def forget_responses(cache) -> int:
+    """Empty an ``arctic_inference`` ``SuffixDecodingCache`` of every request, for a moment when none is in flight:
+    the requests it still holds as active are finished ones whose end it has not been told yet (vLLM and calib
+    stop a request at the next step), so each is stopped, then every response is evicted from the global tree;
+    how many. A benchmark does this between cells that serve the same prompts, or the suffix trees would draft a
+    re-served prompt from its own earlier output."""
+    for req_id in list(cache.active_requests):
+        cache.stop_request(req_id)
+    done = list(cache.cached_requests)
+    for req_id in done:
+        cache.evict_cached_response(req_id)
+    return len(done)
+
 
 def conditional(prob: np.ndarray) -> np.ndarray:
     """float64 ``[..., L]``: the tree's estimate at depth j given depth j-1 was right, from its path estimates

@@ -141,6 +141,12 @@ class Recomputed:
         if self.each is not None:
             self.each.finish(req_id)
 
+    def forget_responses(self) -> int:
+        """A stateful kind's memory of finished requests dropped (the suffix trees' cached responses; its
+        ``forget_responses``, where it has one): how many."""
+        forget = getattr(self.each, "forget_responses", None)
+        return int(forget()) if forget is not None else 0
+
 
 def recomputed_for(tables, calibrated, drafted, sc, knobs, k: int, max_model_len: int | None) -> dict[str, Recomputed]:
     """``{name: Recomputed}`` of every recomputed chain kind the tables calibrate (``calibrated``: the decider's

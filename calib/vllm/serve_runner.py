@@ -378,6 +378,32 @@ def _rank_snapshot(worker) -> dict | None:
     return snap
 
 
+def _forget_in_worker(worker) -> dict:
+    """In a worker (``LLM.collective_rpc``): the suffix trees' finished responses evicted, vLLM's suffix drafter's
+    and calib's recomputed chains'; how many of each."""
+    from calib.chains.suffix import forget_responses
+    from calib.vllm import serving
+
+    cache = getattr(getattr(getattr(worker, "model_runner", None), "drafter", None), "suffix_cache", None)
+    srv = serving.server()
+    return {"vllm": forget_responses(cache) if cache is not None else 0,
+            "calib": sum(rec.forget_responses() for rec in (srv.recomputed.values() if srv is not None else ()))}
+
+
+def forget_served(llm) -> None:
+    """Before a timed cell: the engine forgets what the warm-up and earlier cells served, so that every arm starts
+    every cell from the same state. vLLM's prefix cache is emptied (a re-served prompt is otherwise mostly cached,
+    and an EAGLE engine re-computes a block more of it than other engines do: 128 tokens on this CPU backend), and
+    the suffix trees' finished responses are evicted (they would draft a re-served greedy prompt from its own
+    earlier output). Between cells only, never within one: a cell's own repeats stay what a server would see."""
+    if llm.llm_engine.has_unfinished_requests():
+        raise RuntimeError("forget_served: requests are still in flight; call it between cells")
+    if not llm.reset_prefix_cache():
+        log.warning("vLLM did not reset its prefix cache (requests still running?); the cell may reuse what an "
+                    "earlier one cached")
+    llm.collective_rpc(_forget_in_worker)
+
+
 def serving_snapshot(llm) -> dict | None:
     """calib's serving statistics of the engine: this process's, or, where the engine runs its workers in
     processes of their own (tensor parallelism), the output rank's read through vLLM's ``collective_rpc``,

@@ -1,0 +1,65 @@
+"""Every arm starts every timed cell from the same state (calib.vllm.serve_runner.forget_served, bench/serve.py's
+warm-up): no prefix-cache entry or suffix-tree response left by the warm-up or an earlier cell. Stand-in engines
+(no vLLM): what is asked of the engine, and what the warm-up serves."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from calib.prompts import load_prompts
+from calib.vllm import serve_runner
+from tests.bench_scripts import load_bench
+
+
+class _Engine:
+    def __init__(self, unfinished=False, reset_ok=True):
+        self.calls, self.unfinished, self.reset_ok = [], unfinished, reset_ok
+        self.llm_engine = SimpleNamespace(has_unfinished_requests=lambda: self.unfinished)
+
+    def reset_prefix_cache(self):
+        self.calls.append("reset_prefix_cache")
+        return self.reset_ok
+
+    def collective_rpc(self, method):
+        self.calls.append(method)
+        return [None]
+
+
+def test_the_prefix_cache_is_emptied_and_the_workers_forget_their_suffix_responses():
+    llm = _Engine()
+    serve_runner.forget_served(llm)
+    assert llm.calls == ["reset_prefix_cache", serve_runner._forget_in_worker]
+
+
+def test_it_refuses_while_requests_are_in_flight():
+    llm = _Engine(unfinished=True)
+    with pytest.raises(RuntimeError, match="between cells"):
+        serve_runner.forget_served(llm)
+    assert llm.calls == []
+
+
+def test_a_prefix_cache_vllm_would_not_reset_is_said(caplog):
+    with caplog.at_level("WARNING", logger="calib.serve"):
+        serve_runner.forget_served(_Engine(reset_ok=False))
+    assert "did not reset its prefix cache" in caplog.text
+
+
+def test_a_worker_without_a_suffix_drafter_or_calib_serving_forgets_nothing():
+    worker = SimpleNamespace(model_runner=SimpleNamespace(drafter=object()))
+    assert serve_runner._forget_in_worker(worker) == {"vllm": 0, "calib": 0}
+
+
+@pytest.mark.parametrize("category", ["chat", "code_edit"])
+def test_the_warm_up_serves_prompts_no_cell_serves(category):
+    bench = load_bench("serve")
+    warm = bench.warmup_prompts(category)
+    served = load_prompts([f"data/prompts/{category}.jsonl"], root=bench.ROOT)
+    assert len(warm) == 2
+    assert {p.id for p in warm}.isdisjoint(p.id for p in served)
+    assert {str(p.messages) for p in warm}.isdisjoint(str(p.messages) for p in served)
+
+
+def test_a_category_without_held_out_prompts_warms_up_on_another_categorys():
+    assert len(load_bench("serve").warmup_prompts("smoke")) == 2
