@@ -63,3 +63,31 @@ def test_the_warm_up_serves_prompts_no_cell_serves(category):
 
 def test_a_category_without_held_out_prompts_warms_up_on_another_categorys():
     assert len(load_bench("serve").warmup_prompts("smoke")) == 2
+
+
+def test_the_bench_worker_warms_up_off_the_cells_prompts_and_forgets_before_every_cell(tmp_path, monkeypatch):
+    """bench/serve.py's worker, engine stood in: warm-up on held-out prompts, then the engine's state forgotten
+    before each timed cell, whatever the cells' shuffled order."""
+    import json
+
+    bench = load_bench("serve")
+    calls = []
+    monkeypatch.setattr(serve_runner, "build_engine", lambda cfg, root, max_num_seqs: "engine")
+    monkeypatch.setattr(serve_runner, "forget_served", lambda llm: calls.append("forget"))
+
+    def serve_cell(llm, cfg, prompts, sampling, concurrency, category, progress=True, tokens=None):
+        calls.append(("serve", sampling["max_tokens"], tuple(p.id for p in prompts)))
+        return {"tok_s": 1.0}, {}
+
+    monkeypatch.setattr(serve_runner, "serve_cell", serve_cell)
+    cells = [{"category": "code_edit", "sampling": s, "concurrency": 1, "max_tokens": 4, "n_prompts": 2}
+             for s in ("greedy", "sampled")]
+    spec = {"arm": "none", "rep": 0, "seed": 0, "cells": cells, "reference": None,
+            "overrides": [*bench.ARMS["none"]], "out": str(tmp_path / "out.json")}
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    bench.worker(str(tmp_path / "spec.json"))
+    warm = tuple(p.id for p in bench.warmup_prompts("code_edit"))
+    assert calls[0] == ("serve", 8, warm)
+    assert calls[1] == "forget" and calls[2][0] == "serve" and calls[3] == "forget" and calls[4][0] == "serve"
+    assert len(calls) == 5 and not set(warm) & set(calls[2][2] + calls[4][2])
+    assert len(json.loads((tmp_path / "out.json").read_text())) == 2
