@@ -113,6 +113,10 @@ def worker(spec_path: str) -> None:
 
     spec = json.loads(Path(spec_path).read_text())
     cfg = compose(spec["overrides"])
+    # Each repetition samples its own outputs: the engine's seed moves with the repetition, the same for every arm of
+    # it. With one seed, a sampled cell's repetitions drew the same texts again (an arm's accepted tokens per step
+    # alike to the last digit), so its median compared one draw of each arm's outputs. Greedy cells are unchanged.
+    cfg["seed"] = int(cfg["seed"]) + max(int(spec["rep"]), 0)
     llm = build_engine(cfg, ROOT, max_num_seqs=max(c["concurrency"] for c in spec["cells"]))
     cells = list(spec["cells"])
     random.Random(spec["seed"]).shuffle(cells)

@@ -67,12 +67,12 @@ def test_a_category_without_held_out_prompts_warms_up_on_another_categorys():
 
 def test_the_bench_worker_warms_up_off_the_cells_prompts_and_forgets_before_every_cell(tmp_path, monkeypatch):
     """bench/serve.py's worker, engine stood in: warm-up on held-out prompts, then the engine's state forgotten
-    before each timed cell, whatever the cells' shuffled order."""
+    before each timed cell, whatever the cells' shuffled order; each repetition's engine seeded apart."""
     import json
 
     bench = load_bench("serve")
-    calls = []
-    monkeypatch.setattr(serve_runner, "build_engine", lambda cfg, root, max_num_seqs: "engine")
+    calls, seeds = [], []
+    monkeypatch.setattr(serve_runner, "build_engine", lambda cfg, root, max_num_seqs: seeds.append(cfg["seed"]))
     monkeypatch.setattr(serve_runner, "forget_served", lambda llm: calls.append("forget"))
 
     def serve_cell(llm, cfg, prompts, sampling, concurrency, category, progress=True, tokens=None):
@@ -91,3 +91,7 @@ def test_the_bench_worker_warms_up_off_the_cells_prompts_and_forgets_before_ever
     assert calls[1] == "forget" and calls[2][0] == "serve" and calls[3] == "forget" and calls[4][0] == "serve"
     assert len(calls) == 5 and not set(warm) & set(calls[2][2] + calls[4][2])
     assert len(json.loads((tmp_path / "out.json").read_text())) == 2
+    spec.update(rep=3)  # a later repetition samples with a seed of its own
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    bench.worker(str(tmp_path / "spec.json"))
+    assert seeds == [0, 3]
