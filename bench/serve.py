@@ -10,8 +10,10 @@ and ``calib_two_drafter`` (two_drafter: EAGLE + the n-gram chain, calib picks ch
 ``--arms ... calib_ngram`` adds calib cutting vLLM's n-gram drafts; ``vllm_suffix`` (vLLM's suffix decoding) and
 ``calib_three_chain`` (EAGLE + the n-gram and the suffix chain) are the third drafter's (make install-suffix). Each (arm, repetition) is one process (calib's hooks install once per process)
 that builds its engine once (``max_num_seqs`` = the largest concurrency) and serves every cell (category x
-sampling x concurrency) in a shuffled order after a short warm-up; repetitions rotate the arms' order, so
-arms alternate on the clock. A cell at concurrency ``c`` serves ``max(min_prompts, 2c)`` prompts (a category
+sampling x concurrency) in a shuffled order after a short warm-up on held-out prompts no cell serves; every cell
+starts from an empty prefix cache and suffix trees (``calib.vllm.serve_runner.forget_served``: what an earlier cell
+cached would favour whichever arm served after it), and each repetition seeds the engine apart (a sampled cell's
+repetitions then draw different texts); repetitions rotate the arms' order, so arms alternate on the clock. A cell at concurrency ``c`` serves ``max(min_prompts, 2c)`` prompts (a category
 holding fewer is served again from the top, so the batch fills) with ``c`` in flight. Reported per cell: the median over repetitions of output
 tokens/s, and each arm's ratio to the best vLLM arm of that cell: no speculation included (a user who
 finds speculation slower turns it off), and to the best vLLM speculation arm (eagle, ngram, dynamic).
