@@ -93,17 +93,14 @@ def cell_prompts(prompts: list, n: int) -> list:
 
 
 def warmup_prompts(category: str, n: int = 2) -> list:
-    """The warm-up's prompts: the category's first held-out prompts (data/prompts/holdout/; another category's where
-    it has none), which no cell serves, so that the warm-up leaves nothing in a cache a cell could reuse (the
-    cells' prompts are the category's own file, :func:`cell_prompts`)."""
+    """The warm-up's prompts: the first of ``category`` in the held-out set (``prompts=holdout``,
+    data/prompts/holdout/; the set's first where it holds none of that category), which no cell serves, so that the
+    warm-up leaves nothing in a cache a cell could reuse (the cells' prompts are the category's own file,
+    :func:`cell_prompts`)."""
     from calib.prompts import load_prompts
 
-    folder = ROOT / "data/prompts/holdout"
-    files = [folder / f"{category}.jsonl"] if (folder / f"{category}.jsonl").is_file() else sorted(folder.glob("*.jsonl"))
-    if not files:
-        raise FileNotFoundError(f"{folder}: the warm-up serves held-out prompts (no cell serves them), and there are "
-                                "none; restore data/prompts/holdout/ from the repository")
-    return load_prompts([str(files[0])], root=ROOT)[:n]
+    held_out = load_prompts(compose(["prompts=holdout"])["prompts"]["files"], root=ROOT)
+    return ([p for p in held_out if p.category == category] or held_out)[:n]
 
 
 def worker(spec_path: str) -> None:
