@@ -176,6 +176,7 @@ def run(engine: str, B: int, steps: int, temperature: float, tables: str, cost: 
             prof.enable()
         if srv.planning:
             srv.plan_passes(runner, sched, sampled_prev)
+            srv.note_passes(runner, sched)  # retiring requests from the model chain (calib/vllm/retire.py)
         if on:
             prof.disable()
         t1 = CLOCK()

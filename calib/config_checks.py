@@ -210,7 +210,7 @@ def check_serve(cfg) -> None:
 
     # the serving knobs' own declaration, checked before the engine starts
     validate_config(job, cfg, {f"serve.{k}": v for k, v in ServeKnobs._parameter_constraints.items()
-                               if k.startswith(("online", "aside_"))})
+                               if k.startswith(("online", "aside_", "retire_"))})
     method = get(cfg, "speculative.method")
     if get(cfg, "policy.speculate") is True and method not in (ABSENT, None, "none"):
         validate_config(job, cfg, {"speculative.num_speculative_tokens": [INT_1]})

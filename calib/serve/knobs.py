@@ -89,6 +89,10 @@ class ServeKnobs:
     # own drafts, or no drafts, take that without deciding (0: always decide), deciding again every aside_every steps
     aside_after: int = 4
     aside_every: int = 16
+    # with a model drafter: retire a request from the model chain after this many consecutive steps its batch ran no
+    # draft pass; a step of retired requests only that runs none skips the head's idle pass (calib/vllm/retire.py;
+    # 0: never, the head runs every step as in vLLM)
+    retire_drafter_after: int = 4
 
     _parameter_constraints: ClassVar[dict] = {
         "tables": [TEXT],
@@ -109,6 +113,7 @@ class ServeKnobs:
         **{old: [NoneValue(), *OnlineSettings._parameter_constraints[new]] for old, new in DEPRECATED_ONLINE.items()},
         "aside_after": [Interval(numbers.Integral, 0, None)],
         "aside_every": [Interval(numbers.Integral, 1, None)],
+        "retire_drafter_after": [Interval(numbers.Integral, 0, None)],
         "oracle": [NoneValue(), Satisfies("None or the path of an existing oracle reference file "
                                           "(calib/serve/oracle.py)", lambda v: isinstance(v, str) and Path(v).is_file())],
     }

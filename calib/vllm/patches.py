@@ -16,7 +16,7 @@ log = logging.getLogger("calib.vllm")
 
 # (owner, method): what the patch set wraps. CPUModelRunner subclasses GPUModelRunner: one patch covers both.
 HOOKED = (("runner", "take_draft_token_ids"), ("runner", "_sample"), ("runner", "propose_draft_token_ids"),
-          ("runner", "_update_states"), ("proposer", "_sample_draft_tokens"))
+          ("runner", "_update_states"), ("proposer", "_sample_draft_tokens"), ("proposer", "propose"))
 
 
 class RunnerSubscriber:
@@ -57,6 +57,12 @@ class RunnerSubscriber:
 
     def before_update_states(self, runner, scheduler_output) -> None:
         """``_update_states`` is about to run (finished requests are in ``scheduler_output``)."""
+
+    def skips_idle_pass(self) -> bool:
+        """Whether the drafter's pass about to run, which drafts no token (``num_speculative_tokens == 0``), may be
+        skipped: vLLM runs it only to keep the head's KV cache in step. Skipped only when every subscriber says
+        so (capture never does: its banks need every step's drafter)."""
+        return False
 
 
 def takes_plain_argmax(proposer, sampling_metadata, base) -> bool:
@@ -191,6 +197,26 @@ class PatchSet:
             return token_ids, probs
 
         return _sample_draft_tokens
+
+
+    def _wrap_propose(self, orig, proposer_cls):
+        patch_set = self  # subscribers read at each call: a mode stood down at engine start leaves it
+
+        def propose(proposer, num_speculative_tokens, *args, **kwargs):
+            subscribers = patch_set.subscribers
+            # every subscriber is asked (each clears its own flag), and the pass is skipped if all of them say so
+            votes = [s.skips_idle_pass() for s in subscribers] if num_speculative_tokens == 0 else [False]
+            if subscribers and all(votes):
+                cad = kwargs.get("common_attn_metadata")
+                next_token_ids = kwargs.get("next_token_ids")
+                if cad is not None and next_token_ids is not None:
+                    # what vLLM's propose returns when it drafts nothing, without the head's forward
+                    proposer.num_speculative_tokens = 0
+                    proposer._last_draft_probs = None
+                    return torch.empty(cad.batch_size(), 0, device=next_token_ids.device, dtype=torch.int64)
+            return orig(proposer, num_speculative_tokens, *args, **kwargs)
+
+        return propose
 
 
 _INSTALLED: PatchSet | None = None

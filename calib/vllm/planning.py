@@ -46,7 +46,7 @@ class PlannedStep:
 class DraftPlanning:
     """The planning half of the serving state (mixed into :class:`calib.vllm.server.Server`, whose attributes it
     reads: ``decider``, ``recomputed``, ``k``, ``planned``, ``step_keys``, ``pass_prices``, ``forecasts``, ``oracle``, ``aside``,
-    ``stats``)."""
+    ``retirement``, ``stats``)."""
 
     @property
     def plan_chain(self) -> str | None:
@@ -126,6 +126,10 @@ class DraftPlanning:
         if axes not in columns:
             columns[axes] = context_columns(axes, inputs, dec.history)
         forecast = self.forecast(tables, drafted, meta, columns[axes], k_sched)  # [B, k_sched]
+        retired = self.retirement.retired
+        if retired and any(r in retired for r in req_ids):  # their head misses positions: no pass is for them
+            forecast = forecast.clone()  # the held forecast is shared between steps
+            forecast[torch.tensor([r in retired for r in req_ids])] = 0.0
         cost = dec.cost
         pass_cost = self.pass_prices.get(B)
         if pass_cost is None:  # an engine step-cost model prices a pass itself; else a fraction of C(B)

@@ -33,6 +33,8 @@ class ServeStats:
     plan_decided: int = 0  # decided steps whose allocation was the plan's own (0 passes: no second allocation)
     passes_engine: int = 0  # draft passes vLLM would have run on those steps
     passes_planned: int = 0  # ... and the passes calib ran instead
+    head_skipped: int = 0  # steps whose model drafter's idle pass was skipped (calib/vllm/retire.py)
+    retired: int = 0  # requests retired from the model chain (its head then skips their steps)
     plan_ms: list[float] = field(default_factory=list)  # per planned step: n-gram chains + forecast + plan_draft
     draft_ms: list[float] = field(default_factory=list)  # per step: vLLM's drafting (propose_draft_token_ids)
     step_ms: list[float] = field(default_factory=list)  # wall time between consecutive decisions (one engine step)
@@ -60,7 +62,8 @@ class ServeStats:
                 f"tokens {self.tokens_engine} -> {self.tokens_out}; allocator_ms mean {mean:.2f} max "
                 f"{max(ms, default=math.nan):.2f}; hook_ms mean {(sum(hk) / len(hk)) if hk else math.nan:.2f}; "
                 f"draft passes {self.passes_engine} -> {self.passes_planned} on {self.planned} planned steps "
-                f"({self.plan_decided} allocated by the plan) "
+                f"({self.plan_decided} allocated by the plan; the head's idle pass skipped on {self.head_skipped}, "
+                f"{self.retired} requests retired from the model chain) "
                 f"(plan_ms mean {(sum(self.plan_ms) / len(self.plan_ms)) if self.plan_ms else math.nan:.2f}); "
                 f"{self.left_to_vllm} request-steps left to vLLM (logit transforms); "
                 f"stood aside on {self.aside_engine} steps (vLLM's drafts) and {self.aside_none} (no drafts); "

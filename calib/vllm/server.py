@@ -19,6 +19,7 @@ from calib.serve.knobs import ServeKnobs
 from calib.vllm.planning import DraftPlanning, PlannedStep
 from calib.vllm.ranks import digest
 from calib.vllm.recomputed import Recomputed, StepContexts, recomputed_for
+from calib.vllm.retire import DrafterRetirement
 from calib.vllm.serve_stats import ServeStats, engine_identity, keep_engine_rows
 
 log = logging.getLogger("calib.serve")
@@ -54,6 +55,8 @@ class Server(DraftPlanning):
         self.oracle = None  # calib.serve.oracle.Oracle when knobs.oracle names a reference (set at construction)
         self.aside = StandAside(knobs.aside_after, knobs.aside_every)  # stretches that need no decision
         self.aside_now: tuple | None = None  # (request ids, verdict) the plan of this step's draft passes took
+        # requests the model drafter no longer pays for: a step of only those that runs no pass skips the head's
+        self.retirement = DrafterRetirement(knobs.retire_drafter_after)
         self._error_logged = 0
 
     # -- construction ----------------------------------------------------------------------------
@@ -212,6 +215,18 @@ class Server(DraftPlanning):
         dec.refresh()  # the online correction learns the step's outcomes, once per step before the next lookup
         self.stats.observe_ms.append((time.perf_counter() - start) * 1e3)
 
+    def note_passes(self, runner, scheduler_output) -> None:
+        """Before the drafter runs, once every rank agreed on the step's draft passes: whether the step skips the
+        head's pass and retires its requests from the model chain (:mod:`calib.vllm.retire`)."""
+        passes = getattr(scheduler_output, "num_spec_tokens_to_schedule", None)
+        if passes is None:
+            return
+        req_ids = list(runner.input_batch.req_ids)
+        before = len(self.retirement.retired)
+        if self.retirement.note_step(req_ids, int(passes)):
+            self.stats.head_skipped += 1
+            self.stats.retired += len(self.retirement.retired) - before
+
     def left_to_vllm(self, runner, req_ids) -> list[bool]:
         """Per request: whether its sampling parameters apply target-only logit transforms
         (:func:`calib.transforms.target_only_transforms`), so that calib leaves its drafts to vLLM.
@@ -237,6 +252,7 @@ class Server(DraftPlanning):
                 rec.finish(r)
             if self.oracle is not None:
                 self.oracle.finish(r)
+            self.retirement.finish(r)
             if self.decider is not None:
                 self.decider.finish(r)
 
@@ -375,8 +391,10 @@ class Server(DraftPlanning):
         # a model drafter: its draft with confidences (none drafted, beside a recomputed chain: left out, below)
         if chain(dec.engine_chain).confidence is not None and (any(engine) or not self.recomputed):
             model_tokens, conf = [], np.full((len(req_ids), K), np.nan, dtype=np.float32)
+            retired = self.retirement.retired
             for b, (r, toks) in enumerate(zip(req_ids, engine)):
-                c = self.conf.get(r, [])[: len(toks)]
+                # a retired request's head misses positions (calib/vllm/retire.py): its draft is not offered
+                c = [] if r in retired else self.conf.get(r, [])[: len(toks)]
                 model_tokens.append(toks[: len(c)])  # a depth without its confidence is not offered
                 if c:
                     conf[b, : len(c)] = c[:K]

@@ -60,6 +60,7 @@ class ServingSubscriber(RunnerSubscriber):
     def before_propose(self, runner, scheduler_output, sampled_token_ids) -> None:
         srv = self.server
         engine_k = getattr(scheduler_output, "num_spec_tokens_to_schedule", None)
+        srv.retirement.skip_now = False  # set again below for this step only
         planned = True
         try:
             if srv.planning:
@@ -74,6 +75,12 @@ class ServingSubscriber(RunnerSubscriber):
             mine = FAILED if not planned else (-2 if passes is None else int(passes))  # -2: no such field
             if not srv.ranks_agree(mine, "draft passes") and engine_k is not None:
                 scheduler_output.num_spec_tokens_to_schedule = engine_k
+        if planned and srv.planning and srv.oracle is None:  # the clock oracle keeps every request's head in step
+            try:
+                srv.note_passes(runner, scheduler_output)
+            except Exception as exc:  # noqa: BLE001 - the head runs as vLLM runs it
+                srv.retirement.skip_now = False
+                srv.error("note_passes", exc)
         srv.rows = []
         self.draft_start = time.perf_counter()
 
@@ -85,6 +92,9 @@ class ServingSubscriber(RunnerSubscriber):
         except Exception as exc:  # noqa: BLE001
             srv.rows = None
             srv.error("propose_draft_token_ids", exc)
+
+    def skips_idle_pass(self) -> bool:
+        return self.server.retirement.take_skip()
 
     def wants_depths(self) -> bool:
         return self.server.rows is not None

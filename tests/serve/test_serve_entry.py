@@ -98,6 +98,16 @@ def test_serve_entry_calib_two_drafter_is_lossless(tmp_path):
     assert set(ids) == set(texts)
     check_greedy_identity(runs["none"][1], texts, ids, ref.vocab, ref.logits, ("none", "two_drafter"))
 
+    # requests retired from the model chain after one step without a draft pass (calib/vllm/retire.py): the head
+    # skips their idle passes, and the outputs stay no speculation's
+    out = tmp_path / "retired"
+    proc = _serve("policy=two_drafter", f"out_dir={out}", *common, "serve.retire_drafter_after=1")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    st = json.loads((out / "serve.json").read_text())["calib"]
+    assert st["errors"] == 0 and st["head_skipped"] > 0 and st["retired"] > 0, st
+    check_greedy_identity(runs["none"][1], json.loads((out / "outputs.json").read_text()), ids, ref.vocab, ref.logits,
+                          ("none", "two_drafter retired"))
+
     # the out_dir now holds serve.json: not replaced without overwrite=true
     proc = _serve("policy=none", f"out_dir={tmp_path / 'none'}", *common)
     assert proc.returncode != 0 and "overwrite=true" in (proc.stdout + proc.stderr)

@@ -1,0 +1,59 @@
+"""Retiring the model drafter from requests it does not pay for, so that a step can skip its head's pass.
+
+vLLM runs an EAGLE or draft-model head over every step's verified tokens even when it drafts nothing
+(``num_speculative_tokens == 0``): the pass writes the head's KV cache for those positions, so that a later draft
+can read them (vllm/v1/spec_decode/llm_base_proposer.py, ``propose``). On one CPU core that pass is 3.2–3.5 ms of a
+~100 ms step at concurrency 4 (docs/deployment.md). Where the plan of draft passes has run no pass for a request in
+``after`` consecutive steps, the request is *retired*: its model chain is never offered again (the head's cache
+would miss the positions of every step it skips), and a step whose requests are all retired and whose plan runs no
+pass skips the head's pass altogether (:meth:`calib.vllm.patches.RunnerSubscriber.skips_idle_pass`). A request that
+has not yet retired keeps the pass running for the whole batch; the pass then fills every request's positions of
+that step, retired ones included, which is harmless: they are never drafted for again.
+"""
+
+from __future__ import annotations
+
+
+class DrafterRetirement:
+    """Per-request streaks of steps without a draft pass, and the requests retired from the model chain.
+
+    ``after``: retire a request after this many consecutive steps its batch ran no draft pass (0: never, vLLM's
+    own behaviour: the head runs every step)."""
+
+    def __init__(self, after: int):
+        self.after = int(after)
+        self.streak: dict[str, int] = {}  # req_id -> consecutive steps without a draft pass, this one included
+        self.retired: set[str] = set()  # requests the head skipped a step of: their model chain is never offered
+        self.skip_now = False  # the step in progress skips the head's pass (read once by the propose hook)
+
+    def note_step(self, req_ids, passes: int) -> bool:
+        """The step's requests and the draft passes it runs (after every rank agreed on them): whether it skips
+        the head's pass, which it does when it runs none and every request has gone ``after`` steps without one.
+        Its requests are then retired."""
+        self.skip_now = False
+        if self.after <= 0:
+            return False
+        if passes > 0:
+            for r in req_ids:
+                if r not in self.retired:
+                    self.streak[r] = 0
+            return False
+        streak = self.streak
+        for r in req_ids:
+            streak[r] = streak.get(r, 0) + 1
+        if req_ids and all(r in self.retired or streak[r] >= self.after for r in req_ids):
+            self.retired.update(req_ids)
+            self.skip_now = True
+        return self.skip_now
+
+    def take_skip(self) -> bool:
+        """Whether the drafter's pass in progress is to be skipped (cleared on reading: one pass per step)."""
+        skip, self.skip_now = self.skip_now, False
+        return skip
+
+    def is_retired(self, req_id: str) -> bool:
+        return req_id in self.retired
+
+    def finish(self, req_id: str) -> None:
+        self.streak.pop(req_id, None)
+        self.retired.discard(req_id)

@@ -1,0 +1,143 @@
+"""Retiring the model drafter (calib/vllm/retire.py): the streaks that retire a request, the step that skips the
+head's idle pass, the patch set's propose hook that skips it (stand-in proposer, no vLLM), and the server that
+offers a retired request's model draft no more (stand-in decider and runner)."""
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from calib.chains import chains
+from calib.serve.knobs import ServeKnobs
+from calib.vllm.patches import PatchSet, RunnerSubscriber
+from calib.vllm.retire import DrafterRetirement
+
+MODEL = next(k for k in chains() if k.confidence is not None)  # the model drafter's chain
+LOOKUP = next(k for k in chains() if k.propose is not None)  # a chain calib recomputes (n-gram)
+
+
+def test_a_step_skips_only_when_every_request_went_long_enough_without_a_pass():
+    r = DrafterRetirement(after=2)
+    assert not r.note_step(["a", "b"], 0)  # one step without a pass each: not yet
+    assert r.note_step(["a", "b"], 0) and r.take_skip() and not r.take_skip()  # read once per step
+    assert r.retired == {"a", "b"}
+    assert not r.note_step(["a", "b", "c"], 0)  # a newcomer keeps the head running for the batch...
+    assert not r.note_step(["a", "b", "c"], 3)  # ... a pass for it does not bring the others back ...
+    assert r.retired == {"a", "b"} and r.streak["c"] == 0
+    assert not r.note_step(["a", "b", "c"], 0)
+    assert r.note_step(["a", "b", "c"], 0) and r.retired == {"a", "b", "c"}  # ... until it went 2 steps without one
+    r.finish("a")
+    assert not r.is_retired("a") and "a" not in r.streak
+    assert not r.note_step([], 0)
+
+
+def test_retiring_off_never_skips():
+    r = DrafterRetirement(after=0)
+    for _ in range(10):
+        assert not r.note_step(["a"], 0)
+    assert not r.retired and not r.take_skip()
+
+
+class Proposer:
+    """Stand-in for SpecDecodeBaseProposer.propose: records its calls (its forward)."""
+
+    def __init__(self):
+        self.calls = 0
+        self.num_speculative_tokens = 4
+        self._last_draft_probs = "stale"
+
+    def propose(self, num_speculative_tokens, **kwargs):
+        self.calls += 1
+        return torch.zeros(kwargs["common_attn_metadata"].batch_size(), num_speculative_tokens, dtype=torch.int64)
+
+    def _sample_draft_tokens(self, hidden_states, sampling_metadata):
+        raise AssertionError("not reached")
+
+
+class Runner:
+    def take_draft_token_ids(self):
+        return None
+
+    def _sample(self, logits, spec_decode_metadata):
+        return None
+
+    def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, *args):
+        return None
+
+    def _update_states(self, scheduler_output):
+        return None
+
+
+class Says(RunnerSubscriber):
+    def __init__(self, skip):
+        self.skip, self.asked = skip, 0
+
+    def skips_idle_pass(self):
+        self.asked += 1
+        return self.skip
+
+
+@pytest.mark.parametrize("votes, k, skipped", [((True,), 0, True), ((True, True), 0, True), ((True, False), 0, False),
+                                               ((False,), 0, False), ((True,), 2, False)])
+def test_the_propose_hook_skips_the_idle_pass_only_when_every_subscriber_says_so(votes, k, skipped):
+    runner_cls, proposer_cls = type("R", (Runner,), {}), type("P", (Proposer,), {})
+    subs = [Says(v) for v in votes]
+    PatchSet(subs).install(runner_cls, proposer_cls)
+    proposer = proposer_cls()
+    kwargs = {"common_attn_metadata": SimpleNamespace(batch_size=lambda: 3), "next_token_ids": torch.zeros(3)}
+    out = proposer.propose(num_speculative_tokens=k, **kwargs) if k == 2 else proposer.propose(k, **kwargs)
+    assert out.shape == (3, k) and out.dtype == torch.int64
+    assert proposer.calls == (0 if skipped else 1)
+    if skipped:  # the state vLLM's own propose leaves when it drafts nothing
+        assert proposer.num_speculative_tokens == 0 and proposer._last_draft_probs is None
+    assert all(s.asked == (1 if k == 0 else 0) for s in subs)  # each asked once: each clears its own flag
+
+
+def test_knob_is_validated():
+    assert ServeKnobs("t").retire_drafter_after == 4
+    assert ServeKnobs.from_json('{"tables": "t", "retire_drafter_after": 0}').retire_drafter_after == 0
+    for bad in (-1, 1.5, True, "2"):
+        with pytest.raises((TypeError, ValueError), match="retire_drafter_after"):
+            ServeKnobs("t", retire_drafter_after=bad)
+
+
+def _server(after: int):
+    from calib.vllm.recomputed import Recomputed
+    from calib.vllm.server import Server
+
+    srv = Server(ServeKnobs("unused-tables", retire_drafter_after=after))
+    srv.k, srv.max_model_len, srv.planning = 4, 2048, True
+    srv.recomputed = {LOOKUP.name: Recomputed(LOOKUP, (1, 4, 4), 4, [], 2048)}
+    srv.decider = SimpleNamespace(enabled=True, engine_chain=MODEL.name, chains=[MODEL.name, LOOKUP.name],
+                                  finish=lambda r: None)
+    return srv
+
+
+def _runner(req_ids):
+    B = len(req_ids)
+    tokens = np.zeros((B, 64), dtype=np.int32)
+    tokens[:, :6] = [1, 2, 3, 4, 1, 2]
+    n = np.full(B, 6, dtype=np.int32)
+    batch = SimpleNamespace(req_ids=list(req_ids), req_id_to_index={r: b for b, r in enumerate(req_ids)},
+                            token_ids_cpu=tokens, num_tokens_no_spec=n, num_prompt_tokens=n.copy(),
+                            temperature_cpu=np.zeros(B, dtype=np.float32))
+    return SimpleNamespace(input_batch=batch, requests={})
+
+
+def test_the_server_retires_requests_and_offers_their_model_draft_no_more():
+    srv = _server(after=2)
+    runner = _runner(["a", "b"])
+    sched = SimpleNamespace(num_spec_tokens_to_schedule=0)
+    srv.note_passes(runner, sched)
+    assert not srv.retirement.skip_now and srv.stats.head_skipped == 0
+    srv.note_passes(runner, sched)
+    assert srv.retirement.skip_now and (srv.stats.head_skipped, srv.stats.retired) == (1, 2)
+    srv.retirement.retired.discard("b")  # as if "b" had not retired: its draft is still offered
+    srv.conf = {"a": [0.9, 0.8], "b": [0.7, 0.6]}
+    offers = srv.offers(srv.decider, ["a", "b"], [[5, 6], [5, 6]], runner.input_batch, [0, 1])
+    model = offers[MODEL.name]
+    assert model.tokens == [[], [5, 6]]  # the retired request's draft left out
+    assert np.isnan(model.signal[0]).all() and model.signal[1, :2].tolist() == pytest.approx([0.7, 0.6])
+    srv.finished(["a"])
+    assert not srv.retirement.is_retired("a")
