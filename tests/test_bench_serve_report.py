@@ -99,6 +99,10 @@ def test_a_cell_whose_model_drafter_does_not_pay_names_the_engine_to_deploy_inst
     (line,) = clock.deploy_lines([row])
     assert line.startswith("code_edit/greedy/c4: calib_two_drafter ran 0% of the model drafter's passes")
     assert "deploy the n-gram engine (calib_ngram 1.21× vs calib_two_drafter" in line
+    # measured faster on the EAGLE engine all the same: either engine, not the slower one
+    (faster,) = clock.rows(RECORDS + [two(0, 80.0, 1, 400), two(1, 82.0, 0, 400)])
+    (line,) = clock.deploy_lines([faster])
+    assert "either engine (calib_ngram 1.21× vs calib_two_drafter" in line and "deploy the n-gram" not in line
     drafting = RECORDS + [two(0, 55.0, 300, 400), two(1, 57.0, 280, 400)]
     assert clock.deploy_lines(clock.rows(drafting)) == []
     _bench().report({"table": [row], "arms": [*ARMS, "calib_two_drafter"], "cost_model": "engine"})

@@ -229,8 +229,9 @@ IDLE_DRAFTER_SHARE = 0.05
 
 def deploy_lines(table: list[dict]) -> list[str]:
     """Per cell where a calib arm with a model drafter ran under :data:`IDLE_DRAFTER_SHARE` of vLLM's draft passes
-    (its tables said the drafter does not pay): which engine to deploy instead, with both arms' ratios; an EAGLE
-    engine then pays its head's idle first pass every step for nothing (docs/profile.md)."""
+    (its tables said the drafter does not pay): which engine to deploy instead, with both arms' ratios (either, where
+    the arm on the EAGLE engine measured the faster); an EAGLE engine then still pays its head's prefill and its
+    pass over each request's first steps (calib/vllm/retire.py; docs/profile.md)."""
     out = []
     for row in table:
         for arm, share in (row.get("model_passes_share") or {}).items():
@@ -239,8 +240,14 @@ def deploy_lines(table: list[dict]) -> list[str]:
             ratio = row["ratio_to_best_vllm"]
             alt = [a for a in calib_arms() if a in ratio and a not in row["model_passes_share"]]
             best_alt = max(alt, key=ratio.get) if alt else None
-            instead = (f"deploy the n-gram engine ({best_alt} {fmt_x(ratio.get(best_alt))} vs {arm} {fmt_x(ratio.get(arm))} "
-                       f"the best vLLM arm)" if best_alt else f"deploy {row['best_vllm']} (the best vLLM arm)")
+            both = (f"{best_alt} {fmt_x(ratio.get(best_alt))} vs {arm} {fmt_x(ratio.get(arm))} the best vLLM arm"
+                    if best_alt else None)
+            if best_alt is None:
+                instead = f"deploy {row['best_vllm']} (the best vLLM arm)"
+            elif (ratio.get(best_alt) or 0.0) >= (ratio.get(arm) or 0.0):
+                instead = f"deploy the n-gram engine ({both})"
+            else:  # the EAGLE engine measured faster all the same: say so rather than advise the slower one
+                instead = f"either engine ({both}); the n-gram engine loads no drafter"
             out.append(f"{row['category']}/{row['sampling']}/c{row['concurrency']}: {arm} ran {share:.0%} of the "
                        f"model drafter's passes, which does not pay here: {instead}")
     return out

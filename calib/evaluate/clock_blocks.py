@@ -100,8 +100,9 @@ def render_tables(result: dict, source: str, root: Path = ROOT) -> str:
                        "accepts); none where the oracle is not 2 % above the best vLLM arm:"), "", head]
     deploy = deploy_lines(result["table"])
     if deploy:
-        parts += ["", ("Where the tables say the model drafter does not pay (an EAGLE engine then costs its head's idle "
-                  "first pass every step):"), "", *(f"- {line}" for line in deploy)]
+        parts += ["", ("Where the tables say the model drafter does not pay (an EAGLE engine then still costs its head's "
+                  "prefill and its pass over each request's first steps, until calib retires the request from the "
+                  "model chain):"), "", *(f"- {line}" for line in deploy)]
     parts += ["", f"float32 greedy outputs identical to no speculation (concurrency 4): {same}."]
     return "\n".join(parts)
 
