@@ -103,6 +103,11 @@ def test_a_cell_whose_model_drafter_does_not_pay_names_the_engine_to_deploy_inst
     (faster,) = clock.rows(RECORDS + [two(0, 80.0, 1, 400), two(1, 82.0, 0, 400)])
     (line,) = clock.deploy_lines([faster])
     assert "either engine (calib_ngram 1.21× vs calib_two_drafter" in line and "deploy the n-gram" not in line
+    assert "faster than both" not in line  # both beat the best vLLM arm here
+    slow = {**faster, "ratio_to_best_vllm": {**faster["ratio_to_best_vllm"], "calib_ngram": 0.9, "calib_two_drafter": 0.8}}
+    (line,) = clock.deploy_lines([slow])
+    assert "deploy the n-gram engine (calib_ngram 0.90× vs calib_two_drafter 0.80×" in line
+    assert line.endswith(f"; {faster['best_vllm']} was faster than both here")
     drafting = RECORDS + [two(0, 55.0, 300, 400), two(1, 57.0, 280, 400)]
     assert clock.deploy_lines(clock.rows(drafting)) == []
     _bench().report({"table": [row], "arms": [*ARMS, "calib_two_drafter"], "cost_model": "engine"})

@@ -248,6 +248,9 @@ def deploy_lines(table: list[dict]) -> list[str]:
                 instead = f"deploy the n-gram engine ({both})"
             else:  # the EAGLE engine measured faster all the same: say so rather than advise the slower one
                 instead = f"either engine ({both}); the n-gram engine loads no drafter"
+            if best_alt is not None and max(ratio.get(best_alt) or 0.0, ratio.get(arm) or 0.0) < 1.0:
+                best = "no speculation" if row["best_vllm"] == "none" else row["best_vllm"]
+                instead += f"; {best} was faster than both here"
             out.append(f"{row['category']}/{row['sampling']}/c{row['concurrency']}: {arm} ran {share:.0%} of the "
                        f"model drafter's passes, which does not pay here: {instead}")
     return out
