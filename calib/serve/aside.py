@@ -37,10 +37,16 @@ def batch_key(temperatures: Sequence[float]) -> tuple:
     return (len(temperatures), tuple(sorted(round(float(t), 3) for t in temperatures)))
 
 
-def decision_kind(drafts: Sequence[Sequence[int]], engine: Sequence[Sequence[int]]) -> str | None:
+def decision_kind(drafts: Sequence[Sequence[int]], engine: Sequence[Sequence[int]],
+                  planned_passes: int | None = None) -> str | None:
     """:data:`EMPTY` when vLLM proposed nothing, ``"none"`` when nothing is verified, ``"engine"`` when every
-    list is vLLM's own, else None."""
+    list is vLLM's own, else None. ``planned_passes``: the model-drafter passes calib's plan ran this step (None: it
+    set none). Where it ran none, vLLM proposed nothing because calib said so: the step is calib's own decision
+    (``"none"``, or None where it verified another chain's tokens), never :data:`EMPTY`, which would keep an
+    ``"engine"`` stretch, and with it vLLM's K passes, alive through every re-check."""
     if not any(engine):
+        if planned_passes == 0:
+            return None if any(drafts) else "none"
         return EMPTY
     if not any(drafts):
         return "none"
@@ -64,6 +70,10 @@ class StandAside:
     def __post_init__(self):
         if int(self.after) < 0 or int(self.every) < 1:
             raise ValueError(f"stand-aside needs after >= 0 and every >= 1, got after={self.after}, every={self.every}")
+
+    def forget(self) -> None:
+        """End the stretch in progress (between a bench's cells; the kinds already logged stay logged)."""
+        self.key, self.kind, self.streak, self.skipped = None, None, 0, 0
 
     def verdict(self, key: tuple) -> str | None:
         """The kind this step takes without a decision, or None (decide). Counts the step when skipped."""

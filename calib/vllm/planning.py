@@ -163,6 +163,7 @@ class DraftPlanning:
     def set_passes(self, scheduler_output, passes: int, k_sched: int, start: float) -> None:
         """Run ``passes`` draft passes this step (vLLM would run ``k_sched``); counted in the statistics."""
         scheduler_output.num_spec_tokens_to_schedule = passes
+        self.passes_now = passes  # this step's decision reads it (Server.step: a step vLLM drafted nothing on)
         s = self.stats
         s.planned += 1
         s.passes_planned += passes

@@ -380,12 +380,15 @@ def _rank_snapshot(worker) -> dict | None:
 
 def _forget_in_worker(worker) -> dict:
     """In a worker (``LLM.collective_rpc``): the suffix trees' finished responses evicted, vLLM's suffix drafter's
-    and calib's recomputed chains'; how many of each."""
+    and calib's recomputed chains'; how many of each. calib's stand-aside stretch ends too (a stretch kept for a batch
+    of the same size and temperatures would otherwise carry over into the next cell)."""
     from calib.chains.suffix import forget_responses
     from calib.vllm import serving
 
     cache = getattr(getattr(getattr(worker, "model_runner", None), "drafter", None), "suffix_cache", None)
     srv = serving.server()
+    if srv is not None:
+        srv.aside.forget()
     return {"vllm": forget_responses(cache) if cache is not None else 0,
             "calib": sum(rec.forget_responses() for rec in (srv.recomputed.values() if srv is not None else ()))}
 

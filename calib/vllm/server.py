@@ -55,6 +55,7 @@ class Server(DraftPlanning):
         self.oracle = None  # calib.serve.oracle.Oracle when knobs.oracle names a reference (set at construction)
         self.aside = StandAside(knobs.aside_after, knobs.aside_every)  # stretches that need no decision
         self.aside_now: tuple | None = None  # (request ids, verdict) the plan of this step's draft passes took
+        self.passes_now: int | None = None  # the draft passes the plan set this step (None: it set none)
         # requests the model drafter no longer pays for: a step of only those that runs no pass skips the head's
         self.retirement = DrafterRetirement(knobs.retire_drafter_after)
         self._error_logged = 0
@@ -262,6 +263,7 @@ class Server(DraftPlanning):
 
         start = time.perf_counter()
         self.stats.steps += 1
+        passes_now, self.passes_now = self.passes_now, None
         dec = self.ensure(runner)
         if dec is None or not dec.enabled:
             self.stats.passthrough += 1
@@ -325,7 +327,7 @@ class Server(DraftPlanning):
         # what the online correction learns from once the step is verified (never the requests left to vLLM)
         if d is not None and self.oracle is None:  # the oracle learns nothing
             dec.remember(inputs, d, skip=left)
-            self.note_kind(key, decision_kind(drafts, engine) if not any(left) else None)
+            self.note_kind(key, decision_kind(drafts, engine, passes_now) if not any(left) else None)
         if sampled:  # the rejection sampler's q rows must follow the lists handed back
             self.rebuild_draft_probs(runner, req_ids, drafts, chain_ids)
         self.count(drafts, engine, decided=d is not None)

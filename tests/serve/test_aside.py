@@ -46,6 +46,31 @@ def test_a_step_without_a_proposal_neither_extends_nor_ends_a_stretch():
     assert aside.verdict(key) == "engine"  # the empty step between did not break the streak
 
 
+def test_a_step_the_plan_ran_no_pass_on_is_calibs_own_and_ends_an_engine_stretch():
+    """On a model-drafter engine vLLM proposes nothing where calib's plan ran no pass: that is calib's decision, not
+    a step without a proposal. Counted as EMPTY, it kept an "engine" stretch (vLLM's K EAGLE passes, handed through)
+    alive through every re-check: code edits c = 4 greedy served 74 of 81 steps so, 0.53x (bench/serve.py, Dec 5)."""
+    assert decision_kind([[5, 6], []], [[], []], planned_passes=0) is None  # another chain verified: its own lists
+    assert decision_kind([[], []], [[], []], planned_passes=0) == "none"
+    assert decision_kind([[], []], [[], []], planned_passes=None) == EMPTY  # no plan: vLLM found nothing to draft
+    aside, key = StandAside(after=2, every=4), batch_key([0.0, 0.0])
+    for _ in range(2):
+        aside.record(key, "engine")
+    while aside.verdict(key) == "engine":
+        pass
+    aside.record(key, decision_kind([[5, 6], [7]], [[], []], planned_passes=0))  # the re-check: the plan ran none
+    assert aside.verdict(key) is None  # the stretch is over
+
+
+def test_forget_ends_the_stretch():
+    aside, key = StandAside(after=2, every=8), batch_key([0.0])
+    aside.record(key, "engine")
+    aside.record(key, "engine")
+    assert aside.verdict(key) == "engine"
+    aside.forget()
+    assert aside.verdict(key) is None
+
+
 def test_decision_kinds():
     assert decision_kind([[], []], [[1, 2], []]) == "none"
     assert decision_kind([[1, 2], []], [[1, 2], []]) == "engine"

@@ -46,6 +46,21 @@ def test_a_prefix_cache_vllm_would_not_reset_is_said(caplog):
     assert "did not reset its prefix cache" in caplog.text
 
 
+def test_the_worker_ends_calibs_stand_aside_stretch(monkeypatch):
+    """A stretch kept for a batch of one size and temperatures carried into the next cell of that batch shape (code
+    edits c = 4 greedy after chat c = 4 greedy stood aside with vLLM's own lists)."""
+    from calib.serve.aside import StandAside, batch_key
+    from calib.vllm import serving
+
+    aside, key = StandAside(after=1, every=16), batch_key([0.0] * 4)
+    aside.record(key, "engine")
+    assert aside.verdict(key) == "engine"
+    monkeypatch.setattr(serving, "server", lambda: SimpleNamespace(aside=aside, recomputed={}))
+    worker = SimpleNamespace(model_runner=SimpleNamespace(drafter=object()))
+    assert serve_runner._forget_in_worker(worker) == {"vllm": 0, "calib": 0}
+    assert aside.verdict(key) is None
+
+
 def test_a_worker_without_a_suffix_drafter_or_calib_serving_forgets_nothing():
     worker = SimpleNamespace(model_runner=SimpleNamespace(drafter=object()))
     assert serve_runner._forget_in_worker(worker) == {"vllm": 0, "calib": 0}
