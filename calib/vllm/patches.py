@@ -198,7 +198,6 @@ class PatchSet:
 
         return _sample_draft_tokens
 
-
     def _wrap_propose(self, orig, proposer_cls):
         patch_set = self  # subscribers read at each call: a mode stood down at engine start leaves it
 

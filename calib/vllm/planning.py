@@ -46,7 +46,7 @@ class PlannedStep:
 class DraftPlanning:
     """The planning half of the serving state (mixed into :class:`calib.vllm.server.Server`, whose attributes it
     reads: ``decider``, ``recomputed``, ``k``, ``planned``, ``step_keys``, ``pass_prices``, ``forecasts``, ``oracle``, ``aside``,
-    ``retirement``, ``stats``)."""
+    ``retirement``, ``stats``; it sets ``passes_now``)."""
 
     @property
     def plan_chain(self) -> str | None:

@@ -61,6 +61,7 @@ class ServingSubscriber(RunnerSubscriber):
         srv = self.server
         engine_k = getattr(scheduler_output, "num_spec_tokens_to_schedule", None)
         srv.retirement.skip_now = False  # set again below for this step only
+        srv.passes_now = None  # the plan sets it when it runs
         planned = True
         try:
             if srv.planning:
