@@ -38,12 +38,14 @@ def batch_key(temperatures: Sequence[float]) -> tuple:
 
 
 def decision_kind(drafts: Sequence[Sequence[int]], engine: Sequence[Sequence[int]],
-                  planned_passes: int | None = None) -> str | None:
+                  planned_passes: int | None = None, k: int | None = None) -> str | None:
     """:data:`EMPTY` when vLLM proposed nothing, ``"none"`` when nothing is verified, ``"engine"`` when every
     list is vLLM's own, else None. ``planned_passes``: the model-drafter passes calib's plan ran this step (None: it
     set none). Where it ran none, vLLM proposed nothing because calib said so: the step is calib's own decision
     (``"none"``, or None where it verified another chain's tokens), never :data:`EMPTY`, which would keep an
-    ``"engine"`` stretch, and with it vLLM's K passes, alive through every re-check."""
+    ``"engine"`` stretch, and with it vLLM's K passes, alive through every re-check. Nor is a step whose plan ran
+    fewer than ``k`` (vLLM's K) passes ``"engine"`` when calib kept vLLM's lists: they were the plan's, and a stretch
+    would hand back vLLM's K passes instead (chat c = 1 greedy: 154 of 272 steps so, 0.90×)."""
     if not any(engine):
         if planned_passes == 0:
             return None if any(drafts) else "none"
@@ -51,7 +53,8 @@ def decision_kind(drafts: Sequence[Sequence[int]], engine: Sequence[Sequence[int
     if not any(drafts):
         return "none"
     if all(list(x) == list(e) for x, e in zip(drafts, engine)):
-        return "engine"
+        planned_fewer = planned_passes is not None and k is not None and planned_passes < k
+        return None if planned_fewer else "engine"
     return None
 
 

@@ -327,7 +327,7 @@ class Server(DraftPlanning):
         # what the online correction learns from once the step is verified (never the requests left to vLLM)
         if d is not None and self.oracle is None:  # the oracle learns nothing
             dec.remember(inputs, d, skip=left)
-            self.note_kind(key, decision_kind(drafts, engine, passes_now) if not any(left) else None)
+            self.note_kind(key, decision_kind(drafts, engine, passes_now, K) if not any(left) else None)
         if sampled:  # the rejection sampler's q rows must follow the lists handed back
             self.rebuild_draft_probs(runner, req_ids, drafts, chain_ids)
         self.count(drafts, engine, decided=d is not None)

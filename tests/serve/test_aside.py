@@ -62,6 +62,13 @@ def test_a_step_the_plan_ran_no_pass_on_is_calibs_own_and_ends_an_engine_stretch
     assert aside.verdict(key) is None  # the stretch is over
 
 
+def test_vllms_lists_under_a_plan_of_fewer_passes_are_not_vllms_own():
+    """Kept whole, the head's 2-pass draft is the plan's, not vLLM's K = 4: an "engine" stretch would run 4 passes."""
+    assert decision_kind([[5, 6]], [[5, 6]], planned_passes=2, k=4) is None
+    assert decision_kind([[5, 6, 7, 8]], [[5, 6, 7, 8]], planned_passes=4, k=4) == "engine"
+    assert decision_kind([[5, 6]], [[5, 6]]) == "engine"  # no plan (the n-gram engine): vLLM's own
+
+
 def test_forget_ends_the_stretch():
     aside, key = StandAside(after=2, every=8), batch_key([0.0])
     aside.record(key, "engine")
