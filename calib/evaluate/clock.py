@@ -240,17 +240,17 @@ def deploy_lines(table: list[dict]) -> list[str]:
             ratio = row["ratio_to_best_vllm"]
             alt = [a for a in calib_arms() if a in ratio and a not in row["model_passes_share"]]
             best_alt = max(alt, key=ratio.get) if alt else None
-            both = (f"{best_alt} {fmt_x(ratio.get(best_alt))} vs {arm} {fmt_x(ratio.get(arm))} the best vLLM arm"
-                    if best_alt else None)
             if best_alt is None:
                 instead = f"deploy {row['best_vllm']} (the best vLLM arm)"
-            elif (ratio.get(best_alt) or 0.0) >= (ratio.get(arm) or 0.0):
-                instead = f"deploy the n-gram engine ({both})"
-            else:  # the EAGLE engine measured faster all the same: say so rather than advise the slower one
-                instead = f"either engine ({both}); the n-gram engine loads no drafter"
-            if best_alt is not None and max(ratio.get(best_alt) or 0.0, ratio.get(arm) or 0.0) < 1.0:
-                best = "no speculation" if row["best_vllm"] == "none" else row["best_vllm"]
-                instead += f"; {best} was faster than both here"
+            else:
+                alt_x, arm_x = ratio.get(best_alt) or 0.0, ratio.get(arm) or 0.0
+                both = f"{best_alt} {fmt_x(ratio.get(best_alt))} vs {arm} {fmt_x(ratio.get(arm))} the best vLLM arm"
+                # where the EAGLE engine measured faster all the same, say so rather than advise the slower one
+                instead = (f"deploy the n-gram engine ({both})" if alt_x >= arm_x
+                           else f"either engine ({both}); the n-gram engine loads no drafter")
+                if max(alt_x, arm_x) < 1.0:
+                    best = "no speculation" if row["best_vllm"] == "none" else row["best_vllm"]
+                    instead += f"; {best} was faster than both here"
             out.append(f"{row['category']}/{row['sampling']}/c{row['concurrency']}: {arm} ran {share:.0%} of the "
                        f"model drafter's passes, which does not pay here: {instead}")
     return out

@@ -127,9 +127,10 @@ class DraftPlanning:
             columns[axes] = context_columns(axes, inputs, dec.history)
         forecast = self.forecast(tables, drafted, meta, columns[axes], k_sched)  # [B, k_sched]
         retired = self.retirement.retired
-        if retired and any(r in retired for r in req_ids):  # their head misses positions: no pass is for them
+        gone = [r in retired for r in req_ids] if retired else ()
+        if any(gone):  # their head misses positions: no pass is for them
             forecast = forecast.clone()  # the held forecast is shared between steps
-            forecast[torch.tensor([r in retired for r in req_ids])] = 0.0
+            forecast[torch.tensor(gone)] = 0.0
         cost = dec.cost
         pass_cost = self.pass_prices.get(B)
         if pass_cost is None:  # an engine step-cost model prices a pass itself; else a fraction of C(B)

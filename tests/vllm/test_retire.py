@@ -12,6 +12,7 @@ from calib.chains import chains
 from calib.serve.knobs import ServeKnobs
 from calib.vllm.patches import PatchSet, RunnerSubscriber
 from calib.vllm.retire import DrafterRetirement
+from tests.vllm.test_patches import Runner  # the runner's hooked methods, standing in
 
 MODEL = next(k for k in chains() if k.confidence is not None)  # the model drafter's chain
 LOOKUP = next(k for k in chains() if k.propose is not None)  # a chain calib recomputes (n-gram)
@@ -53,20 +54,6 @@ class Proposer:
 
     def _sample_draft_tokens(self, hidden_states, sampling_metadata):
         raise AssertionError("not reached")
-
-
-class Runner:
-    def take_draft_token_ids(self):
-        return None
-
-    def _sample(self, logits, spec_decode_metadata):
-        return None
-
-    def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, *args):
-        return None
-
-    def _update_states(self, scheduler_output):
-        return None
 
 
 class Says(RunnerSubscriber):
