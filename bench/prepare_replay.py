@@ -5,9 +5,14 @@
 
 Three steps, each skipped when its output is already there (so a killed run resumes where it stopped):
 
-1. **profile** this machine's engine step (bench/profile_step.py --step-cost) into ``OUT/step-cost.json``:
-   the cost that serving prices with (``serve.cost``) and the replay charges (``cost.engine.path``), with the
-   CPU and dtype it was measured on recorded in it (eval.py and bench/serve.py warn when those differ);
+1. **profile** this machine's engine step (bench/profile_step.py), greedy and under sampling, each category the
+   bench serves apart (``OUT/profile/<sampling>-<category>.json``), then fit one step cost from all of them
+   (``--step-cost``) into ``OUT/step-cost.json``: the cost that serving prices with (``serve.cost``) and the
+   replay charges (``cost.engine.path``), with the CPU and dtype it was measured on recorded in it (eval.py and
+   bench/serve.py warn when those differ). Both samplings, because a step under sampling pays the rejection
+   sampler's random path once it verifies a draft token (the cost's ``sampled`` term, docs/cost.md): a greedy
+   profile cannot see it, and serving priced by one drafts at T = 0.8 where drafting loses. Both categories,
+   because the fit's attention terms need contexts of both lengths (step-cost version 3);
 2. **collect** banks on the prompts, K, dtype and engine the bench serves (collect.py: EAGLE and n-gram,
    greedy and T = 0.8, both categories, ``--max-tokens``) into ``OUT/collect/<method>-<sampling>/bank``;
 3. **replay** them (eval.py on those banks, whole, with the tables the bench serves and that step cost) into
@@ -15,7 +20,7 @@ Three steps, each skipped when its output is already there (so a killed run resu
 
 then prints the bench command that reads both (``--replay OUT/eval/metrics.json --set serve.cost=...``), so
 every arm's predicted speed-up comes from the served prompts, this machine's clock and calib's own time.
-About 25 min on 2 CPU cores.
+About 60 min on 2 CPU cores (profiling ~35 of them).
 
 Why argparse, not Hydra like train.py/eval.py: it orchestrates those entry points, one subprocess each; its
 flags are the bench's settings, not a config tree from conf/.
@@ -35,6 +40,8 @@ ROOT = Path(__file__).resolve().parents[1]
 METHODS = ("eagle", "ngram")
 SAMPLINGS = ("greedy", "sampled")
 PROFILE_ARMS = ("none", "vllm_ngram", "vllm_eagle", "calib_ngram", "calib_two_drafter")
+# under sampling the fit needs steps with draft tokens and without (the sampled jump), not the EAGLE terms again
+SAMPLED_PROFILE_ARMS = ("none", "vllm_ngram", "calib_ngram")
 # The replay's step cap for a served cell: above any cell's rounds (a cell serves at most a few thousand steps),
 # so that no cell is predicted from a subsample of its rounds (eval.py's default caps a setting at 128 steps).
 CELL_STEPS_CAP = 1_000_000
@@ -48,16 +55,32 @@ def _run(cmd: list[str], what: str) -> None:
         sys.exit(f"{what} failed (exit {proc.returncode}): {' '.join(cmd)}; rerun this command to resume")
 
 
+def staged(done: Path) -> Path:
+    """Where a step whose output is written piecemeal (a profile, rewritten after each arm) writes: renamed to
+    ``done`` once the step ends well, so that a killed profile is run again, not taken as finished."""
+    return done.with_name(f"{done.stem}.partial{done.suffix}")
+
+
 def commands(args) -> list[tuple[str, list[str], Path]]:
     """(what, command, the output whose presence means it is done), in order."""
     out = Path(args.out)
     py = sys.executable
     serve_set = [s for s in args.set]
     dtype = next((s.split("=", 1)[1] for s in args.set if s.startswith("engine.dtype=")), None)
-    steps = [("profile", [py, "bench/profile_step.py", "--arms", *PROFILE_ARMS, "--concurrency", *map(str, args.concurrency),
-                          "--max-tokens", str(args.max_tokens), "--tables", args.tables,
-                          "--out", str(out / "profile.json"), "--step-cost", str(out / "step-cost.json"),
-                          *(["--set", *serve_set] if serve_set else [])], out / "step-cost.json")]
+    steps, profiles = [], []
+    for sampling in SAMPLINGS:
+        for category in args.categories:
+            profile = out / "profile" / f"{sampling}-{category}.json"
+            profiles.append(profile)
+            arms = PROFILE_ARMS if sampling == "greedy" else SAMPLED_PROFILE_ARMS
+            steps.append((f"profile {sampling} {category}",
+                          [py, "bench/profile_step.py", "--arms", *arms, "--concurrency", *map(str, args.concurrency),
+                           "--prompts", category, "--sampling", sampling, "--min-prompts", str(args.min_prompts),
+                           "--max-tokens", str(args.max_tokens), "--tables", args.tables, "--out", str(staged(profile)),
+                           *(["--set", *serve_set] if serve_set else [])], profile))
+    steps.append(("step cost", [py, "bench/profile_step.py", "--from-json", str(profiles[0]),
+                                "--with-json", *map(str, profiles[1:]), "--step-cost", str(out / "step-cost.json")],
+                  out / "step-cost.json"))
     banks = []
     for method in METHODS:
         for sampling in SAMPLINGS:
@@ -86,6 +109,8 @@ def main(argv=None) -> None:
     ap.add_argument("--max-tokens", type=int, default=64, help="bench/serve.py's --max-tokens")
     ap.add_argument("--min-prompts", type=int, default=MIN_CELL_PROMPTS, help="bench/serve.py's --min-prompts")
     ap.add_argument("--concurrency", nargs="+", type=int, default=[1, 4, 16], help="profiled concurrencies")
+    ap.add_argument("--categories", nargs="+", default=["chat", "code_edit"], metavar="CAT",
+                    help="bench/serve.py's --categories (conf/prompts/ names): each profiled apart")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                     help="the bench's serve.py overrides (engine.dtype=... is used for collection too)")
     ap.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
@@ -99,6 +124,8 @@ def main(argv=None) -> None:
             print(f"[{what}] done already ({done})", flush=True)
         else:
             _run(cmd, what)
+            if staged(done).exists():
+                os.replace(staged(done), done)
     out = Path(args.out)
     print("\nThe bench that reads this replay and this step cost:\n  python bench/serve.py "
           f"--replay {out / 'eval' / 'metrics.json'} --set serve.cost={out / 'step-cost.json'} "

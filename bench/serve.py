@@ -392,7 +392,7 @@ def main(argv=None) -> None:
 def _cost_file(args) -> dict:
     """The step cost calib's arms price with (``serve.cost``), where and in which dtype it was measured; a
     warning when that is not this machine or the bench's dtype (its prices, and the replay's, may be far off)."""
-    from calib.cost.serving import step_cost_path
+    from calib.cost.serving import prices_greedy_only, step_cost_path
     from calib.cost.step import load_step_cost, this_machine
 
     text = next((s.split("=", 1)[1] for s in args.set if s.startswith("serve.cost=")), None)
@@ -402,7 +402,8 @@ def _cost_file(args) -> dict:
         return {"path": str(text), "kind": "verify-only"}
     src = load_step_cost(path if Path(path).is_absolute() else ROOT / path).source
     dtype = next((s.split("=", 1)[1] for s in args.set if s.startswith("engine.dtype=")), "auto")
-    out = {"path": str(path), "cpu": src.get("cpu"), "dtype": src.get("dtype")}
+    out = {"path": str(path), "cpu": src.get("cpu"), "dtype": src.get("dtype"),
+           "prices_sampling": not prices_greedy_only(str(text))}
     differ = [f"CPU {src.get('cpu')!r} (this machine: {this_machine()!r})" if src.get("cpu") != this_machine() else "",
               f"dtype {src.get('dtype')!r} (this bench: {dtype!r})" if str(src.get("dtype")) != dtype else ""]
     if any(differ):
@@ -410,6 +411,11 @@ def _cost_file(args) -> dict:
                           + ": calib prices steps, and the replay predicts, another machine's clock; "
                           "`python bench/prepare_replay.py` profiles this one")
         print(f"WARNING: {out['warning']}", flush=True)
+    if "sampled" in args.sampling and not out["prices_sampling"]:
+        out["warning_sampling"] = (f"serve.cost {path} was fitted on greedy steps only: calib's arms price the T = 0.8 "
+                                   "cells as greedy ones (no rejection-sampler term); `python bench/prepare_replay.py` "
+                                   "profiles both")
+        print(f"WARNING: {out['warning_sampling']}", flush=True)
     return out
 
 

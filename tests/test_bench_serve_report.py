@@ -121,3 +121,26 @@ def test_a_cell_larger_than_its_category_serves_the_category_again():
     assert serve.cell_prompts(list("abc"), 7) == ["a", "b", "c", "a", "b", "c", "a"]
     with pytest.raises(ValueError, match="without prompts"):
         serve.cell_prompts([], 4)
+
+
+def test_the_cost_file_says_whether_it_prices_sampled_steps(tmp_path, capsys):
+    """A bench of T = 0.8 cells priced by a greedy-only step cost is warned about and recorded as such."""
+    import json
+    from types import SimpleNamespace
+
+    from calib.cost.serving import serving_step_cost
+    from calib.cost.step import save_step_cost
+    from tests.cost.test_step import TRUE
+    from tests.cost.test_step_sampled import SAMPLED
+
+    bench, path = load_bench("serve"), tmp_path / "step.json"
+    for cost, sampling, warned in ((TRUE, ["greedy"], False), (TRUE, ["greedy", "sampled"], True),
+                                   (SAMPLED, ["sampled"], False)):
+        save_step_cost(cost, path)
+        serving_step_cost.cache_clear()
+        args = SimpleNamespace(set=[f"serve.cost={path}", "engine.dtype=float32"], sampling=sampling)
+        out = bench._cost_file(args)
+        json.dumps(out)  # written into the bench's JSON
+        assert out["prices_sampling"] == (cost is SAMPLED)
+        assert ("warning_sampling" in out) == warned
+        assert ("fitted on greedy steps only" in capsys.readouterr().out) == warned

@@ -116,6 +116,12 @@ def sampled_price(text: str) -> SampledPrice | None:
     return price if any((price.per_draft, price.per_drafting_request)) else None
 
 
+def prices_greedy_only(text: str) -> bool:
+    """Whether the ``cost`` knob is an engine step cost fitted on greedy steps only (no ``sampled`` term): it prices a
+    step under sampling as a greedy one (serving says so once, :meth:`calib.vllm.server.Server.warn_unpriced_sampling`)."""
+    return step_cost_path(text) is not None and sampled_price(text) is None
+
+
 def sampled_shape_price(cost: torch.Tensor, price: SampledPrice, n_requests: int, width: int):
     """The price of a step of ``n_requests`` under sampling as a separable shape price ``(base, table [width + 1])``
     (:class:`calib.allocate.ShapePrice`'s arguments): ``cost`` [T_max + 1] is an engine step cost's curve, affine in

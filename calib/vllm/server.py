@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from calib.chains import chain_names
-from calib.cost.serving import cost_curve, sampled_price
+from calib.cost.serving import cost_curve, prices_greedy_only, sampled_price, step_cost_path
 from calib.serve.aside import StandAside, batch_key, decision_kind
 from calib.serve.knobs import ServeKnobs
 from calib.vllm.planning import DraftPlanning, PlannedStep
@@ -58,6 +58,7 @@ class Server(DraftPlanning):
         self.passes_now: int | None = None  # the draft passes the plan set this step (None: it set none)
         # requests the model drafter no longer pays for: a step of only those that runs no pass skips the head's
         self.retirement = DrafterRetirement(knobs.retire_drafter_after)
+        self.unpriced_sampling = False  # set at construction: a step cost without the sampled term (warned once)
         self._error_logged = 0
 
     # -- construction ----------------------------------------------------------------------------
@@ -104,6 +105,7 @@ class Server(DraftPlanning):
         model_id = self.model_id or Path(str(runner.model_config.model)).name
         loaded = drafted.confidence is not None  # a model drafter: an engine step cost charges its idle forward
         cost = cost_curve(self.cost_text, int(runner.max_num_reqs) * (self.k + 1), drafter_loaded=loaded)
+        self.unpriced_sampling = prices_greedy_only(self.cost_text)
         self.max_model_len = getattr(runner, "max_model_len", None)
         dec = SafeDecider(self.tables_dir, model_id=model_id, speculator=speculator, k_max=self.k,
                           method=method, chains=self.chains, cost=cost, identity=engine_identity(runner, sc),
@@ -164,6 +166,15 @@ class Server(DraftPlanning):
                 best, best_value = name, value
         self.stats.chains_left_out += len(free) - 1
         return {n: offers[n] for n in (*fixed, best)}
+
+    def warn_unpriced_sampling(self) -> None:
+        """Once per run: a request samples, and the step cost was fitted on greedy steps only."""
+        self.unpriced_sampling = False
+        log.warning("calib serve: serve.cost %s has no `sampled` term (fitted on greedy steps only): steps under "
+                    "sampling are priced as greedy ones, without the rejection sampler's random path that a draft "
+                    "token costs there, so calib drafts where drafting loses. Profile this machine under sampling "
+                    "too: `python bench/prepare_replay.py` (or bench/profile_step.py --sampling sampled, then "
+                    "--with-json; docs/cost.md)", step_cost_path(self.cost_text))
 
     def error(self, where: str, exc: BaseException) -> None:
         self.stats.errors += 1
@@ -283,6 +294,8 @@ class Server(DraftPlanning):
         batch = runner.input_batch
         rows = [batch.req_id_to_index[r] for r in req_ids]
         temps = [float(batch.temperature_cpu[i]) for i in rows]
+        if self.unpriced_sampling and any(t > 0 for t in temps):
+            self.warn_unpriced_sampling()
         from calib.chains import NO_CHAIN, chain, chains
 
         key = batch_key(temps)

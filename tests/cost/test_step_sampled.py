@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from calib.cost.serving import SampledPrice, sampled_price, sampled_shape_price
+from calib.cost.serving import SampledPrice, prices_greedy_only, sampled_price, sampled_shape_price
 from calib.cost.step import EngineStepCurve, Linear, StepCost, fit_step_cost, load_step_cost, save_step_cost
 from tests.cost.test_step import TRUE, profile_rows
 
@@ -81,9 +81,12 @@ def test_serving_prices_each_drafting_request(tmp_path):
     assert base == pytest.approx(float(cost[4]))
     assert table.tolist() == pytest.approx([0.0, 0.05 + 0.0305 + 0.0004, 0.10 + 0.0310 + 0.0004,
                                                   0.15 + 0.0315 + 0.0004])
+    assert not prices_greedy_only(str(path))
     save_step_cost(TRUE, path)  # greedy-only: nothing to add
     serving_step_cost.cache_clear()
     assert sampled_price(str(path)) is None and sampled_price("1.0,0.01") is None
+    # a step cost that prices sampled steps as greedy ones is told apart from a verify-only curve (no step model)
+    assert prices_greedy_only(str(path)) and not prices_greedy_only("1.0,0.01")
 
 
 def test_a_step_cost_of_other_inputs_is_named(tmp_path):

@@ -219,3 +219,27 @@ def test_cut_with_the_real_decider_is_a_stopping_rule_on_real_tokens(tmp_path):
         e = _server().decide_sampled(dec, other)
         moved = torch.where(e.chain == MODEL.id, e.depth, 0)
         assert torch.equal(moved.clamp(max=j), base.clamp(max=j)), j
+
+
+def test_a_sampled_step_priced_by_a_greedy_only_step_cost_is_said_once(tmp_path, caplog):
+    """A step cost fitted on greedy steps prices T > 0 drafts without the rejection sampler's random path (the
+    December 5 grid: calib drafted at T = 0.8, c = 16 and served 0.94-0.98x no speculation); the server says so at
+    the first step where a request samples, once, and never on greedy steps."""
+    import logging
+    from types import SimpleNamespace
+
+    from tests.serve.test_oracle import Drafts, _batch
+    from tests.serve.test_oracle import _server as stand_in
+
+    srv = stand_in(tmp_path, {}, LOOKUP.name)
+    srv.unpriced_sampling = True  # what construction sets for such a cost (calib.cost.serving.prices_greedy_only)
+    batch = _batch([([1, 2, 3], [4]), ([5, 6], [7])])
+    runner = SimpleNamespace(input_batch=batch, requests={})
+    said = lambda: sum("no `sampled` term" in r.getMessage() for r in caplog.records)
+    with caplog.at_level(logging.WARNING, logger="calib.serve"):
+        srv.step(runner, Drafts(list(batch.req_ids), [[1], [2]]))
+        assert said() == 0  # greedy
+        batch.temperature_cpu[1] = 0.8
+        srv.step(runner, Drafts(list(batch.req_ids), [[1], [2]]))
+        srv.step(runner, Drafts(list(batch.req_ids), [[1], [2]]))
+    assert said() == 1 and not srv.unpriced_sampling
