@@ -124,7 +124,7 @@ def test_a_cell_larger_than_its_category_serves_the_category_again():
 
 
 def test_the_cost_file_says_whether_it_prices_sampled_steps(tmp_path, capsys):
-    """A bench of T = 0.8 cells priced by a greedy-only step cost is warned about and recorded as such."""
+    """A bench of T = 0.8 cells priced by a greedy-only step cost says so and records it."""
     import json
     from types import SimpleNamespace
 
@@ -142,5 +142,5 @@ def test_the_cost_file_says_whether_it_prices_sampled_steps(tmp_path, capsys):
         out = bench._cost_file(args)
         json.dumps(out)  # written into the bench's JSON
         assert out["prices_sampling"] == (cost is SAMPLED)
-        assert ("warning_sampling" in out) == warned
+        assert ("note_sampling" in out) == warned
         assert ("fitted on greedy steps only" in capsys.readouterr().out) == warned
