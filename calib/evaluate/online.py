@@ -50,6 +50,31 @@ def replays(banks, tables, settings: OnlineSettings, split: str = "test") -> lis
     return out
 
 
+def with_online(banks: list, replayed: list[dict]) -> list:
+    """``banks`` with each replayed chain's calibrated probabilities at its replayed rounds replaced by the online
+    correction's (:func:`replays`' ``online``): what the replay's policies decide by under ``replay.online``, as
+    serving decides by the corrected tables. The banks given are not changed (copies where a chain is replaced)."""
+    import dataclasses
+
+    by_bank: dict[int, list[dict]] = {}
+    for rec in replayed:
+        by_bank.setdefault(id(rec["bank"]), []).append(rec)
+    out = []
+    for bank in banks:
+        recs = by_bank.get(id(bank))
+        if not recs:
+            out.append(bank)
+            continue
+        chains = dict(bank.chains)
+        for rec in recs:
+            chain = chains[rec["chain"]]
+            p = chain.p_cal.copy()  # [R, K]
+            p[rec["keep"]] = rec["online"]
+            chains[rec["chain"]] = dataclasses.replace(chain, p_cal=p)
+        out.append(dataclasses.replace(bank, chains=chains))
+    return out
+
+
 def online_rows(replayed: list[dict], warmup: int = WARMUP_ROUNDS, n_bins: int = 15) -> tuple[list[dict], list[dict]]:
     """``(slice rows, warm-up curve rows)`` of :func:`replays`' records."""
     rows, curve = [], []
@@ -83,7 +108,12 @@ def online_rows(replayed: list[dict], warmup: int = WARMUP_ROUNDS, n_bins: int =
     return rows, curve
 
 
-def online_metrics(cfg, banks, tables, out: Path) -> dict:
+def online_settings(cfg) -> OnlineSettings:
+    """``cfg.online`` read by the schema serving reads ``serve.online`` with."""
+    return OnlineSettings.from_config(cfg.get("online") or {}, key="online", owner="eval.py config")
+
+
+def online_metrics(cfg, banks, tables, out: Path, replayed: list[dict] | None = None) -> dict:
     """metrics.json's ``online``: the tables alone vs corrected online, per slice, and the warm-up curve (with its
     figure in ``out``). The settings are ``cfg.online``, read by the schema serving reads ``serve.online`` with
     (:meth:`calib.tables.online.OnlineSettings.from_config`; both compose conf/online/default.yaml)."""
@@ -91,11 +121,12 @@ def online_metrics(cfg, banks, tables, out: Path) -> dict:
     from calib.evaluate.report import SLICE_MAX_ERROR
     from calib.params import Interval, validate_params
 
-    settings = OnlineSettings.from_config(cfg.get("online") or {}, key="online", owner="eval.py config")
+    settings = online_settings(cfg)
     warmup = cfg.metrics.get("online_warmup_rounds", WARMUP_ROUNDS)
     validate_params("eval.py config", {"metrics.online_warmup_rounds": warmup},
                     {"metrics.online_warmup_rounds": [Interval(numbers.Integral, 0, None)]})
-    replayed = replays(banks, tables, settings, split=cfg.split.get("name", "test"))
+    if replayed is None:
+        replayed = replays(banks, tables, settings, split=cfg.split.get("name", "test"))
     rows, curve = online_rows(replayed, warmup=int(warmup), n_bins=int(cfg.metrics.n_bins))
     pic = plots.warmup_curve(curve, out / "online_warmup.png", target=SLICE_MAX_ERROR) if curve else None
     cells = ("the table's context cell, under a per-depth offset every cell shares"

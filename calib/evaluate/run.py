@@ -24,7 +24,7 @@ from calib.evaluate.calibration import POOLED_ECE_MAX, calibration_rows, length_
 from calib.evaluate.checks import check_eval
 from calib.evaluate.data import load_eval_bank
 from calib.evaluate.depths import depth_section
-from calib.evaluate.online import online_metrics
+from calib.evaluate.online import online_metrics, online_settings, replays, with_online
 from calib.evaluate.replay import ReplayConfig, replay
 from calib.evaluate.report import (
     SLICE_MAX_ERROR,
@@ -105,14 +105,17 @@ def _evaluate(cfg: DictConfig, out: Path) -> dict:
     pooled = pooled_calibration_rows(banks, cfg.metrics.n_bins)
     log.info("prompt bootstrap of %d accepted-length slices and %d pooled ECE rows in %.2f s", len(noise),
              len(pooled), time.perf_counter() - t_noise)
-    rcfg, curves, ladder, replay_s = _replay_ladder(cfg, banks, root)
+    replayed = None  # the online correction over each bank's rounds: its metrics, and what replay.online reads
+    if cfg.replay.get("online"):
+        replayed = replays(banks, tables, online_settings(cfg), split=cfg.split.get("name", "test"))
+    rcfg, curves, ladder, replay_s = _replay_ladder(cfg, with_online(banks, replayed) if replayed else banks, root)
     pics = _pictures(cfg, banks, curves, ladder, out)
     answer = answer_rows(ladder)
     answer_pic = plots.answer(answer, out / "answer.png")
     notes = ladder_notes(ladder)
     elapsed = time.perf_counter() - t0
     slices = length_slices(length, noise=noise)
-    online = online_metrics(cfg, banks, tables, out)  # the online correction, read as serving reads it
+    online = online_metrics(cfg, banks, tables, out, replayed)  # the online correction, read as serving reads it
     bench = newest_serving_bench(_path(root, cfg.serving_bench) if cfg.get("serving_bench") else None)
     tables_json = _path(root, cfg.tables) / META
     clock_answer = clock_summary(bench, hashlib.sha256(tables_json.read_bytes()).hexdigest()

@@ -295,3 +295,33 @@ def test_an_online_wandb_run_uses_the_artifact_train_logged(tmp_path, monkeypatc
     finally:
         t.run = offline_run
         t.finish()
+
+
+def test_replay_online_decides_by_the_corrected_probabilities(tmp_path):
+    """replay.online=true: the replay's policies read each replayed round's probabilities as the online correction
+    leaves them (what serving decides by); the banks given are not changed, and rounds not replayed keep the
+    tables' own. Synthetic banks (a unit test of the plumbing, not a figure)."""
+    import numpy as np
+
+    from calib.evaluate.online import replays, with_online
+    from calib.tables.online import OnlineSettings
+
+    bank = _bank(tmp_path / "bank")
+    fit_tables([bank], tmp_path / "tables")
+    cfg = _cfg([bank], tmp_path / "tables", tmp_path / "out", "replay.online=true")
+    from calib.evaluate.run import _load_banks
+
+    tables = calib.tables.load(tmp_path / "tables")
+    banks = _load_banks(cfg, tables, ROOT)
+    replayed = replays(banks, tables, OnlineSettings.from_config(cfg.online, key="online", owner="test"))
+    assert replayed
+    corrected = with_online(banks, replayed)
+    for rec in replayed:
+        before = rec["bank"].chains[rec["chain"]].p_cal
+        after = next(b for b in corrected if b.name == rec["bank"].name).chains[rec["chain"]].p_cal
+        assert after is not before and np.array_equal(after[rec["keep"]], rec["online"], equal_nan=True)
+        others = np.setdiff1d(np.arange(len(before)), rec["keep"])
+        assert np.array_equal(after[others], before[others], equal_nan=True)
+        assert not np.array_equal(after[rec["keep"]], before[rec["keep"]], equal_nan=True)  # the correction moved it
+    m = run(cfg)
+    assert m["config"]["replay"]["online"] is True and m["ladder"]

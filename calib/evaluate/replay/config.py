@@ -73,6 +73,10 @@ class ReplayConfig:
         weighting: from :data:`WEIGHTINGS`; ``positions``: a recorded round counts for the text it covered, so
             a policy committing more than the collecting engine crosses it in fewer steps
             (:func:`calib.evaluate.replay.summarise`); ``rounds``: every recorded round is one step of every policy.
+        online: the policies read each round's calibrated probabilities as the online correction leaves them
+            (eval's ``online:``, the correction serving applies by default; each bank's rounds in collection
+            order, learning from every verified depth, :func:`calib.evaluate.online.with_online`); off: the
+            tables alone.
     """
 
     batch_sizes: tuple[int, ...] = field(default_factory=_from_yaml("batch_sizes"))
@@ -89,6 +93,7 @@ class ReplayConfig:
     cell_prompts: tuple[int, int] | None = field(default_factory=_from_yaml("cell_prompts"))
     undrafted_steps: bool = field(default_factory=_from_yaml("undrafted_steps"))
     weighting: str = field(default_factory=_from_yaml("weighting"))
+    online: bool = field(default_factory=_from_yaml("online"))
 
     _constraints: ClassVar[dict] = {  # declarative checks (calib.calibrators.base), batch_sizes below
         "mode": [Options(MODES)],
@@ -101,6 +106,7 @@ class ReplayConfig:
         "plan": [Options(PLANS)],
         "undrafted_steps": [Boolean()],
         "weighting": [Options(WEIGHTINGS)],
+        "online": [Boolean()],
     }
 
     def __post_init__(self) -> None:
