@@ -134,6 +134,23 @@ def test_positions_weighting_counts_a_round_for_the_text_it_covered(bank):
     assert positions["no_spec"]["steps"] == 10 and speed["p"] == pytest.approx(speed["r"])
 
 
+def test_throughput_weighting_pools_a_steps_text_over_its_tokens():
+    """weighting=throughput: a step counts sum(covered) / sum(tokens) times (the batch writes its rounds' text at its
+    total rate), where positions counts mean(covered / tokens) (each request crosses its own stretch). A policy whose
+    gain sits in a few requests of a step is counted fewer steps by the first: 3 of 16 requests committing 5 tokens
+    where the collector committed 1.5, the others 1."""
+    from calib.policies.setting import step_weights
+
+    tokens = np.array([[5.0] * 3 + [1.0] * 13, [1.5] * 16])
+    covered = np.full((2, 16), 1.5)
+    positions, throughput = step_weights(tokens, covered), step_weights(tokens, covered, pooled=True)
+    assert positions[0] == pytest.approx((3 * 1.5 / 5 + 13 * 1.5) / 16)  # 1.31
+    assert throughput[0] == pytest.approx(16 * 1.5 / 28)  # 0.86
+    assert positions[1] == throughput[1] == pytest.approx(1.0)  # the collector's own commits: one step either way
+    assert step_weights(tokens, None).tolist() == [1.0, 1.0]
+    assert "throughput" in WEIGHTINGS
+
+
 def test_committed_uses_the_chosen_chain(bank):
     sb = StepBatch(bank, np.arange(4), np.array([[0, 1, 2, 3]]))
     drafter = np.array([[1, 2, 0, 2]])

@@ -20,7 +20,7 @@ MODES = ("price", "budget")  # price: goodput rule on the cost curve; budget: to
 # calib serves: calib/vllm/server.py sets the step's passes), or again before every pass.
 PLANS = ("step", "pass")
 # How a recorded round counts: once per policy step, or for the stretch of text it covered (summarise).
-WEIGHTINGS = ("positions", "rounds")
+WEIGHTINGS = ("positions", "throughput", "rounds")
 DRAFTERS = chain_names()  # the chains a draft cost can be given for (calib.chains, at import)
 EVAL_YAML = Path(__file__).resolve().parents[3] / "conf" / "eval.yaml"
 

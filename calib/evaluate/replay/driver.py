@@ -14,7 +14,7 @@ from calib.evaluate.replay.config import ReplayConfig
 from calib.evaluate.replay.undrafted import with_undrafted_steps
 from calib.labels import censored
 from calib.policies import BASE_TOTALS, REFERENCE, PolicyResult, closure, policy, policy_of_row
-from calib.policies.setting import Setting, StepBatch, step_weights
+from calib.policies.setting import COVERED_WEIGHTINGS, Setting, StepBatch, step_weights
 
 
 def train_mean_curve(bank) -> np.ndarray:
@@ -84,7 +84,7 @@ def _charged(res: PolicyResult, hooks: float) -> PolicyResult:
     return res if hooks == 0 else res._replace(cost=res.cost + hooks)
 
 
-def summarise(results: dict, B: int, covered: np.ndarray | None = None) -> dict:
+def summarise(results: dict, B: int, covered: np.ndarray | None = None, pooled: bool = False) -> dict:
     """Totals per step-policy row (hindsight policies are added by :func:`replay`).
 
     ``covered`` [S, B] (``weighting: positions``): the tokens the collecting engine committed in each round. A
@@ -95,7 +95,7 @@ def summarise(results: dict, B: int, covered: np.ndarray | None = None) -> dict:
     more than the collector (a copied span the collector crossed in many rounds, the policy in one)."""
     rows = {}
     for name, (tok, cost, pos, extra) in results.items():
-        w = step_weights(tok, covered)
+        w = step_weights(tok, covered, pooled)
         tokens = float(np.sum(tok if covered is None else covered))
         steps = float(w.sum())
         rows[name] = {"tokens": tokens, "cost": float(np.dot(w, cost)), "positions": float(np.dot(w, pos)),
@@ -178,7 +178,8 @@ def replay(banks, curves: dict[str, CostCurve], cfg: ReplayConfig, progress: boo
         train_curve = train_mean_curve(bank)
         for cname, curve in curves.items():
             res = replay_setting(sb, curve.for_batch(b).with_context(sb.cached), cfg, train_curve)
-            totals = summarise(res, b, sb.covered if cfg.weighting == "positions" else None)
+            totals = summarise(res, b, sb.covered if cfg.weighting in COVERED_WEIGHTINGS else None,
+                               pooled=cfg.weighting == "throughput")
             meta = {"bank": bank.name, "batch_size": b, "category": cat, "cost_model": cname, "unit": curve.unit}
             key = (bank.name, b, cname, curve.unit)
             done.append((meta, totals, key))
