@@ -20,7 +20,8 @@ Three steps, each skipped when its output is already there (so a killed run resu
 
 then prints the bench command that reads both (``--replay OUT/eval/metrics.json --set serve.cost=...``), so
 every arm's predicted speed-up comes from the served prompts, this machine's clock and calib's own time.
-About 60 min on 2 CPU cores (profiling ~35 of them).
+About 25 min on 2 CPU cores when it profiled greedy steps of one category; the sampled and per-category
+profiles add four profile runs (not yet timed end to end). Each step resumes: a finished one is skipped.
 
 Why argparse, not Hydra like train.py/eval.py: it orchestrates those entry points, one subprocess each; its
 flags are the bench's settings, not a config tree from conf/.
