@@ -10,9 +10,10 @@ Three steps, each skipped when its output is already there (so a killed run resu
    (``--step-cost``) into ``OUT/step-cost.json``: the cost that serving prices with (``serve.cost``) and the
    replay charges (``cost.engine.path``), with the CPU and dtype it was measured on recorded in it (eval.py and
    bench/serve.py warn when those differ). Both samplings, because a step under sampling pays the rejection
-   sampler's random path once it verifies a draft token (the cost's ``sampled`` term, docs/cost.md): a greedy
-   profile cannot see it, and serving priced by one drafts at T = 0.8 where drafting loses. Both categories,
-   because the fit's attention terms need contexts of both lengths (step-cost version 3);
+   sampler's random path once it verifies a draft token (the cost's ``sampled`` term, docs/cost.md), which a
+   greedy profile cannot see and the replay of the T = 0.8 banks must charge (whether serving gains by pricing it:
+   on one machine, not, docs/serving.md). Both categories, because the fit's attention terms need contexts of
+   both lengths (step-cost version 3);
 2. **collect** banks on the prompts, K, dtype and engine the bench serves (collect.py: EAGLE and n-gram,
    greedy and T = 0.8, both categories, ``--max-tokens``) into ``OUT/collect/<method>-<sampling>/bank``;
 3. **replay** them (eval.py on those banks, whole, with the tables the bench serves and that step cost) into

@@ -118,7 +118,7 @@ def sampled_price(text: str) -> SampledPrice | None:
 
 def prices_greedy_only(text: str) -> bool:
     """Whether the ``cost`` knob is an engine step cost fitted on greedy steps only (no ``sampled`` term): it prices a
-    step under sampling as a greedy one (serving says so once, :meth:`calib.vllm.server.Server.warn_unpriced_sampling`)."""
+    step under sampling as a greedy one (serving says so once, :meth:`calib.vllm.server.Server.note_unpriced_sampling`)."""
     return step_cost_path(text) is not None and sampled_price(text) is None
 
 

@@ -167,7 +167,7 @@ class Server(DraftPlanning):
         self.stats.chains_left_out += len(free) - 1
         return {n: offers[n] for n in (*fixed, best)}
 
-    def warn_unpriced_sampling(self) -> None:
+    def note_unpriced_sampling(self) -> None:
         """Once per run: a request samples, and the step cost was fitted on greedy steps only (said, not warned:
         on the Xeon of December 5 a cost that priced the sampled jump served no faster, docs/serving.md)."""
         self.unpriced_sampling = False
@@ -294,7 +294,7 @@ class Server(DraftPlanning):
         rows = [batch.req_id_to_index[r] for r in req_ids]
         temps = [float(batch.temperature_cpu[i]) for i in rows]
         if self.unpriced_sampling and any(t > 0 for t in temps):
-            self.warn_unpriced_sampling()
+            self.note_unpriced_sampling()
         from calib.chains import NO_CHAIN, chain, chains
 
         key = batch_key(temps)

@@ -72,7 +72,9 @@ class ReplayConfig:
             rounds: :mod:`calib.evaluate.replay.undrafted`); off: the recorded rounds only, every step drafted.
         weighting: from :data:`WEIGHTINGS`; ``positions``: a recorded round counts for the text it covered, so
             a policy committing more than the collecting engine crosses it in fewer steps
-            (:func:`calib.evaluate.replay.summarise`); ``rounds``: every recorded round is one step of every policy.
+            (:func:`calib.evaluate.replay.summarise`), each request crossing its own stretch; ``throughput``: the
+            same text, the batch writing it at its total rate (:func:`calib.policies.setting.step_weights`);
+            ``rounds``: every recorded round is one step of every policy.
         online: the policies read each round's calibrated probabilities as the online correction leaves them
             (eval's ``online:``, the correction serving applies by default; each bank's rounds in collection
             order, learning from every verified depth, :func:`calib.evaluate.online.with_online`); off: the
