@@ -74,16 +74,24 @@ def committed(sb: StepBatch, drafter: np.ndarray, depth: np.ndarray) -> np.ndarr
 COVERED_WEIGHTINGS = ("positions", "throughput")
 
 
-def step_weights(tokens: np.ndarray, covered: np.ndarray | None, pooled: bool = False) -> np.ndarray:
-    """How many times each step counts [S]: once each, or with ``covered`` [S, B] (the tokens the collecting engine
-    committed in each round) the steps a policy committing ``tokens`` [S, B] needs to write the text its rounds
-    stand for (:func:`calib.evaluate.replay.summarise`): ``mean_b covered / tokens``, each request crossing its own
-    stretch (weighting ``positions``), or ``pooled``, ``sum_b covered / sum_b tokens``, the batch writing all of
-    them at its total rate (weighting ``throughput``: a request done with its stretch sooner makes room for
-    another's, as a server keeping B requests in flight does)."""
-    if covered is None:
+def step_weights(tokens: np.ndarray, covered: np.ndarray | None, weighting: str = "positions") -> np.ndarray:
+    """How many times each step counts [S]: once each (``covered`` None, or weighting ``rounds``), or with
+    ``covered`` [S, B] (the tokens the collecting engine committed in each round) the steps a policy committing
+    ``tokens`` [S, B] needs to write the text its rounds stand for (:func:`calib.evaluate.replay.summarise`):
+    ``mean_b covered / tokens``, each request crossing its own stretch (weighting ``positions``), or
+    ``sum_b covered / sum_b tokens``, the batch writing all of them at its total rate (weighting ``throughput``: a
+    request done with its stretch sooner makes room for another's, as a server keeping B requests in flight does)."""
+    if covered is None or weighting not in COVERED_WEIGHTINGS:
         return np.ones(len(tokens))
-    return covered.sum(axis=1) / tokens.sum(axis=1) if pooled else (covered / tokens).mean(axis=1)
+    if weighting == "throughput":
+        return covered.sum(axis=1) / tokens.sum(axis=1)
+    return (covered / tokens).mean(axis=1)
+
+
+def written(tokens: np.ndarray, covered: np.ndarray | None, weighting: str = "positions") -> np.ndarray:
+    """[S, B] the text a step's rounds count for under ``weighting``: what the collector covered, or (``covered``
+    None, weighting ``rounds``) what the policy committed."""
+    return covered if covered is not None and weighting in COVERED_WEIGHTINGS else tokens
 
 
 def allocate_chains(p1, p2, cost: torch.Tensor, budget: int | None, impl: str, names: tuple):
@@ -160,9 +168,8 @@ class Setting:
         """Each step's goodput [S] as the replay's totals count it: ``tokens`` [S, B] per round over ``cost`` [S];
         weighted by positions (``cfg.weighting``), the text the step's rounds stand for over the cost of the
         steps this policy needs to write it (:func:`calib.evaluate.replay.summarise`)."""
-        covered = self.sb.covered if self.cfg.weighting in COVERED_WEIGHTINGS else None
-        written = tokens if covered is None else covered
-        return written.sum(axis=1) / (cost * step_weights(tokens, covered, self.cfg.weighting == "throughput"))
+        w = self.cfg.weighting
+        return written(tokens, self.sb.covered, w).sum(axis=1) / (cost * step_weights(tokens, self.sb.covered, w))
 
     def overhead(self, served_by_calib: bool) -> float:
         """What calib's hooks cost a step of a policy calib serves (an engine's step cost only)."""

@@ -58,7 +58,7 @@ class Server(DraftPlanning):
         self.passes_now: int | None = None  # the draft passes the plan set this step (None: it set none)
         # requests the model drafter no longer pays for: a step of only those that runs no pass skips the head's
         self.retirement = DrafterRetirement(knobs.retire_drafter_after)
-        self.unpriced_sampling = False  # set at construction: a step cost without the sampled term (warned once)
+        self.unpriced_sampling = False  # set at construction: a step cost without the sampled term (said once)
         self._error_logged = 0
 
     # -- construction ----------------------------------------------------------------------------

@@ -143,7 +143,7 @@ def test_throughput_weighting_pools_a_steps_text_over_its_tokens():
 
     tokens = np.array([[5.0] * 3 + [1.0] * 13, [1.5] * 16])
     covered = np.full((2, 16), 1.5)
-    positions, throughput = step_weights(tokens, covered), step_weights(tokens, covered, pooled=True)
+    positions, throughput = step_weights(tokens, covered), step_weights(tokens, covered, "throughput")
     assert positions[0] == pytest.approx((3 * 1.5 / 5 + 13 * 1.5) / 16)  # 1.31
     assert throughput[0] == pytest.approx(16 * 1.5 / 28)  # 0.86
     assert positions[1] == throughput[1] == pytest.approx(1.0)  # the collector's own commits: one step either way

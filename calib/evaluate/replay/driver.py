@@ -14,7 +14,7 @@ from calib.evaluate.replay.config import ReplayConfig
 from calib.evaluate.replay.undrafted import with_undrafted_steps
 from calib.labels import censored
 from calib.policies import BASE_TOTALS, REFERENCE, PolicyResult, closure, policy, policy_of_row
-from calib.policies.setting import COVERED_WEIGHTINGS, Setting, StepBatch, step_weights
+from calib.policies.setting import Setting, StepBatch, step_weights, written
 
 
 def train_mean_curve(bank) -> np.ndarray:
@@ -84,10 +84,11 @@ def _charged(res: PolicyResult, hooks: float) -> PolicyResult:
     return res if hooks == 0 else res._replace(cost=res.cost + hooks)
 
 
-def summarise(results: dict, B: int, covered: np.ndarray | None = None, pooled: bool = False) -> dict:
+def summarise(results: dict, B: int, covered: np.ndarray | None = None, weighting: str = "positions") -> dict:
     """Totals per step-policy row (hindsight policies are added by :func:`replay`).
 
-    ``covered`` [S, B] (``weighting: positions``): the tokens the collecting engine committed in each round. A
+    ``covered`` [S, B], read under ``weighting`` (``positions`` or ``throughput``; ``rounds`` or no ``covered``: each
+    round once, :func:`calib.policies.setting.step_weights`): the tokens the collecting engine committed in each round. A
     recorded round then stands for the stretch of text it covered, not for one step: a policy committing ``p``
     tokens where the collector committed ``c`` crosses that stretch in ``c / p`` steps. So step ``s`` counts
     ``w_s = mean_i c_si / p_si`` times (its B requests advance in lockstep) and every policy writes the same
@@ -95,8 +96,8 @@ def summarise(results: dict, B: int, covered: np.ndarray | None = None, pooled: 
     more than the collector (a copied span the collector crossed in many rounds, the policy in one)."""
     rows = {}
     for name, (tok, cost, pos, extra) in results.items():
-        w = step_weights(tok, covered, pooled)
-        tokens = float(np.sum(tok if covered is None else covered))
+        w = step_weights(tok, covered, weighting)
+        tokens = float(np.sum(written(tok, covered, weighting)))
         steps = float(w.sum())
         rows[name] = {"tokens": tokens, "cost": float(np.dot(w, cost)), "positions": float(np.dot(w, pos)),
                       "steps": steps, "rounds": steps * B, **extra}
@@ -178,8 +179,7 @@ def replay(banks, curves: dict[str, CostCurve], cfg: ReplayConfig, progress: boo
         train_curve = train_mean_curve(bank)
         for cname, curve in curves.items():
             res = replay_setting(sb, curve.for_batch(b).with_context(sb.cached), cfg, train_curve)
-            totals = summarise(res, b, sb.covered if cfg.weighting in COVERED_WEIGHTINGS else None,
-                               pooled=cfg.weighting == "throughput")
+            totals = summarise(res, b, sb.covered, cfg.weighting)
             meta = {"bank": bank.name, "batch_size": b, "category": cat, "cost_model": cname, "unit": curve.unit}
             key = (bank.name, b, cname, curve.unit)
             done.append((meta, totals, key))
