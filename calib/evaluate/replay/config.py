@@ -79,6 +79,10 @@ class ReplayConfig:
             (eval's ``online:``, the correction serving applies by default; each bank's rounds in collection
             order, learning from every verified depth, :func:`calib.evaluate.online.with_online`); off: the
             tables alone.
+        redecide: a policy that commits less than a recorded round's stretch decides again on the rest of it,
+            each chain's accept mask and probabilities shifted by what it committed
+            (:mod:`calib.evaluate.replay.redecide`); off: it crosses the rest at the same rate. Under weighting
+            ``rounds`` a round has no stretch, and this does nothing.
     """
 
     batch_sizes: tuple[int, ...] = field(default_factory=_from_yaml("batch_sizes"))
@@ -96,6 +100,7 @@ class ReplayConfig:
     undrafted_steps: bool = field(default_factory=_from_yaml("undrafted_steps"))
     weighting: str = field(default_factory=_from_yaml("weighting"))
     online: bool = field(default_factory=_from_yaml("online"))
+    redecide: bool = field(default_factory=_from_yaml("redecide"))
 
     _constraints: ClassVar[dict] = {  # declarative checks (calib.calibrators.base), batch_sizes below
         "mode": [Options(MODES)],
@@ -109,6 +114,7 @@ class ReplayConfig:
         "undrafted_steps": [Boolean()],
         "weighting": [Options(WEIGHTINGS)],
         "online": [Boolean()],
+        "redecide": [Boolean()],
     }
 
     def __post_init__(self) -> None:

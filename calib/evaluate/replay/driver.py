@@ -11,10 +11,11 @@ import numpy as np
 
 from calib.cost import CostCurve
 from calib.evaluate.replay.config import ReplayConfig
+from calib.evaluate.replay.redecide import residual_batch
 from calib.evaluate.replay.undrafted import with_undrafted_steps
 from calib.labels import censored
 from calib.policies import BASE_TOTALS, REFERENCE, PolicyResult, closure, policy, policy_of_row
-from calib.policies.setting import Setting, StepBatch, step_weights, written
+from calib.policies.setting import COVERED_WEIGHTINGS, Setting, StepBatch, step_weights, written
 
 
 def train_mean_curve(bank) -> np.ndarray:
@@ -64,20 +65,23 @@ def replay_setting(sb: StepBatch, curve: CostCurve, cfg: ReplayConfig, train_cur
     out: dict[str, PolicyResult] = {}
     for name in closure([*cfg.policies, REFERENCE]):
         p = policy(name)
-        if p.kind != "step":
-            continue
-        res = p.compute(s)
-        if res is None:
-            continue
-        hooks = s.overhead(p.serving is not None and p.serving.calib)  # calib's own time, where it serves
-        if p.family:
-            for row, r in res.items():
-                if not p.owns(row):
-                    raise ValueError(f"policy {p.name!r} returned row {row!r}; a family's rows are {p.name}_<x>")
-                out[row] = _charged(PolicyResult(*r), hooks)
-        else:
-            out[p.name] = _charged(PolicyResult(*res), hooks)
+        if p.kind == "step":
+            out.update(_computed(p, s))
     return out
+
+
+def _computed(p, s: Setting) -> dict[str, PolicyResult]:
+    """{row: result} of step policy ``p`` on ``s``, each charged calib's own time where calib serves it."""
+    res = p.compute(s)
+    if res is None:
+        return {}
+    hooks = s.overhead(p.serving is not None and p.serving.calib)  # calib's own time, where it serves
+    if not p.family:
+        return {p.name: _charged(PolicyResult(*res), hooks)}
+    for row in res:
+        if not p.owns(row):
+            raise ValueError(f"policy {p.name!r} returned row {row!r}; a family's rows are {p.name}_<x>")
+    return {row: _charged(PolicyResult(*r), hooks) for row, r in res.items()}
 
 
 def _charged(res: PolicyResult, hooks: float) -> PolicyResult:
@@ -96,11 +100,35 @@ def summarise(results: dict, B: int, covered: np.ndarray | None = None, weightin
     more than the collector (a copied span the collector crossed in many rounds, the policy in one)."""
     rows = {}
     for name, (tok, cost, pos, extra) in results.items():
-        w = step_weights(tok, covered, weighting)
-        tokens = float(np.sum(written(tok, covered, weighting)))
-        steps = float(w.sum())
-        rows[name] = {"tokens": tokens, "cost": float(np.dot(w, cost)), "positions": float(np.dot(w, pos)),
-                      "steps": steps, "rounds": steps * B, **extra}
+        rows[name] = {**_level_totals(tok, cost, pos, covered, weighting), "rounds": 0.0, **extra}
+        rows[name]["rounds"] = rows[name]["steps"] * B
+    return rows
+
+
+def _level_totals(tok, cost, pos, covered, weighting: str) -> dict:
+    w = step_weights(tok, covered, weighting)
+    return {"tokens": float(np.sum(written(tok, covered, weighting))), "cost": float(np.dot(w, cost)),
+            "positions": float(np.dot(w, pos)), "steps": float(w.sum())}
+
+
+def summarise_redecided(results: dict, sb: StepBatch, curve: CostCurve, cfg: ReplayConfig,
+                        train_curve: np.ndarray) -> dict:
+    """:func:`summarise` with ``replay.redecide`` (``curve`` for the setting's B, not yet bound to a context): a row that committed less than a round's stretch decides again
+    on the rest of it (:mod:`calib.evaluate.replay.redecide`), level by level until every stretch is crossed; each
+    level's steps count the text they crossed, ``min(stretch left, tokens)`` of each round."""
+    rows = {}
+    for name, (tok, cost, pos, extra) in results.items():
+        level, left, total = sb, sb.covered, dict.fromkeys(("tokens", "cost", "positions", "steps"), 0.0)
+        while True:
+            for k, v in _level_totals(tok, cost, pos, np.minimum(left, tok), cfg.weighting).items():
+                total[k] += v
+            nxt = residual_batch(level, tok, left)
+            if nxt is None:
+                break
+            level, left = nxt
+            s = Setting(level, curve.with_context(level.cached), cfg, train_curve)
+            tok, cost, pos, _ = _computed(policy_of_row(name), s)[name]
+        rows[name] = {**total, "rounds": total["steps"] * sb.B, **extra}
     return rows
 
 
@@ -178,8 +206,11 @@ def replay(banks, curves: dict[str, CostCurve], cfg: ReplayConfig, progress: boo
         sb = StepBatch(bank, rows, idx)
         train_curve = train_mean_curve(bank)
         for cname, curve in curves.items():
-            res = replay_setting(sb, curve.for_batch(b).with_context(sb.cached), cfg, train_curve)
-            totals = summarise(res, b, sb.covered, cfg.weighting)
+            b_curve = curve.for_batch(b)
+            res = replay_setting(sb, b_curve.with_context(sb.cached), cfg, train_curve)
+            redecided = cfg.redecide and cfg.weighting in COVERED_WEIGHTINGS  # under `rounds` a round has no stretch
+            totals = (summarise_redecided(res, sb, b_curve, cfg, train_curve) if redecided
+                      else summarise(res, b, sb.covered, cfg.weighting))
             meta = {"bank": bank.name, "batch_size": b, "category": cat, "cost_model": cname, "unit": curve.unit}
             key = (bank.name, b, cname, curve.unit)
             done.append((meta, totals, key))
