@@ -118,6 +118,9 @@ class Policy:
             ``reference``; read it through :func:`camp_of`.
         serving: what ``serve.py policy=<name>`` runs (None: replay only).
         aliases: other names ``serve.py policy=`` accepts for it (old serving names); each says it is an alias.
+        stateful: its replay carries what it learnt from one step to the next (an online estimator), so it must see
+            a setting's steps in one call; the lane replay (``replay.lanes``), which decides a step at a time,
+            leaves it out.
     """
 
     name: str
@@ -134,6 +137,7 @@ class Policy:
     camp: str | None = None
     serving: Serving | None = None
     aliases: tuple[str, ...] = ()
+    stateful: bool = False
 
     def __post_init__(self) -> None:
         if not self.name or not self.name.replace("_", "").isalnum():

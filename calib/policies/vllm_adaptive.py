@@ -230,6 +230,6 @@ register_policy(Policy(
     "vllm_adaptive", 45, "tab:orange", "vLLM 0.32 adaptive verification: online logistic estimator on the drafter's "
     "raw confidences (shared slope, per-position intercepts, IRLS refit every 100 steps), batch draft budget by "
     "expected-tokens/cost on the previous step's confidences, global top-k of survival; pays K draft passes",
-    vllm_adaptive,
+    vllm_adaptive, stateful=True,
     below_no_spec="drafts every request's full chain before trimming (K draft passes), and serves mostly on its "
                   "cold-start coefficients (a setting's stream is shorter than a few refits)"))

@@ -83,6 +83,10 @@ class ReplayConfig:
             each chain's accept mask and probabilities shifted by what it committed
             (:mod:`calib.evaluate.replay.redecide`); off: it crosses the rest at the same rate. Under weighting
             ``rounds`` a round has no stretch, and this does nothing.
+        lanes: replay each setting as the bench serves it, B lanes each following its request through the text
+            (:mod:`calib.evaluate.replay.lanes`), instead of dealing recorded rounds to steps; the weighting,
+            ``redecide`` and ``undrafted_steps`` (a lane serves the steps between rounds always) then play no part
+            but for stateful policies (``vllm_adaptive``), which keep the dealt replay.
     """
 
     batch_sizes: tuple[int, ...] = field(default_factory=_from_yaml("batch_sizes"))
@@ -101,6 +105,7 @@ class ReplayConfig:
     weighting: str = field(default_factory=_from_yaml("weighting"))
     online: bool = field(default_factory=_from_yaml("online"))
     redecide: bool = field(default_factory=_from_yaml("redecide"))
+    lanes: bool = field(default_factory=_from_yaml("lanes"))
 
     _constraints: ClassVar[dict] = {  # declarative checks (calib.calibrators.base), batch_sizes below
         "mode": [Options(MODES)],
@@ -115,6 +120,7 @@ class ReplayConfig:
         "weighting": [Options(WEIGHTINGS)],
         "online": [Boolean()],
         "redecide": [Boolean()],
+        "lanes": [Boolean()],
     }
 
     def __post_init__(self) -> None:

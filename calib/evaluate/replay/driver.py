@@ -11,6 +11,7 @@ import numpy as np
 
 from calib.cost import CostCurve
 from calib.evaluate.replay.config import ReplayConfig
+from calib.evaluate.replay.lanes import requests_of, run_lanes
 from calib.evaluate.replay.redecide import residual_batch
 from calib.evaluate.replay.undrafted import with_undrafted_steps
 from calib.labels import censored
@@ -132,6 +133,24 @@ def summarise_redecided(results: dict, sb: StepBatch, curve: CostCurve, cfg: Rep
     return rows
 
 
+def on_lanes(dealt: dict, results: dict, req, B: int, curve: CostCurve, cfg: ReplayConfig,
+             train_curve: np.ndarray, bank) -> dict:
+    """Totals of every row of ``results`` (the dealt replay's) served on ``B`` lanes
+    (:mod:`calib.evaluate.replay.lanes`); a stateful policy's rows keep their ``dealt`` totals, noted on ``bank``."""
+    rows = {}
+    for name in results:
+        p = policy_of_row(name)
+        if p.stateful:
+            rows[name] = dealt[name]
+            note = (f"replay.lanes: {p.name} replayed dealt (it learns across steps; the lanes decide a step at a "
+                    "time)")
+            if note not in bank.notes:
+                bank.notes.append(note)
+            continue
+        rows[name] = run_lanes(req, B, name, lambda s, p=p: _computed(p, s), curve, cfg, train_curve)
+    return rows
+
+
 def add_hindsight(totals: dict, pooled: dict, wanted) -> dict:
     """``totals`` with every hindsight policy of ``wanted`` (registration order) appended."""
     for name in wanted:
@@ -205,12 +224,19 @@ def replay(banks, curves: dict[str, CostCurve], cfg: ReplayConfig, progress: boo
         idx = draw_steps(len(rows), b, cfg, rng)
         sb = StepBatch(bank, rows, idx)
         train_curve = train_mean_curve(bank)
+        lanes = requests_of(bank, rows) if cfg.lanes else None
+        if cfg.lanes and lanes is None:
+            note = "replay.lanes: replayed dealt (the bank records no round positions, or its rounds overlap)"
+            if note not in bank.notes:
+                bank.notes.append(note)
         for cname, curve in curves.items():
             b_curve = curve.for_batch(b)
             res = replay_setting(sb, b_curve.with_context(sb.cached), cfg, train_curve)
             redecided = cfg.redecide and cfg.weighting in COVERED_WEIGHTINGS  # under `rounds` a round has no stretch
             totals = (summarise_redecided(res, sb, b_curve, cfg, train_curve) if redecided
                       else summarise(res, b, sb.covered, cfg.weighting))
+            if lanes is not None:
+                totals = on_lanes(totals, res, lanes, b, curve, cfg, train_curve, bank)
             meta = {"bank": bank.name, "batch_size": b, "category": cat, "cost_model": cname, "unit": curve.unit}
             key = (bank.name, b, cname, curve.unit)
             done.append((meta, totals, key))

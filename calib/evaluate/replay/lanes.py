@@ -1,0 +1,117 @@
+"""Replay a setting as the bench serves it (``replay.lanes``): B clients, each following its request through the text.
+
+The dealt replay (:func:`calib.evaluate.replay.draw_steps`) deals recorded rounds to steps at random and counts each
+for the stretch of text it covered. A round's stretch starts where the *collecting* engine's previous round ended;
+a policy that commits more or less than the collector lands elsewhere, and counting its rate at the collector's
+starting points is biased wherever the rate changes along the text (at the end of a copied span, a policy starting
+a token before the end commits 2 where one in step with its own rounds committed 5). Here instead:
+
+* the setting's prompts form a queue in collection order (bench/serve.py's cell serves the same ones, in that
+  order), and each of B lanes takes the next prompt when its request is done, as the bench's B clients do;
+* a lane at text position ``x`` of its request serves the recorded round whose stretch holds ``x``, read from
+  ``x`` on (:func:`calib.evaluate.replay.redecide.shifted_batch`: every chain shifted by ``x`` minus the round's
+  start), or, between rounds, a step without a draft (a model-free drafter found no match there);
+* each step the policy decides on the lanes' rounds at once, on the cost curve of the lanes in flight, and each lane
+  moves on by what it committed; a request is done at the end of its recorded text.
+
+A round's position is its context length (``cached``); banks that record none, or whose rounds overlap, are
+replayed dealt (None here). The totals count the *steady* steps, every lane busy (the bench's steady decode state),
+where the queue fills all B lanes at first; else every step. Stateful policies (:attr:`Policy.stateful`: an estimator
+that learns across steps) keep the dealt replay's totals (the driver notes it on the bank).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from calib.evaluate.replay.redecide import shifted_batch
+from calib.policies.setting import Setting, StepBatch
+
+
+@dataclass
+class Requests:
+    """The setting's requests in queue order: per request, its rounds' positions in ``base`` (a one-step
+    :class:`StepBatch` over every row of the setting) and text offsets, and where its text ends."""
+
+    base: StepBatch
+    rounds: list[np.ndarray]  # per request [n_r] positions in base's rows, in text order
+    start: list[np.ndarray]  # per request [n_r] each round's text offset (its context length)
+    covered: list[np.ndarray]  # per request [n_r] each round's stretch
+    end: np.ndarray  # [n_requests] where each request's recorded text ends
+
+
+def requests_of(bank, rows: np.ndarray) -> Requests | None:
+    """The requests of a setting's ``rows`` of ``bank`` (drafted rounds only: undrafted ones are the gaps), or None
+    where the bank records no context length or a request's rounds overlap."""
+    if bank.cached is None:
+        return None
+    drafted = rows[bank.chains[bank.primary].length[rows] > 0]
+    if drafted.size == 0:
+        return None
+    base = StepBatch(bank, drafted, np.arange(drafted.size)[None, :])
+    pos = bank.cached[drafted].astype(np.int64)
+    covered = base.covered[0]
+    out_rounds, out_start, out_cov, ends = [], [], [], []
+    for prompt in np.unique(bank.prompt_idx[drafted]):  # sorted: the collection's order
+        mine = np.flatnonzero(bank.prompt_idx[drafted] == prompt)
+        mine = mine[np.argsort(pos[mine], kind="stable")]
+        x, c = pos[mine], covered[mine]
+        if np.any(x[1:] < x[:-1] + c[:-1]):
+            return None  # rounds that overlap: more than one request under this prompt, or a broken bank
+        out_rounds.append(mine)
+        out_start.append(x)
+        out_cov.append(c)
+        ends.append(int(x[-1] + c[-1]))
+    return Requests(base, out_rounds, out_start, out_cov, np.asarray(ends))
+
+
+def run_lanes(req: Requests, B: int, name: str, compute, curve, cfg, train_curve) -> dict:
+    """Totals (as :func:`calib.evaluate.replay.summarise` writes them) of row ``name`` served on ``B`` lanes;
+    ``compute(policy_setting) -> {row: PolicyResult}`` runs its policy on one step, ``curve`` the unbatched cost
+    curve. Extras are the first step's."""
+    n = len(req.rounds)
+    step_cfg = replace(cfg, weighting="rounds")  # a lane's step writes what it commits: no stretch to weigh
+    queue = deque(range(n))
+    lane_req = [queue.popleft() if queue else -1 for _ in range(B)]
+    x = [int(req.start[r][0]) if r >= 0 else 0 for r in lane_req]
+    steady_possible = n >= B
+    tot = dict.fromkeys(("tokens", "cost", "positions", "steps"), 0.0)
+    every = dict(tot)
+    extra: dict | None = None
+    while any(r >= 0 for r in lane_req):
+        busy = [b for b in range(B) if lane_req[b] >= 0]
+        pick, shift, rest, blank = [], [], [], []
+        for b in busy:
+            r = lane_req[b]
+            j = int(np.searchsorted(req.start[r], x[b], side="right")) - 1
+            inside = j >= 0 and x[b] < req.start[r][j] + req.covered[r][j]
+            j = max(j, 0)
+            pick.append(req.rounds[r][j])
+            shift.append(x[b] - int(req.start[r][j]) if inside else 0)
+            rest.append(int(req.start[r][j] + req.covered[r][j]) - x[b] if inside else 1)
+            blank.append(not inside)
+        m = len(busy)
+        sb = shifted_batch(req.base, np.asarray(pick), np.asarray(shift, dtype=np.int64),
+                           np.asarray(rest, dtype=np.int64).reshape(1, m), np.asarray(blank))
+        if sb.cached is not None:  # each lane's context is its position in the text
+            sb.cached = np.asarray([x[b] for b in busy], dtype=sb.cached.dtype)[None, :]
+        res = compute(Setting(sb, curve.for_batch(m).with_context(sb.cached), step_cfg, train_curve))[name]
+        tok, cost, pos, ex = res
+        extra = ex if extra is None else extra
+        done = np.minimum(tok[0], [req.end[lane_req[b]] - x[b] for b in busy])
+        for acc in ((tot,) if (m == B and steady_possible) else ()) + (every,):
+            acc["tokens"] += float(done.sum())
+            acc["cost"] += float(cost[0])
+            acc["positions"] += float(pos[0])
+            acc["steps"] += 1.0
+        for i, b in enumerate(busy):
+            x[b] += int(done[i])
+            if x[b] >= req.end[lane_req[b]]:
+                lane_req[b] = queue.popleft() if queue else -1
+                if lane_req[b] >= 0:
+                    x[b] = int(req.start[lane_req[b]][0])
+    out = tot if tot["steps"] > 0 else every
+    return {**out, "rounds": out["steps"] * B, **(extra or {})}

@@ -1,0 +1,92 @@
+"""replay.lanes: B lanes each following a request through its text (SYNTHETIC banks written by hand, not engine data)."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from calib.cost import make_curve
+from calib.evaluate.data import Chain, EvalBank
+from calib.evaluate.replay import ReplayConfig, replay_setting, summarise, train_mean_curve
+from calib.evaluate.replay.driver import _computed, on_lanes
+from calib.evaluate.replay.lanes import requests_of, run_lanes
+from calib.policies import policy_of_row
+from calib.policies.setting import StepBatch
+
+K = 4
+NO = [0.0] * K  # a chain rejected at its first token
+
+
+def bank_of(requests: list[list[tuple[list, list | None]]]) -> EvalBank:
+    """One round per text position: per request, [(model chain mask, n-gram chain mask or None), ...]."""
+    acc_m, acc_n, prompt, pos = [], [], [], []
+    for r, rounds in enumerate(requests):
+        for x, (m, n) in enumerate(rounds):
+            acc_m.append(m)
+            acc_n.append([np.nan] * K if n is None else n)
+            prompt.append(r)
+            pos.append(100 + x)  # the prompt's 100 tokens, then the text
+    R = len(prompt)
+    chains = {"model": Chain("model", np.asarray(acc_m, float)),
+              "ngram": Chain("ngram", np.asarray(acc_n, float))}
+    return EvalBank("synthetic", Path("synthetic"), np.array(["chat"] * R, dtype=object), np.asarray(prompt),
+                    np.array(["test"] * R, dtype=object), chains, "model", None, False, "synthetic",
+                    cached=np.asarray(pos))
+
+
+def cfg(**kw):
+    return ReplayConfig(draft_cost={"model": 0.0, "ngram": 0.0}, policies=("no_spec", "second_fixed"), **kw)
+
+
+CURVE = make_curve("parametric", {"kind": "parametric", "weight_read": 1.0, "per_position": 0.01}, 64)
+
+
+def lanes(bank, B, name):
+    req = requests_of(bank, np.arange(len(bank.prompt_idx)))
+    return run_lanes(req, B, name, lambda s: _computed(policy_of_row(name), s), CURVE, cfg(), train_mean_curve(bank))
+
+
+def test_a_lane_starts_each_step_where_its_last_ended():
+    """A copied span the n-gram chain drafts from positions 0-7 (accepting min(4, 8 - x) tokens at x), recorded by an
+    engine whose own chain committed one token a round. vLLM's n-gram arm at K = 4 starts at 0 (commits 5), at 5
+    (commits 4), at 9 (1): 3 steps for the 10 tokens. Dealt, each recorded round counts for 1/p of a step wherever
+    it starts, 4.08 steps: the rate at positions no lane of that arm starts from."""
+    span = [([1.0] * min(4, 8 - x) + [0.0] * (K - min(4, 8 - x)))[:K] for x in range(10)]
+    bank = bank_of([[(NO, s) for s in span]])
+    row = lanes(bank, 1, "second_fixed_4")
+    assert row["tokens"] == 10 and row["steps"] == 3
+    sb = StepBatch(bank, np.arange(10), np.arange(10)[:, None])
+    dealt = summarise(replay_setting(sb, CURVE, cfg(), train_mean_curve(bank)), 1, sb.covered)["second_fixed_4"]
+    assert dealt["steps"] == pytest.approx(5 * 0.2 + 1 / 4 + 1 / 3 + 1 / 2 + 1 + 1)
+
+
+def test_lanes_take_the_next_prompt_and_count_the_steady_steps():
+    """Two lanes, three requests of 4, 2 and 3 tokens, no speculation: request 2 takes the lane request 1 leaves
+    after step 2; steps 1-4 have both lanes busy (the steady state, 8 tokens), step 5 one."""
+    bank = bank_of([[(NO, None)] * 4, [(NO, None)] * 2, [(NO, None)] * 3])
+    row = lanes(bank, 2, "no_spec")
+    assert row["steps"] == 4 and row["tokens"] == 8 and row["rounds"] == 8
+    lone = lanes(bank_of([[(NO, None)] * 4]), 2, "no_spec")  # fewer requests than lanes: never steady, every step
+    assert lone["steps"] == 4 and lone["tokens"] == 4
+
+
+def test_banks_without_positions_or_with_overlapping_rounds_are_replayed_dealt():
+    bank = bank_of([[(NO, None)] * 3])
+    assert requests_of(bank, np.arange(3)) is not None
+    bank.cached = None
+    assert requests_of(bank, np.arange(3)) is None
+    overlapping = bank_of([[([1.0, 1.0, 0.0, 0.0], None), (NO, None)]])  # round 0 covers 3 tokens, round 1 starts at 1
+    assert requests_of(overlapping, np.arange(2)) is None
+
+
+def test_a_stateful_policy_keeps_the_dealt_totals_and_is_noted():
+    bank = bank_of([[(NO, None)] * 3])
+    sb = StepBatch(bank, np.arange(3), np.arange(3)[:, None])
+    res = replay_setting(sb, CURVE, cfg(), train_mean_curve(bank))
+    dealt = summarise(res, 1, sb.covered)
+    fake = {**dealt, "vllm_adaptive": {"tokens": 1.0, "cost": 9.0, "positions": 0.0, "steps": 1.0, "rounds": 1.0}}
+    res = {**res, "vllm_adaptive": res["no_spec"]}
+    out = on_lanes(fake, res, requests_of(bank, np.arange(3)), 1, CURVE, cfg(), train_mean_curve(bank), bank)
+    assert out["vllm_adaptive"] is fake["vllm_adaptive"]
+    assert out["no_spec"]["steps"] == 3
+    assert any("vllm_adaptive replayed dealt" in n for n in bank.notes)
