@@ -440,7 +440,7 @@ def _ladder_section(ladder, notes, curves, rcfg) -> list[str]:
     t_hi = len(next(iter(curves.values())).values) - 1
     curve_desc = "; ".join(f"`{n}` (unit: {c.unit}, C(1)={c.values[1]:.4g}, C({t_hi})={c.values[t_hi]:.4g})"
                            for n, c in curves.items())
-    L.append(f"Each step draws B rounds of one category from the test split; a round verified at depth d "
+    L.append(f"{rcfg.accounting()} A round verified at depth d "
              f"commits min(d, accepted)+1 tokens; a step costs C(B + Σ d) plus drafting "
              f"({rcfg.draft_cost} × draft passes × C(B)). Cost curves: {curve_desc}. Decisions: "
              f"`{rcfg.mode}` mode through `calib.allocate.allocate_probs` (impl={rcfg.impl}). "

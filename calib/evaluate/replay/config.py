@@ -123,6 +123,17 @@ class ReplayConfig:
         "lanes": [Boolean()],
     }
 
+    def accounting(self) -> str:
+        """One sentence for the report: how the replay turns recorded rounds into steps."""
+        if self.lanes:
+            return ("B lanes serve a category's test prompts in order, each following its request through the text "
+                    "(replay.lanes: a lane at position x serves the recorded round that holds x, read from x on) and "
+                    "taking the next prompt when done; the totals are the steady steps, every lane busy.")
+        out = (f"Each step deals B recorded rounds of one category from the test split, each counted for the text its "
+               f"collecting engine crossed (weighting `{self.weighting}`)")
+        return out + ("; a policy committing less decides again on the rest (replay.redecide)."
+                      if self.redecide and self.weighting != "rounds" else ".")
+
     def __post_init__(self) -> None:
         self.batch_sizes = tuple(self.batch_sizes)
         self.policies = tuple(canonical(p) if isinstance(p, str) else p for p in self.policies)  # aliases: their policy
