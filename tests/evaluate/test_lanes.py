@@ -9,7 +9,7 @@ from calib.cost import make_curve
 from calib.evaluate.data import Chain, EvalBank
 from calib.evaluate.replay import ReplayConfig, replay_setting, summarise, train_mean_curve
 from calib.evaluate.replay.driver import _computed, on_lanes
-from calib.evaluate.replay.lanes import requests_of, run_lanes
+from calib.evaluate.replay.lanes import _lanes, requests_of, run_lanes
 from calib.policies import policy_of_row
 from calib.policies.setting import StepBatch
 
@@ -90,3 +90,20 @@ def test_a_stateful_policy_keeps_the_dealt_totals_and_is_noted():
     assert out["vllm_adaptive"] is fake["vllm_adaptive"]
     assert out["no_spec"]["steps"] == 3
     assert any("vllm_adaptive replayed dealt" in n for n in bank.notes)
+
+
+def test_one_lane_decides_its_requests_together_as_one_lane_would_in_turn():
+    """At B = 1 the requests are independent: their steps are decided in one call per round of steps, which must
+    total what one lane serving them in turn totals (two requests, an arm whose depth matters, and the oracle)."""
+    span = [([1.0] * min(4, 8 - x) + [0.0] * (K - min(4, 8 - x)))[:K] for x in range(10)]
+    bank = bank_of([[(NO, s) for s in span], [(NO, s) for s in span[3:]], [(NO, None)] * 3])
+    req = requests_of(bank, np.arange(len(bank.prompt_idx)))
+    c = ReplayConfig(draft_cost={"model": 0.0, "ngram": 0.0}, policies=("no_spec", "second_fixed", "oracle"),
+                     weighting="rounds")
+    for name in ("second_fixed_2", "oracle", "no_spec"):
+        def run(s, name=name):
+            return _computed(policy_of_row(name), s)
+        together = run_lanes(req, 1, name, run, CURVE, c, train_mean_curve(bank))
+        in_turn = _lanes(req, 1, name, run, CURVE, c, train_mean_curve(bank))
+        for k in ("tokens", "cost", "positions", "steps"):
+            assert together[k] == pytest.approx(in_turn[k]), (name, k)

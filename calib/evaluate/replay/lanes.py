@@ -68,12 +68,39 @@ def requests_of(bank, rows: np.ndarray) -> Requests | None:
     return Requests(base, out_rounds, out_start, out_cov, np.asarray(ends))
 
 
+def _at(req: Requests, r: int, x: int) -> tuple[int, int, int, bool]:
+    """What request ``r`` serves at text position ``x``: (its round's position in ``req.base``, the shift into it, the
+    stretch left, whether ``x`` lies between rounds: a step without a draft)."""
+    j = int(np.searchsorted(req.start[r], x, side="right")) - 1
+    inside = j >= 0 and x < req.start[r][j] + req.covered[r][j]
+    j = max(j, 0)
+    if not inside:
+        return int(req.rounds[r][j]), 0, 1, True
+    return int(req.rounds[r][j]), x - int(req.start[r][j]), int(req.start[r][j] + req.covered[r][j]) - x, False
+
+
+def _served(req: Requests, at: list[tuple[int, int, int, bool]], x: list[int], shape: tuple[int, int]) -> StepBatch:
+    """The :class:`StepBatch` of ``shape`` [S, B] of the rounds ``at`` (:func:`_at`) served at positions ``x``."""
+    pick, shift, rest, blank = (np.asarray(v) for v in zip(*at))
+    sb = shifted_batch(req.base, pick, shift.astype(np.int64), rest.astype(np.int64).reshape(shape), blank)
+    if sb.cached is not None:  # each lane's context is its position in the text
+        sb.cached = np.asarray(x, dtype=sb.cached.dtype).reshape(shape)
+    return sb
+
+
 def run_lanes(req: Requests, B: int, name: str, compute, curve, cfg, train_curve) -> dict:
     """Totals (as :func:`calib.evaluate.replay.summarise` writes them) of row ``name`` served on ``B`` lanes;
-    ``compute(policy_setting) -> {row: PolicyResult}`` runs its policy on one step, ``curve`` the unbatched cost
-    curve. Extras are the first step's."""
-    n = len(req.rounds)
+    ``compute(policy_setting) -> {row: PolicyResult}`` runs its policy on a setting (a step policy decides each of
+    its steps alone), ``curve`` the unbatched cost curve. Extras are the first step's."""
     step_cfg = replace(cfg, weighting="rounds")  # a lane's step writes what it commits: no stretch to weigh
+    if B == 1:
+        return _one_lane(req, name, compute, curve, step_cfg, train_curve)
+    return _lanes(req, B, name, compute, curve, step_cfg, train_curve)
+
+
+def _lanes(req: Requests, B: int, name: str, compute, curve, step_cfg, train_curve) -> dict:
+    """:func:`run_lanes`, a step at a time."""
+    n = len(req.rounds)
     queue = deque(range(n))
     lane_req = [queue.popleft() if queue else -1 for _ in range(B)]
     x = [int(req.start[r][0]) if r >= 0 else 0 for r in lane_req]
@@ -83,23 +110,10 @@ def run_lanes(req: Requests, B: int, name: str, compute, curve, cfg, train_curve
     extra: dict | None = None
     while any(r >= 0 for r in lane_req):
         busy = [b for b in range(B) if lane_req[b] >= 0]
-        pick, shift, rest, blank = [], [], [], []
-        for b in busy:
-            r = lane_req[b]
-            j = int(np.searchsorted(req.start[r], x[b], side="right")) - 1
-            inside = j >= 0 and x[b] < req.start[r][j] + req.covered[r][j]
-            j = max(j, 0)
-            pick.append(req.rounds[r][j])
-            shift.append(x[b] - int(req.start[r][j]) if inside else 0)
-            rest.append(int(req.start[r][j] + req.covered[r][j]) - x[b] if inside else 1)
-            blank.append(not inside)
         m = len(busy)
-        sb = shifted_batch(req.base, np.asarray(pick), np.asarray(shift, dtype=np.int64),
-                           np.asarray(rest, dtype=np.int64).reshape(1, m), np.asarray(blank))
-        if sb.cached is not None:  # each lane's context is its position in the text
-            sb.cached = np.asarray([x[b] for b in busy], dtype=sb.cached.dtype)[None, :]
-        res = compute(Setting(sb, curve.for_batch(m).with_context(sb.cached), step_cfg, train_curve))[name]
-        tok, cost, pos, ex = res
+        sb = _served(req, [_at(req, lane_req[b], x[b]) for b in busy], [x[b] for b in busy], (1, m))
+        tok, cost, pos, ex = compute(Setting(sb, curve.for_batch(m).with_context(sb.cached), step_cfg,
+                                             train_curve))[name]
         extra = ex if extra is None else extra
         done = np.minimum(tok[0], [req.end[lane_req[b]] - x[b] for b in busy])
         for acc in ((tot,) if (m == B and steady_possible) else ()) + (every,):
@@ -115,3 +129,27 @@ def run_lanes(req: Requests, B: int, name: str, compute, curve, cfg, train_curve
                     x[b] = int(req.start[lane_req[b]][0])
     out = tot if tot["steps"] > 0 else every
     return {**out, "rounds": out["steps"] * B, **(extra or {})}
+
+
+def _one_lane(req: Requests, name: str, compute, curve, step_cfg, train_curve) -> dict:
+    """:func:`run_lanes` at B = 1: one request at a time, so the requests are independent and their steps are
+    decided together, each request's next step as one row of a setting of batch 1 (the same decisions as one lane
+    taking them in turn, in far fewer calls). Every step is steady."""
+    x = [int(s[0]) for s in req.start]
+    live = list(range(len(req.rounds)))
+    tot = dict.fromkeys(("tokens", "cost", "positions", "steps"), 0.0)
+    extra: dict | None = None
+    b_curve = curve.for_batch(1)
+    while live:
+        sb = _served(req, [_at(req, r, x[r]) for r in live], [x[r] for r in live], (len(live), 1))
+        tok, cost, pos, ex = compute(Setting(sb, b_curve.with_context(sb.cached), step_cfg, train_curve))[name]
+        extra = ex if extra is None else extra
+        done = np.minimum(tok[:, 0], [req.end[r] - x[r] for r in live])
+        tot["tokens"] += float(done.sum())
+        tot["cost"] += float(np.sum(cost))
+        tot["positions"] += float(np.sum(pos))
+        tot["steps"] += float(len(live))
+        for i, r in enumerate(live):
+            x[r] += int(done[i])
+        live = [r for r in live if x[r] < req.end[r]]
+    return {**tot, "rounds": tot["steps"], **(extra or {})}
