@@ -118,9 +118,9 @@ class Policy:
             ``reference``; read it through :func:`camp_of`.
         serving: what ``serve.py policy=<name>`` runs (None: replay only).
         aliases: other names ``serve.py policy=`` accepts for it (old serving names); each says it is an alias.
-        stateful: its replay carries what it learnt from one step to the next (an online estimator), so it must see
-            a setting's steps in one call; the lane replay (``replay.lanes``), which decides a step at a time,
-            leaves it out.
+        stateful: its replay carries what it learnt from one step to the next (an online estimator): replayed a
+            step at a time (``replay.lanes``), it keeps that in ``Setting.lanes.memory`` between calls, and its
+            steps are taken in order even where the requests are independent (B = 1).
     """
 
     name: str

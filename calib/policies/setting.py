@@ -149,6 +149,9 @@ class Setting:
         self.one = np.full((self.S, self.B), self.P, dtype=np.int64)  # [S, B] fixed-depth policies verify the primary
         self.sunk = self.draft(self.K)
         self.second_cost = self.draft(self.K, second=True) - self.draft(self.K)  # the second chain's drafting
+        # a step of the lane replay (calib.evaluate.replay.lanes.LaneStep): which lane each row is, and the memory a
+        # stateful policy keeps across that lane run's steps; None: the setting's steps all at once
+        self.lanes = None
 
     def draft(self, passes, second=False):
         """Drafting cost of ``passes`` draft passes over the batch (both chains' if ``second``)."""

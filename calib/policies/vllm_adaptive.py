@@ -185,17 +185,20 @@ def assign_drafts(conf: np.ndarray, scheduled_drafts: np.ndarray, budget: int) -
 
 
 def adaptive_replay(p_raw: np.ndarray, accepted: np.ndarray, scheduled: np.ndarray, draft_cost: float,
-                    verify_table: np.ndarray) -> tuple[np.ndarray, dict]:
+                    verify_table: np.ndarray, est: OnlineAcceptanceEstimator | None = None,
+                    stale: np.ndarray | None = None) -> tuple[np.ndarray, dict]:
     """vLLM adaptive verification over a stream of steps: verified depth [S, B] and a summary.
 
     ``p_raw`` [S, B, K] the drafter's confidences; ``accepted`` [S, B] accepted prefix length of each
     lane's chain; ``scheduled`` [S, B] drafted tokens; ``draft_cost`` the drafting term of the budget's
     cost; ``verify_table[T]`` the verify cost of ``T`` positions. Step ``s`` uses only outcomes of steps
-    ``< s`` (the estimator) and predictions of steps ``<= s``.
+    ``< s`` (the estimator) and predictions of steps ``<= s``. ``est`` and ``stale`` [B, K] (the confidences
+    the first step's budget reads): a stream that goes on from earlier steps (the lane replay's); else fresh.
+    The summary's ``stale`` is what the next step's budget would read.
     """
     S, B, K = p_raw.shape
-    est = OnlineAcceptanceEstimator(B, K)
-    stale = np.ones((B, K))  # add_request: a new request's stale row is 1.0
+    est = OnlineAcceptanceEstimator(B, K) if est is None else est
+    stale = np.ones((B, K)) if stale is None else stale  # add_request: a new request's stale row is 1.0
     depth = np.zeros((S, B), np.int64)
     budgets = np.zeros(S, np.int64)
     for s in range(S):
@@ -206,7 +209,7 @@ def adaptive_replay(p_raw: np.ndarray, accepted: np.ndarray, scheduled: np.ndarr
         est.step(num_sampled=n_acc + 1, num_rejected=depth[s] - n_acc)  # observe_verification
         stale = conf  # record_confidences: what the next step's budget reads
     return depth, {"refits": est.refits, "slope": est.slope, "intercepts": est.intercepts.copy(),
-                   "budgets": budgets}
+                   "budgets": budgets, "stale": stale}
 
 
 def vllm_adaptive(s: Setting) -> PolicyResult | None:
@@ -218,7 +221,16 @@ def vllm_adaptive(s: Setting) -> PolicyResult | None:
     verify_points = [(t, float(s.curve.values[t])) for t in range(1, t_max + 1)]
     draft_table, verify_table = build_cost_tables([(B, s.sunk)], verify_points, B, t_max)
     scheduled = np.minimum(sb.length[s.P], K)
-    depth, info = adaptive_replay(sb.p_raw, sb.acc[s.P], scheduled, float(draft_table[B]), verify_table)
+    lanes = s.lanes  # replayed a step at a time (calib.evaluate.replay.lanes): the estimator goes on across calls
+    if lanes is None:
+        depth, info = adaptive_replay(sb.p_raw, sb.acc[s.P], scheduled, float(draft_table[B]), verify_table)
+    else:
+        est = lanes.memory.setdefault("estimator", OnlineAcceptanceEstimator(B, K))
+        stale_all = lanes.memory.setdefault("stale", np.ones((lanes.count, K)))  # [lanes, K]
+        stale = np.where(lanes.fresh[:, None], 1.0, stale_all[lanes.index])  # add_request: a new request's row
+        depth, info = adaptive_replay(sb.p_raw, sb.acc[s.P], scheduled, float(draft_table[B]), verify_table,
+                                      est, stale)
+        stale_all[lanes.index] = info["stale"]
     tokens = committed(sb, s.one, depth)
     cost = s.curve.charge(depth) + s.sunk
     return PolicyResult(tokens, cost, depth.sum(axis=1), {

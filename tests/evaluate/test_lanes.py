@@ -8,7 +8,7 @@ import pytest
 from calib.cost import make_curve
 from calib.evaluate.data import Chain, EvalBank
 from calib.evaluate.replay import ReplayConfig, replay_setting, summarise, train_mean_curve
-from calib.evaluate.replay.driver import _computed, on_lanes
+from calib.evaluate.replay.driver import _computed
 from calib.evaluate.replay.lanes import _lanes, requests_of, run_lanes
 from calib.policies import policy_of_row
 from calib.policies.setting import StepBatch
@@ -79,17 +79,26 @@ def test_banks_without_positions_or_with_overlapping_rounds_are_replayed_dealt()
     assert requests_of(overlapping, np.arange(2)) is None
 
 
-def test_a_stateful_policy_keeps_the_dealt_totals_and_is_noted():
-    bank = bank_of([[(NO, None)] * 3])
-    sb = StepBatch(bank, np.arange(3), np.arange(3)[:, None])
-    res = replay_setting(sb, CURVE, cfg(), train_mean_curve(bank))
-    dealt = summarise(res, 1, sb.covered)
-    fake = {**dealt, "vllm_adaptive": {"tokens": 1.0, "cost": 9.0, "positions": 0.0, "steps": 1.0, "rounds": 1.0}}
-    res = {**res, "vllm_adaptive": res["no_spec"]}
-    out = on_lanes(fake, res, requests_of(bank, np.arange(3)), 1, CURVE, cfg(), train_mean_curve(bank), bank)
-    assert out["vllm_adaptive"] is fake["vllm_adaptive"]
-    assert out["no_spec"]["steps"] == 3
-    assert any("vllm_adaptive replayed dealt" in n for n in bank.notes)
+def test_a_stateful_policy_is_told_its_lanes_and_keeps_its_memory_across_steps():
+    """vLLM's adaptive verification learns across steps (its estimator; each request's stale confidences): on lanes
+    it sees which lane each row is and whether its request is new, and one memory for the whole run. Three requests
+    of 4, 2 and 3 tokens on two lanes: request 2 takes lane 1 at step 3, lane 1 serves alone at step 5."""
+    bank = bank_of([[(NO, None)] * 4, [(NO, None)] * 2, [(NO, None)] * 3])
+    bank.chains["model"].p_raw = np.full((9, K), 0.6)
+    req = requests_of(bank, np.arange(9))
+    seen = []
+
+    def run(s):
+        seen.append((s.lanes.index.tolist(), s.lanes.fresh.tolist(), s.lanes.memory))
+        return _computed(policy_of_row("vllm_adaptive"), s)
+
+    c = ReplayConfig(draft_cost={"model": 0.0, "ngram": 0.0}, policies=("no_spec", "vllm_adaptive"))
+    row = run_lanes(req, 2, "vllm_adaptive", run, CURVE, c, train_mean_curve(bank), stateful=True)
+    assert [(i, f) for i, f, _ in seen] == [([0, 1], [True, True]), ([0, 1], [False, False]),
+                                            ([0, 1], [False, True]), ([0, 1], [False, False]), ([1], [False])]
+    memory = seen[0][2]
+    assert all(m is memory for _, _, m in seen) and memory["estimator"].steps_since_refit == 5
+    assert memory["stale"].shape == (2, K) and row["steps"] == 4  # the steady steps
 
 
 def test_one_lane_decides_its_requests_together_as_one_lane_would_in_turn():

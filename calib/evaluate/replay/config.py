@@ -85,8 +85,7 @@ class ReplayConfig:
             ``rounds`` a round has no stretch, and this does nothing.
         lanes: replay each setting as the bench serves it, B lanes each following its request through the text
             (:mod:`calib.evaluate.replay.lanes`), instead of dealing recorded rounds to steps; the weighting,
-            ``redecide`` and ``undrafted_steps`` (a lane serves the steps between rounds always) then play no part
-            but for stateful policies (``vllm_adaptive``), which keep the dealt replay.
+            ``redecide`` and ``undrafted_steps`` (a lane serves the steps between rounds always) then play no part.
     """
 
     batch_sizes: tuple[int, ...] = field(default_factory=_from_yaml("batch_sizes"))

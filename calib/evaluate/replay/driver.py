@@ -133,21 +133,13 @@ def summarise_redecided(results: dict, sb: StepBatch, curve: CostCurve, cfg: Rep
     return rows
 
 
-def on_lanes(dealt: dict, results: dict, req, B: int, curve: CostCurve, cfg: ReplayConfig,
-             train_curve: np.ndarray, bank) -> dict:
-    """Totals of every row of ``results`` (the dealt replay's) served on ``B`` lanes
-    (:mod:`calib.evaluate.replay.lanes`); a stateful policy's rows keep their ``dealt`` totals, noted on ``bank``."""
+def on_lanes(results: dict, req, B: int, curve: CostCurve, cfg: ReplayConfig, train_curve: np.ndarray) -> dict:
+    """Totals of every row of ``results`` (the dealt replay's, for their names) served on ``B`` lanes
+    (:mod:`calib.evaluate.replay.lanes`)."""
     rows = {}
     for name in results:
         p = policy_of_row(name)
-        if p.stateful:
-            rows[name] = dealt[name]
-            note = (f"replay.lanes: {p.name} replayed dealt (it learns across steps; the lanes decide a step at a "
-                    "time)")
-            if note not in bank.notes:
-                bank.notes.append(note)
-            continue
-        rows[name] = run_lanes(req, B, name, lambda s, p=p: _computed(p, s), curve, cfg, train_curve)
+        rows[name] = run_lanes(req, B, name, lambda s, p=p: _computed(p, s), curve, cfg, train_curve, p.stateful)
     return rows
 
 
@@ -233,10 +225,9 @@ def replay(banks, curves: dict[str, CostCurve], cfg: ReplayConfig, progress: boo
             b_curve = curve.for_batch(b)
             res = replay_setting(sb, b_curve.with_context(sb.cached), cfg, train_curve)
             redecided = cfg.redecide and cfg.weighting in COVERED_WEIGHTINGS  # under `rounds` a round has no stretch
-            totals = (summarise_redecided(res, sb, b_curve, cfg, train_curve) if redecided
+            totals = (on_lanes(res, lanes, b, curve, cfg, train_curve) if lanes is not None
+                      else summarise_redecided(res, sb, b_curve, cfg, train_curve) if redecided
                       else summarise(res, b, sb.covered, cfg.weighting))
-            if lanes is not None:
-                totals = on_lanes(totals, res, lanes, b, curve, cfg, train_curve, bank)
             meta = {"bank": bank.name, "batch_size": b, "category": cat, "cost_model": cname, "unit": curve.unit}
             key = (bank.name, b, cname, curve.unit)
             done.append((meta, totals, key))

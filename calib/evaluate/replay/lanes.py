@@ -17,7 +17,7 @@ a token before the end commits 2 where one in step with its own rounds committed
 A round's position is its context length (``cached``); banks that record none, or whose rounds overlap, are
 replayed dealt (None here). The totals count the *steady* steps, every lane busy (the bench's steady decode state),
 where the queue fills all B lanes at first; else every step. Stateful policies (:attr:`Policy.stateful`: an estimator
-that learns across steps) keep the dealt replay's totals (the driver notes it on the bank).
+that learns across steps) keep what they learn in the run's :class:`LaneStep` memory from one step to the next.
 """
 
 from __future__ import annotations
@@ -68,6 +68,17 @@ def requests_of(bank, rows: np.ndarray) -> Requests | None:
     return Requests(base, out_rounds, out_start, out_cov, np.asarray(ends))
 
 
+@dataclass
+class LaneStep:
+    """What a step of a lane run tells a stateful policy (``Setting.lanes``): ``index`` [m] the lane of each row,
+    ``fresh`` [m] whether its request is new this step, ``count`` the lanes, ``memory`` kept across the run."""
+
+    index: np.ndarray  # [m]
+    fresh: np.ndarray  # [m] bool
+    count: int
+    memory: dict
+
+
 def _at(req: Requests, r: int, x: int) -> tuple[int, int, int, bool]:
     """What request ``r`` serves at text position ``x``: (its round's position in ``req.base``, the shift into it, the
     stretch left, whether ``x`` lies between rounds: a step without a draft)."""
@@ -88,18 +99,20 @@ def _served(req: Requests, at: list[tuple[int, int, int, bool]], x: list[int], s
     return sb
 
 
-def run_lanes(req: Requests, B: int, name: str, compute, curve, cfg, train_curve) -> dict:
+def run_lanes(req: Requests, B: int, name: str, compute, curve, cfg, train_curve, stateful: bool = False) -> dict:
     """Totals (as :func:`calib.evaluate.replay.summarise` writes them) of row ``name`` served on ``B`` lanes;
     ``compute(policy_setting) -> {row: PolicyResult}`` runs its policy on a setting (a step policy decides each of
-    its steps alone), ``curve`` the unbatched cost curve. Extras are the first step's."""
+    its steps alone, a ``stateful`` one reads ``Setting.lanes``), ``curve`` the unbatched cost curve. Extras are
+    the first step's."""
     step_cfg = replace(cfg, weighting="rounds")  # a lane's step writes what it commits: no stretch to weigh
-    if B == 1:
+    if B == 1 and not stateful:
         return _one_lane(req, name, compute, curve, step_cfg, train_curve)
     return _lanes(req, B, name, compute, curve, step_cfg, train_curve)
 
 
 def _lanes(req: Requests, B: int, name: str, compute, curve, step_cfg, train_curve) -> dict:
     """:func:`run_lanes`, a step at a time."""
+    memory: dict = {}
     n = len(req.rounds)
     queue = deque(range(n))
     lane_req = [queue.popleft() if queue else -1 for _ in range(B)]
@@ -108,12 +121,15 @@ def _lanes(req: Requests, B: int, name: str, compute, curve, step_cfg, train_cur
     tot = dict.fromkeys(("tokens", "cost", "positions", "steps"), 0.0)
     every = dict(tot)
     extra: dict | None = None
+    fresh = [True] * B  # each lane's request is new at its first step
     while any(r >= 0 for r in lane_req):
         busy = [b for b in range(B) if lane_req[b] >= 0]
         m = len(busy)
         sb = _served(req, [_at(req, lane_req[b], x[b]) for b in busy], [x[b] for b in busy], (1, m))
-        tok, cost, pos, ex = compute(Setting(sb, curve.for_batch(m).with_context(sb.cached), step_cfg,
-                                             train_curve))[name]
+        setting = Setting(sb, curve.for_batch(m).with_context(sb.cached), step_cfg, train_curve)
+        setting.lanes = LaneStep(np.asarray(busy), np.asarray([fresh[b] for b in busy]), B, memory)
+        fresh = [False] * B
+        tok, cost, pos, ex = compute(setting)[name]
         extra = ex if extra is None else extra
         done = np.minimum(tok[0], [req.end[lane_req[b]] - x[b] for b in busy])
         for acc in ((tot,) if (m == B and steady_possible) else ()) + (every,):
@@ -127,6 +143,7 @@ def _lanes(req: Requests, B: int, name: str, compute, curve, step_cfg, train_cur
                 lane_req[b] = queue.popleft() if queue else -1
                 if lane_req[b] >= 0:
                     x[b] = int(req.start[lane_req[b]][0])
+                    fresh[b] = True
     out = tot if tot["steps"] > 0 else every
     return {**out, "rounds": out["steps"] * B, **(extra or {})}
 
