@@ -134,12 +134,13 @@ def summarise_redecided(results: dict, sb: StepBatch, curve: CostCurve, cfg: Rep
 
 
 def on_lanes(results: dict, req, B: int, curve: CostCurve, cfg: ReplayConfig, train_curve: np.ndarray) -> dict:
-    """Totals of every row of ``results`` (the dealt replay's, for their names) served on ``B`` lanes
-    (:mod:`calib.evaluate.replay.lanes`)."""
+    """Totals of every row of ``results`` (the dealt replay's) served on ``B`` lanes
+    (:mod:`calib.evaluate.replay.lanes`), each with its dealt result's extras (figures of the whole setting)."""
     rows = {}
-    for name in results:
+    for name, res in results.items():
         p = policy_of_row(name)
-        rows[name] = run_lanes(req, B, name, lambda s, p=p: _computed(p, s), curve, cfg, train_curve, p.stateful)
+        lanes = run_lanes(req, B, name, lambda s, p=p: _computed(p, s), curve, cfg, train_curve, p.stateful)
+        rows[name] = {**lanes, **res.extra}
     return rows
 
 

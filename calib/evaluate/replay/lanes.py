@@ -102,8 +102,8 @@ def _served(req: Requests, at: list[tuple[int, int, int, bool]], x: list[int], s
 def run_lanes(req: Requests, B: int, name: str, compute, curve, cfg, train_curve, stateful: bool = False) -> dict:
     """Totals (as :func:`calib.evaluate.replay.summarise` writes them) of row ``name`` served on ``B`` lanes;
     ``compute(policy_setting) -> {row: PolicyResult}`` runs its policy on a setting (a step policy decides each of
-    its steps alone, a ``stateful`` one reads ``Setting.lanes``), ``curve`` the unbatched cost curve. Extras are
-    the first step's."""
+    its steps alone, a ``stateful`` one reads ``Setting.lanes``), ``curve`` the unbatched cost curve. The row's
+    extras (a policy's per-setting figures) are the caller's to add."""
     step_cfg = replace(cfg, weighting="rounds")  # a lane's step writes what it commits: no stretch to weigh
     if B == 1 and not stateful:
         return _one_lane(req, name, compute, curve, step_cfg, train_curve)
@@ -120,7 +120,6 @@ def _lanes(req: Requests, B: int, name: str, compute, curve, step_cfg, train_cur
     steady_possible = n >= B
     tot = dict.fromkeys(("tokens", "cost", "positions", "steps"), 0.0)
     every = dict(tot)
-    extra: dict | None = None
     fresh = [True] * B  # each lane's request is new at its first step
     while any(r >= 0 for r in lane_req):
         busy = [b for b in range(B) if lane_req[b] >= 0]
@@ -129,8 +128,7 @@ def _lanes(req: Requests, B: int, name: str, compute, curve, step_cfg, train_cur
         setting = Setting(sb, curve.for_batch(m).with_context(sb.cached), step_cfg, train_curve)
         setting.lanes = LaneStep(np.asarray(busy), np.asarray([fresh[b] for b in busy]), B, memory)
         fresh = [False] * B
-        tok, cost, pos, ex = compute(setting)[name]
-        extra = ex if extra is None else extra
+        tok, cost, pos, _ = compute(setting)[name]
         done = np.minimum(tok[0], [req.end[lane_req[b]] - x[b] for b in busy])
         for acc in ((tot,) if (m == B and steady_possible) else ()) + (every,):
             acc["tokens"] += float(done.sum())
@@ -145,7 +143,7 @@ def _lanes(req: Requests, B: int, name: str, compute, curve, step_cfg, train_cur
                     x[b] = int(req.start[lane_req[b]][0])
                     fresh[b] = True
     out = tot if tot["steps"] > 0 else every
-    return {**out, "rounds": out["steps"] * B, **(extra or {})}
+    return {**out, "rounds": out["steps"] * B}
 
 
 def _one_lane(req: Requests, name: str, compute, curve, step_cfg, train_curve) -> dict:
@@ -155,12 +153,10 @@ def _one_lane(req: Requests, name: str, compute, curve, step_cfg, train_curve) -
     x = [int(s[0]) for s in req.start]
     live = list(range(len(req.rounds)))
     tot = dict.fromkeys(("tokens", "cost", "positions", "steps"), 0.0)
-    extra: dict | None = None
     b_curve = curve.for_batch(1)
     while live:
         sb = _served(req, [_at(req, r, x[r]) for r in live], [x[r] for r in live], (len(live), 1))
-        tok, cost, pos, ex = compute(Setting(sb, b_curve.with_context(sb.cached), step_cfg, train_curve))[name]
-        extra = ex if extra is None else extra
+        tok, cost, pos, _ = compute(Setting(sb, b_curve.with_context(sb.cached), step_cfg, train_curve))[name]
         done = np.minimum(tok[:, 0], [req.end[r] - x[r] for r in live])
         tot["tokens"] += float(done.sum())
         tot["cost"] += float(np.sum(cost))
@@ -169,4 +165,4 @@ def _one_lane(req: Requests, name: str, compute, curve, step_cfg, train_curve) -
         for i, r in enumerate(live):
             x[r] += int(done[i])
         live = [r for r in live if x[r] < req.end[r]]
-    return {**tot, "rounds": tot["steps"], **(extra or {})}
+    return {**tot, "rounds": tot["steps"]}
