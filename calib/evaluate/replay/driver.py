@@ -101,8 +101,8 @@ def summarise(results: dict, B: int, covered: np.ndarray | None = None, weightin
     more than the collector (a copied span the collector crossed in many rounds, the policy in one)."""
     rows = {}
     for name, (tok, cost, pos, extra) in results.items():
-        rows[name] = {**_level_totals(tok, cost, pos, covered, weighting), "rounds": 0.0, **extra}
-        rows[name]["rounds"] = rows[name]["steps"] * B
+        total = _level_totals(tok, cost, pos, covered, weighting)
+        rows[name] = {**total, "rounds": total["steps"] * B, **extra}
     return rows
 
 
@@ -114,9 +114,10 @@ def _level_totals(tok, cost, pos, covered, weighting: str) -> dict:
 
 def summarise_redecided(results: dict, sb: StepBatch, curve: CostCurve, cfg: ReplayConfig,
                         train_curve: np.ndarray) -> dict:
-    """:func:`summarise` with ``replay.redecide`` (``curve`` for the setting's B, not yet bound to a context): a row that committed less than a round's stretch decides again
+    """:func:`summarise` with ``replay.redecide``: a row that committed less than a round's stretch decides again
     on the rest of it (:mod:`calib.evaluate.replay.redecide`), level by level until every stretch is crossed; each
-    level's steps count the text they crossed, ``min(stretch left, tokens)`` of each round."""
+    level's steps count the text they crossed, ``min(stretch left, tokens)`` of each round. ``curve`` is the
+    setting's B's, not yet bound to a context (each level binds its own)."""
     rows = {}
     for name, (tok, cost, pos, extra) in results.items():
         level, left, total = sb, sb.covered, dict.fromkeys(("tokens", "cost", "positions", "steps"), 0.0)
