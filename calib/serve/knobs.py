@@ -93,6 +93,9 @@ class ServeKnobs:
     # draft pass; a step of retired requests only that runs none skips the head's idle pass (calib/vllm/retire.py;
     # 0: never, the head runs every step as in vLLM)
     retire_drafter_after: int = 4
+    # retire a newcomer before its first step where the last plan would run no pass for one more request either:
+    # its prefill skips the head's pass and its prefix-cache hit keeps the block vLLM drops for the head
+    retire_at_admission: bool = True
 
     _parameter_constraints: ClassVar[dict] = {
         "tables": [TEXT],
@@ -114,6 +117,7 @@ class ServeKnobs:
         "aside_after": [Interval(numbers.Integral, 0, None)],
         "aside_every": [Interval(numbers.Integral, 1, None)],
         "retire_drafter_after": [Interval(numbers.Integral, 0, None)],
+        "retire_at_admission": [Boolean()],
         "oracle": [NoneValue(), Satisfies("None or the path of an existing oracle reference file "
                                           "(calib/serve/oracle.py)", lambda v: isinstance(v, str) and Path(v).is_file())],
     }

@@ -1,4 +1,5 @@
-"""One patch set over vLLM's V1 model runner that capture and serving subscribe to (docs/vllm_wing.md).
+"""One patch set over vLLM's V1 model runner (and its scheduler's prefix-cache lookup) that capture and serving
+subscribe to (docs/vllm_wing.md).
 
 Each hooked method is wrapped once; subscribers hear its events in the order they were declared, the
 first one outermost: ``before`` events in that order, ``after`` events in the reverse (as nested
@@ -14,9 +15,12 @@ import torch
 
 log = logging.getLogger("calib.vllm")
 
-# (owner, method): what the patch set wraps. CPUModelRunner subclasses GPUModelRunner: one patch covers both.
+# (owner, method): what the patch set wraps. CPUModelRunner subclasses GPUModelRunner: one patch covers both. The
+# scheduler's KV cache manager ("cache") is wrapped where a class is given for it (vLLM: every process calls install,
+# but only where the scheduler shares the runner's process does a subscriber there know anything of the requests).
 HOOKED = (("runner", "take_draft_token_ids"), ("runner", "_sample"), ("runner", "propose_draft_token_ids"),
-          ("runner", "_update_states"), ("proposer", "_sample_draft_tokens"), ("proposer", "propose"))
+          ("runner", "_update_states"), ("proposer", "_sample_draft_tokens"), ("proposer", "propose"),
+          ("cache", "get_computed_blocks"))
 
 
 class RunnerSubscriber:
@@ -64,6 +68,13 @@ class RunnerSubscriber:
         so (capture never does: its banks need every step's drafter)."""
         return False
 
+    def keeps_head_block(self, request_id: str) -> bool:
+        """The scheduler is about to look up ``request_id``'s prefix-cache hit, from which vLLM drops one block on an
+        EAGLE engine so that the head recomputes its own cache there: whether the request is never drafted for by
+        the head, so that the hit may keep that block (as on an engine without a model drafter). Kept only when
+        every subscriber says so (capture never does)."""
+        return False
+
 
 def takes_plain_argmax(proposer, sampling_metadata, base) -> bool:
     """Whether the proposer's ``_sample_draft_tokens`` takes vLLM's plain argmax path
@@ -91,14 +102,19 @@ class PatchSet:
         self.subscribers = tuple(subscribers)
         self.originals: dict[tuple[str, str], object] = {}
 
-    def install(self, runner_cls, proposer_cls) -> None:
-        """Wrap each hooked method once; a class already patched by a patch set is refused."""
+    def install(self, runner_cls, proposer_cls, cache_cls=None) -> None:
+        """Wrap each hooked method once (the cache manager's where ``cache_cls`` is given); a class already patched
+        by a patch set is refused."""
         owners = {"runner": runner_cls, "proposer": proposer_cls}
+        if cache_cls is not None:
+            owners["cache"] = cache_cls
         for cls in owners.values():
             if getattr(cls, "_calib_patch_set", None) is not None:
                 raise RuntimeError(f"{cls.__name__} is already patched by calib: one patch set per process")
         for owner, name in HOOKED:
-            cls = owners[owner]
+            cls = owners.get(owner)
+            if cls is None:
+                continue
             self.originals[owner, name] = getattr(cls, name)
             wrap = getattr(self, "_wrap_" + name.lstrip("_"))
             setattr(cls, name, wrap(self.originals[owner, name], proposer_cls))
@@ -109,13 +125,15 @@ class PatchSet:
         """Stop calling ``subscriber`` (its mode cannot act in this engine: calib.vllm.engine_line)."""
         self.subscribers = tuple(s for s in self.subscribers if s is not subscriber)
 
-    def uninstall(self, runner_cls, proposer_cls) -> None:
+    def uninstall(self, runner_cls, proposer_cls, cache_cls=None) -> None:
         """Put the original methods back (tests)."""
-        owners = {"runner": runner_cls, "proposer": proposer_cls}
+        owners = {"runner": runner_cls, "proposer": proposer_cls, "cache": cache_cls}
         for (owner, name), orig in self.originals.items():
-            setattr(owners[owner], name, orig)
+            if owners[owner] is not None:
+                setattr(owners[owner], name, orig)
         for cls in owners.values():
-            cls._calib_patch_set = None
+            if cls is not None:
+                cls._calib_patch_set = None
 
     # -- the wrappers -----------------------------------------------------------------------------
     def _wrap_take_draft_token_ids(self, orig, proposer_cls):
@@ -217,6 +235,28 @@ class PatchSet:
 
         return propose
 
+    def _wrap_get_computed_blocks(self, orig, proposer_cls):
+        patch_set = self  # subscribers read at each call: a mode stood down at engine start leaves it
+
+        def get_computed_blocks(manager, request, *args, **kwargs):
+            coordinator = getattr(manager, "coordinator", None)
+            dropped = getattr(coordinator, "eagle_group_ids", None)
+            subscribers = patch_set.subscribers
+            # one KV cache group (UnitaryKVCacheCoordinator reads the drop from eagle_group_ids alone); a hybrid
+            # coordinator's drop is decided per spec group and is left as vLLM makes it
+            if not dropped or not subscribers or type(coordinator).__name__ != "UnitaryKVCacheCoordinator":
+                return orig(manager, request, *args, **kwargs)
+            votes = [s.keeps_head_block(request.request_id) for s in subscribers]  # every subscriber is asked
+            if not all(votes):
+                return orig(manager, request, *args, **kwargs)
+            coordinator.eagle_group_ids = set()  # the scheduler is single-threaded: put back before returning
+            try:
+                return orig(manager, request, *args, **kwargs)
+            finally:
+                coordinator.eagle_group_ids = dropped
+
+        return get_computed_blocks
+
 
 _INSTALLED: PatchSet | None = None
 
@@ -227,10 +267,11 @@ def install(subscribers: Sequence[RunnerSubscriber]) -> PatchSet:
     global _INSTALLED
     if _INSTALLED is not None:
         return _INSTALLED
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     patch_set = PatchSet(subscribers)
-    patch_set.install(GPUModelRunner, SpecDecodeBaseProposer)
+    patch_set.install(GPUModelRunner, SpecDecodeBaseProposer, KVCacheManager)
     _INSTALLED = patch_set
     return patch_set

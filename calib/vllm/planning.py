@@ -43,10 +43,26 @@ class PlannedStep:
         return None if None in rows else np.array(rows, dtype=np.int64)
 
 
+def newcomer_drafts(known: dict, forecast: torch.Tensor, fresh: torch.Tensor, *, cost: torch.Tensor,
+                    pass_cost: float, chain: str) -> bool:
+    """Whether :func:`calib.allocate.plan_draft` runs a pass of ``chain`` for the batch ``known``/``forecast``
+    ``[B, K]`` joined by one more request that offers nothing on the other chains and whose forecast of ``chain``
+    is ``fresh`` ``[K]`` (``pass_cost``: the price of a pass in a batch of B + 1)."""
+    from calib.allocate import plan_draft
+
+    joined = {}
+    for name, probs in known.items():
+        row = torch.full((1, probs.shape[1]), float("nan"), dtype=probs.dtype)
+        joined[name] = torch.cat([probs, row]) if name != chain else probs.new_zeros((probs.shape[0] + 1, 0))
+    plan = plan_draft(joined, torch.cat([forecast, fresh[None].to(forecast.dtype)]), cost=cost, pass_cost=pass_cost,
+                      chain=chain)
+    return int(plan.passes) > 0
+
+
 class DraftPlanning:
     """The planning half of the serving state (mixed into :class:`calib.vllm.server.Server`, whose attributes it
-    reads: ``decider``, ``recomputed``, ``k``, ``planned``, ``step_keys``, ``pass_prices``, ``forecasts``, ``oracle``, ``aside``,
-    ``retirement``, ``stats``; it sets ``passes_now``)."""
+    reads: ``knobs``, ``decider``, ``recomputed``, ``k``, ``planned``, ``step_keys``, ``pass_prices``, ``forecasts``,
+    ``oracle``, ``aside``, ``retirement``, ``stats``; it sets ``passes_now`` and ``retirement.admitting``)."""
 
     @property
     def plan_chain(self) -> str | None:
@@ -88,13 +104,20 @@ class DraftPlanning:
         batch = runner.input_batch
         req_ids = list(batch.req_ids)
         B = len(req_ids)
-        if B == 0 or any(self.left_to_vllm(runner, req_ids)):  # a request left to vLLM keeps vLLM's K
+        if B == 0:
+            return
+        retirement = self.retirement
+        if self.oracle is None:  # newcomers the last plan said would not pay: retired before this plan
+            self.stats.retired += retirement.admit(req_ids)
+        retirement.admitting = False  # set below where the plan says a newcomer's model chain would not pay
+        if any(self.left_to_vllm(runner, req_ids)):  # a request left to vLLM keeps vLLM's K
             return
         rows = list(range(B))
         temps = [float(batch.temperature_cpu[i]) for i in rows]
         verdict = self.fresh_verdict(batch_key(temps))
         self.aside_now = (tuple(req_ids), verdict)  # the decision after drafting takes the same verdict
-        if verdict == "none":
+        if verdict == "none":  # the tables say nothing pays for this batch: a newcomer's model chain neither
+            retirement.admitting = self.admit_at_entry and self.oracle is None
             return self.set_passes(scheduler_output, 0, k_sched, start)
         if verdict == "engine":  # vLLM's K passes, its drafts handed through
             return
@@ -125,26 +148,43 @@ class DraftPlanning:
         axes = tuple(a["name"] for a in meta["axes"])
         if axes not in columns:
             columns[axes] = context_columns(axes, inputs, dec.history)
-        forecast = self.forecast(tables, drafted, meta, columns[axes], k_sched)  # [B, k_sched]
-        retired = self.retirement.retired
+        fresh = self.forecast(tables, drafted, meta, columns[axes], k_sched)  # [B, k_sched]
+        retired = retirement.retired
         gone = [r in retired for r in req_ids] if retired else ()
+        forecast = fresh
         if any(gone):  # their head misses positions: no pass is for them
-            forecast = forecast.clone()  # the held forecast is shared between steps
+            forecast = fresh.clone()  # the held forecast is shared between steps
             forecast[torch.tensor(gone)] = 0.0
         cost = dec.cost
-        pass_cost = self.pass_prices.get(B)
-        if pass_cost is None:  # an engine step-cost model prices a pass itself; else a fraction of C(B)
-            step = step_pass_price(self.cost_text, B, self.k)
-            pass_cost = self.pass_prices[B] = (step if step is not None
-                                               else self.draft_cost * float(cost[min(B, cost.numel() - 1)]))
-        plan = plan_draft(known, forecast, cost=cost, pass_cost=pass_cost, chain=drafted)
+        plan = plan_draft(known, forecast, cost=cost, pass_cost=self.pass_price(B), chain=drafted)
         passes = max(0, min(int(plan.passes), k_sched))
+        if passes == 0 and self.admit_at_entry:
+            # would the batch run a pass for one more request, with no draft of its own on the other chains and the
+            # batch's most favourable forecast of the model chain? If not, a newcomer is retired at admission
+            retirement.admitting = not newcomer_drafts(known, forecast, fresh.amax(dim=0), cost=cost,
+                                                       pass_cost=self.pass_price(B + 1), chain=drafted)
         if name is not None:  # the decision after drafting sees the same chains and history: it reuses these
             # no pass: the model drafts nothing and the plan's allocation of the recomputed chain is the step's
             depth = (np.asarray(plan.free_depth, dtype=np.int64) if passes == 0 and plan.free_depth is not None
                      else None)
             self.planned = PlannedStep(name, contexts.keys, known[name].numpy(), depth, columns)
         self.set_passes(scheduler_output, passes, k_sched, start)
+
+    @property
+    def admit_at_entry(self) -> bool:
+        """Whether newcomers may be retired at admission (knob ``retire_at_admission``, with retiring on)."""
+        return self.knobs.retire_at_admission and self.retirement.after > 0
+
+    def pass_price(self, B: int) -> float:
+        """The price of one model-drafter pass in a batch of ``B`` requests, in the cost curve's unit: the engine
+        step-cost model's where it prices a pass, else a fraction of ``C(B)``; kept per ``B``."""
+        price = self.pass_prices.get(B)
+        if price is None:
+            step = step_pass_price(self.cost_text, B, self.k)
+            cost = self.decider.cost
+            price = self.pass_prices[B] = (step if step is not None
+                                           else self.draft_cost * float(cost[min(B, cost.numel() - 1)]))
+        return price
 
     def forecast(self, tables, drafted: str, meta: dict, columns: np.ndarray, k_sched: int) -> torch.Tensor:
         """:func:`calib.allocate.forecast_probs` of the model chain ``[B, k_sched]`` in the requests' context cells

@@ -9,6 +9,14 @@ would miss the positions of every step it skips), and a step whose requests are 
 pass skips the head's pass altogether (:meth:`calib.vllm.patches.RunnerSubscriber.skips_idle_pass`). A request that
 has not yet retired keeps the pass running for the whole batch; the pass then fills every request's positions of
 that step, retired ones included, which is harmless: they are never drafted for again.
+
+A request can also be retired *at admission*: where the last plan ran no pass and would run none for one more,
+fresh request either (``admitting``, :meth:`calib.vllm.planning.DraftPlanning.plan_passes`), a newcomer is retired
+before its first step. Its prefill then skips the head's pass too, and, where the scheduler runs in this process,
+its prefix-cache hit keeps the block vLLM drops for the head (``preadmit``; :mod:`calib.vllm.patches`), so that
+it costs what it costs on an engine without a model drafter. Such a request's head cache misses its prompt, which
+is harmless for the same reason, and a later request that hits the blocks it cached drafts from a head that
+misses them: it may draft worse, never wrongly (the target verifies every token).
 """
 
 from __future__ import annotations
@@ -25,6 +33,33 @@ class DrafterRetirement:
         self.streak: dict[str, int] = {}  # req_id -> consecutive steps without a draft pass, this one included
         self.retired: set[str] = set()  # requests the head skipped a step of: their model chain is never offered
         self.skip_now = False  # the step in progress skips the head's pass (read once by the propose hook)
+        self.admitting = False  # the last plan said a fresh request's model chain would not pay: retire newcomers
+        self.admitted: set[str] = set()  # requests the scheduler admitted without the head's block: retire them
+        self.admitted_total = 0  # requests retired at admission
+
+    def preadmit(self, req_id: str) -> bool:
+        """The scheduler is about to look up ``req_id``'s prefix-cache hit: whether the request is (or will be, at
+        its first step) retired, so that the hit may keep the block vLLM drops for the head."""
+        if req_id in self.retired or req_id in self.admitted:
+            return True
+        if self.after > 0 and self.admitting and req_id not in self.streak:
+            self.admitted.add(req_id)
+            return True
+        return False
+
+    def admit(self, req_ids) -> int:
+        """Before the step's plan (and at :meth:`note_step`): retire each request not seen before that the scheduler admitted without the
+        head's block, or any while ``admitting``. Returns how many were retired."""
+        if self.after <= 0:
+            return 0
+        streak, retired, admitted = self.streak, self.retired, self.admitted
+        new = [r for r in req_ids if r not in streak and r not in retired and (self.admitting or r in admitted)]
+        for r in new:
+            retired.add(r)
+            streak[r] = self.after
+            admitted.discard(r)
+        self.admitted_total += len(new)
+        return len(new)
 
     def note_step(self, req_ids, passes: int) -> bool:
         """The step's requests and the draft passes it runs (after every rank agreed on them): whether it skips
@@ -33,6 +68,7 @@ class DrafterRetirement:
         self.skip_now = False
         if self.after <= 0:
             return False
+        self.admit(req_ids)  # where the plan did not run before this step (it admits them first)
         if passes > 0:
             for r in req_ids:
                 if r not in self.retired:
@@ -57,3 +93,4 @@ class DrafterRetirement:
     def finish(self, req_id: str) -> None:
         self.streak.pop(req_id, None)
         self.retired.discard(req_id)
+        self.admitted.discard(req_id)

@@ -35,6 +35,8 @@ class ServeStats:
     passes_planned: int = 0  # ... and the passes calib ran instead
     head_skipped: int = 0  # steps whose model drafter's idle pass was skipped (calib/vllm/retire.py)
     retired: int = 0  # requests retired from the model chain (its head then skips their steps)
+    retired_at_admission: int = 0  # ... of them, before their first step (the plan said a newcomer would not pay)
+    kept_head_block: int = 0  # prefix-cache lookups that kept the block vLLM drops for the head (retired requests)
     plan_ms: list[float] = field(default_factory=list)  # per planned step: n-gram chains + forecast + plan_draft
     draft_ms: list[float] = field(default_factory=list)  # per step: vLLM's drafting (propose_draft_token_ids)
     step_ms: list[float] = field(default_factory=list)  # wall time between consecutive decisions (one engine step)
@@ -63,7 +65,8 @@ class ServeStats:
                 f"{max(ms, default=math.nan):.2f}; hook_ms mean {(sum(hk) / len(hk)) if hk else math.nan:.2f}; "
                 f"draft passes {self.passes_engine} -> {self.passes_planned} on {self.planned} planned steps "
                 f"({self.plan_decided} allocated by the plan; the head's idle pass skipped on {self.head_skipped}, "
-                f"{self.retired} requests retired from the model chain) "
+                f"{self.retired} requests retired from the model chain, {self.retired_at_admission} at admission; "
+                f"{self.kept_head_block} prefix-cache lookups kept the head's block) "
                 f"(plan_ms mean {(sum(self.plan_ms) / len(self.plan_ms)) if self.plan_ms else math.nan:.2f}); "
                 f"{self.left_to_vllm} request-steps left to vLLM (logit transforms); "
                 f"stood aside on {self.aside_engine} steps (vLLM's drafts) and {self.aside_none} (no drafts); "

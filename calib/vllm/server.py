@@ -234,9 +234,11 @@ class Server(DraftPlanning):
             return
         req_ids = list(runner.input_batch.req_ids)
         before = len(self.retirement.retired)
-        if self.retirement.note_step(req_ids, int(passes)):
+        skips = self.retirement.note_step(req_ids, int(passes))
+        self.stats.retired += len(self.retirement.retired) - before
+        self.stats.retired_at_admission = self.retirement.admitted_total
+        if skips:
             self.stats.head_skipped += 1
-            self.stats.retired += len(self.retirement.retired) - before
 
     def left_to_vllm(self, runner, req_ids) -> list[bool]:
         """Per request: whether its sampling parameters apply target-only logit transforms

@@ -97,6 +97,16 @@ class ServingSubscriber(RunnerSubscriber):
     def skips_idle_pass(self) -> bool:
         return self.server.retirement.take_skip()
 
+    def keeps_head_block(self, request_id: str) -> bool:
+        srv = self.server
+        try:
+            keep = bool(srv.planning and srv.oracle is None and srv.retirement.preadmit(request_id))
+        except Exception as exc:  # noqa: BLE001 - the lookup goes as vLLM makes it
+            srv.error("get_computed_blocks", exc)
+            return False
+        srv.stats.kept_head_block += keep
+        return keep
+
     def wants_depths(self) -> bool:
         return self.server.rows is not None
 

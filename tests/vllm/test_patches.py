@@ -83,15 +83,34 @@ class Log(RunnerSubscriber):
         self.log.append((self.name, "before_update_states"))
 
 
+class UnitaryKVCacheCoordinator:
+    """Stand-in for vLLM's one-group coordinator: the drop of the head's block is read from eagle_group_ids."""
+
+    def __init__(self, eagle):
+        self.eagle_group_ids = {0} if eagle else set()
+
+
+class CacheManager:
+    """Stand-in for KVCacheManager: a prompt's cache hit, one 128-token block less where the head's block drops."""
+
+    def __init__(self, coordinator):
+        self.coordinator = coordinator
+
+    def get_computed_blocks(self, request):
+        hit = (request.num_tokens - 1) // 128 * 128
+        return None, max(0, hit - 128) if 0 in self.coordinator.eagle_group_ids else hit, 0
+
+
 @pytest.fixture
 def patched():
     runner_cls = type("R", (Runner,), {})
     proposer_cls = type("P", (Proposer,), {})
+    cache_cls = type("C", (CacheManager,), {})
     log = []
     ps = PatchSet([Log("serving", log), Log("capture", log)])
-    ps.install(runner_cls, proposer_cls)
+    ps.install(runner_cls, proposer_cls, cache_cls)
     yield runner_cls, proposer_cls, ps, log
-    ps.uninstall(runner_cls, proposer_cls)
+    ps.uninstall(runner_cls, proposer_cls, cache_cls)
 
 
 def test_subscribers_hear_events_in_declared_order(patched):
@@ -154,7 +173,7 @@ def test_each_method_is_wrapped_once(patched):
     runner_cls, proposer_cls, ps, _ = patched
     assert set(ps.originals) == set(HOOKED)
     for (owner, name), orig in ps.originals.items():
-        assert orig is getattr(Runner if owner == "runner" else Proposer, name)  # wraps vLLM's, not a wrapper
+        assert orig is getattr({"runner": Runner, "proposer": Proposer, "cache": CacheManager}[owner], name)
     with pytest.raises(RuntimeError, match="already patched"):
         PatchSet([]).install(runner_cls, proposer_cls)
 
@@ -165,3 +184,31 @@ def test_uninstall_restores_the_originals():
     ps.install(runner_cls, proposer_cls)
     ps.uninstall(runner_cls, proposer_cls)
     assert runner_cls._sample is Runner._sample and proposer_cls._sample_draft_tokens is Proposer._sample_draft_tokens
+
+
+class Keeps(RunnerSubscriber):
+    def __init__(self, keep):
+        self.keep, self.asked = keep, []
+
+    def keeps_head_block(self, request_id):
+        self.asked.append(request_id)
+        return self.keep
+
+
+@pytest.mark.parametrize("votes, eagle, coordinator, hit", [
+    ((True,), True, "UnitaryKVCacheCoordinator", 384),  # kept: the hit an engine without a head gets
+    ((True, True), True, "UnitaryKVCacheCoordinator", 384),
+    ((True, False), True, "UnitaryKVCacheCoordinator", 256),  # one subscriber says no: vLLM's drop
+    ((), True, "UnitaryKVCacheCoordinator", 256),
+    ((True,), False, "UnitaryKVCacheCoordinator", 384),  # no head: nothing to keep, nobody asked
+    ((True,), True, "HybridKVCacheCoordinator", 256)])  # a drop per spec group: left as vLLM makes it
+def test_the_cache_lookup_keeps_the_heads_block_only_when_every_subscriber_says_so(votes, eagle, coordinator, hit):
+    cache_cls = type("C", (CacheManager,), {})
+    subs = [Keeps(v) for v in votes]
+    PatchSet(subs).install(type("R", (Runner,), {}), type("P", (Proposer,), {}), cache_cls)
+    manager = cache_cls(type(coordinator, (UnitaryKVCacheCoordinator,), {})(eagle))
+    request = types.SimpleNamespace(request_id="r1", num_tokens=500)
+    assert manager.get_computed_blocks(request)[1] == hit
+    assert manager.coordinator.eagle_group_ids == ({0} if eagle else set())  # put back
+    asked = eagle and coordinator == "UnitaryKVCacheCoordinator"
+    assert all(s.asked == (["r1"] if asked else []) for s in subs)

@@ -128,3 +128,46 @@ def test_the_server_retires_requests_and_offers_their_model_draft_no_more():
     assert np.isnan(model.signal[0]).all() and model.signal[1, :2].tolist() == pytest.approx([0.7, 0.6])
     srv.finished(["a"])
     assert not srv.retirement.is_retired("a")
+
+
+def test_newcomers_are_retired_at_admission_only_while_the_plan_says_so():
+    r = DrafterRetirement(after=4)
+    assert r.admit(["a"]) == 0 and not r.preadmit("b")  # the plan has not said so
+    r.note_step(["a"], 2)  # "a" seen, drafted for
+    r.admitting = True
+    assert r.preadmit("b") and r.admitted == {"b"}  # the scheduler's lookup: "b" keeps the head's block...
+    r.admitting = False
+    assert r.admit(["a", "b", "c"]) == 1  # ... and is retired at its first step whatever the plan says by then
+    assert r.retired == {"b"} and "c" not in r.retired and not r.admitted
+    r.note_step(["a", "b", "c"], 0)
+    r.admitting = True
+    assert r.admit(["a", "b", "c", "d"]) == 1 and r.retired == {"b", "d"}  # seen requests retire by their streaks
+    assert not r.preadmit("a") and r.preadmit("b")  # a preempted request's second lookup: as it stands
+    r.finish("d")
+    assert not r.is_retired("d")
+    off = DrafterRetirement(after=0)
+    off.admitting = True
+    assert off.admit(["x"]) == 0 and not off.preadmit("x")
+
+
+def test_a_newcomer_drafts_where_a_pass_pays_for_it_and_not_in_a_crowd():
+    from calib.vllm.planning import newcomer_drafts
+
+    cost = torch.linspace(1.0, 3.0, 600)  # a verify cost rising with the positions verified (SYNTHETIC)
+    fresh = torch.tensor([0.9, 0.85, 0.8, 0.75])
+    alone = {MODEL.name: torch.zeros(1, 0), LOOKUP.name: torch.full((1, 3), float("nan"))}
+    gone = torch.zeros(1, 4)  # the batch's one request retired
+    assert newcomer_drafts(alone, gone, fresh, cost=cost, pass_cost=0.01, chain=MODEL.name)
+    assert not newcomer_drafts(alone, gone, fresh, cost=cost, pass_cost=5.0, chain=MODEL.name)  # a pass too dear
+    assert not newcomer_drafts(alone, gone, torch.full((4,), 0.01), cost=cost, pass_cost=0.01, chain=MODEL.name)
+
+
+def test_the_server_counts_the_requests_retired_at_admission():
+    srv = _server(after=2)
+    srv.retirement.admitting = True
+    srv.note_passes(_runner(["a", "b"]), SimpleNamespace(num_spec_tokens_to_schedule=0))
+    assert srv.retirement.skip_now  # newcomers retired at admission: their first step skips the head's pass
+    assert (srv.stats.retired, srv.stats.retired_at_admission, srv.stats.head_skipped) == (2, 2, 1)
+    assert ServeKnobs("t").retire_at_admission is True
+    with pytest.raises((TypeError, ValueError), match="retire_at_admission"):
+        ServeKnobs("t", retire_at_admission="yes")
