@@ -230,8 +230,9 @@ IDLE_DRAFTER_SHARE = 0.05
 def deploy_lines(table: list[dict]) -> list[str]:
     """Per cell where a calib arm with a model drafter ran under :data:`IDLE_DRAFTER_SHARE` of vLLM's draft passes
     (its tables said the drafter does not pay): which engine to deploy instead, with both arms' ratios (either, where
-    the arm on the EAGLE engine measured the faster); an EAGLE engine then still pays its head's prefill and its
-    pass over each request's first steps (calib/vllm/retire.py; docs/profile.md)."""
+    the arm on the EAGLE engine measured the faster); an EAGLE engine then still pays its head's pass over the
+    requests that joined while the plan ran passes, until they retire, and its memory (calib/vllm/retire.py;
+    docs/profile.md)."""
     out = []
     for row in table:
         for arm, share in (row.get("model_passes_share") or {}).items():

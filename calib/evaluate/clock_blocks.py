@@ -100,10 +100,16 @@ def render_tables(result: dict, source: str, root: Path = ROOT) -> str:
                        "accepts); none where the oracle is not 2 % above the best vLLM arm:"), "", head]
     deploy = deploy_lines(result["table"])
     if deploy:
-        # a run from before calib retired requests from the model chain (no head_skipped count) paid the pass every step
-        retiring = any("head_skipped" in (r.get("calib") or {}) for r in result.get("runs", []))
-        cost = ("still costs its head's prefill and its pass over each request's first steps, until calib retires the "
-                "request from the model chain" if retiring else "costs its head's idle first pass every step")
+        # what an EAGLE engine still paid for its head in the run: every step's idle pass before calib retired requests
+        # from the model chain (no head_skipped count), each request's prefill and first steps before it retired them
+        # at admission too (no retired_at_admission count)
+        counts = [r.get("calib") or {} for r in result.get("runs", [])]
+        cost = ("still costs its head's pass over the requests that joined while the plan ran passes, until calib "
+                "retires them from the model chain, and the model drafter's memory"
+                if any("retired_at_admission" in c for c in counts) else
+                "still costs its head's prefill and its pass over each request's first steps, until calib retires the "
+                "request from the model chain" if any("head_skipped" in c for c in counts) else
+                "costs its head's idle first pass every step")
         parts += ["", f"Where the tables say the model drafter does not pay (an EAGLE engine then {cost}):", "",
                   *(f"- {line}" for line in deploy)]
     parts += ["", f"float32 greedy outputs identical to no speculation (concurrency 4): {same}."]

@@ -160,9 +160,13 @@ class DraftPlanning:
         passes = max(0, min(int(plan.passes), k_sched))
         if passes == 0 and self.admit_at_entry:
             # would the batch run a pass for one more request, with no draft of its own on the other chains and the
-            # batch's most favourable forecast of the model chain? If not, a newcomer is retired at admission
-            retirement.admitting = not newcomer_drafts(known, forecast, fresh.amax(dim=0), cost=cost,
-                                                       pass_cost=self.pass_price(B + 1), chain=drafted)
+            # batch's most favourable forecast of the model chain? If not, a newcomer is retired at admission. Asked
+            # only when one comes (retire.DrafterRetirement.admitting)
+            def admitting() -> bool:
+                return not newcomer_drafts(known, forecast, fresh.amax(dim=0), cost=cost,
+                                           pass_cost=self.pass_price(B + 1), chain=drafted)
+
+            retirement.admitting = admitting
         if name is not None:  # the decision after drafting sees the same chains and history: it reuses these
             # no pass: the model drafts nothing and the plan's allocation of the recomputed chain is the step's
             depth = (np.asarray(plan.free_depth, dtype=np.int64) if passes == 0 and plan.free_depth is not None

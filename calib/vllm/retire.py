@@ -33,16 +33,34 @@ class DrafterRetirement:
         self.streak: dict[str, int] = {}  # req_id -> consecutive steps without a draft pass, this one included
         self.retired: set[str] = set()  # requests the head skipped a step of: their model chain is never offered
         self.skip_now = False  # the step in progress skips the head's pass (read once by the propose hook)
-        self.admitting = False  # the last plan said a fresh request's model chain would not pay: retire newcomers
+        self._admitting = False  # bool, or the last plan's question, asked when a newcomer comes (see admitting)
         self.admitted: set[str] = set()  # requests the scheduler admitted without the head's block: retire them
         self.admitted_total = 0  # requests retired at admission
+
+    @property
+    def admitting(self) -> bool:
+        """Whether the last plan said a fresh request's model chain would not pay, so that newcomers are retired.
+        The plan may leave it as a question (a callable), answered once on the first newcomer's arrival: most steps
+        see none, and then nothing is planned for one (an answer that raises is no)."""
+        answer = self._admitting
+        if callable(answer):
+            try:
+                answer = bool(answer())
+            except Exception:  # noqa: BLE001 - vLLM's own behaviour for the newcomer: the head runs for it
+                answer = False
+            self._admitting = answer
+        return answer
+
+    @admitting.setter
+    def admitting(self, answer) -> None:
+        self._admitting = answer
 
     def preadmit(self, req_id: str) -> bool:
         """The scheduler is about to look up ``req_id``'s prefix-cache hit: whether the request is (or will be, at
         its first step) retired, so that the hit may keep the block vLLM drops for the head."""
         if req_id in self.retired or req_id in self.admitted:
             return True
-        if self.after > 0 and self.admitting and req_id not in self.streak:
+        if self.after > 0 and req_id not in self.streak and self.admitting:
             self.admitted.add(req_id)
             return True
         return False

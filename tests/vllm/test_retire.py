@@ -145,6 +145,12 @@ def test_newcomers_are_retired_at_admission_only_while_the_plan_says_so():
     assert not r.preadmit("a") and r.preadmit("b")  # a preempted request's second lookup: as it stands
     r.finish("d")
     assert not r.is_retired("d")
+    asked = []
+    r.admitting = lambda: asked.append(1) or True  # the plan's question: asked once, on the first newcomer
+    assert not asked and r.admit(["a", "b", "c"]) == 0 and not asked  # no newcomer: not asked
+    assert r.admit(["e", "f"]) == 2 and r.preadmit("g") and asked == [1]
+    r.admitting = lambda: 1 / 0  # an answer that raises is no
+    assert r.admit(["h"]) == 0 and r.admitting is False
     off = DrafterRetirement(after=0)
     off.admitting = True
     assert off.admit(["x"]) == 0 and not off.preadmit("x")
