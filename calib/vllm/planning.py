@@ -61,8 +61,9 @@ def newcomer_drafts(known: dict, forecast: torch.Tensor, fresh: torch.Tensor, *,
 
 class DraftPlanning:
     """The planning half of the serving state (mixed into :class:`calib.vllm.server.Server`, whose attributes it
-    reads: ``knobs``, ``decider``, ``recomputed``, ``k``, ``planned``, ``step_keys``, ``pass_prices``, ``forecasts``,
-    ``oracle``, ``aside``, ``retirement``, ``stats``; it sets ``passes_now`` and ``retirement.admitting``)."""
+    reads: ``knobs``, ``decider``, ``recomputed``, ``k``, ``planned``, ``step_keys``, ``pass_prices``,
+    ``forecasts``, ``oracle``, ``aside``, ``retirement``, ``stats``; it sets ``passes_now`` and
+    ``retirement.admitting``)."""
 
     @property
     def plan_chain(self) -> str | None:

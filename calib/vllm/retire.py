@@ -66,8 +66,8 @@ class DrafterRetirement:
         return False
 
     def admit(self, req_ids) -> int:
-        """Before the step's plan (and at :meth:`note_step`): retire each request not seen before that the scheduler admitted without the
-        head's block, or any while ``admitting``. Returns how many were retired."""
+        """Before the step's plan (and at :meth:`note_step`): retire each request not seen before that the scheduler
+        admitted without the head's block, or any while ``admitting``. Returns how many were retired."""
         if self.after <= 0:
             return 0
         streak, retired, admitted = self.streak, self.retired, self.admitted
