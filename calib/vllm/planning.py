@@ -93,6 +93,8 @@ class DraftPlanning:
         dec = self.decider
         if dec is None or not dec.enabled or not self.planning:
             return
+        if self.oracle is None:  # newcomers the last plan said would not pay: retired before this plan
+            self.admit_newcomers(runner.input_batch.req_ids)
         k_sched = int(getattr(scheduler_output, "num_spec_tokens_to_schedule", self.k) or 0)
         if k_sched <= 0:
             return
@@ -108,8 +110,6 @@ class DraftPlanning:
         if B == 0:
             return
         retirement = self.retirement
-        if self.oracle is None:  # newcomers the last plan said would not pay: retired before this plan
-            self.stats.retired += retirement.admit(req_ids)
         retirement.admitting = False  # set below where the plan says a newcomer's model chain would not pay
         if any(self.left_to_vllm(runner, req_ids)):  # a request left to vLLM keeps vLLM's K
             return
@@ -174,6 +174,13 @@ class DraftPlanning:
                      else None)
             self.planned = PlannedStep(name, contexts.keys, known[name].numpy(), depth, columns)
         self.set_passes(scheduler_output, passes, k_sched, start)
+
+    def admit_newcomers(self, req_ids) -> None:
+        """Before the step's plan: retire the step's newcomers that the last plan said would not pay, or that the
+        scheduler admitted without the head's block (:meth:`calib.vllm.retire.DrafterRetirement.admit`)."""
+        admitted = self.retirement.admit(req_ids)
+        self.stats.retired += admitted
+        self.stats.retired_at_admission += admitted
 
     @property
     def admit_at_entry(self) -> bool:

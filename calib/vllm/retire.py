@@ -35,7 +35,6 @@ class DrafterRetirement:
         self.skip_now = False  # the step in progress skips the head's pass (read once by the propose hook)
         self._admitting = False  # bool, or the last plan's question, asked when a newcomer comes (see admitting)
         self.admitted: set[str] = set()  # requests the scheduler admitted without the head's block: retire them
-        self.admitted_total = 0  # requests retired at admission
 
     @property
     def admitting(self) -> bool:
@@ -66,8 +65,9 @@ class DrafterRetirement:
         return False
 
     def admit(self, req_ids) -> int:
-        """Before the step's plan (and at :meth:`note_step`): retire each request not seen before that the scheduler
-        admitted without the head's block, or any while ``admitting``. Returns how many were retired."""
+        """Before the step's plan (:meth:`calib.vllm.planning.DraftPlanning.admit_newcomers`): retire each request not
+        seen before that the scheduler admitted without the head's block, or any while ``admitting``. Returns how
+        many were retired."""
         if self.after <= 0:
             return 0
         streak, retired, admitted = self.streak, self.retired, self.admitted
@@ -76,7 +76,6 @@ class DrafterRetirement:
             retired.add(r)
             streak[r] = self.after
             admitted.discard(r)
-        self.admitted_total += len(new)
         return len(new)
 
     def note_step(self, req_ids, passes: int) -> bool:
@@ -86,7 +85,6 @@ class DrafterRetirement:
         self.skip_now = False
         if self.after <= 0:
             return False
-        self.admit(req_ids)  # where the plan did not run before this step (it admits them first)
         if passes > 0:
             for r in req_ids:
                 if r not in self.retired:

@@ -236,7 +236,6 @@ class Server(DraftPlanning):
         before = len(self.retirement.retired)
         skips = self.retirement.note_step(req_ids, int(passes))
         self.stats.retired += len(self.retirement.retired) - before
-        self.stats.retired_at_admission = self.retirement.admitted_total
         if skips:
             self.stats.head_skipped += 1
 

@@ -172,6 +172,11 @@ def test_the_server_counts_the_requests_retired_at_admission():
     srv = _server(after=2)
     srv.retirement.admitting = True
     srv.note_passes(_runner(["a", "b"]), SimpleNamespace(num_spec_tokens_to_schedule=0))
+    assert not srv.retirement.skip_now and srv.stats.retired == 0  # a step that was not planned admits no one...
+    srv.retirement.streak.clear()
+    srv.plan_passes(_runner(["a", "b"]), SimpleNamespace(num_spec_tokens_to_schedule=0), None)  # ... the plan's
+    srv.admit_newcomers(["a", "b"])  # first act does, before anything else (vLLM's K = 0 here), counted once
+    srv.note_passes(_runner(["a", "b"]), SimpleNamespace(num_spec_tokens_to_schedule=0))
     assert srv.retirement.skip_now  # newcomers retired at admission: their first step skips the head's pass
     assert (srv.stats.retired, srv.stats.retired_at_admission, srv.stats.head_skipped) == (2, 2, 1)
     assert ServeKnobs("t").retire_at_admission is True
