@@ -133,46 +133,55 @@ class DraftPlanning:
             conts = self.oracle.continuations(batch, rows, req_ids, temps, k_sched, extra)
             toks = self.recomputed[name].chains(contexts)[0] if name is not None else None
             return self.set_passes(scheduler_output, self.oracle.passes(toks, conts, k_sched), k_sched, start)
-        known = {drafted: torch.zeros(B, 0)}
         from calib.serve import StepInputs
 
         columns: dict = {}  # context axes -> their columns, read once (the decision's remember reads them too)
+        probs = None  # float32 [B, W], numpy: the recomputed chain's calibrated probabilities
         if name is not None:
             toks, signal = self.recomputed[name].chains(contexts)
             inputs = StepInputs(req_ids, temps, {name: Offer(toks, signal)})
             signals, _ = chain_inputs_host(tables, inputs, dec.history, k_max=self.k,  # temperatures checked there
                                            columns=columns, lists=False)
-            known[name] = torch.from_numpy(host_probs(tables, {name: signals[name]})[name])  # float32, numpy
+            probs = host_probs(tables, {name: signals[name]})[name]
         else:
             inputs = StepInputs(req_ids, temps)
         meta = tables.forecast(drafted)
         axes = tuple(a["name"] for a in meta["axes"])
         if axes not in columns:
             columns[axes] = context_columns(axes, inputs, dec.history)
-        fresh = self.forecast(tables, drafted, meta, columns[axes], k_sched)  # [B, k_sched]
+        batch_columns, cost = columns[axes], dec.cost
+
+        def known() -> dict:  # the plan's chains as plan_draft takes them (the model chain: no pass done yet)
+            return {drafted: torch.zeros(B, 0), **({} if probs is None else {name: torch.from_numpy(probs)})}
+
         retired = retirement.retired
         gone = [r in retired for r in req_ids] if retired else ()
-        forecast = fresh
-        if any(gone):  # their head misses positions: no pass is for them
-            forecast = fresh.clone()  # the held forecast is shared between steps
-            forecast[torch.tensor(gone)] = 0.0
-        cost = dec.cost
-        plan = plan_draft(known, forecast, cost=cost, pass_cost=self.pass_price(B), chain=drafted)
-        passes = max(0, min(int(plan.passes), k_sched))
+        if not self.plans_for(gone):  # the decision allocates the recomputed chain on its own
+            passes, depth, forecast = 0, None, None
+        else:
+            fresh = self.forecast(tables, drafted, meta, batch_columns, k_sched)  # [B, k_sched]
+            forecast = fresh
+            if any(gone):  # their head misses positions: no pass is for them
+                forecast = fresh.clone()  # the held forecast is shared between steps
+                forecast[torch.tensor(gone)] = 0.0
+            plan = plan_draft(known(), forecast, cost=cost, pass_cost=self.pass_price(B), chain=drafted)
+            passes = max(0, min(int(plan.passes), k_sched))
+            # no pass: the model drafts nothing and the plan's allocation of the recomputed chain is the step's
+            depth = (np.asarray(plan.free_depth, dtype=np.int64) if passes == 0 and plan.free_depth is not None
+                     else None)
         if passes == 0 and self.admit_at_entry:
             # would the batch run a pass for one more request, with no draft of its own on the other chains and the
             # batch's most favourable forecast of the model chain? If not, a newcomer is retired at admission. Asked
             # only when one comes (retire.DrafterRetirement.admitting)
             def admitting() -> bool:
-                return not newcomer_drafts(known, forecast, fresh.amax(dim=0), cost=cost,
+                fresh = self.forecast(tables, drafted, meta, batch_columns, k_sched)  # [B, k_sched], held
+                now = torch.zeros_like(fresh) if forecast is None else forecast
+                return not newcomer_drafts(known(), now, fresh.amax(dim=0), cost=cost,
                                            pass_cost=self.pass_price(B + 1), chain=drafted)
 
             retirement.admitting = admitting
         if name is not None:  # the decision after drafting sees the same chains and history: it reuses these
-            # no pass: the model drafts nothing and the plan's allocation of the recomputed chain is the step's
-            depth = (np.asarray(plan.free_depth, dtype=np.int64) if passes == 0 and plan.free_depth is not None
-                     else None)
-            self.planned = PlannedStep(name, contexts.keys, known[name].numpy(), depth, columns)
+            self.planned = PlannedStep(name, contexts.keys, probs, depth, columns)
         self.set_passes(scheduler_output, passes, k_sched, start)
 
     def admit_newcomers(self, req_ids) -> None:
@@ -181,6 +190,12 @@ class DraftPlanning:
         admitted = self.retirement.admit(req_ids)
         self.stats.retired += admitted
         self.stats.retired_at_admission += admitted
+
+    def plans_for(self, gone) -> bool:
+        """Whether the step's plan of draft passes is made, ``gone`` the step's requests' retirement ([B] bools, or
+        empty: none retired): not when every request is retired, as no request is offered the model chain and no pass
+        can pay for one. Inside the engine each of the plan's torch calls starts cold (docs/profile.md)."""
+        return not (gone and all(gone))
 
     @property
     def admit_at_entry(self) -> bool:

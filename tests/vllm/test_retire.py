@@ -182,3 +182,25 @@ def test_the_server_counts_the_requests_retired_at_admission():
     assert ServeKnobs("t").retire_at_admission is True
     with pytest.raises((TypeError, ValueError), match="retire_at_admission"):
         ServeKnobs("t", retire_at_admission="yes")
+
+
+def test_a_step_of_retired_requests_decides_without_the_plan_what_the_plan_would(tmp_path, monkeypatch):
+    """The real serving state through bench/hot_path.py's stand-in runner (real code-edit prompts; SYNTHETIC tables
+    and drafter confidences): once every request is retired, the plan of draft passes is not made, and the draft
+    lists handed back and the passes run are those of a server that makes it on every step."""
+    from calib import allocate
+    from calib.vllm.server import Server
+    from tests.bench_scripts import load_bench
+    from tests.serve.test_serve_entry import _synthetic_eagle_tables
+
+    hot = load_bench("hot_path")
+    tables = str(_synthetic_eagle_tables(tmp_path / "tables"))
+    plans, plan_draft = [], allocate.plan_draft
+    monkeypatch.setattr(allocate, "plan_draft", lambda *a, **k: plans.append(1) or plan_draft(*a, **k))
+    lean = hot.run("eagle", 8, 30, 0.0, tables, "1.0,0.001", seed=0, aside_after=0)  # a pass too dear: all retire
+    made = len(plans)
+    monkeypatch.setattr(Server, "plans_for", lambda self, gone: True)
+    full = hot.run("eagle", 8, 30, 0.0, tables, "1.0,0.001", seed=0, aside_after=0)
+    assert lean["decided"] == full["decided"] == 30 and lean["errors"] == full["errors"] == 0
+    assert (lean["drafts_crc32"], lean["passes_planned"]) == (full["drafts_crc32"], full["passes_planned"])
+    assert made < 10 and len(plans) - made == 30  # planned until the batch retired (after 4 steps), then not
