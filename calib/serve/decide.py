@@ -165,6 +165,11 @@ def _decide_step(tables, inputs: StepInputs, history: RequestHistory, *, k_max: 
     temps = request_temperatures(inputs)
     offered = [k.name for k in chains() if k.name in inputs.offers and k.name in tables.chains]
     _note_unfitted(tables, temps, offered, cache)
+    if nothing_offered(inputs, offered):  # no token to verify: the allocator's answer is known (no lookup made)
+        return StepDecision(list(inputs.req_ids), [[] for _ in range(B)], np.full(B, NO_CHAIN, dtype=np.int8),
+                            np.zeros(B, dtype=np.int32), np.zeros(B, dtype=np.float32),
+                            (time.perf_counter() - start) * 1e3, probs=np.full((B, 1), np.nan, dtype=np.float32),
+                            context={})
     # offers whose probabilities the engine already looked up (the serving plan): the reference path uses them
     skip = [n for n in offered if inputs.offers[n].probs is not None] if impl in HOST_LOOKUPS else []
     columns: dict[tuple, np.ndarray] = {}
@@ -195,6 +200,13 @@ def _decide_step(tables, inputs: StepInputs, history: RequestHistory, *, k_max: 
         drafts.append(d)
     return StepDecision(list(inputs.req_ids), drafts, drafter, depth, expected, (time.perf_counter() - start) * 1e3,
                         probs=chosen, context=columns)
+
+
+def nothing_offered(inputs: StepInputs, offered: Sequence[str]) -> bool:
+    """Whether no request has a token on any ``offered`` chain: the step verifies nothing whatever the tables say (a
+    step with no n-gram match anywhere, common at low concurrency), so :func:`_decide_step` makes no lookup. False
+    where nothing is ``offered`` (the lookup says which chains are missing)."""
+    return bool(offered) and not any(len(t) for n in offered for t in inputs.offers[n].tokens)
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -147,6 +148,33 @@ def test_nothing_pays_nothing_drafted():
     assert out.drafts == [[]] * B and out.depth.tolist() == [0] * B and out.chain.tolist() == [0] * B
     out = decide_step(t, inputs, _history(inputs.req_ids), k_max=4, budget=0)
     assert out.drafts == [[]] * B
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("impl", ["host", "reference"])
+def test_a_step_with_nothing_offered_decides_without_a_lookup_what_the_lookup_decides(seed, impl, monkeypatch):
+    """No request has a token on any chain (no n-gram match anywhere): the decision is made without the tables, and
+    it is the full path's, field for field and type for type."""
+    t = _tables(seed + 40)
+    ids = [f"r{i}" for i in range(5)]
+    B, K = 5, 5
+    temps = [0.0, 0.8, 0.0, 0.8, 0.0][: B]
+    empty = _step(ids, temps, [[] for _ in range(B)], torch.full((B, K), NAN), [[] for _ in range(B)],
+                  torch.full((B, K, 2), NAN))
+    h = _history(ids, seed)
+    lean = decide_mod._decide_step(t, empty, h, k_max=4, cost=_cheap(B), budget=None, impl=impl)
+    monkeypatch.setattr(decide_mod, "nothing_offered", lambda inputs, offered: False)
+    full = decide_mod._decide_step(t, empty, h, k_max=4, cost=_cheap(B), budget=None, impl=impl)
+    assert lean.drafts == full.drafts == [[]] * B
+    for name in ("chain", "depth", "expected_accepted", "probs"):
+        a, b = lean.host(name), full.host(name)
+        assert a.dtype == b.dtype and a.shape == b.shape and ((a == b) | (np.isnan(a) & np.isnan(b))).all(), name
+    monkeypatch.undo()
+    one = _step(ids, temps, [[] for _ in range(B)], torch.full((B, K), NAN), [[], [], [7], [], []],
+                step_feature_tensor([None, None, {"match_n": 3, "agreement": 1.0}, None, None], [0, 0, 1, 0, 0],
+                                    NG_OWN, K))
+    assert not decide_mod.nothing_offered(one, ["model", "ngram"]) and decide_mod.nothing_offered(empty, ["ngram"])
+    assert not decide_mod.nothing_offered(empty, [])  # no chain the tables calibrate: the full path says so
 
 
 def _by_hand(t, inputs, h, k_max):
