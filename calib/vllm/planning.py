@@ -44,12 +44,16 @@ class PlannedStep:
 
 
 def newcomer_drafts(known: dict, forecast: torch.Tensor, fresh: torch.Tensor, *, cost: torch.Tensor,
-                    pass_cost: float, chain: str) -> bool:
+                    pass_cost: float, chain: str, keep=None) -> bool:
     """Whether :func:`calib.allocate.plan_draft` runs a pass of ``chain`` for the batch ``known``/``forecast``
     ``[B, K]`` joined by one more request that offers nothing on the other chains and whose forecast of ``chain``
-    is ``fresh`` ``[K]`` (``pass_cost``: the price of a pass in a batch of B + 1)."""
+    is ``fresh`` ``[K]`` (``pass_cost``: the price of a pass in the joined batch). ``keep`` (bool ``[B]``, None:
+    all): the batch's requests the newcomer joins, the others gone (finished)."""
     from calib.allocate import plan_draft
 
+    if keep is not None:
+        rows = torch.as_tensor(keep, dtype=torch.bool)
+        known, forecast = {n: p[rows] for n, p in known.items()}, forecast[rows]
     joined = {}
     for name, probs in known.items():
         row = torch.full((1, probs.shape[1]), float("nan"), dtype=probs.dtype)
@@ -57,6 +61,18 @@ def newcomer_drafts(known: dict, forecast: torch.Tensor, fresh: torch.Tensor, *,
     plan = plan_draft(joined, torch.cat([forecast, fresh[None].to(forecast.dtype)]), cost=cost, pass_cost=pass_cost,
                       chain=chain)
     return int(plan.passes) > 0
+
+
+def replaced_request(probs: np.ndarray | None, B: int) -> np.ndarray:
+    """bool ``[B]``: the batch less the request a newcomer would replace, the one whose recomputed chain (``probs``
+    ``[B, W]``, NaN past its tokens; None: none) commits the most in expectation: without it a pass for the newcomer
+    pays soonest. Under a closed loop of clients a request joins as another finishes: at concurrency 1 it is alone."""
+    keep = np.ones(B, dtype=bool)
+    if B:
+        gain = (np.zeros(B) if probs is None
+                else np.cumprod(np.nan_to_num(probs.astype(np.float64), nan=0.0), axis=1).sum(axis=1))
+        keep[int(np.argmax(gain))] = False
+    return keep
 
 
 class DraftPlanning:
@@ -171,13 +187,16 @@ class DraftPlanning:
                      else None)
         if passes == 0 and self.admit_at_entry:
             # would the batch run a pass for one more request, with no draft of its own on the other chains and the
-            # batch's most favourable forecast of the model chain? If not, a newcomer is retired at admission. Asked
-            # only when one comes (retire.DrafterRetirement.admitting)
+            # batch's most favourable forecast of the model chain, beside this batch or in the place of the request
+            # it may replace? If neither, a newcomer is retired at admission. Asked only when one comes
+            # (retire.DrafterRetirement.admitting)
             def admitting() -> bool:
                 fresh = self.forecast(tables, drafted, meta, batch_columns, k_sched)  # [B, k_sched], held
-                now = torch.zeros_like(fresh) if forecast is None else forecast
-                return not newcomer_drafts(known(), now, fresh.amax(dim=0), cost=cost,
-                                           pass_cost=self.pass_price(B + 1), chain=drafted)
+                now, chains, best = torch.zeros_like(fresh) if forecast is None else forecast, known(), fresh.amax(dim=0)
+                if newcomer_drafts(chains, now, best, cost=cost, pass_cost=self.pass_price(B + 1), chain=drafted):
+                    return False
+                return not newcomer_drafts(chains, now, best, cost=cost, pass_cost=self.pass_price(B), chain=drafted,
+                                           keep=replaced_request(probs, B))
 
             retirement.admitting = admitting
         if name is not None:  # the decision after drafting sees the same chains and history: it reuses these
