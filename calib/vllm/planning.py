@@ -44,16 +44,12 @@ class PlannedStep:
 
 
 def newcomer_drafts(known: dict, forecast: torch.Tensor, fresh: torch.Tensor, *, cost: torch.Tensor,
-                    pass_cost: float, chain: str, keep=None) -> bool:
+                    pass_cost: float, chain: str) -> bool:
     """Whether :func:`calib.allocate.plan_draft` runs a pass of ``chain`` for the batch ``known``/``forecast``
     ``[B, K]`` joined by one more request that offers nothing on the other chains and whose forecast of ``chain``
-    is ``fresh`` ``[K]`` (``pass_cost``: the price of a pass in the joined batch). ``keep`` (bool ``[B]``, None:
-    all): the batch's requests the newcomer joins, the others gone (finished)."""
+    is ``fresh`` ``[K]`` (``pass_cost``: the price of a pass in a batch of B + 1)."""
     from calib.allocate import plan_draft
 
-    if keep is not None:
-        rows = torch.as_tensor(keep, dtype=torch.bool)
-        known, forecast = {n: p[rows] for n, p in known.items()}, forecast[rows]
     joined = {}
     for name, probs in known.items():
         row = torch.full((1, probs.shape[1]), float("nan"), dtype=probs.dtype)
@@ -63,16 +59,10 @@ def newcomer_drafts(known: dict, forecast: torch.Tensor, fresh: torch.Tensor, *,
     return int(plan.passes) > 0
 
 
-def replaced_request(probs: np.ndarray | None, B: int) -> np.ndarray:
-    """bool ``[B]``: the batch less the request a newcomer would replace, the one whose recomputed chain (``probs``
-    ``[B, W]``, NaN past its tokens; None: none) commits the most in expectation: without it a pass for the newcomer
-    pays soonest. Under a closed loop of clients a request joins as another finishes: at concurrency 1 it is alone."""
-    keep = np.ones(B, dtype=bool)
-    if B:
-        gain = (np.zeros(B) if probs is None
-                else np.cumprod(np.nan_to_num(probs.astype(np.float64), nan=0.0), axis=1).sum(axis=1))
-        keep[int(np.argmax(gain))] = False
-    return keep
+def best_case(known: dict, chain: str) -> dict:
+    """``known`` (``{chain name: [B, W]}``) as its requests would offer it where a pass of ``chain`` pays most: nothing
+    on the other chains (a step on which no request has an n-gram match)."""
+    return {n: p if n == chain else torch.full((p.shape[0], 1), float("nan"), dtype=p.dtype) for n, p in known.items()}
 
 
 class DraftPlanning:
@@ -173,7 +163,7 @@ class DraftPlanning:
         retired = retirement.retired
         gone = [r in retired for r in req_ids] if retired else ()
         if not self.plans_for(gone):  # the decision allocates the recomputed chain on its own
-            passes, depth, forecast = 0, None, None
+            passes, depth = 0, None
         else:
             fresh = self.forecast(tables, drafted, meta, batch_columns, k_sched)  # [B, k_sched]
             forecast = fresh
@@ -186,17 +176,16 @@ class DraftPlanning:
             depth = (np.asarray(plan.free_depth, dtype=np.int64) if passes == 0 and plan.free_depth is not None
                      else None)
         if passes == 0 and self.admit_at_entry:
-            # would the batch run a pass for one more request, with no draft of its own on the other chains and the
-            # batch's most favourable forecast of the model chain, beside this batch or in the place of the request
-            # it may replace? If neither, a newcomer is retired at admission. Asked only when one comes
+            # would a pass pay for one more request even in the batch's best case: every request offering nothing on
+            # the other chains and none retired (their forecasts as fresh), the newcomer with the most favourable? If
+            # not, the model chain cannot pay at this batch size and a newcomer is retired at admission; where it can,
+            # the streak decides (retiring is for good, and a batch retired at admission would never pass again: one
+            # request's pass does not pay where a fresh batch's would). Asked only when one comes
             # (retire.DrafterRetirement.admitting)
             def admitting() -> bool:
                 fresh = self.forecast(tables, drafted, meta, batch_columns, k_sched)  # [B, k_sched], held
-                now, chains, best = torch.zeros_like(fresh) if forecast is None else forecast, known(), fresh.amax(dim=0)
-                if newcomer_drafts(chains, now, best, cost=cost, pass_cost=self.pass_price(B + 1), chain=drafted):
-                    return False
-                return not newcomer_drafts(chains, now, best, cost=cost, pass_cost=self.pass_price(B), chain=drafted,
-                                           keep=replaced_request(probs, B))
+                return not newcomer_drafts(best_case(known(), drafted), fresh, fresh.amax(dim=0), cost=cost,
+                                           pass_cost=self.pass_price(B + 1), chain=drafted)
 
             retirement.admitting = admitting
         if name is not None:  # the decision after drafting sees the same chains and history: it reuses these

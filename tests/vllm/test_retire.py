@@ -168,22 +168,23 @@ def test_a_newcomer_drafts_where_a_pass_pays_for_it_and_not_in_a_crowd():
     assert not newcomer_drafts(alone, gone, torch.full((4,), 0.01), cost=cost, pass_cost=0.01, chain=MODEL.name)
 
 
-def test_a_newcomer_that_replaces_a_finishing_request_is_priced_in_its_place():
-    """At concurrency 1 a request joins as the last one finishes: beside a request whose n-gram chain commits a lot
-    a pass does not pay for the newcomer, alone it does, and then it is not retired at admission. SYNTHETIC."""
-    from calib.vllm.planning import newcomer_drafts, replaced_request
+def test_a_newcomer_is_retired_at_admission_only_where_no_pass_pays_even_in_the_best_case():
+    """The question a plan leaves for newcomers prices one in the batch's best case for a pass: nobody offering an
+    n-gram draft, none retired. At batch 1 (a request joins as the last one finishes, often with a long n-gram match
+    and retired) a pass pays and the newcomer is not retired; in a batch of 64 it does not. SYNTHETIC."""
+    from calib.vllm.planning import best_case, newcomer_drafts
 
     cost = 0.075 + 0.0035 * torch.arange(600, dtype=torch.float64)  # a CPU-like curve: a verified position is cheap
-    fresh, nan = torch.tensor([0.41, 0.39, 0.48, 0.52]), float("nan")
-    probs = np.array([[0.9, 0.8, 0.7, 0.6]], dtype=np.float32)  # the batch's one request: a long n-gram match
-    known = {MODEL.name: torch.zeros(1, 0), LOOKUP.name: torch.from_numpy(probs)}
+    fresh = torch.tensor([0.41, 0.39, 0.48, 0.52])
+    long_match = {MODEL.name: torch.zeros(1, 0), LOOKUP.name: torch.tensor([[0.9, 0.8, 0.7, 0.6]])}
+    retired = torch.zeros(1, 4)
     kw = {"cost": cost, "pass_cost": 0.0115, "chain": MODEL.name}
-    assert not newcomer_drafts(known, torch.zeros(1, 4), fresh, **kw)  # beside it: no pass
-    assert replaced_request(probs, 1).tolist() == [False]
-    assert newcomer_drafts(known, torch.zeros(1, 4), fresh, keep=replaced_request(probs, 1), **kw)  # alone: a pass
-    two = np.array([[0.5, nan, nan, nan], [0.9, 0.8, nan, nan]], dtype=np.float32)
-    assert replaced_request(two, 2).tolist() == [True, False]  # the request whose chain commits the most goes
-    assert replaced_request(None, 3).tolist() == [False, True, True] and replaced_request(None, 0).size == 0
+    assert not newcomer_drafts(long_match, retired, fresh, **kw)  # beside this step's batch no pass pays ...
+    best = best_case(long_match, MODEL.name)
+    assert best[MODEL.name] is long_match[MODEL.name] and torch.isnan(best[LOOKUP.name]).all()
+    assert newcomer_drafts(best, fresh[None], fresh, **kw)  # ... in its best case one does: not retired
+    crowd = best_case({MODEL.name: torch.zeros(64, 0), LOOKUP.name: torch.rand(64, 4)}, MODEL.name)
+    assert not newcomer_drafts(crowd, fresh.repeat(64, 1), fresh, **{**kw, "pass_cost": 0.05})  # retired
 
 
 def test_the_server_counts_the_requests_retired_at_admission():
