@@ -107,6 +107,7 @@ class DraftPlanning:
         start = time.perf_counter()
         from calib.allocate import plan_draft
         from calib.chains import Offer
+        from calib.serve import StepInputs
         from calib.serve.allocation import host_probs
         from calib.serve.decide import chain_inputs_host, context_columns
 
@@ -128,6 +129,15 @@ class DraftPlanning:
             return self.set_passes(scheduler_output, 0, k_sched, start)
         if verdict == "engine":  # vLLM's K passes, its drafts handed through
             return
+        retired = retirement.retired
+        gone = [r in retired for r in req_ids] if retired else ()
+        if self.oracle is None and not self.plans_for(gone):
+            # every request retired: no pass can pay and nothing here is for the decision, which recomputes and
+            # allocates the recomputed chain on its own (as on the n-gram engine); only a newcomer's question is left
+            if self.admit_at_entry:
+                inputs = StepInputs(req_ids, temps)
+                retirement.admitting = self.admission_question(dec, inputs, None, None, B, k_sched)
+            return self.set_passes(scheduler_output, 0, k_sched, start)
         extra = None
         if isinstance(sampled_token_ids, torch.Tensor):  # padded EAGLE: drafting runs before bookkeeping
             extra = sampled_token_ids.detach().cpu().numpy()[:B]  # each row's tokens >= 0 (StepContexts)
@@ -139,8 +149,6 @@ class DraftPlanning:
             conts = self.oracle.continuations(batch, rows, req_ids, temps, k_sched, extra)
             toks = self.recomputed[name].chains(contexts)[0] if name is not None else None
             return self.set_passes(scheduler_output, self.oracle.passes(toks, conts, k_sched), k_sched, start)
-        from calib.serve import StepInputs
-
         columns: dict = {}  # context axes -> their columns, read once (the decision's remember reads them too)
         probs = None  # float32 [B, W], numpy: the recomputed chain's calibrated probabilities
         if name is not None:
@@ -157,40 +165,53 @@ class DraftPlanning:
             columns[axes] = context_columns(axes, inputs, dec.history)
         batch_columns, cost = columns[axes], dec.cost
 
-        def known() -> dict:  # the plan's chains as plan_draft takes them (the model chain: no pass done yet)
-            return {drafted: torch.zeros(B, 0), **({} if probs is None else {name: torch.from_numpy(probs)})}
-
-        retired = retirement.retired
-        gone = [r in retired for r in req_ids] if retired else ()
-        if not self.plans_for(gone):  # the decision allocates the recomputed chain on its own
-            passes, depth = 0, None
-        else:
-            fresh = self.forecast(tables, drafted, meta, batch_columns, k_sched)  # [B, k_sched]
-            forecast = fresh
-            if any(gone):  # their head misses positions: no pass is for them
-                forecast = fresh.clone()  # the held forecast is shared between steps
-                forecast[torch.tensor(gone)] = 0.0
-            plan = plan_draft(known(), forecast, cost=cost, pass_cost=self.pass_price(B), chain=drafted)
-            passes = max(0, min(int(plan.passes), k_sched))
-            # no pass: the model drafts nothing and the plan's allocation of the recomputed chain is the step's
-            depth = (np.asarray(plan.free_depth, dtype=np.int64) if passes == 0 and plan.free_depth is not None
-                     else None)
+        known = {drafted: torch.zeros(B, 0), **({} if probs is None else {name: torch.from_numpy(probs)})}
+        fresh = self.forecast(tables, drafted, meta, batch_columns, k_sched)  # [B, k_sched]
+        forecast = fresh
+        if any(gone):  # their head misses positions: no pass is for them
+            forecast = fresh.clone()  # the held forecast is shared between steps
+            forecast[torch.tensor(gone)] = 0.0
+        plan = plan_draft(known, forecast, cost=cost, pass_cost=self.pass_price(B), chain=drafted)
+        passes = max(0, min(int(plan.passes), k_sched))
+        # no pass: the model drafts nothing and the plan's allocation of the recomputed chain is the step's
+        depth = (np.asarray(plan.free_depth, dtype=np.int64) if passes == 0 and plan.free_depth is not None
+                 else None)
         if passes == 0 and self.admit_at_entry:
-            # would a pass pay for one more request even in the batch's best case: every request offering nothing on
-            # the other chains and none retired (their forecasts as fresh), the newcomer with the most favourable? If
-            # not, the model chain cannot pay at this batch size and a newcomer is retired at admission; where it can,
-            # the streak decides (retiring is for good, and a batch retired at admission would never pass again: one
-            # request's pass does not pay where a fresh batch's would). Asked only when one comes
-            # (retire.DrafterRetirement.admitting)
-            def admitting() -> bool:
-                fresh = self.forecast(tables, drafted, meta, batch_columns, k_sched)  # [B, k_sched], held
-                return not newcomer_drafts(best_case(known(), drafted), fresh, fresh.amax(dim=0), cost=cost,
-                                           pass_cost=self.pass_price(B + 1), chain=drafted)
-
-            retirement.admitting = admitting
+            retirement.admitting = self.admission_question(dec, inputs, batch_columns, known, B, k_sched)
         if name is not None:  # the decision after drafting sees the same chains and history: it reuses these
             self.planned = PlannedStep(name, contexts.keys, probs, depth, columns)
         self.set_passes(scheduler_output, passes, k_sched, start)
+
+    def admission_question(self, dec, inputs, columns: np.ndarray | None, known: dict | None, B: int, k_sched: int):
+        """The question a newcomer to this batch is asked (:attr:`calib.vllm.retire.DrafterRetirement.admitting`,
+        asked only when one comes): would a pass pay for one more request even in the batch's best case, every
+        request offering nothing on the other chains and none retired (their forecasts as fresh), the newcomer with the
+        most favourable? If not, the model chain cannot pay at this batch size and a newcomer is retired at admission;
+        where it can, the streak decides (retiring is for good, and a batch retired at admission would never pass
+        again: one request's pass does not pay where a fresh batch's would).
+
+        ``columns``: the forecast's context columns of ``inputs`` as the plan read them; None: read when asked, from
+        the temperatures alone where the forecast has no other axis (else now: the history moves by then).
+        ``known``: the plan's chains ``{name: [B, W]}``; None: the batch offers the recomputed chain (its values
+        unread: the best case offers nothing there)."""
+        from calib.serve.decide import context_columns
+
+        tables, drafted, cost = dec.tables, dec.engine_chain, dec.cost
+        meta = tables.forecast(drafted)
+        axes = tuple(a["name"] for a in meta["axes"])
+        if columns is None and any(a != "temperature" for a in axes):
+            columns = context_columns(axes, inputs, dec.history)
+        name = self.plan_chain
+
+        def admitting() -> bool:
+            cols = columns if columns is not None else context_columns(axes, inputs, dec.history)
+            fresh = self.forecast(tables, drafted, meta, cols, k_sched)  # [B, k_sched], held
+            chains = known if known is not None else {
+                drafted: torch.zeros(B, 0), **({} if name is None else {name: torch.zeros(B, 1)})}
+            return not newcomer_drafts(best_case(chains, drafted), fresh, fresh.amax(dim=0), cost=cost,
+                                       pass_cost=self.pass_price(B + 1), chain=drafted)
+
+        return admitting
 
     def admit_newcomers(self, req_ids) -> None:
         """Before the step's plan: retire the step's newcomers that the last plan said would not pay, or that the

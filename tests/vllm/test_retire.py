@@ -223,3 +223,31 @@ def test_a_step_of_retired_requests_decides_without_the_plan_what_the_plan_would
     assert lean["decided"] == full["decided"] == 30 and lean["errors"] == full["errors"] == 0
     assert (lean["drafts_crc32"], lean["passes_planned"]) == (full["drafts_crc32"], full["passes_planned"])
     assert made < 10 and len(plans) - made == 30  # planned until the batch retired (after 4 steps), then not
+
+
+def test_the_admission_question_of_a_retired_batch_is_the_plans(tmp_path):
+    """A batch whose requests are all retired makes no plan, so its newcomers' question is asked without the plan's
+    n-gram probabilities: the batch's best case offers nothing on that chain, so the answer is the one a plan would
+    leave, at every batch size and pass price (pass where a pass is cheap, retire where it is dear). SYNTHETIC
+    tables and cost."""
+    from calib.serve import StepInputs
+    from calib.serve.history import RequestHistory
+    from calib.tables import load
+    from tests.serve.test_serve_entry import _synthetic_eagle_tables
+
+    tables = load(_synthetic_eagle_tables(tmp_path / "tables"))
+    srv = _server(after=2)
+    srv.decider = SimpleNamespace(tables=tables, engine_chain=MODEL.name, history=RequestHistory(),
+                                  cost=0.075 + 0.0035 * torch.arange(600, dtype=torch.float32))
+    answers = set()
+    for B in (1, 4, 16):
+        ids, temps = [f"r{b}" for b in range(B)], [0.0] * (B - 1) + [0.8]
+        columns = np.array([[t] for t in temps])  # the forecast's one axis, as the plan reads it
+        planned = {MODEL.name: torch.zeros(B, 0), LOOKUP.name: torch.rand(B, 4, generator=torch.Generator().manual_seed(B))}
+        for price in (1e-4, 0.02, 5.0):
+            srv.pass_prices[B + 1] = price
+            lean = srv.admission_question(srv.decider, StepInputs(ids, temps), None, None, B, 4)
+            full = srv.admission_question(srv.decider, StepInputs(ids, temps), columns, planned, B, 4)
+            assert lean() == full()
+            answers.add(lean())
+    assert answers == {True, False}
