@@ -121,7 +121,7 @@ class DraftPlanning:
         if any(self.left_to_vllm(runner, req_ids)):  # a request left to vLLM keeps vLLM's K
             return
         rows = list(range(B))
-        temps = [float(batch.temperature_cpu[i]) for i in rows]
+        temps = [float(t) for t in batch.temperature_cpu[:B].tolist()]  # one numpy call, not one per request
         verdict = self.fresh_verdict(batch_key(temps))
         self.aside_now = (tuple(req_ids), verdict)  # the decision after drafting takes the same verdict
         if verdict == "none":  # the tables say nothing pays for this batch: a newcomer's model chain neither

@@ -214,14 +214,13 @@ class Server(DraftPlanning):
         if dec is None:
             return
         start = time.perf_counter()
-        num_draft = spec_decode_metadata.num_draft_tokens
-        # numpy: a few rows, where a torch call's fixed cost dominates (no .cpu() call where it is on the CPU already)
-        on_cpu = sampled_token_ids.device.type == "cpu"
-        sampled = (sampled_token_ids if on_cpu else sampled_token_ids.cpu()).numpy()
-        accepted = ((sampled != -1).sum(axis=1) - 1).tolist()
-        rounds = [(r, max(0, min(int(a), int(d))), int(d))  # the requests that verified draft tokens
-                  for r, a, d in zip(runner.input_batch.req_ids[: len(num_draft)], accepted, num_draft) if d]
-        if rounds:
+        num_draft = spec_decode_metadata.num_draft_tokens  # [B] ints
+        if any(num_draft):
+            # Python lists: a few short rows, where each numpy or torch op would start cold (docs/profile.md)
+            on_cpu = sampled_token_ids.device.type == "cpu"
+            sampled = (sampled_token_ids if on_cpu else sampled_token_ids.cpu()).tolist()  # [B][K + 1], -1: none
+            rounds = [(r, max(0, min(len(row) - row.count(-1) - 1, int(d))), int(d))  # requests that verified drafts
+                      for r, row, d in zip(runner.input_batch.req_ids, sampled, num_draft) if d]
             dec.observe_step(*zip(*rounds))
         dec.refresh()  # the online correction learns the step's outcomes, once per step before the next lookup
         self.stats.observe_ms.append((time.perf_counter() - start) * 1e3)
@@ -293,7 +292,8 @@ class Server(DraftPlanning):
         K = self.k
         batch = runner.input_batch
         rows = [batch.req_id_to_index[r] for r in req_ids]
-        temps = [float(batch.temperature_cpu[i]) for i in rows]
+        held = batch.temperature_cpu[: max(rows, default=-1) + 1].tolist()  # one numpy call, not one per request
+        temps = [float(held[i]) for i in rows]
         if self.unpriced_sampling and any(t > 0 for t in temps):
             self.note_unpriced_sampling()
         from calib.chains import NO_CHAIN, chain, chains

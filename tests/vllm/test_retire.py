@@ -251,3 +251,18 @@ def test_the_admission_question_of_a_retired_batch_is_the_plans(tmp_path):
             assert lean() == full()
             answers.add(lean())
     assert answers == {True, False}
+
+
+def test_the_server_observes_each_verified_round_from_vllms_sampled_ids():
+    """vLLM's sampled ids per request: the accepted draft tokens, the bonus (or the correction), then -1; a request
+    with no draft verified no round. What `observe` hands the decider, in Python lists (stand-in decider)."""
+    srv = _server(after=2)
+    seen, refreshed = [], []
+    srv.decider = SimpleNamespace(observe_step=lambda *a: seen.append(a), refresh=lambda: refreshed.append(1))
+    runner = _runner(["a", "b", "c", "d"])
+    sampled = torch.tensor([[5, 6, 7, -1, -1], [9, -1, -1, -1, -1], [4, -1, -1, -1, -1], [1, 2, 3, 4, 8]],
+                           dtype=torch.int32)
+    srv.observe(runner, SimpleNamespace(num_draft_tokens=[4, 2, 0, 4]), sampled)
+    assert seen == [(("a", "b", "d"), (2, 0, 4), (4, 2, 4))] and refreshed == [1]
+    srv.observe(runner, SimpleNamespace(num_draft_tokens=[0, 0, 0, 0]), sampled)  # nothing verified: no round
+    assert len(seen) == 1 and refreshed == [1, 1]
