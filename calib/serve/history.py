@@ -112,13 +112,13 @@ class RequestHistory:
         return {n: read[2][n] for n in names}  # arrays shared by the reads until the next change: read only
 
     def _columns(self, req_ids: Sequence[str]) -> dict[str, np.ndarray]:
-        """Every history column of ``req_ids`` (float64 ``[B]`` each), in one pass over the states."""
-        states = [self._state.get(r) for r in req_ids]
-        rounds = np.array([s.rounds if s is not None else 0 for s in states], dtype=np.float64)
-        accepted = np.array([s.accepted if s is not None else 0 for s in states], dtype=np.float64)
-        last = np.array([s.last if s is not None else 0 for s in states], dtype=np.float64)
-        first = rounds == 0  # a request in its first round (never observed)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            return {"prev_accept": np.where(first, np.nan, last),
-                    "mean_accept": np.where(first, np.nan, accepted / rounds),
-                    "position": np.where(first, 0.0, accepted + rounds)}
+        """Every history column of ``req_ids`` (float64 ``[B]`` each), in one pass over the states and one numpy call
+        (inside an engine each numpy op starts cold; Python's float division and sums are numpy's float64 ones)."""
+        get, nan = self._state.get, math.nan
+        rows = []
+        for r in req_ids:
+            s = get(r)
+            rows.append((nan, nan, 0.0) if s is None or s.rounds == 0  # a request in its first round (never observed)
+                        else (float(s.last), s.accepted / s.rounds, float(s.accepted + s.rounds)))
+        cols = np.array(rows, dtype=np.float64).reshape(len(rows), 3).T.copy()  # [3, B], each column contiguous
+        return {"prev_accept": cols[0], "mean_accept": cols[1], "position": cols[2]}

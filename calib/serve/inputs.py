@@ -6,6 +6,7 @@ re-exports these names."""
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -41,6 +42,12 @@ def request_temperatures(inputs: StepInputs) -> np.ndarray:
     ``>= 0`` (a ``ValueError`` naming the first bad request's index, id and value). One vector check."""
     B = len(inputs.req_ids)
     t = inputs.temperature
+    if isinstance(t, list) and len(t) == B:  # serving's list of floats: checked in Python, one numpy call
+        try:
+            if all(0 <= x < math.inf for x in t):  # NaN fails
+                return np.array(t, dtype=np.float64)
+        except TypeError:
+            pass  # not numbers: the error below names them
     try:
         t = t.detach().cpu().numpy() if isinstance(t, torch.Tensor) else np.asarray(t, dtype=np.float64)
         t = t.astype(np.float64).reshape(-1)
