@@ -221,7 +221,8 @@ class Server(DraftPlanning):
             sampled = (sampled_token_ids if on_cpu else sampled_token_ids.cpu()).tolist()  # [B][K + 1], -1: none
             rounds = [(r, max(0, min(len(row) - row.count(-1) - 1, int(d))), int(d))  # requests that verified drafts
                       for r, row, d in zip(runner.input_batch.req_ids, sampled, num_draft) if d]
-            dec.observe_step(*zip(*rounds))
+            if rounds:
+                dec.observe_step(*zip(*rounds))
         dec.refresh()  # the online correction learns the step's outcomes, once per step before the next lookup
         self.stats.observe_ms.append((time.perf_counter() - start) * 1e3)
 
