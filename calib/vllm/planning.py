@@ -136,7 +136,7 @@ class DraftPlanning:
             # allocates the recomputed chain on its own (as on the n-gram engine); only a newcomer's question is left
             if self.admit_at_entry:
                 inputs = StepInputs(req_ids, temps)
-                retirement.admitting = self.admission_question(dec, inputs, None, None, B, k_sched)
+                retirement.admitting = self.admission_question(dec, inputs, None, B, k_sched)
             return self.set_passes(scheduler_output, 0, k_sched, start)
         extra = None
         if isinstance(sampled_token_ids, torch.Tensor):  # padded EAGLE: drafting runs before bookkeeping
@@ -177,12 +177,12 @@ class DraftPlanning:
         depth = (np.asarray(plan.free_depth, dtype=np.int64) if passes == 0 and plan.free_depth is not None
                  else None)
         if passes == 0 and self.admit_at_entry:
-            retirement.admitting = self.admission_question(dec, inputs, batch_columns, known, B, k_sched)
+            retirement.admitting = self.admission_question(dec, inputs, batch_columns, B, k_sched)
         if name is not None:  # the decision after drafting sees the same chains and history: it reuses these
             self.planned = PlannedStep(name, contexts.keys, probs, depth, columns)
         self.set_passes(scheduler_output, passes, k_sched, start)
 
-    def admission_question(self, dec, inputs, columns: np.ndarray | None, known: dict | None, B: int, k_sched: int):
+    def admission_question(self, dec, inputs, columns: np.ndarray | None, B: int, k_sched: int):
         """The question a newcomer to this batch is asked (:attr:`calib.vllm.retire.DrafterRetirement.admitting`,
         asked only when one comes): would a pass pay for one more request even in the batch's best case, every
         request offering nothing on the other chains and none retired (their forecasts as fresh), the newcomer with the
@@ -191,9 +191,8 @@ class DraftPlanning:
         again: one request's pass does not pay where a fresh batch's would).
 
         ``columns``: the forecast's context columns of ``inputs`` as the plan read them; None: read when asked, from
-        the temperatures alone where the forecast has no other axis (else now: the history moves by then).
-        ``known``: the plan's chains ``{name: [B, W]}``; None: the batch offers the recomputed chain (its values
-        unread: the best case offers nothing there)."""
+        the temperatures alone where the forecast has no other axis (else now: the history moves by then). The plan's
+        probabilities of the recomputed chain are not needed: the best case offers nothing there."""
         from calib.serve.decide import context_columns
 
         tables, drafted, cost = dec.tables, dec.engine_chain, dec.cost
@@ -206,8 +205,7 @@ class DraftPlanning:
         def admitting() -> bool:
             cols = columns if columns is not None else context_columns(axes, inputs, dec.history)
             fresh = self.forecast(tables, drafted, meta, cols, k_sched)  # [B, k_sched], held
-            chains = known if known is not None else {
-                drafted: torch.zeros(B, 0), **({} if name is None else {name: torch.zeros(B, 1)})}
+            chains = {drafted: torch.zeros(B, 0), **({} if name is None else {name: torch.zeros(B, 1)})}  # shapes
             return not newcomer_drafts(best_case(chains, drafted), fresh, fresh.amax(dim=0), cost=cost,
                                        pass_cost=self.pass_price(B + 1), chain=drafted)
 

@@ -227,12 +227,13 @@ def test_a_step_of_retired_requests_decides_without_the_plan_what_the_plan_would
 
 def test_the_admission_question_of_a_retired_batch_is_the_plans(tmp_path):
     """A batch whose requests are all retired makes no plan, so its newcomers' question is asked without the plan's
-    n-gram probabilities: the batch's best case offers nothing on that chain, so the answer is the one a plan would
-    leave, at every batch size and pass price (pass where a pass is cheap, retire where it is dear). SYNTHETIC
-    tables and cost."""
+    n-gram probabilities: the batch's best case offers nothing on that chain, so the answer is the one the plan's own
+    chains give, at every batch size and pass price (pass where a pass is cheap, retire where it is dear), with the
+    forecast's columns read when asked or given. SYNTHETIC tables and cost."""
     from calib.serve import StepInputs
     from calib.serve.history import RequestHistory
     from calib.tables import load
+    from calib.vllm.planning import best_case, newcomer_drafts
     from tests.serve.test_serve_entry import _synthetic_eagle_tables
 
     tables = load(_synthetic_eagle_tables(tmp_path / "tables"))
@@ -244,11 +245,14 @@ def test_the_admission_question_of_a_retired_batch_is_the_plans(tmp_path):
         ids, temps = [f"r{b}" for b in range(B)], [0.0] * (B - 1) + [0.8]
         columns = np.array([[t] for t in temps])  # the forecast's one axis, as the plan reads it
         planned = {MODEL.name: torch.zeros(B, 0), LOOKUP.name: torch.rand(B, 4, generator=torch.Generator().manual_seed(B))}
+        fresh = srv.forecast(tables, MODEL.name, tables.forecast(MODEL.name), columns, 4)
         for price in (1e-4, 0.02, 5.0):
             srv.pass_prices[B + 1] = price
-            lean = srv.admission_question(srv.decider, StepInputs(ids, temps), None, None, B, 4)
-            full = srv.admission_question(srv.decider, StepInputs(ids, temps), columns, planned, B, 4)
-            assert lean() == full()
+            plans = not newcomer_drafts(best_case(planned, MODEL.name), fresh, fresh.amax(dim=0),
+                                        cost=srv.decider.cost, pass_cost=price, chain=MODEL.name)
+            lean = srv.admission_question(srv.decider, StepInputs(ids, temps), None, B, 4)
+            given = srv.admission_question(srv.decider, StepInputs(ids, temps), columns, B, 4)
+            assert lean() == given() == plans
             answers.add(lean())
     assert answers == {True, False}
 
