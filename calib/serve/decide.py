@@ -409,21 +409,20 @@ class SafeDecider:
             for o in outcomes:
                 by_chain.setdefault(o[0].name, []).append(o)
             for name, rounds in by_chain.items():
-                rows = np.array([r for _, r, _ in rounds])  # [R]
-                accepted = np.array([a for _, _, a in rounds])  # [R]
                 first = rounds[0][0]
                 if all(k is first for k, _, _ in rounds):  # the usual step: every round decided at the last step
-                    drafted, cells = first.depth[rows], first.cells[rows]
-                    width = int(drafted.max())
-                    p = first.table[rows, :width]  # [R, width]: NaN past each round's depth
+                    rows = np.array([r for _, r, _ in rounds], dtype=np.int64)  # [R]
+                    accepted = np.array([a for _, _, a in rounds], dtype=np.int64)  # [R]
+                    self.online.observe_rounds(name, first.table, rows, accepted, first.depth, first.cells)
                 else:  # a round remembered at an earlier step (not observed then): row by row
+                    accepted = np.array([a for _, _, a in rounds])  # [R]
                     drafted = np.array([k.depth[r] for k, r, _ in rounds])
                     cells = np.array([k.cells[r] for k, r, _ in rounds], dtype=np.int64)
                     width = int(drafted.max())
                     p = np.full((len(rounds), width), np.nan)
                     for i, (k, r, _) in enumerate(rounds):
                         p[i, : drafted[i]] = k.table[r, : drafted[i]]
-                self.online.observe(name, p, outcome_rows(accepted, drafted, width), cells)
+                    self.online.observe(name, p, outcome_rows(accepted, drafted, width), cells)
             self.online.refresh(lazy=self.impl in HOST_LOOKUPS)  # the kernel reads the grid without a lookup
         except Exception as exc:  # noqa: BLE001
             self._fail(exc, "refresh")

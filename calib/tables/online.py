@@ -287,6 +287,31 @@ class OnlineCorrection:
         self._offsets, self._learnt = None, True
         return added
 
+    def update_rounds(self, table: np.ndarray, rows: np.ndarray, accepted: np.ndarray, depth: np.ndarray,
+                      cells: np.ndarray) -> int:
+        """:meth:`update` on rounds ``rows`` (int64 ``[R]``) of one step as serving remembers them: table
+        probabilities ``table[rows]`` (float64 ``[N, W]``, NaN past each round's depth), ``depth[rows]`` drafted,
+        ``accepted [R]`` of them accepted, context ``cells[rows]`` (int64 ``[N]``). One compiled call where numba is
+        installed (the outcomes built in its loops), else :func:`outcome_rows` and :meth:`update`."""
+        if not self.settings.enabled:
+            return 0
+        if self._kernels is not None:
+            update = self._kernels["update_rounds_loops"]
+            args = (table, rows, accepted, depth, cells, self.settings.pooled, self._sloped, self.settings.decay,
+                    self.settings.prior, self._pooled, self._slope)
+            added = int(update(*args, self._cells))
+            if added < 0:  # a cell past those held: grown (a negative one refused), then learnt
+                at = cells[rows]
+                self._grow(int(at.min()))
+                self._grow(int(at.max()))
+                added = int(update(*args, self._cells))
+            if added:
+                self._factor, self._offsets, self._learnt = None, None, True
+            return added
+        drafted = depth[rows]
+        width = int(drafted.max())
+        return self.update(table[rows, :width], outcome_rows(accepted, drafted, width), cells[rows])
+
     def _newton(self, s: np.ndarray, seen, y, u, K: int, ridge: bool = False, slope=None) -> None:
         """One Newton step of a level's state ``s`` [3, n_depths] (δ, H, n) on positions ``seen`` [B, K] with
         outcomes ``y`` and corrected logits ``u`` [B, K]; with ``slope`` (the table's logits [B, K]) the

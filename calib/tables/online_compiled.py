@@ -24,13 +24,16 @@ import numpy as np
 from calib.compiled import Kernels
 from calib.tables.online_kernels import EPS, FMAX, MIN_SCALE
 
-ENTRIES = ("update_loops", "table_of_loops", "cut_loops")  # what kernels() hands out
+ENTRIES = ("update_loops", "update_rounds_loops", "table_of_loops", "cut_loops")  # what kernels() hands out
 
 
 def _warm_up(compiled: dict) -> None:
     p, one = np.full((1, 1), 0.5), np.ones(1)
     compiled["update_loops"](p, np.ones((1, 1)), np.zeros(1, dtype=np.int64), True, True, 0.99, 50.0,
                              np.zeros((3, 1)), np.zeros((3, 1)), np.zeros((3, 2, 1)))  # one cell held
+    compiled["update_rounds_loops"](p, np.zeros(1, dtype=np.int64), np.ones(1, dtype=np.int64),
+                                    np.ones(1, dtype=np.int64), np.zeros(1, dtype=np.int64), True, True, 0.99, 50.0,
+                                    np.zeros((3, 1)), np.zeros((3, 1)), np.zeros((3, 2, 1)))
     compiled["table_of_loops"](p, np.zeros(1, dtype=np.int64), np.zeros((2, 1)), one)
     compiled["cut_loops"](p, p, np.ones(1, dtype=np.int64))
 
@@ -90,7 +93,38 @@ def _logit(p):
     return math.log(q) - math.log1p(-q)
 
 
+def update_rounds_loops(table, rows, accepted, depth, cells, pooled_on, sloped, decay, prior, pooled, slope,
+                        cell_state):
+    """:func:`update_loops` on rounds ``rows`` (int64 ``[R]``) of one remembered step, with their outcomes built here
+    rather than in numpy: table probabilities ``table[rows, :width]`` (float64 ``[N, W]``, NaN past each round's
+    depth), outcomes 1 for ``accepted [R]`` tokens, 0 at the first rejection, NaN after it (:func:`calib.tables.
+    online.outcome_rows` of ``accepted`` and ``depth[rows]``), cells ``cells[rows]``; ``width`` the rounds' deepest
+    draft, cut to the tracked depths (``pooled.shape[1]``). Returns what :func:`update_loops` returns."""
+    R = rows.shape[0]
+    width = 0
+    for i in range(R):
+        width = max(width, depth[rows[i]])
+    K = min(width, pooled.shape[1])
+    p = np.empty((R, K))
+    acc = np.empty((R, K))
+    at = np.empty(R, dtype=np.int64)
+    for i in range(R):
+        r = rows[i]
+        at[i] = cells[r]
+        a, d = accepted[i], depth[r]
+        for k in range(K):
+            p[i, k] = table[r, k]
+            acc[i, k] = 1.0 if k < a else (0.0 if k == a and k < d else np.nan)
+    return _update(p, acc, at, pooled_on, sloped, decay, prior, pooled, slope, cell_state)
+
+
 def update_loops(p, acc, cells, pooled_on, sloped, decay, prior, pooled, slope, cell_state):
+    """:func:`_update`: one update of the correction's state from table probabilities and outcomes (what
+    :meth:`calib.tables.online.OnlineCorrection.update` does in numpy)."""
+    return _update(p, acc, cells, pooled_on, sloped, decay, prior, pooled, slope, cell_state)
+
+
+def _update(p, acc, cells, pooled_on, sloped, decay, prior, pooled, slope, cell_state):
     """One update of the correction's state, in place; returns the positions used (-1: see below).
 
     ``p`` float64 ``[B, K]`` table probabilities (K already cut to the tracked depths), ``acc`` float64 ``[B, K]``
@@ -199,6 +233,6 @@ def _newton_loops(s, b_state, with_slope, rows, seen, y, u, z, K, ridge, decay, 
         b_state[0, k] = max(b_state[0, k] + (h_aa * g_b - h_ab * g) / det, MIN_SCALE - 1.0)
 
 
-_KERNELS = Kernels(globals(), ENTRIES, (_sigmoid, _logit, _newton_loops), _warm_up,
+_KERNELS = Kernels(globals(), ENTRIES, (_sigmoid, _logit, _newton_loops, _update), _warm_up,
                    "the online correction's kernels", "the numpy versions run",
                    boundscheck=True)  # an index past an array raises, as numpy would

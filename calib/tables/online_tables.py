@@ -86,6 +86,20 @@ class OnlineTables:
             self._dirty.update((name, int(x)) for x in np.unique(np.asarray(cells, dtype=np.int64)))
         return n
 
+    def observe_rounds(self, name: str, table, rows, accepted, depth, cells) -> int:
+        """:meth:`observe` of rounds ``rows`` of one step as serving remembers them
+        (:meth:`OnlineCorrection.update_rounds`: table probabilities ``table[rows]``, ``depth[rows]`` drafted,
+        ``accepted`` of them accepted, context ``cells[rows]``)."""
+        c = self.chains.get(name)
+        if c is None:
+            return 0
+        n = c["correction"].update_rounds(table, rows, accepted, depth, cells)
+        if n and self.settings.pooled:
+            self._whole.add(name)
+        elif n:
+            self._dirty.update((name, int(x)) for x in np.unique(cells[rows]))
+        return n
+
     def refresh(self, lazy: bool = True) -> None:
         """Mark the grid blocks the correction moved since the last call (one engine step's worth) as stale.
         Lookups read corrected values through :meth:`read` whatever the grid holds; ``lazy=False`` also rewrites

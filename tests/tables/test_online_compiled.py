@@ -48,6 +48,35 @@ def test_the_compiled_update_learns_what_the_numpy_update_learns(settings):
     assert plain.state()  # the stream taught something
 
 
+@pytest.mark.parametrize("settings", SETTINGS[:4])
+def test_a_steps_remembered_rounds_teach_what_their_outcome_rows_teach(settings):
+    """update_rounds (serving's refresh: the outcomes built in the compiled loops, or by outcome_rows without numba)
+    learns what update learns from the same rounds' table rows, outcome rows and cells."""
+    from calib.tables.online import outcome_rows
+
+    rng = np.random.default_rng(5)
+    D = 3
+    fused = OnlineCorrection(D, settings, compiled=True)
+    plain = OnlineCorrection(D, settings, compiled=False)
+    rows_of = OnlineCorrection(D, settings, compiled=False)  # update_rounds' numpy path
+    for step in range(200):
+        N, W = int(rng.integers(1, 20)), int(rng.integers(1, 6))  # past the tracked depths too
+        depth = rng.integers(1, W + 1, N)
+        table = _probs(rng, (N, W))
+        table[np.arange(W)[None, :] >= depth[:, None]] = np.nan  # a round ends at its depth
+        cells = rng.integers(0, 3 if step % 2 else 60, N)  # grown past the cells held, now and then
+        rows = np.sort(rng.choice(N, int(rng.integers(1, N + 1)), replace=False))
+        accepted = rng.integers(0, depth[rows] + 1)
+        width = int(depth[rows].max())
+        want = plain.update(table[rows, :width], outcome_rows(accepted, depth[rows], width), cells[rows])
+        assert fused.update_rounds(table, rows, accepted, depth, cells) == want
+        assert rows_of.update_rounds(table, rows, accepted, depth, cells) == want
+    for got in (fused, rows_of):
+        assert got.state().keys() == plain.state().keys()
+        np.testing.assert_allclose(_levels(got.state()), _levels(plain.state()), rtol=1e-9, atol=1e-12)
+    assert plain.state()["pooled" if settings.pooled else 0]  # the stream taught something
+
+
 def test_an_update_that_sees_nothing_leaves_the_tables_alone():
     corr = OnlineCorrection(3, compiled=True)
     p = np.full((2, 3), 0.5)
