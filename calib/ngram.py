@@ -111,7 +111,7 @@ def find_matches(token_ids, rows, num_tokens, prompt_lens, min_n: int, max_n: in
     feats = np.zeros((B, len(MATCH_FEATURES)), dtype=np.float64)
     kernel(np.asarray(token_ids), rows, num_tokens, prompt_lens, int(min_n), int(max_n), int(k), limit, extra,
            extra_len, chains, lengths, feats)
-    return [chains[b, : lengths[b]].tolist() for b in range(B)], feats
+    return [c[:n] for c, n in zip(chains.tolist(), lengths.tolist())], feats  # two tolist calls, not one per row
 
 
 def _find_matches_numpy(token_ids, rows, num_tokens, prompt_lens, min_n, max_n, k, limit, extra, extra_len):

@@ -19,7 +19,7 @@ from calib.allocate.reference import SCALE
 from calib.allocate.shape import MAX_ITERS, PRICE_SCALE
 from calib.compiled import Kernels
 
-ENTRIES = ("plan_all_loops", "allocate_loops", "dinkelbach_loops")  # what kernels() hands out
+ENTRIES = ("plan_all_loops", "allocate_loops", "decide_loops", "dinkelbach_loops")  # what kernels() hands out
 
 
 def _warm_up(compiled: dict) -> None:
@@ -27,6 +27,7 @@ def _warm_up(compiled: dict) -> None:
     compiled["plan_all_loops"](p, p.copy(), True, True, 0, np.ones(4), np.zeros(2))
     q = np.ones((1, 1), dtype=np.int64)
     compiled["allocate_loops"](q, q, True, np.ones(4))
+    compiled["decide_loops"](p, p, True, np.ones(4), 1, 2, 0)
     compiled["dinkelbach_loops"](np.ones((2, 1, 1), dtype=np.int64), np.zeros((1, 2), dtype=np.int64), 1)
 
 
@@ -199,6 +200,45 @@ def allocate_loops(first, second, has_second, cost):
     """:func:`calib.allocate.host._price_mode`'s decision on gains int64 ``first``/``second`` ``[B, W]`` (``second``
     ignored without ``has_second``) under the float64 curve ``cost``: ``(use_second bool [B], depth int64 [B])``."""
     return _allocate(first, second, has_second, cost, 0.0)
+
+
+def decide_loops(first, second, has_second, cost, first_id, second_id, no_chain):
+    """:func:`calib.allocate.host.allocate_chains_host` under the curve ``cost`` (float64), whole: the chains'
+    float32 probabilities ``first``/``second`` ``[B, W1]``/``[B, W2]`` (NaN: no token; ``second`` ignored without
+    ``has_second``) -> ``(drafter int8 [B], depth int32 [B], expected float32 [B], chosen float32 [B, max(1, max
+    depth)])``: :func:`allocate_loops`' decision, the chain ids ``first_id``/``second_id`` (``no_chain`` where a
+    request verifies nothing), the chosen chain's survival summed over its verified tokens (float32, left to right)
+    and its probabilities there (NaN past each request's depth). One call where the numpy entry makes some twenty."""
+    B = first.shape[0]
+    W = max(first.shape[1], second.shape[1] if has_second else 0, 1)
+    q_first = _gains(first, first.shape[1], W)
+    q_second = _gains(second, second.shape[1], W) if has_second else q_first
+    use_second, depth = _allocate(q_first, q_second, has_second, cost, 0.0)
+    width = 1
+    for b in range(B):
+        width = max(width, depth[b])
+    drafter = np.empty(B, dtype=np.int8)
+    depth32 = np.empty(B, dtype=np.int32)
+    expected = np.zeros(B, dtype=np.float32)
+    chosen = np.full((B, width), np.nan, dtype=np.float32)
+    one, zero = np.float32(1.0), np.float32(0.0)
+    for b in range(B):
+        p = second if use_second[b] else first
+        d = depth[b]
+        drafter[b] = (second_id if use_second[b] else first_id) if d > 0 else no_chain
+        depth32[b] = d
+        s, total = one, zero
+        for k in range(d):  # d <= the chosen chain's width: the allocator verifies only tokens it was given
+            x = p[b, k]
+            chosen[b, k] = x
+            if not x > zero:  # survival's clamp: NaN and below -> 0, above 1 -> 1
+                x = zero
+            elif x > one:
+                x = one
+            s = np.float32(s * x)
+            total = np.float32(total + s)
+        expected[b] = total
+    return drafter, depth32, expected, chosen
 
 
 def dinkelbach_loops(q, price_q, n_requests):

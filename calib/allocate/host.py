@@ -255,6 +255,10 @@ def allocate_chains_host(probs: dict, *, cost: np.ndarray | None = None, price_q
     else:
         if cost.shape[0] < B + 1 or not (math.isfinite(cost[B]) and cost[B] > 0):
             check_cost(torch.from_numpy(cost), B)
+        compiled = kernels()
+        if compiled is not None:  # the decision, its outcome and the chosen probabilities in one call
+            return compiled["decide_loops"](first, first if second is None else second, second is not None,
+                                            np.ascontiguousarray(cost, dtype=np.float64), ids[0], ids[1], NO_CHAIN)
         drafter, depth, expected, use_second = _price_mode(first, second, cost, ids)
     width = max(1, int(depth.max()))
     taken = _padded(first[:, :width], width)

@@ -45,10 +45,18 @@ def test_shape_price_mode(seed):
         assert_same(ref, allocate_probs(pair(model_p, ngram_p), price=price, impl="host"))
 
 
+@pytest.mark.parametrize("compiled", [True, False])
 @pytest.mark.parametrize("seed", range(4))
-def test_serving_entry(seed):
+def test_serving_entry(seed, compiled, monkeypatch):
     """allocate_chains_host (the serving decider's entry, numpy in and out) decides as allocate_probs does under
-    both prices, and its chosen probabilities are the chosen chain's per verified token, NaN beyond."""
+    both prices, and its chosen probabilities are the chosen chain's per verified token, NaN beyond: in one compiled
+    call under the curve where numba is installed (compiled=True), and in numpy without it."""
+    from calib.allocate import host
+
+    if not compiled:
+        monkeypatch.setattr(host, "kernels", lambda: None)
+    elif host.kernels() is None:
+        pytest.skip("numba is not installed: the numpy rules run")
     gen = torch.Generator().manual_seed(9100 + seed)
     for n in range(40):
         b, model_p, ngram_p, price = random_instance(gen, n, max_b=16, max_k=5)
