@@ -74,11 +74,14 @@ def host_probs(tables, signals: dict) -> dict[str, np.ndarray]:
     out = {}
     for name, x in signals.items():
         table = tables.chains[name]
-        _check_depths(f"signals[{name!r}]", x.shape[1], f"{name}.grid", table.depths, reuse)
-        if isinstance(table, ChainTable) and table.grid.device.type == "cpu" and (
-                table.read is None or table.read_host is not None):
-            out[name] = chain_lookup_host(table, check_chain_inputs(x, table, f"signals[{name!r}]"), name,
-                                          checked=True)
+        host = table.host_view() if isinstance(table, ChainTable) else None  # None: the grid is on a device
+        depths = host["depths"] if host is not None else table.depths
+        if x.shape[1] > depths:  # the message is built only where it is raised
+            _check_depths(f"signals[{name!r}]", x.shape[1], f"{name}.grid", depths, reuse)
+        if host is not None and (table.read is None or table.read_host is not None):
+            if x.ndim != 3 or x.shape[2] != len(table.axes):
+                x = check_chain_inputs(x, table, f"signals[{name!r}]")  # [B, L] of one axis: [B, L, 1]; else raises
+            out[name] = chain_lookup_host(table, x, name, checked=True)
         else:
             out[name] = table.lookup(torch.from_numpy(x), name).detach().cpu().numpy()
     return out

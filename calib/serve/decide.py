@@ -334,22 +334,19 @@ class SafeDecider:
                 skipped[: min(len(skip), B)] = np.asarray(skip, dtype=bool)[:B]
                 drafted &= ~skipped
             ids = np.where(drafted, decision.host("chain"), NO_CHAIN)  # int8 [B]: the chain each kept row verifies
-            probs = None
+            probs = decision.host("probs")  # float32 [B, W], NaN past each row's depth
             known = decision.context or {}
             for name, c in self.online.chains.items():
                 rows = np.flatnonzero(ids == chain(name).id)
                 if not rows.size:
                     continue
-                if probs is None:
-                    probs = decision.host("probs").astype(np.float64)  # [B, W], NaN past each row's depth
                 ctx = c["context"]
                 values = known.get(tuple(ctx))
                 if values is None:
                     values = context_columns(ctx, inputs, self.history, request_temperatures(inputs) if ctx else None)
-                cells = self.online.cells(name, values[rows])  # [R]
-                # the table's probabilities behind the ones served (the correction moves before the outcome)
-                table = self.online.table_of(name, probs[rows], cells)  # [R, W]
-                table[np.arange(table.shape[1])[None, :] >= depth[rows][:, None]] = np.nan  # a round ends at its depth
+                # the rows' cells [R] and the table's probabilities behind the ones served [R, W] (the correction
+                # moves before the outcome), NaN from each round's depth on
+                cells, table = self.online.remembered(name, values, rows, probs, depth)
                 kept = _Remembered(name, cells, table, depth[rows])
                 self._pending.update(zip([inputs.req_ids[b] for b in rows.tolist()],
                                          [(kept, i) for i in range(rows.size)]))

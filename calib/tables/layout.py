@@ -252,6 +252,16 @@ class ChainTable:
                 self._host = host
         return host
 
+    def host_view(self) -> dict | None:
+        """:meth:`host_arrays` where the grid is on the CPU, else None: once built, a check that the tensors are the
+        same objects, not a torch call (serving asks every step)."""
+        host = self._host
+        if host is not None:
+            grid, edges, strides = host["source"]
+            if grid is self.grid and edges is self.edges and strides is self.strides:
+                return host
+        return self.host_arrays() if self.grid.device.type == "cpu" else None
+
     @property
     def interpolated(self) -> bool:
         return self.axes[0].interpolated

@@ -24,7 +24,7 @@ import numpy as np
 from calib.compiled import Kernels
 from calib.tables.online_kernels import EPS, FMAX, MIN_SCALE
 
-ENTRIES = ("update_loops", "update_rounds_loops", "table_of_loops", "cut_loops")  # what kernels() hands out
+ENTRIES = ("update_loops", "update_rounds_loops", "table_of_loops", "cut_loops", "remembered_loops")  # kernels()
 
 
 def _warm_up(compiled: dict) -> None:
@@ -36,6 +36,8 @@ def _warm_up(compiled: dict) -> None:
                                     np.zeros((3, 1)), np.zeros((3, 1)), np.zeros((3, 2, 1)))
     compiled["table_of_loops"](p, np.zeros(1, dtype=np.int64), np.zeros((2, 1)), one)
     compiled["cut_loops"](p, p, np.ones(1, dtype=np.int64))
+    compiled["remembered_loops"](p, np.zeros(1, dtype=np.int64), np.full((1, 1), 0.5, dtype=np.float32),
+                                 np.ones(1, dtype=np.int64), p, np.ones(1, dtype=np.int64), True, np.zeros((2, 1)), one)
 
 
 def kernels() -> dict | None:
@@ -67,21 +69,52 @@ def table_of_loops(q, cells, offsets, scale):
 def cut_loops(values, grid, strides):
     """:func:`calib.tables.online_kernels.cut`: the context cell ``[B]`` of float64 context values ``[B, A]`` (an
     axis's bucket is the number of its edges at or below the value; NaN edges pad, a NaN value counts none)."""
-    B, A = values.shape
+    B = values.shape[0]
     out = np.zeros(B, dtype=np.int64)
     for b in range(B):
-        cell = 0
-        for a in range(A):
-            v = values[b, a]
-            if not math.isnan(v):
-                v = min(max(v, -FMAX), FMAX)  # ±inf read as ±max, as numpy's cut does (NaN: no edge at or below)
-            count = 0
-            for e in range(grid.shape[1]):
-                if v >= grid[a, e]:
-                    count += 1
-            cell += count * strides[a]
-        out[b] = cell
+        out[b] = _cell_of(values, b, grid, strides)
     return out
+
+
+def _cell_of(values, b, grid, strides):
+    """Row ``b``'s context cell (:func:`cut_loops`)."""
+    cell = 0
+    for a in range(values.shape[1]):
+        v = values[b, a]
+        if not math.isnan(v):
+            v = min(max(v, -FMAX), FMAX)  # ±inf read as ±max, as numpy's cut does (NaN: no edge at or below)
+        count = 0
+        for e in range(grid.shape[1]):
+            if v >= grid[a, e]:
+                count += 1
+        cell += count * strides[a]
+    return cell
+
+
+def remembered_loops(values, rows, probs, depth, grid, strides, moved, offsets, scale):
+    """What serving remembers of a step's ``rows`` (int64 ``[R]``) on one chain, in one call: their context cells
+    ``[R]`` (:func:`cut_loops` of float64 ``values[rows]``) and the table probabilities behind the float32 ``probs
+    [rows]`` served (:func:`table_of_loops` where the correction ``moved``, else the served values), NaN from each
+    row's ``depth`` on (float64 ``[R, W]``)."""
+    R, W = rows.shape[0], probs.shape[1]
+    last, deepest = offsets.shape[0] - 1, scale.shape[0] - 1
+    cells = np.zeros(R, dtype=np.int64)
+    table = np.empty((R, W))
+    for i in range(R):
+        r = rows[i]
+        c = _cell_of(values, r, grid, strides)
+        cells[i] = c
+        row = last if c < 0 or c > last else c
+        for k in range(W):
+            x = np.float64(probs[r, k])
+            if k >= depth[r]:
+                table[i, k] = np.nan  # a round ends at its depth
+            elif moved and x > 0 and x < 1:
+                d = min(k, deepest)
+                table[i, k] = _sigmoid((_logit(x) - offsets[row, d]) / scale[d])
+            else:
+                table[i, k] = x
+    return cells, table
 
 
 def _sigmoid(u):
@@ -233,6 +266,6 @@ def _newton_loops(s, b_state, with_slope, rows, seen, y, u, z, K, ridge, decay, 
         b_state[0, k] = max(b_state[0, k] + (h_aa * g_b - h_ab * g) / det, MIN_SCALE - 1.0)
 
 
-_KERNELS = Kernels(globals(), ENTRIES, (_sigmoid, _logit, _newton_loops, _update), _warm_up,
+_KERNELS = Kernels(globals(), ENTRIES, (_sigmoid, _logit, _newton_loops, _update, _cell_of), _warm_up,
                    "the online correction's kernels", "the numpy versions run",
                    boundscheck=True)  # an index past an array raises, as numpy would

@@ -67,6 +67,22 @@ class OnlineTables:
             return kernels["cut_loops"](np.ascontiguousarray(values), c["edge_grid"], c["strides"])
         return cut(values, c["edge_grid"], c["strides"])
 
+    def remembered(self, name: str, values: np.ndarray, rows: np.ndarray, probs: np.ndarray,
+                   depth: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(cells int64 [R], table float64 [R, W])`` of a step's ``rows`` on chain ``name``: :meth:`cells` of
+        their context ``values[rows]`` and :meth:`table_of` of the float32 ``probs[rows]`` served there, NaN from
+        each row's ``depth[rows]`` on; one compiled call where numba is installed."""
+        c = self.chains[name]
+        corr = c["correction"]
+        if corr._kernels is not None and probs.ndim == 2 and values.ndim == 2 and values.shape[1] == len(c["edges"]):
+            moved = corr.settings.enabled and corr._learnt
+            return corr._kernels["remembered_loops"](values, rows, probs, depth, c["edge_grid"], c["strides"], moved,
+                                                     corr._offset_table(), corr._scale_all())
+        cells = self.cells(name, values[rows])
+        table = self.table_of(name, probs[rows].astype(np.float64), cells)
+        table[np.arange(table.shape[1])[None, :] >= depth[rows][:, None]] = np.nan  # a round ends at its depth
+        return cells, table
+
     def table_of(self, name: str, q, cells) -> np.ndarray:
         """The table probabilities ``[B, K]`` behind probabilities ``q [B, K]`` chain ``name`` served in ``cells``
         since the last :meth:`refresh` (:meth:`OnlineCorrection.table_of`): what :meth:`observe` takes."""

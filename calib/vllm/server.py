@@ -217,8 +217,7 @@ class Server(DraftPlanning):
         num_draft = spec_decode_metadata.num_draft_tokens  # [B] ints
         if any(num_draft):
             # Python lists: a few short rows, where each numpy or torch op would start cold (docs/profile.md)
-            on_cpu = sampled_token_ids.device.type == "cpu"
-            sampled = (sampled_token_ids if on_cpu else sampled_token_ids.cpu()).tolist()  # [B][K + 1], -1: none
+            sampled = sampled_token_ids.tolist()  # [B][K + 1], -1: none (from any device; no device read, cold)
             rounds = [(r, max(0, min(len(row) - row.count(-1) - 1, int(d))), int(d))  # requests that verified drafts
                       for r, row, d in zip(runner.input_batch.req_ids, sampled, num_draft) if d]
             if rounds:

@@ -78,3 +78,33 @@ def test_a_confidence_outside_0_1_is_still_refused_by_name():
     x[2, 1, 0] = 1.5
     with pytest.raises(ValueError, match="model"):
         layout.chain_lookup_host(tables.chains["model"], x, "model")
+
+
+def test_what_serving_remembers_of_a_step_is_its_cells_and_table_of(monkeypatch):
+    """OnlineTables.remembered (one compiled call) gives the context cells and table_of of the rows served, NaN from
+    each row's depth on, as the numpy path (cells, then table_of) does: before the correction learns and after."""
+    tables = _tables(5)
+    fast, plain = OnlineTables(tables, OnlineSettings()), OnlineTables(_tables(5), OnlineSettings())
+    for c in plain.chains.values():
+        c["correction"]._kernels = None
+    rng = np.random.default_rng(3)
+    for step in range(30):
+        for name in ("model", "ngram"):
+            B, W, A = 12, 5, len(fast.chains[name]["edges"])
+            values = rng.normal(2.0, 3.0, (B, A))
+            values[rng.uniform(size=values.shape) < 0.1] = np.nan
+            values[rng.uniform(size=values.shape) < 0.05] = np.inf
+            probs = rng.uniform(size=(B, W)).astype(np.float32)
+            probs[rng.uniform(size=probs.shape) < 0.1] = rng.choice([0.0, 1.0, np.nan])
+            depth = rng.integers(0, W + 1, B)
+            rows = np.flatnonzero(rng.uniform(size=B) < 0.7)
+            (cells, table), (want_cells, want) = (o.remembered(name, values, rows, probs, depth) for o in (fast, plain))
+            np.testing.assert_array_equal(cells, want_cells)
+            np.testing.assert_allclose(table, want, rtol=1e-12, atol=1e-15)  # NaN where NaN
+            assert np.isnan(table[np.arange(W)[None, :] >= depth[rows][:, None]]).all()
+            p = np.where(np.isnan(want), np.nan, np.clip(want, 0.01, 0.99))
+            acc = np.where(np.isnan(p), np.nan, (rng.uniform(size=p.shape) < 0.4).astype(np.float64))
+            for o in (fast, plain):
+                o.observe(name, p, acc, want_cells)
+                o.refresh()
+    assert all(c["correction"]._learnt for c in fast.chains.values())
