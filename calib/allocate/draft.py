@@ -150,6 +150,29 @@ def plan_draft(
     return DraftPlan(run, drafting, int(depth.max()) if run else done, value, free)
 
 
+def plan_first_pass_host(forecast: np.ndarray, free: np.ndarray | None, *, cost: np.ndarray, pass_cost: float,
+                         chain_first: bool) -> tuple[int, np.ndarray | None] | None:
+    """:func:`plan_draft` before the first pass (nothing drafted yet, nothing sunk) on numpy arrays, as serving's plan
+    of draft passes makes it every step: ``forecast`` float32 ``[B, K]`` of the model chain, ``free`` float32
+    ``[B, L]`` of the chain known in full (None: none), the curve ``cost`` float64 ``[T]`` (checked once by the
+    caller: :func:`calib.allocate.check_cost`), ``chain_first``: the model chain has the lower registry id. Returns
+    ``(passes, free_depth int64 [B] or None)``, :class:`DraftPlan`'s ``passes`` and ``free_depth``, in one compiled
+    call and no torch call (tests/allocate/test_draft.py: the same plans as :func:`plan_draft`); None where numba is
+    not installed or anything is unusual (a price :func:`plan_draft` would refuse, an empty batch): call it then."""
+    kernel = plan_kernel()
+    B, K = forecast.shape
+    if kernel is None or B == 0 or (free is not None and free.shape[0] != B) or not _plain_price(pass_cost):
+        return None
+    extras = np.array([float(g * pass_cost) for g in range(K + 1)], dtype=np.float64)
+    if not (cost.shape[0] > B and 0 < cost[B] < math.inf and math.isfinite(cost[B] + extras[-1])) or not (
+            cost[B:] > 0).all():  # _plan_inputs' conditions on the curve (plan_draft refuses, naming it)
+        return None
+    other = np.zeros((B, 0), dtype=np.float32) if free is None else np.ascontiguousarray(free, dtype=np.float32)
+    _, _, depth, free_depth = kernel(np.ascontiguousarray(forecast, dtype=np.float32), other, free is not None,
+                                     chain_first, 0, cost, extras)
+    return (int(depth.max()) if depth.any() else 0), (None if free is None else free_depth)
+
+
 def _plan_inputs(known: Mapping[str, torch.Tensor], forecast: torch.Tensor, cost: torch.Tensor, chain: str,
                  done_p: torch.Tensor, extras: list[float], impl: str):
     """:func:`_plan_all`'s inputs ``(p [B, K], other [B, L] or None, chain_first, cost float64 [T])``, after

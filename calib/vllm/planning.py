@@ -17,9 +17,23 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from calib.allocate import forecast_probs, plan_draft
+from calib.allocate.draft import plan_first_pass_host
+from calib.chains import NO_CHAIN, Offer, chain
 from calib.cost.serving import step_pass_price
+from calib.serve import StepDecision, StepInputs
+from calib.serve.allocation import host_probs
 from calib.serve.aside import batch_key
+from calib.serve.decide import chain_inputs_host, context_columns
 from calib.vllm.recomputed import StepContexts
+
+
+def _host(x: torch.Tensor) -> np.ndarray:
+    """``x`` as numpy: one torch call for a CPU tensor (a view), where each call starts cold inside the engine."""
+    try:
+        return x.numpy()
+    except (RuntimeError, TypeError):  # on a device, or tracking gradients
+        return x.detach().cpu().numpy()
 
 
 @dataclass(frozen=True)
@@ -105,12 +119,6 @@ class DraftPlanning:
         if k_sched <= 0:
             return
         start = time.perf_counter()
-        from calib.allocate import plan_draft
-        from calib.chains import Offer
-        from calib.serve import StepInputs
-        from calib.serve.allocation import host_probs
-        from calib.serve.decide import chain_inputs_host, context_columns
-
         batch = runner.input_batch
         req_ids = list(batch.req_ids)
         B = len(req_ids)
@@ -140,7 +148,7 @@ class DraftPlanning:
             return self.set_passes(scheduler_output, 0, k_sched, start)
         extra = None
         if isinstance(sampled_token_ids, torch.Tensor):  # padded EAGLE: drafting runs before bookkeeping
-            extra = sampled_token_ids.detach().cpu().numpy()[:B]  # each row's tokens >= 0 (StepContexts)
+            extra = _host(sampled_token_ids)[:B]  # each row's tokens >= 0 (StepContexts)
         tables, drafted, name = dec.tables, dec.engine_chain, self.plan_chain
         contexts = StepContexts(batch, rows, extra)  # the decision after bookkeeping sees the same contexts
         if self.oracle is not None:
@@ -165,17 +173,22 @@ class DraftPlanning:
             columns[axes] = context_columns(axes, inputs, dec.history)
         batch_columns, cost = columns[axes], dec.cost
 
-        known = {drafted: torch.zeros(B, 0), **({} if probs is None else {name: torch.from_numpy(probs)})}
-        fresh = self.forecast(tables, drafted, meta, batch_columns, k_sched)  # [B, k_sched]
-        forecast = fresh
+        # [B, k_sched], numpy from here: each torch call would start cold
+        forecast = self.forecast(tables, drafted, meta, batch_columns, k_sched, host=True)
         if any(gone):  # their head misses positions: no pass is for them
-            forecast = fresh.clone()  # the held forecast is shared between steps
-            forecast[torch.tensor(gone)] = 0.0
-        plan = plan_draft(known, forecast, cost=cost, pass_cost=self.pass_price(B), chain=drafted)
-        passes = max(0, min(int(plan.passes), k_sched))
+            forecast = forecast.copy()  # the held forecast is shared between steps
+            forecast[gone] = 0.0
+        chain_first = name is None or chain(drafted).id < chain(name).id  # the allocator's tie order
+        plan = plan_first_pass_host(forecast, probs, cost=self.host_cost(cost), pass_cost=self.pass_price(B),
+                                    chain_first=chain_first)
+        if plan is None:  # no numba, or something unusual: the torch plan, which says what is wrong
+            known = {drafted: torch.zeros(B, 0), **({} if probs is None else {name: torch.from_numpy(probs)})}
+            drawn = plan_draft(known, torch.from_numpy(forecast), cost=cost, pass_cost=self.pass_price(B),
+                               chain=drafted)
+            plan = (int(drawn.passes), None if drawn.free_depth is None else drawn.free_depth.numpy())
+        passes = max(0, min(plan[0], k_sched))
         # no pass: the model drafts nothing and the plan's allocation of the recomputed chain is the step's
-        depth = (np.asarray(plan.free_depth, dtype=np.int64) if passes == 0 and plan.free_depth is not None
-                 else None)
+        depth = np.asarray(plan[1], dtype=np.int64) if passes == 0 and plan[1] is not None else None
         if passes == 0 and self.admit_at_entry:
             retirement.admitting = self.admission_question(dec, inputs, batch_columns, B, k_sched)
         if name is not None:  # the decision after drafting sees the same chains and history: it reuses these
@@ -193,7 +206,6 @@ class DraftPlanning:
         ``columns``: the forecast's context columns of ``inputs`` as the plan read them; None: read when asked, from
         the temperatures alone where the forecast has no other axis (else now: the history moves by then). The plan's
         probabilities of the recomputed chain are not needed: the best case offers nothing there."""
-        from calib.serve.decide import context_columns
 
         tables, drafted, cost = dec.tables, dec.engine_chain, dec.cost
         meta = tables.forecast(drafted)
@@ -240,20 +252,28 @@ class DraftPlanning:
                                            else self.draft_cost * float(cost[min(B, cost.numel() - 1)]))
         return price
 
-    def forecast(self, tables, drafted: str, meta: dict, columns: np.ndarray, k_sched: int) -> torch.Tensor:
+    def host_cost(self, cost: torch.Tensor) -> np.ndarray:
+        """The verify-cost curve ``cost`` (checked at construction) as float64 numpy, made once per curve."""
+        held = self.cost64
+        if held is None or held[0] is not cost:
+            held = self.cost64 = (cost, cost.detach().cpu().to(torch.float64).numpy())
+        return held[1]
+
+    def forecast(self, tables, drafted: str, meta: dict, columns: np.ndarray, k_sched: int,
+                 host: bool = False) -> torch.Tensor | np.ndarray:
         """:func:`calib.allocate.forecast_probs` of the model chain ``[B, k_sched]`` in the requests' context cells
         (``columns``, float64 ``[B, A]``), kept per distinct columns while the tables hold the same forecast: its
-        axes are few (the temperature, in the shipped tables), so a batch's forecast rarely changes between steps."""
-        from calib.allocate import forecast_probs
+        axes are few (the temperature, in the shipped tables), so a batch's forecast rarely changes between steps.
+        ``host``: as a numpy view (kept too: no torch call in a step that finds it held)."""
 
         key = (drafted, k_sched, columns.shape, columns.tobytes())
         held = self.forecasts.get(key)
         if held is None or held[0] is not meta["values"]:
             if len(self.forecasts) >= 256:  # batches come and go: keep the newest few
                 self.forecasts.clear()
-            held = self.forecasts[key] = (meta["values"], forecast_probs(tables, drafted, torch.from_numpy(columns),
-                                                                         depths=k_sched))
-        return held[1]
+            fresh = forecast_probs(tables, drafted, torch.from_numpy(columns), depths=k_sched)
+            held = self.forecasts[key] = (meta["values"], fresh, fresh.detach().cpu().numpy())
+        return held[2] if host else held[1]
 
     def set_passes(self, scheduler_output, passes: int, k_sched: int, start: float) -> None:
         """Run ``passes`` draft passes this step (vLLM would run ``k_sched``); counted in the statistics."""
@@ -272,8 +292,6 @@ class DraftPlanning:
         the step then offers the plan's recomputed chain alone, on the contexts the plan saw for every request
         (:attr:`step_keys`, set by the decision's offers), and the allocator on it would decide the same; None when
         any of that does not hold (decide as usual)."""
-        from calib.chains import NO_CHAIN, chain
-        from calib.serve import StepDecision
 
         if planned is None or planned.depth is None or not self.decider.enabled:  # the plan ran a pass: decide
             return None

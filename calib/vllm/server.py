@@ -12,10 +12,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from calib.chains import chain_names
+from calib.chains import NO_CHAIN, Offer, chain, chain_names, chains
 from calib.cost.serving import cost_curve, prices_greedy_only, sampled_price, step_cost_path
+from calib.serve import StepInputs
 from calib.serve.aside import StandAside, batch_key, decision_kind
 from calib.serve.knobs import ServeKnobs
+from calib.transforms import target_only_transforms
 from calib.vllm.planning import DraftPlanning, PlannedStep
 from calib.vllm.ranks import digest
 from calib.vllm.recomputed import Recomputed, StepContexts, recomputed_for
@@ -50,6 +52,7 @@ class Server(DraftPlanning):
         self.step_keys: tuple = ()  # the decision's requests' context keys (StepContexts.keys), set by offers()
         self.pass_prices: dict[int, float] = {}  # batch size -> the price of one draft pass (plan_passes)
         self.forecasts: dict[tuple, tuple] = {}  # (chain, passes, context columns) -> the forecast (plan_passes)
+        self.cost64: tuple | None = None  # (the decider's cost curve, it as float64 numpy): the plan's (host_cost)
         self.transformed: dict[str, bool] = {}  # req_id -> carries target-only logit transforms (left to vLLM)
         self.ranks = None  # calib.vllm.ranks.RankCheck under tensor parallelism (set at engine start), else None
         self.oracle = None  # calib.serve.oracle.Oracle when knobs.oracle names a reference (set at construction)
@@ -242,8 +245,6 @@ class Server(DraftPlanning):
         """Per request: whether its sampling parameters apply target-only logit transforms
         (:func:`calib.transforms.target_only_transforms`), so that calib leaves its drafts to vLLM.
         Read once per request from the runner's request states."""
-        from calib.transforms import target_only_transforms
-
         requests = getattr(runner, "requests", None) or {}
         out = []
         for r in req_ids:
@@ -269,8 +270,6 @@ class Server(DraftPlanning):
 
     def step(self, runner, out):
         """vLLM's ``DraftTokenIds`` -> calib's (or ``out`` itself when passing through)."""
-        from calib.serve import StepInputs
-
         start = time.perf_counter()
         self.stats.steps += 1
         passes_now, self.passes_now = self.passes_now, None
@@ -296,8 +295,6 @@ class Server(DraftPlanning):
         temps = [float(held[i]) for i in rows]
         if self.unpriced_sampling and any(t > 0 for t in temps):
             self.note_unpriced_sampling()
-        from calib.chains import NO_CHAIN, chain, chains
-
         key = batch_key(temps)
         verdict = self.aside_verdict(req_ids, key, any(left))
         if verdict == "engine":  # vLLM's own proposal, untouched (calib/serve/aside.py)
@@ -400,8 +397,6 @@ class Server(DraftPlanning):
         """``{chain: Offer}`` at this step: the engine's draft with its confidences (a model drafter), and each
         chain calib recomputes from the requests' tokens (:attr:`recomputed`; the plan's chain with the
         probabilities the plan looked up, if any): at most two (:meth:`two_chains`)."""
-        from calib.chains import Offer, chain
-
         K, offers = self.k, {}
         # a model drafter: its draft with confidences (none drafted, beside a recomputed chain: left out, below)
         if chain(dec.engine_chain).confidence is not None and (any(engine) or not self.recomputed):

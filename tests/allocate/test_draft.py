@@ -260,3 +260,35 @@ def test_unusual_inputs_take_the_loop_and_answer_the_same():
         with pytest.raises(ValueError) as fast_err:
             plan_draft(known, f, **kw)
         assert str(fast_err.value) == str(loop_err.value)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_serving_plans_first_pass_on_numpy_is_plan_drafts(seed):
+    """SYNTHETIC: plan_first_pass_host (serving's plan before the first pass: numpy in, one compiled call) returns
+    plan_draft's passes and free-chain depths on the same forecast, free chain, curve and pass price."""
+    from calib.allocate.compiled import plan_kernel
+    from calib.allocate.draft import plan_first_pass_host
+
+    if plan_kernel() is None:
+        pytest.skip("numba is not installed: serving takes plan_draft")
+    rng = np.random.default_rng(2000 + seed)
+    answered = 0
+    for _ in range(60):
+        known, forecast, kw = _random_case(rng)
+        if kw.get("chain", "model") != "model":
+            continue
+        B = forecast.shape[0]
+        free = known.get("ngram")
+        cost = kw["cost"].to(torch.float64)
+        want = plan_draft({"model": torch.zeros(B, 0), **({} if free is None else {"ngram": free})}, forecast,
+                          cost=cost, pass_cost=kw["pass_cost"])
+        got = plan_first_pass_host(forecast.numpy(), None if free is None else free.numpy(), cost=cost.numpy(),
+                                   pass_cost=kw["pass_cost"], chain_first=True)
+        if got is None:  # a curve plan_draft prices at its own pace (infinite at B): it is the one to ask then
+            assert not np.isfinite(cost.numpy()[B])
+            continue
+        answered += 1
+        assert got[0] == want.passes
+        assert (got[1] is None) == (want.free_depth is None)
+        assert got[1] is None or np.array_equal(got[1], want.free_depth.numpy())
+    assert answered >= 20

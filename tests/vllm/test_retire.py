@@ -207,15 +207,15 @@ def test_a_step_of_retired_requests_decides_without_the_plan_what_the_plan_would
     """The real serving state through bench/hot_path.py's stand-in runner (real code-edit prompts; SYNTHETIC tables
     and drafter confidences): once every request is retired, the plan of draft passes is not made, and the draft
     lists handed back and the passes run are those of a server that makes it on every step."""
-    from calib import allocate
+    from calib.vllm import planning
     from calib.vllm.server import Server
     from tests.bench_scripts import load_bench
     from tests.serve.test_serve_entry import _synthetic_eagle_tables
 
     hot = load_bench("hot_path")
     tables = str(_synthetic_eagle_tables(tmp_path / "tables"))
-    plans, plan_draft = [], allocate.plan_draft
-    monkeypatch.setattr(allocate, "plan_draft", lambda *a, **k: plans.append(1) or plan_draft(*a, **k))
+    plans, plan = [], planning.plan_first_pass_host  # the plan's allocation (plan_draft where it answers None)
+    monkeypatch.setattr(planning, "plan_first_pass_host", lambda *a, **k: plans.append(1) or plan(*a, **k))
     lean = hot.run("eagle", 8, 30, 0.0, tables, "1.0,0.001", seed=0, aside_after=0)  # a pass too dear: all retire
     made = len(plans)
     monkeypatch.setattr(Server, "plans_for", lambda self, gone: True)
