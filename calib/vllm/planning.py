@@ -28,14 +28,6 @@ from calib.serve.decide import chain_inputs_host, context_columns
 from calib.vllm.recomputed import StepContexts
 
 
-def _host(x: torch.Tensor) -> np.ndarray:
-    """``x`` as numpy: one torch call for a CPU tensor (a view), where each call starts cold inside the engine."""
-    try:
-        return x.numpy()
-    except (RuntimeError, TypeError):  # on a device, or tracking gradients
-        return x.detach().cpu().numpy()
-
-
 @dataclass(frozen=True)
 class PlannedStep:
     """What the plan of this step's draft passes looked up on its recomputed chain (``chain``), per request of the
@@ -148,12 +140,12 @@ class DraftPlanning:
             return self.set_passes(scheduler_output, 0, k_sched, start)
         extra = None
         if isinstance(sampled_token_ids, torch.Tensor):  # padded EAGLE: drafting runs before bookkeeping
-            extra = _host(sampled_token_ids)[:B]  # each row's tokens >= 0 (StepContexts)
+            extra = sampled_token_ids.tolist()  # each row's tokens >= 0, -1 padded (StepContexts); one torch call
         tables, drafted, name = dec.tables, dec.engine_chain, self.plan_chain
         contexts = StepContexts(batch, rows, extra)  # the decision after bookkeeping sees the same contexts
         if self.oracle is not None:
             if extra is not None:
-                extra = [[t for t in r if t >= 0] for r in extra.tolist()]
+                extra = [[t for t in r if t >= 0] for r in extra[:B]]
             conts = self.oracle.continuations(batch, rows, req_ids, temps, k_sched, extra)
             toks = self.recomputed[name].chains(contexts)[0] if name is not None else None
             return self.set_passes(scheduler_output, self.oracle.passes(toks, conts, k_sched), k_sched, start)

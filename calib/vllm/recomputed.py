@@ -27,45 +27,40 @@ class StepContexts:
     def __init__(self, batch, rows: list[int], extra=None):
         B = len(rows)
         self.batch, self.rows = batch, rows
-        at = np.asarray(rows, dtype=np.intp)
-        self.n_buf = n_buf = np.asarray(batch.num_tokens_no_spec)[at].astype(np.int64)
-        # the buffer's last token per request, -1 for an empty one (in numpy: no indexing call per request)
-        last = np.where(n_buf > 0, np.asarray(batch.token_ids_cpu)[at, np.maximum(n_buf - 1, 0)], -1)
-        if extra is None:
-            self.n_extra = np.zeros(B, dtype=np.int64)
-            self.pad = np.zeros((B, 1), dtype=np.int64)
-            total = n_buf
+        # a few scalar reads and lists per request, where each numpy call would start cold inside the engine
+        # (docs/profile.md); numpy only for what the compiled matcher reads
+        nums, buf = batch.num_tokens_no_spec, batch.token_ids_cpu
+        n = [int(nums[r]) for r in rows]
+        last = [int(buf[r, m - 1]) if m > 0 else -1 for r, m in zip(rows, n)]  # -1: an empty buffer
+        self.n_buf = np.array(n, dtype=np.int64)
+        total = n
+        if extra is None:  # no tokens past the buffer (None: the matcher's zeros)
+            self.n_extra = self.pad = None
         else:
-            self.n_extra, self.pad = _extra_tokens(extra, B)
-            total = n_buf + self.n_extra
-            ends = np.flatnonzero(self.n_extra)
-            last[ends] = self.pad[ends, self.n_extra[ends] - 1]
+            kept = _kept_tokens(extra, B)
+            width = max(1, max((len(k) for k in kept), default=0))
+            self.n_extra = np.array([len(k) for k in kept], dtype=np.int64)
+            self.pad = np.array([k + [0] * (width - len(k)) for k in kept], dtype=np.int64).reshape(B, width)
+            total = [m + len(k) for m, k in zip(n, kept)]
+            last = [k[-1] if k else t for k, t in zip(kept, last)]
         ids = batch.req_ids
-        self.keys = tuple(zip([ids[i] for i in rows], total.tolist(), last.tolist()))
+        self.keys = tuple(zip([ids[i] for i in rows], total, last))
 
     def tokens(self, b: int) -> np.ndarray:
         """Request ``b``'s token ids (the buffer's row, then its ``extra`` tokens)."""
         ctx = self.batch.token_ids_cpu[self.rows[b], : int(self.n_buf[b])]
-        if not self.n_extra[b]:
+        if self.n_extra is None or not self.n_extra[b]:
             return ctx
         return np.concatenate([ctx, self.pad[b, : self.n_extra[b]].astype(ctx.dtype)])
 
 
-def _extra_tokens(extra, B: int) -> tuple[np.ndarray, np.ndarray]:
-    """``(counts int64 [B], tokens int64 [B, max(1, counts.max())])`` of each request's non-negative tokens in
-    ``extra`` (rows of vLLM's sampled token ids, or lists), in order, zero-padded."""
-    if isinstance(extra, np.ndarray):
-        x = extra[:B].astype(np.int64, copy=False)
-        kept = x >= 0
-        n = kept.sum(axis=1, dtype=np.int64)
-        if (kept == (np.arange(x.shape[1])[None, :] < n[:, None])).all():  # the kept tokens lead each row
-            return n, np.where(kept, x, 0)[:, : max(1, int(n.max(initial=0)))]
-        extra = [[int(t) for t in r if t >= 0] for r in x.tolist()]
-    n = np.array([len(extra[b]) for b in range(B)], dtype=np.int64)
-    pad = np.zeros((B, max(1, int(n.max(initial=0)))), dtype=np.int64)
-    for b in np.flatnonzero(n).tolist():
-        pad[b, : n[b]] = extra[b]
-    return n, pad
+def _kept_tokens(extra, B: int) -> list[list[int]]:
+    """Each of the first ``B`` requests' non-negative tokens in ``extra`` (rows of vLLM's sampled token ids, -1
+    padded: numpy, a tensor's ``tolist`` or lists), in order."""
+    rows = extra[:B].tolist() if isinstance(extra, np.ndarray) else extra[:B]
+    if len(rows) < B:
+        raise ValueError(f"{len(rows)} rows of sampled token ids for {B} requests")
+    return [[int(t) for t in r if t >= 0] for r in rows]
 
 
 class Recomputed:
@@ -115,9 +110,10 @@ class Recomputed:
         if self.each is None:  # the batch path: one call for every request whose context is new
             at = slice(None) if len(miss) == len(ctx.keys) else miss  # every request: no copies
             rows = ctx.rows if len(miss) == len(ctx.keys) else [ctx.rows[b] for b in miss]
+            extra = (None, None) if ctx.n_extra is None else (ctx.pad[at], ctx.n_extra[at])
             toks, feats = self.kind.propose_batch(batch.token_ids_cpu, rows, ctx.n_buf[at],
                                                   np.asarray(batch.num_prompt_tokens)[rows], self.settings,
-                                                  self.max_model_len, ctx.pad[at], ctx.n_extra[at])
+                                                  self.max_model_len, *extra)
             for j, b in enumerate(miss):
                 self.matches[ctx.keys[b][0]] = (ctx.keys[b], toks[j][:k], feats[j])
             return feats
