@@ -139,8 +139,11 @@ class DraftPlanning:
                 retirement.admitting = self.admission_question(dec, inputs, None, B, k_sched)
             return self.set_passes(scheduler_output, 0, k_sched, start)
         extra = None
+        held, self.sampled_rows = self.sampled_rows, None
         if isinstance(sampled_token_ids, torch.Tensor):  # padded EAGLE: drafting runs before bookkeeping
-            extra = sampled_token_ids.tolist()  # each row's tokens >= 0, -1 padded (StepContexts); one torch call
+            # each row's tokens >= 0, -1 padded (StepContexts): as observe read them from the same tensor, else one
+            # torch call
+            extra = held[1] if held is not None and held[0] is sampled_token_ids else sampled_token_ids.tolist()
         tables, drafted, name = dec.tables, dec.engine_chain, self.plan_chain
         contexts = StepContexts(batch, rows, extra)  # the decision after bookkeeping sees the same contexts
         if self.oracle is not None:

@@ -53,6 +53,7 @@ class Server(DraftPlanning):
         self.pass_prices: dict[int, float] = {}  # batch size -> the price of one draft pass (plan_passes)
         self.forecasts: dict[tuple, tuple] = {}  # (chain, passes, context columns) -> the forecast (plan_passes)
         self.cost64: tuple | None = None  # (the decider's cost curve, it as float64 numpy): the plan's (host_cost)
+        self.sampled_rows: tuple | None = None  # (vLLM's sampled ids, their rows as lists) observe read, for the plan
         self.transformed: dict[str, bool] = {}  # req_id -> carries target-only logit transforms (left to vLLM)
         self.ranks = None  # calib.vllm.ranks.RankCheck under tensor parallelism (set at engine start), else None
         self.oracle = None  # calib.serve.oracle.Oracle when knobs.oracle names a reference (set at construction)
@@ -221,6 +222,7 @@ class Server(DraftPlanning):
         if any(num_draft):
             # Python lists: a few short rows, where each numpy or torch op would start cold (docs/profile.md)
             sampled = sampled_token_ids.tolist()  # [B][K + 1], -1: none (from any device; no device read, cold)
+            self.sampled_rows = (sampled_token_ids, sampled)  # the plan of the next passes reads the same rows
             rounds = [(r, max(0, min(len(row) - row.count(-1) - 1, int(d))), int(d))  # requests that verified drafts
                       for r, row, d in zip(runner.input_batch.req_ids, sampled, num_draft) if d]
             if rounds:

@@ -39,10 +39,12 @@ def test_the_plans_contexts_are_the_decisions():
     decision = StepContexts(after, rows)
     as_array = StepContexts(before, rows, np.array(SAMPLED))
     as_lists = StepContexts(before, rows, [[t for t in s if t >= 0] for s in SAMPLED])
-    assert as_array.keys == decision.keys == as_lists.keys
+    as_rows = StepContexts(before, rows, SAMPLED)  # a tensor's tolist, -1 padded (the plan reads these)
+    assert as_array.keys == decision.keys == as_lists.keys == as_rows.keys
     assert decision.keys[0] == ("r0", 11, 9) and decision.keys[3] == ("r3", 3, 5)
     for b, (p, o) in enumerate(REQS):
         assert as_array.tokens(b).tolist() == as_lists.tokens(b).tolist() == decision.tokens(b).tolist() == p + o
+        assert as_rows.tokens(b).tolist() == p + o
     # a row whose tokens do not lead it (never from vLLM): read token by token, as the lists are
     odd = StepContexts(before, rows, np.array([[-1, 8, 9], [5, -1, 3], [1, -1, -1], [-1, -1, -1]]))
     assert odd.keys == decision.keys and odd.tokens(1).tolist() == REQS[1][0] + REQS[1][1]
