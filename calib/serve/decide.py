@@ -328,18 +328,19 @@ class SafeDecider:
         try:
             B = len(inputs.req_ids)
             depth = decision.host("depth").astype(np.int64)  # [B]
-            drafted = depth > 0
-            if any(skip):
-                skipped = np.zeros(B, dtype=bool)
-                skipped[: min(len(skip), B)] = np.asarray(skip, dtype=bool)[:B]
-                drafted &= ~skipped
-            ids = np.where(drafted, decision.host("chain"), NO_CHAIN)  # int8 [B]: the chain each kept row verifies
+            skipped = list(skip[:B]) + [False] * (B - len(skip[:B]))
+            # per request, the chain its kept round verifies (NO_CHAIN: none); Python lists over a step's few rows,
+            # where each numpy call would start cold
+            ids = [c if d > 0 and not s else NO_CHAIN
+                   for c, d, s in zip(decision.host("chain").tolist(), depth.tolist(), skipped)]
             probs = decision.host("probs")  # float32 [B, W], NaN past each row's depth
             known = decision.context or {}
             for name, c in self.online.chains.items():
-                rows = np.flatnonzero(ids == chain(name).id)
-                if not rows.size:
+                cid = chain(name).id
+                at = [b for b, x in enumerate(ids) if x == cid]
+                if not at:
                     continue
+                rows = np.array(at, dtype=np.int64)  # [R]
                 ctx = c["context"]
                 values = known.get(tuple(ctx))
                 if values is None:
@@ -348,8 +349,7 @@ class SafeDecider:
                 # moves before the outcome), NaN from each round's depth on
                 cells, table = self.online.remembered(name, values, rows, probs, depth)
                 kept = _Remembered(name, cells, table, depth[rows])
-                self._pending.update(zip([inputs.req_ids[b] for b in rows.tolist()],
-                                         [(kept, i) for i in range(rows.size)]))
+                self._pending.update(zip([inputs.req_ids[b] for b in at], [(kept, i) for i in range(len(at))]))
         except Exception as exc:  # noqa: BLE001
             self._fail(exc, "remember")
 
