@@ -201,7 +201,6 @@ class DraftPlanning:
         ``columns``: the forecast's context columns of ``inputs`` as the plan read them; None: read when asked, from
         the temperatures alone where the forecast has no other axis (else now: the history moves by then). The plan's
         probabilities of the recomputed chain are not needed: the best case offers nothing there."""
-
         tables, drafted, cost = dec.tables, dec.engine_chain, dec.cost
         meta = tables.forecast(drafted)
         axes = tuple(a["name"] for a in meta["axes"])
@@ -260,7 +259,6 @@ class DraftPlanning:
         (``columns``, float64 ``[B, A]``), kept per distinct columns while the tables hold the same forecast: its
         axes are few (the temperature, in the shipped tables), so a batch's forecast rarely changes between steps.
         ``host``: as a numpy view (kept too: no torch call in a step that finds it held)."""
-
         key = (drafted, k_sched, columns.shape, columns.tobytes())
         held = self.forecasts.get(key)
         if held is None or held[0] is not meta["values"]:
@@ -287,7 +285,6 @@ class DraftPlanning:
         the step then offers the plan's recomputed chain alone, on the contexts the plan saw for every request
         (:attr:`step_keys`, set by the decision's offers), and the allocator on it would decide the same; None when
         any of that does not hold (decide as usual)."""
-
         if planned is None or planned.depth is None or not self.decider.enabled:  # the plan ran a pass: decide
             return None
         offer = inputs.offers.get(planned.chain)
