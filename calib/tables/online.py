@@ -249,17 +249,8 @@ class OnlineCorrection:
         p, acc = p[:, :K], acc[:, :K]
         cells = np.asarray(cells, dtype=np.int64).ravel()
         if self._kernels is not None and acc.shape == p.shape and cells.size == len(p):  # one compiled call, in loops
-            update = self._kernels["update_loops"]
-            args = (np.ascontiguousarray(p), np.ascontiguousarray(acc), cells, self.settings.pooled, self._sloped,
-                    self.settings.decay, self.settings.prior, self._pooled, self._slope)
-            added = int(update(*args, self._cells))
-            if added < 0:  # a cell past those held: grown (a negative one refused), then learnt
-                self._grow(int(cells.min()))
-                self._grow(int(cells.max()))
-                added = int(update(*args, self._cells))
-            if added:
-                self._factor, self._offsets, self._learnt = None, None, True
-            return added
+            return self._learn_compiled("update_loops", (np.ascontiguousarray(p), np.ascontiguousarray(acc), cells),
+                                        lambda: cells)
         if cells.size:
             self._grow(int(cells.min()))  # a negative cell is refused, naming it, before anything is learnt
             self._grow(int(cells.max()))
@@ -296,21 +287,29 @@ class OnlineCorrection:
         if not self.settings.enabled:
             return 0
         if self._kernels is not None:
-            update = self._kernels["update_rounds_loops"]
-            args = (table, rows, accepted, depth, cells, self.settings.pooled, self._sloped, self.settings.decay,
-                    self.settings.prior, self._pooled, self._slope)
-            added = int(update(*args, self._cells))
-            if added < 0:  # a cell past those held: grown (a negative one refused), then learnt
-                at = cells[rows]
-                self._grow(int(at.min()))
-                self._grow(int(at.max()))
-                added = int(update(*args, self._cells))
-            if added:
-                self._factor, self._offsets, self._learnt = None, None, True
-            return added
+            return self._learn_compiled("update_rounds_loops", (table, rows, accepted, depth, cells),
+                                        lambda: cells[rows])
         drafted = depth[rows]
         width = int(drafted.max())
         return self.update(table[rows, :width], outcome_rows(accepted, drafted, width), cells[rows])
+
+    def _learn_compiled(self, entry: str, data: tuple, taught) -> int:
+        """One compiled update (``entry`` of :mod:`calib.tables.online_compiled`) on ``data`` and the correction's
+        settings and state; where a cell is past those held (the entry returns -1, having changed nothing), the
+        cells ``taught()`` are grown to (a negative one refused) and the update made again. Returns the positions
+        used."""
+        update = self._kernels[entry]
+        args = (*data, self.settings.pooled, self._sloped, self.settings.decay, self.settings.prior, self._pooled,
+                self._slope)
+        added = int(update(*args, self._cells))
+        if added < 0:  # a cell past those held: grown (a negative one refused), then learnt
+            cells = taught()
+            self._grow(int(cells.min()))
+            self._grow(int(cells.max()))
+            added = int(update(*args, self._cells))
+        if added:
+            self._factor, self._offsets, self._learnt = None, None, True
+        return added
 
     def _newton(self, s: np.ndarray, seen, y, u, K: int, ridge: bool = False, slope=None) -> None:
         """One Newton step of a level's state ``s`` [3, n_depths] (δ, H, n) on positions ``seen`` [B, K] with
