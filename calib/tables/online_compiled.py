@@ -51,19 +51,22 @@ def table_of_loops(q, cells, offsets, scale):
     ``σ((logit q − δ) / (1 + β))`` where ``q`` is strictly inside (0, 1), ``q`` elsewhere; ``offsets [cells + 1, D]``
     (δ₀ + δ_c by cell, the last row for any cell past them), ``scale [D]``; depths past ``D`` take the deepest's."""
     B, W = q.shape
-    last, deepest = offsets.shape[0] - 1, scale.shape[0] - 1
     out = np.empty((B, W))
     for b in range(B):
-        c = cells[b]
-        row = last if c < 0 or c > last else c  # numpy reads a negative id as unsigned: past the table
         for k in range(W):
-            x = q[b, k]
-            if x > 0 and x < 1:
-                d = min(k, deepest)
-                out[b, k] = _sigmoid((_logit(x) - offsets[row, d]) / scale[d])
-            else:
-                out[b, k] = x
+            out[b, k] = _behind(q[b, k], cells[b], k, offsets, scale)
     return out
+
+
+def _behind(x, cell, k, offsets, scale):
+    """The table probability behind ``x`` served in context ``cell`` at column ``k`` (:func:`table_of_loops`'s
+    entry): ``σ((logit x − δ) / (1 + β))`` where ``x`` is strictly inside (0, 1), ``x`` elsewhere."""
+    if not (x > 0 and x < 1):
+        return x
+    last = offsets.shape[0] - 1
+    row = last if cell < 0 or cell > last else cell  # numpy reads a negative id as unsigned: past the table
+    d = min(k, scale.shape[0] - 1)
+    return _sigmoid((_logit(x) - offsets[row, d]) / scale[d])
 
 
 def cut_loops(values, grid, strides):
@@ -97,23 +100,18 @@ def remembered_loops(values, rows, probs, depth, grid, strides, moved, offsets, 
     [rows]`` served (:func:`table_of_loops` where the correction ``moved``, else the served values), NaN from each
     row's ``depth`` on (float64 ``[R, W]``)."""
     R, W = rows.shape[0], probs.shape[1]
-    last, deepest = offsets.shape[0] - 1, scale.shape[0] - 1
     cells = np.zeros(R, dtype=np.int64)
     table = np.empty((R, W))
     for i in range(R):
         r = rows[i]
         c = _cell_of(values, r, grid, strides)
         cells[i] = c
-        row = last if c < 0 or c > last else c
         for k in range(W):
             x = np.float64(probs[r, k])
             if k >= depth[r]:
                 table[i, k] = np.nan  # a round ends at its depth
-            elif moved and x > 0 and x < 1:
-                d = min(k, deepest)
-                table[i, k] = _sigmoid((_logit(x) - offsets[row, d]) / scale[d])
             else:
-                table[i, k] = x
+                table[i, k] = _behind(x, c, k, offsets, scale) if moved else x
     return cells, table
 
 
@@ -266,6 +264,6 @@ def _newton_loops(s, b_state, with_slope, rows, seen, y, u, z, K, ridge, decay, 
         b_state[0, k] = max(b_state[0, k] + (h_aa * g_b - h_ab * g) / det, MIN_SCALE - 1.0)
 
 
-_KERNELS = Kernels(globals(), ENTRIES, (_sigmoid, _logit, _newton_loops, _update, _cell_of), _warm_up,
+_KERNELS = Kernels(globals(), ENTRIES, (_sigmoid, _logit, _newton_loops, _update, _cell_of, _behind), _warm_up,
                    "the online correction's kernels", "the numpy versions run",
                    boundscheck=True)  # an index past an array raises, as numpy would
