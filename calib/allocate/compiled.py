@@ -86,18 +86,22 @@ def _gains(p, cols, width):
     (NaN -> 0, clamped to [0, 1], a float32 running product, times ``2**24`` truncated); 0 past them."""
     B = p.shape[0]
     q = np.zeros((B, width), dtype=np.int64)
-    one, zero, scale = np.float32(1.0), np.float32(0.0), np.float32(SCALE)
+    one, scale = np.float32(1.0), np.float32(SCALE)
     for b in range(B):
         s = one
         for k in range(cols):
-            x = p[b, k]
-            if not x > zero:  # NaN, 0 and below (-inf included)
-                x = zero
-            elif x > one:
-                x = one
-            s = np.float32(s * x)
+            s = np.float32(s * _clamped(p[b, k]))
             q[b, k] = np.int64(np.int32(np.float32(s * scale)))
     return q
+
+
+def _clamped(x):
+    """:func:`calib.allocate.host.survival`'s clamp of one float32 probability: NaN, 0 and below (-inf included) -> 0,
+    above 1 -> 1."""
+    zero, one = np.float32(0.0), np.float32(1.0)
+    if not x > zero:
+        return zero
+    return min(x, one)  # x is not NaN here
 
 
 def _sorted_desc(q):
@@ -229,13 +233,8 @@ def decide_loops(first, second, has_second, cost, first_id, second_id, no_chain)
         depth32[b] = d
         s, total = one, zero
         for k in range(d):  # d <= the chosen chain's width: the allocator verifies only tokens it was given
-            x = p[b, k]
-            chosen[b, k] = x
-            if not x > zero:  # survival's clamp: NaN and below -> 0, above 1 -> 1
-                x = zero
-            elif x > one:
-                x = one
-            s = np.float32(s * x)
+            chosen[b, k] = p[b, k]
+            s = np.float32(s * _clamped(p[b, k]))
             total = np.float32(total + s)
         expected[b] = total
     return drafter, depth32, expected, chosen
@@ -288,5 +287,5 @@ def dinkelbach_loops(q, price_q, n_requests):
     return choice, depth
 
 
-_KERNELS = Kernels(globals(), ENTRIES, (_gains, _best_prefix, _take_top, _sorted_desc, _allocate, _plan_value),
+_KERNELS = Kernels(globals(), ENTRIES, (_clamped, _gains, _best_prefix, _take_top, _sorted_desc, _allocate, _plan_value),
                    _warm_up, "the allocator's rules", "the numpy rules run")
