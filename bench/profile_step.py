@@ -262,6 +262,19 @@ def table(summaries: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def write_block(path: Path, text: str, begin: str, end: str) -> None:
+    """Replace the block of ``path`` between the markers ``begin`` and ``end`` with ``text`` (written to a temp
+    name, then renamed); the docs block (--docs)."""
+    from calib.atomic import write_text_atomic
+
+    doc = path.read_text()
+    if begin not in doc or end not in doc:
+        raise SystemExit(f"{path}: no {begin} ... {end} block to regenerate; add the two markers where the "
+                         "table goes")
+    head, rest = doc.split(begin, 1)
+    write_text_atomic(path, head + begin + "\n" + text + "\n" + end + rest.split(end, 1)[1])
+
+
 def main(argv=None) -> None:
     ap = plain_parser(__doc__)
     ap.add_argument("--worker", help=argparse.SUPPRESS)
@@ -312,7 +325,7 @@ def main(argv=None) -> None:
                                             **({"accelerator": accelerator} if accelerator else {})}), args.step_cost)
         print(f"wrote {args.step_cost} (fitted on {len(rows)} decode steps)")
     if args.docs:
-        bench_serve.write_block(Path(args.docs), f"Made by `{result['command']}` on {result['date']} "
+        write_block(Path(args.docs), f"Made by `{result['command']}` on {result['date']} "
                                 f"({result.get('cpu', 'CPU not recorded')}, dtype {result.get('dtype', 'auto')}; "
                                 f"{result['prompts']} prompts, {result['sampling']}, {result['max_tokens']} "
                                 f"tokens; medians per steady decode step, ms):\n\n{text}", BEGIN, END)

@@ -492,18 +492,5 @@ def _report_run(result: dict) -> None:
             print(f"  {arm:<18} {o['identical']}/{o['prompts']}" + (f"  differ: {o['differ']}" if o["differ"] else ""))
 
 
-def write_block(path: Path, text: str, begin: str, end: str) -> None:
-    """Replace the block of ``path`` between the markers ``begin`` and ``end`` with ``text`` (written to a temp
-    name, then renamed); bench/profile_step.py's docs block."""
-    from calib.atomic import write_text_atomic
-
-    doc = path.read_text()
-    if begin not in doc or end not in doc:
-        raise SystemExit(f"{path}: no {begin} ... {end} block to regenerate; add the two markers where the "
-                         "table goes")
-    head, rest = doc.split(begin, 1)
-    write_text_atomic(path, head + begin + "\n" + text + "\n" + end + rest.split(end, 1)[1])
-
-
 if __name__ == "__main__":
     main()

@@ -10,7 +10,8 @@ switches on with ``TRITON_INTERPRET=1`` before triton is first imported (nothing
 """
 
 from calib.allocate.api import MAX_CHAINS, Allocation, allocate, allocate_probs, calibrated_probs, check_cost
-from calib.allocate.draft import DraftPlan, forecast_probs, plan_draft
+from calib.allocate.draft import DraftPlan, plan_draft
+from calib.allocate.forecast import forecast_probs
 from calib.allocate.reference import SCALE
 from calib.allocate.shape import ShapePrice
 from calib.chains import NO_CHAIN

@@ -40,7 +40,7 @@ class Chain:
     p_cal: np.ndarray | None = None  # [R, K] calibrated P(accept | reached), NaN = no token
     p_raw: np.ndarray | None = None  # [R, K] raw confidence (model drafter only)
     # [R, K] the tables' forecast of P(accept | reached) per depth in the round's context cell, known
-    # before the chain is drafted (calib.allocate.draft.forecast_probs); None where the tables hold none
+    # before the chain is drafted (calib.allocate.forecast.forecast_probs); None where the tables hold none
     p_forecast: np.ndarray | None = None
     # [R, A_ctx] each round's values of the table's context axes (the tables' order; None without tables):
     # the online correction's context cell (calib.tables.online.context_cells)
@@ -232,7 +232,7 @@ def _context_len(t, notes: list) -> np.ndarray | None:
 def _forecast(tables, name: str, inputs: np.ndarray) -> np.ndarray | None:
     """The tables' forecast [R, K] of chain ``name`` for rounds whose table inputs are ``inputs`` [R, K, A]
     (the context axes are the inputs' columns of the forecast's axis names; equal over depths)."""
-    from calib.allocate.draft import forecast_probs
+    from calib.allocate.forecast import forecast_probs
 
     meta = tables.forecast(name)
     if meta is None:

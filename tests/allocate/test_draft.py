@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from calib.allocate import plan_draft
-from calib.allocate.draft import forecast_probs
+from calib.allocate.forecast import forecast_probs
 
 
 def _curve(B, K, slope=0.05):

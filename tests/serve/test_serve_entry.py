@@ -26,7 +26,7 @@ HEAD = "eagle-smollm2-135m"
 def _synthetic_eagle_tables(path: Path) -> Path:
     """SYNTHETIC model (EAGLE) + n-gram tables with a model-chain forecast over temperature."""
     from calib.tables.io import save
-    from tests.serve.test_decide import D, _tables
+    from tests.serve.decide_cases import D, synthetic_tables
 
     g = torch.Generator().manual_seed(1)
     forecast = {"axes": [{"name": "temperature", "kind": "bins", "edges": [0.4]}],
@@ -34,7 +34,7 @@ def _synthetic_eagle_tables(path: Path) -> Path:
     meta = {"target_models": ["SmolLM2-135M-Instruct"],
             "chains": {"model": {"ids": [f"eagle:{HEAD}"], "k": D, "forecast": forecast},
                        "ngram": {"ids": ["ngram"], "k": D}}}
-    return save(path, _tables(seed=3), meta)
+    return save(path, synthetic_tables(seed=3), meta)
 
 
 def _serve(*overrides: str) -> subprocess.CompletedProcess:
@@ -120,11 +120,11 @@ def test_serve_with_calib_off_exits_non_zero_and_publishes_nothing(tmp_path):
     serve.json labelled calib_ragged while no step was decided)."""
     pytest.importorskip("vllm")
     from calib.tables.io import save
-    from tests.serve.test_decide import D, _tables
+    from tests.serve.decide_cases import D, synthetic_tables
 
     meta = {"target_models": ["Other-7B"], "chains": {"model": {"ids": [f"eagle:{HEAD}"], "k": D},
                                                      "ngram": {"ids": ["ngram"], "k": D}}}
-    tables = save(tmp_path / "tables", _tables(seed=3), meta)
+    tables = save(tmp_path / "tables", synthetic_tables(seed=3), meta)
     out = tmp_path / "out"
     proc = _serve("policy=calib_ragged", "speculative=ngram", f"out_dir={out}", "prompts=smoke", "limit=1",
                   "sampling.max_tokens=8", "engine.dtype=float32", f"tables={tables}", "serve.cost=[1.0,0.05]")

@@ -118,9 +118,9 @@ def test_tables_for_another_model_on_the_server(tmp_path):
     """(a) tables fitted for another target: the decider is never built, one error, vLLM drafts alone."""
     pytest.importorskip("vllm")
     from calib.tables.io import save
-    from tests.serve.test_decide import _tables
+    from tests.serve.decide_cases import synthetic_tables
 
-    tables = save(tmp_path / "tables", _tables(0, chains=("ngram",)),
+    tables = save(tmp_path / "tables", synthetic_tables(0, chains=("ngram",)),
                   {"target_models": ["Other-7B"], "chains": {"ngram": {"ids": ["ngram"], "k": 4}}})
     with _server(tmp_path, tables, {}) as (bench, port, log_path, model):
         before = bench.spec_metrics(port)

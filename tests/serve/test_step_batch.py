@@ -1,5 +1,5 @@
 """A serving step's batch paths decide and learn as their one-by-one forms, on SYNTHETIC tables
-(tests/serve/test_decide.py's): the numpy lookup is the tensor lookup bit for bit (binned and interpolated
+(tests/serve/decide_cases.py's): the numpy lookup is the tensor lookup bit for bit (binned and interpolated
 tables, read through an online correction too); a step's rounds observed at once
 (:meth:`SafeDecider.observe_step`, :meth:`RequestHistory.observe_rounds`) leave the history, the correction and
 the next decisions as observing them one by one, and as a plain per-request formulation of the correction's
@@ -18,14 +18,14 @@ from calib.serve.decide import context_columns
 from calib.tables.io import load, save
 from calib.tables.layout import ChainTable, chain_lookup, chain_lookup_host
 from calib.tables.online import OnlineSettings, outcome_rows
-from tests.serve.test_decide import META, _decider, _inputs, _tables
+from tests.serve.decide_cases import META, random_inputs, synthetic_decider, synthetic_tables
 
 SETTINGS = OnlineSettings(decay=0.99, prior=4.0)
 
 
 @pytest.fixture
 def saved(tmp_path):
-    return save(tmp_path / "tables", _tables(5), META)
+    return save(tmp_path / "tables", synthetic_tables(5), META)
 
 
 def _tensor_path(t: ChainTable) -> ChainTable:
@@ -72,13 +72,13 @@ def _learn_by_hand(dec, rounds, pending: dict) -> None:
 
 
 def test_a_step_observed_at_once_learns_as_request_by_request(saved):
-    one, batch, by_hand = (_decider(saved, online=SETTINGS) for _ in range(3))
+    one, batch, by_hand = (synthetic_decider(saved, online=SETTINGS) for _ in range(3))
     pending: dict = {}
     rng = np.random.default_rng(0)
     late = None  # a round decided a step ago, observed a step late
     learnt = 0
     for step in range(8):
-        inputs = _inputs(B=6, seed=40 + step)
+        inputs = random_inputs(B=6, seed=40 + step)
         outs = [d.decide(inputs) for d in (one, batch, by_hand)]
         assert outs[0].drafts == outs[1].drafts == outs[2].drafts
         skip = [late is not None and r == late[0] for r in inputs.req_ids]  # not decided again while it waits
@@ -111,7 +111,7 @@ def test_a_step_observed_at_once_learns_as_request_by_request(saved):
 
 
 def test_a_refused_round_in_a_step_is_refused_as_alone(saved):
-    one, batch = _decider(saved, online=SETTINGS), _decider(saved, online=SETTINGS)
+    one, batch = synthetic_decider(saved, online=SETTINGS), synthetic_decider(saved, online=SETTINGS)
     rounds = [("req-0", 1, 2), ("req-1", 3, 2), ("req-2", 0, 1)]  # req-1: more accepted than drafted
     for r, a, d in rounds:
         one.observe(r, a, d)
@@ -141,9 +141,9 @@ def test_observe_rounds_is_observe_round_by_round():
 @pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize("online", [False, True])
 def test_the_numpy_lookup_is_the_tensor_lookup(saved, seed, online):
-    dec = _decider(saved, online=SETTINGS if online else None)
+    dec = synthetic_decider(saved, online=SETTINGS if online else None)
     for step in range(3 if online else 0):  # the correction learns first: lookups read corrected values
-        inputs = _inputs(B=6, seed=60 + step)
+        inputs = random_inputs(B=6, seed=60 + step)
         out = dec.decide(inputs)
         dec.remember(inputs, out)
         rounds = _rounds(inputs, out, step + 1)
@@ -190,13 +190,13 @@ def test_the_decider_logs_each_unfitted_temperature_once_across_steps(tmp_path, 
     temperature beside ones already seen is still logged, once."""
     import logging
 
-    from tests.serve.test_decide import D
+    from tests.serve.decide_cases import D
 
     temps = {"values": [0.0, 0.8], "n_values": 2, "min": 0.0, "max": 0.8, "unrecorded_samples": 0}
     meta = {**META, "chains": {"model": {"ids": ["eagle:head"], "k": D, "temperatures": temps},
                                "ngram": {"ids": ["ngram"], "k": D, "temperatures": temps}}}
-    dec = _decider(save(tmp_path / "t", _tables(6), meta))
-    inputs = _inputs(B=4, seed=3)
+    dec = synthetic_decider(save(tmp_path / "t", synthetic_tables(6), meta))
+    inputs = random_inputs(B=4, seed=3)
     with caplog.at_level(logging.WARNING, logger="calib.serve"):
         for t in ([0.0, 1.3, 0.8, 1.3], [0.0, 1.3, 0.8, 1.3], [1.3, 0.0, 0.0, 2.0], [2.0, 1.3, 0.8, 0.0]):
             inputs.temperature = torch.tensor(t)

@@ -33,7 +33,7 @@ from calib.serve.history import RequestHistory
 from calib.serve.v2_estimator import CalibAcceptanceEstimator, install
 from calib.tables.io import load, save
 from calib.tables.layout import ChainTable, GridTables
-from tests.serve.test_decide import META, _tables  # SYNTHETIC tables
+from tests.serve.decide_cases import META, synthetic_tables  # SYNTHETIC tables
 
 G, D = 9, 4
 V = 50  # vocabulary of the SYNTHETIC logits
@@ -128,7 +128,7 @@ def _expected(tables, est_inputs, slots, temps, hist, steps):
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("which", ["decide", "all_axes"])
 def test_predict_one_step_writes_calibs_lookup(tmp_path, impl, which):
-    tables = _saved(tmp_path, _tables(3, chains=("model",)) if which == "decide" else _all_axes_tables(3))
+    tables = _saved(tmp_path, synthetic_tables(3, chains=("model",)) if which == "decide" else _all_axes_tables(3))
     max_reqs, K = 10, D
     est = CalibAcceptanceEstimator(tables, max_reqs, K, "cpu", impl=impl)
     hist = RequestHistory()
@@ -261,16 +261,16 @@ def test_step_history_differs_after_a_round():
 
 def test_refuses_tables_it_cannot_read():
     with pytest.raises(ValueError, match="not the 'model' chain"):
-        CalibAcceptanceEstimator(GridTables({"ngram": _tables().chains["ngram"]}), 4, D, "cpu")
+        CalibAcceptanceEstimator(GridTables({"ngram": synthetic_tables().chains["ngram"]}), 4, D, "cpu")
     with pytest.raises(ValueError, match="D=4"):
-        CalibAcceptanceEstimator(_tables(), 4, D + 1, "cpu")
-    CalibAcceptanceEstimator(GridTables(_tables().chains, reuse_last_row=True), 4, D + 1, "cpu")
+        CalibAcceptanceEstimator(synthetic_tables(), 4, D + 1, "cpu")
+    CalibAcceptanceEstimator(GridTables(synthetic_tables().chains, reuse_last_row=True), 4, D + 1, "cpu")
     with pytest.raises(ValueError, match="impl"):
-        CalibAcceptanceEstimator(_tables(), 4, D, "cpu", impl="cuda")
+        CalibAcceptanceEstimator(synthetic_tables(), 4, D, "cpu", impl="cuda")
 
 
 def test_install_replaces_the_speculators_estimator(tmp_path):
-    path = save(tmp_path / "t", _tables(1, chains=("model",)), MODEL_META)
+    path = save(tmp_path / "t", synthetic_tables(1, chains=("model",)), MODEL_META)
 
     class Speculator:  # the attributes of vLLM's DraftModelSpeculator that install reads
         max_num_reqs, num_speculative_steps, device = 5, D, torch.device("cpu")

@@ -199,10 +199,10 @@ def test_v2_wiring_puts_the_tables_in_as_the_acceptance_estimator(tmp_path, monk
     from calib.serve.v2_estimator import CalibAcceptanceEstimator
     from calib.tables import save
     from calib.vllm import plugin
-    from tests.serve.test_decide import _tables
+    from tests.serve.decide_cases import synthetic_tables
     from tests.serve.test_v2_estimator import MODEL_META, D
 
-    tables = save(tmp_path / "t", _tables(1, chains=("model",)), MODEL_META)
+    tables = save(tmp_path / "t", synthetic_tables(1, chains=("model",)), MODEL_META)
     calls = []
     monkeypatch.setattr(V2Runner, "initialize_kv_cache", lambda self, *a, **k: calls.append("vllm"))
     monkeypatch.setattr(plugin, "_V2_WIRED", False)

@@ -89,12 +89,12 @@ def test_the_plans_lookup_inputs_are_the_decisions():
     """The plan reads its chain's lookup inputs without copying its token lists (chain_inputs_host lists=False):
     the same signals and context columns as the decision's, chains longer than k_max included (SYNTHETIC)."""
     from calib.serve.inputs import chain_inputs_host
-    from tests.serve.test_decide import _history, _inputs, _tables
+    from tests.serve.decide_cases import random_inputs, synthetic_history, synthetic_tables
 
-    tables = _tables()
+    tables = synthetic_tables()
     for seed in range(4):
-        inputs = _inputs(B=7, K=5, L=5, seed=seed)
-        history = _history(inputs.req_ids, seed)
+        inputs = random_inputs(B=7, K=5, L=5, seed=seed)
+        history = synthetic_history(inputs.req_ids, seed)
         cols_a, cols_b = {}, {}
         full, toks = chain_inputs_host(tables, inputs, history, k_max=4, columns=cols_a)
         lean, none = chain_inputs_host(tables, inputs, history, k_max=4, columns=cols_b, lists=False)

@@ -193,15 +193,15 @@ def test_the_distribution_test_catches_each_wrong_rule(rule):
 
 
 def test_cut_with_the_real_decider_is_a_stopping_rule_on_real_tokens(tmp_path):
-    """SafeDecider on SYNTHETIC tables (tests/serve/test_decide.py): prefixes of the offered chains with
+    """SafeDecider on SYNTHETIC tables (tests/serve/decide_cases.py): prefixes of the offered chains with
     the drawn tokens (never the placeholders the cuts are decided on), and a stopping rule."""
     from dataclasses import replace
 
     from calib.tables.io import save
-    from tests.serve.test_decide import META, _decider, _inputs, _tables
+    from tests.serve.decide_cases import META, random_inputs, synthetic_decider, synthetic_tables
 
-    dec = _decider(save(tmp_path / "tables", _tables(5), META))
-    inputs = _inputs(B=24, K=4, L=4, seed=3)
+    dec = synthetic_decider(save(tmp_path / "tables", synthetic_tables(5), META))
+    inputs = random_inputs(B=24, K=4, L=4, seed=3)
     model = inputs.offers[MODEL.name]
     d = _server().decide_sampled(dec, inputs)
     assert not d.passthrough and dec.failures == 0
