@@ -124,20 +124,31 @@ def prices_greedy_only(text: str) -> bool:
 
 def sampled_shape_price(cost: torch.Tensor, price: SampledPrice, n_requests: int, width: int):
     """The price of a step of ``n_requests`` under sampling as a separable shape price ``(base, table [width + 1])``
-    (:class:`calib.allocate.ShapePrice`'s arguments): ``cost`` [T_max + 1] is an engine step cost's curve, affine in
-    the positions, so each request's draft tokens add its slope per token, plus :meth:`SampledPrice.added` (the
+    (:class:`calib.allocate.ShapePrice`'s arguments): ``cost`` [T_max + 1] is an engine step cost's curve, so each
+    request's draft tokens add its slope per token (:func:`batch_slope`), plus :meth:`SampledPrice.added` (the
     sampler's random path runs only for requests with draft tokens where calib serves: docs/cost.md)."""
     base = float(cost[n_requests])
-    slope = float(cost[n_requests + 1] - cost[n_requests]) if cost.numel() > n_requests + 1 else 0.0
     d = torch.arange(width + 1, dtype=torch.float64)
-    return base, slope * d + price.added(width)
+    return base, batch_slope(cost.numpy() if cost.device.type == "cpu" else cost.cpu().numpy(), n_requests,
+                             width) * d + price.added(width)
+
+
+def batch_slope(cost: np.ndarray, n_requests: int, width: int) -> float:
+    """A step's price per draft token over the positions a batch of ``n_requests`` can verify: the curve's mean slope
+    from ``T = B`` to ``B + B * width`` (the first difference on a line, where a step cost is affine), and 0 where
+    it falls. A step cost's measured steps at a few positions (:attr:`calib.cost.step.StepCost.small_t`) can make a
+    step with draft tokens cheaper than one without (one AMD EPYC at B = 1): a separable price cannot pay a request
+    for drafting, so its drafts are free there."""
+    span = min(n_requests * width, cost.shape[0] - 1 - n_requests)
+    if span <= 0:
+        return 0.0
+    return max(0.0, float(cost[n_requests + span] - cost[n_requests]) / span)
 
 
 def sampled_price_table(cost: np.ndarray, price: SampledPrice, n_requests: int, width: int) -> tuple[float, np.ndarray]:
     """:func:`sampled_shape_price` in numpy on the curve's float32 values ``cost [T_max + 1]`` (the same float32
     difference and float64 products, so the same price): ``(base, table float64 [width + 1])``."""
     base = float(cost[n_requests])
-    slope = float(cost[n_requests + 1] - cost[n_requests]) if cost.shape[0] > n_requests + 1 else 0.0
     d = np.arange(width + 1, dtype=np.float64)
     added = np.where(d > 0, price.per_drafting_request + price.per_draft * d, np.zeros_like(d))
-    return base, slope * d + added
+    return base, batch_slope(cost, n_requests, width) * d + added

@@ -22,8 +22,14 @@ DRAFTER_PARTS = {"idle": ("drafter_first_pass",), "lm_head": ("drafter_lm_head",
                  "more": ("drafter_more_passes",)}
 CHAIN_PARTS = ("ngram_propose",)
 CALIB_PARTS = ("calib",)
-STEP_COST_VERSION = 3  # 2 added the ``sampled`` term (a version-1 file reads with it zero); 3 verify's C and Q
-READABLE_VERSIONS = (1, 2, 3)
+# 2 added the ``sampled`` term (a version-1 file reads with it zero); 3 verify's C and Q; 4 ``small_t`` (none before)
+STEP_COST_VERSION = 4
+READABLE_VERSIONS = (1, 2, 3, 4)
+# verify at a few positions, as measured (StepCost.small_t): the target's matrix products over T rows do not cost a
+# line there (one AMD EPYC stepped T = 5 positions 15 % faster than T = 1, docs/cost.md), so each T up to SMALL_T_MAX
+# with at least SMALL_T_MIN_STEPS plain steps in the profile keeps its median residual from the linear fit
+SMALL_T_MAX = 8
+SMALL_T_MIN_STEPS = 20
 # verify's inputs: T positions, B requests; with a profile that recorded each step's context (3), C thousands of tokens
 # in the requests' KV caches (rows' ``context``: read once a step per request) and Q thousands of (query, key) pairs
 # attended over (rows' ``query_keys``: each position against its request's cache)
@@ -82,6 +88,9 @@ class StepCost:
     calib: Linear
     source: dict
     sampled: Linear = field(default_factory=lambda: Linear(0.0, {"D": 0.0, "R": 0.0}))
+    # {T: seconds}: verify's measured median residual from the linear fit at T <= SMALL_T_MAX positions (JSON keys are
+    # strings); between the measured T it is interpolated, and past the last it fades to the line over SMALL_T_MAX more
+    small_t: dict = field(default_factory=dict)
 
     @property
     def context_aware(self) -> bool:
@@ -100,11 +109,17 @@ class StepCost:
         cached, ``C``) and ``queries`` (thousands of query-key pairs, ``Q``), each, where not given, from ``B``
         requests (``T`` positions) at :attr:`context_mean` tokens cached per request."""
         if not self.context_aware:
-            return self.verify(T=T, B=B)
+            return self.verify(T=T, B=B) + self.small_t_residual(T)
         mean = self.context_mean / 1e3
         cached = np.asarray(B, dtype=np.float64) * mean if cached is None else cached
         queries = np.asarray(T, dtype=np.float64) * mean if queries is None else queries
-        return self.verify(T=T, B=B, C=cached, Q=queries)
+        return self.verify(T=T, B=B, C=cached, Q=queries) + self.small_t_residual(T)
+
+    def small_t_residual(self, T) -> np.ndarray:
+        """Seconds :attr:`small_t` adds to the linear ``verify`` at ``T`` positions (0 without it, and above
+        :data:`SMALL_T_MAX` more positions than the last measured): the measured residuals interpolated, fading to 0
+        over the ``SMALL_T_MAX`` positions past the last."""
+        return _small_t_residual(self.small_t, T)
 
     def speculating_sampled(self, draft_tokens, drafting) -> np.ndarray:
         """Seconds a sampled step adds for verifying ``draft_tokens`` from ``drafting`` requests (0 for none: no
@@ -172,6 +187,8 @@ def fit_step_cost(rows: list[dict], source: dict) -> StepCost:
     else:
         fits = {"verify": _fit(np.column_stack([T[plain], B[plain]]), verify_s[plain], ("T", "B"))}
         ran = fits["verify"](T=T, B=B)
+    small_t = _small_t(T[plain], verify_s[plain] - ran[plain])
+    ran = ran + _small_t_residual(small_t, T)
     fits["sampled"] = (_fit(np.column_stack([D[jumped], R[jumped]]), verify_s[jumped] - ran[jumped], ("D", "R"))
                        if jumped.any() and (plain & ~jumped).any() else Linear(0.0, {"D": 0.0, "R": 0.0}))
     fits["idle"] = _fit(T[loaded, None], idle_s[loaded], ("T",)) if loaded.any() else Linear(0.0, {"T": 0.0})
@@ -183,7 +200,27 @@ def fit_step_cost(rows: list[dict], source: dict) -> StepCost:
         y = np.array([_part_ms(r, parts) for r in rows]) / 1e3
         mask = y > 0
         fits[name] = _fit(B[mask, None], y[mask], ("B",)) if mask.any() else Linear(0.0, {"B": 0.0})
-    return StepCost(**fits, source=source)
+    return StepCost(**fits, source=source, small_t=small_t)
+
+
+def _small_t(T: np.ndarray, residual: np.ndarray) -> dict:
+    """{T: median residual} of the plain steps at each ``T <= SMALL_T_MAX`` positions with at least
+    :data:`SMALL_T_MIN_STEPS` of them (:attr:`StepCost.small_t`)."""
+    out = {}
+    for t in range(1, SMALL_T_MAX + 1):
+        at = residual[T == t]
+        if at.size >= SMALL_T_MIN_STEPS:
+            out[t] = float(np.median(at))
+    return out
+
+
+def _small_t_residual(small_t: dict, T) -> np.ndarray:
+    T = np.asarray(T, dtype=np.float64)
+    if not small_t:
+        return np.zeros_like(T)
+    at = sorted((float(t), float(r)) for t, r in small_t.items())
+    xs, ys = [t for t, _ in at] + [at[-1][0] + SMALL_T_MAX], [r for _, r in at] + [0.0]
+    return np.interp(T, xs, ys, left=ys[0], right=0.0)
 
 
 def save_step_cost(cost: StepCost, path) -> None:
@@ -222,11 +259,17 @@ def load_step_cost(path) -> StepCost:
             raise ValueError(f"{path}: {key}: expected {{intercept, slopes: {{input: seconds}}}} with finite "
                              f"values >= 0, got {term!r}")
         terms[key] = Linear(float(term["intercept"]), {k: float(v) for k, v in term["slopes"].items()})
+    small_t = doc.get("small_t", {})
+    if not (isinstance(small_t, dict) and all(
+            str(t).isdigit() and 1 <= int(t) <= SMALL_T_MAX and isinstance(r, (int, float)) and not isinstance(r, bool)
+            and math.isfinite(r) for t, r in small_t.items())):
+        raise ValueError(f"{path}: small_t: expected {{positions 1..{SMALL_T_MAX}: finite seconds}}, got {small_t!r} "
+                         f"(re-run bench/profile_step.py --step-cost {path})")
     source = doc.get("source", {})
     if not isinstance(source, dict):  # a file's content: a ValueError as every refusal here
         raise ValueError(f"{path}: source: {source!r} ({type(source).__name__}); expected an object (the profile's "  # noqa: TRY004
                          f"command, date, cpu, device) or no key at all (re-run bench/profile_step.py --step-cost {path})")
-    return StepCost(**terms, source=source)
+    return StepCost(**terms, source=source, small_t={int(t): float(r) for t, r in small_t.items()})
 
 
 def this_machine() -> str:

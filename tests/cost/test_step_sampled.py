@@ -107,11 +107,11 @@ def test_a_wrong_sampled_price_is_refused(bad):
 
 def test_a_sampled_step_drafts_nothing_where_the_jump_outweighs_the_gain_and_a_greedy_one_still_drafts():
     from calib.serve import StepInputs, decide_step
-    from tests.serve.test_decide import _cheap, _history, _inputs, _tables
+    from tests.serve.decide_cases import cheap_curve, random_inputs, synthetic_history, synthetic_tables
 
-    t, inputs = _tables(2), _inputs(B=5, seed=2)
-    h = _history(inputs.req_ids, 2)
-    cost = _cheap(5)
+    t, inputs = synthetic_tables(2), random_inputs(B=5, seed=2)
+    h = synthetic_history(inputs.req_ids, 2)
+    cost = cheap_curve(5)
     jump = SampledPrice(0.0, 10.0)  # ten plain steps' price for each request with draft tokens
     greedy = StepInputs(inputs.req_ids, torch.zeros(5), inputs.offers)
     sampled = StepInputs(inputs.req_ids, torch.tensor([0.0, 0.0, 0.8, 0.0, 0.0]), inputs.offers)

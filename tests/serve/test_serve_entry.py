@@ -2,7 +2,7 @@
 shipped EAGLE head, policy ``two_drafter`` (EAGLE + the recomputed n-gram chain, draft passes
 planned) against ``policy=none`` (an alias of ``no_spec``).
 
-Tables: SYNTHETIC (test_decide's random grids, tagged for this target and EAGLE head, plus a random
+Tables: SYNTHETIC (tests/serve/decide_cases.py's random grids, tagged for this target and EAGLE head, plus a random
 forecast of the model chain), not trained ones (train.py takes minutes): this checks the entry point,
 the EAGLE wiring (draft passes set per step, chains substituted) and losslessness, not the decisions'
 worth. The config checks run without an engine.

@@ -16,7 +16,7 @@ bench's client); every request must complete with text, and the server's log mus
 
 Plus fast tests without an engine: the hooks' construction path for (a) on a stand-in runner
 (``step`` hands vLLM's lists back every step, one error), and the bench's ``vllm bench serve`` command
-parsed by vLLM's own parser, and its summary of repetitions. ``SafeDecider``'s refusal itself is tests/serve/test_decide.py. About 2 minutes here (2 CPUs).
+parsed by vLLM's own parser, and its summary of repetitions. ``SafeDecider``'s refusal itself is tests/serve/test_safe_decider.py. About 2 minutes here (2 CPUs).
 """
 
 from __future__ import annotations
