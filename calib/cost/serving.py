@@ -129,8 +129,7 @@ def sampled_shape_price(cost: torch.Tensor, price: SampledPrice, n_requests: int
     sampler's random path runs only for requests with draft tokens where calib serves: docs/cost.md)."""
     base = float(cost[n_requests])
     d = torch.arange(width + 1, dtype=torch.float64)
-    return base, batch_slope(cost.numpy() if cost.device.type == "cpu" else cost.cpu().numpy(), n_requests,
-                             width) * d + price.added(width)
+    return base, batch_slope(cost.cpu().numpy(), n_requests, width) * d + price.added(width)
 
 
 def batch_slope(cost: np.ndarray, n_requests: int, width: int) -> float:

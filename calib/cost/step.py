@@ -156,7 +156,8 @@ def fit_step_cost(rows: list[dict], source: dict) -> StepCost:
     (bench/profile_step.py's steady decode steps; every arm's rows together), each optionally with
     ``"draft_tokens"`` (default ``tokens - batch``) and ``"sampled"`` (a step under sampling; default False).
     ``verify`` is fitted on the rows without the sampled path's extra work (greedy steps, and sampled steps
-    without draft tokens); ``sampled`` on what the sampled steps with draft tokens spent beyond it."""
+    without draft tokens), with each small ``T``'s measured residual kept beside the line (``small_t``);
+    ``sampled`` on what the sampled steps with draft tokens spent beyond it."""
     if not rows:
         raise ValueError("fit_step_cost: no profile rows (run bench/profile_step.py)")
     B = np.array([r["batch"] for r in rows], dtype=np.float64)
