@@ -326,9 +326,9 @@ def main(argv=None) -> None:
         print(f"wrote {args.step_cost} (fitted on {len(rows)} decode steps)")
     if args.docs:
         write_block(Path(args.docs), f"Made by `{result['command']}` on {result['date']} "
-                                f"({result.get('cpu', 'CPU not recorded')}, dtype {result.get('dtype', 'auto')}; "
-                                f"{result['prompts']} prompts, {result['sampling']}, {result['max_tokens']} "
-                                f"tokens; medians per steady decode step, ms):\n\n{text}", BEGIN, END)
+                    f"({result.get('cpu', 'CPU not recorded')}, dtype {result.get('dtype', 'auto')}; "
+                    f"{result['prompts']} prompts, {result['sampling']}, {result['max_tokens']} "
+                    f"tokens; medians per steady decode step, ms):\n\n{text}", BEGIN, END)
         print(f"wrote {args.docs}")
 
 

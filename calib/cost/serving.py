@@ -99,11 +99,6 @@ class SampledPrice:
         if not all(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0 for v in vals):
             raise ValueError(f"SampledPrice needs finite numbers >= 0, got {vals}")
 
-    def added(self, width: int) -> torch.Tensor:
-        """float64 ``[width + 1]``: what one request verifying ``d`` draft tokens adds (0 at ``d = 0``)."""
-        d = torch.arange(width + 1, dtype=torch.float64)
-        return torch.where(d > 0, self.per_drafting_request + self.per_draft * d, torch.zeros_like(d))
-
 
 def sampled_price(text: str) -> SampledPrice | None:
     """The ``cost`` knob's :class:`SampledPrice`: from an engine step-cost model's ``sampled`` term; None for
@@ -125,11 +120,11 @@ def prices_greedy_only(text: str) -> bool:
 def sampled_shape_price(cost: torch.Tensor, price: SampledPrice, n_requests: int, width: int):
     """The price of a step of ``n_requests`` under sampling as a separable shape price ``(base, table [width + 1])``
     (:class:`calib.allocate.ShapePrice`'s arguments): ``cost`` [T_max + 1] is an engine step cost's curve, so each
-    request's draft tokens add its slope per token (:func:`batch_slope`), plus :meth:`SampledPrice.added` (the
-    sampler's random path runs only for requests with draft tokens where calib serves: docs/cost.md)."""
-    base = float(cost[n_requests])
-    d = torch.arange(width + 1, dtype=torch.float64)
-    return base, batch_slope(cost.cpu().numpy(), n_requests, width) * d + price.added(width)
+    request's draft tokens add its slope per token (:func:`batch_slope`), plus ``price`` once it drafts (the sampler's
+    random path runs only for requests with draft tokens where calib serves: docs/cost.md). :func:`sampled_price_table`'s
+    price, as a tensor."""
+    base, table = sampled_price_table(cost.cpu().numpy(), price, n_requests, width)
+    return base, torch.from_numpy(table)
 
 
 def batch_slope(cost: np.ndarray, n_requests: int, width: int) -> float:
@@ -145,8 +140,8 @@ def batch_slope(cost: np.ndarray, n_requests: int, width: int) -> float:
 
 
 def sampled_price_table(cost: np.ndarray, price: SampledPrice, n_requests: int, width: int) -> tuple[float, np.ndarray]:
-    """:func:`sampled_shape_price` in numpy on the curve's float32 values ``cost [T_max + 1]`` (the same float32
-    difference and float64 products, so the same price): ``(base, table float64 [width + 1])``."""
+    """:func:`sampled_shape_price` in numpy on the curve's float32 values ``cost [T_max + 1]``: ``(base, table float64
+    [width + 1])``, what one request verifying ``d`` draft tokens adds (0 at ``d = 0``)."""
     base = float(cost[n_requests])
     d = np.arange(width + 1, dtype=np.float64)
     added = np.where(d > 0, price.per_drafting_request + price.per_draft * d, np.zeros_like(d))
