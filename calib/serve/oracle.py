@@ -10,6 +10,12 @@ and the continuation; ``[]`` when it is 0) and picks the chain that commits more
 model-free n-gram chain; both 0: ``[]``). It runs through the same hooks as calib (``Server.step``), so its
 step costs what calib's would with perfect knowledge: the ceiling of verification allocation on the clock.
 
+Where the step's price falls with more positions (a CPU whose matrix products run a few rows faster than one: an
+AMD EPYC stepped T = 5 positions 15 % faster than T = 1, docs/cost.md), committing the same tokens in a cheaper step
+is perfect knowledge too: :func:`pad_to_cheapest` then verifies draft tokens past the accepted prefix, each the
+first a verification rejects (or one after it), up to the cheapest step the offers reach. The output is the same
+token for token; only the step's shape changes. A price that never falls (every shipped cost) pads nothing.
+
 Greedy only. A request whose continuation is unknown (its prompt is not in the reference, its output so far
 parted from the reference's, or it samples at a temperature > 0) keeps the engine's own draft (counted:
 ``ServeStats.oracle_unknown``). Engine-independent: no vLLM import; :class:`Oracle` reads only the numpy
@@ -220,6 +226,46 @@ def oracle_choice(offers: Mapping[str, Sequence[Sequence[int]]], continuations: 
     return drafts, chosen, known
 
 
+def pad_to_cheapest(drafts: Sequence[Sequence[int]], chosen: Sequence[str | None], known: Sequence[bool],
+                    offers: Mapping[str, Sequence[Sequence[int]]], continuations: Sequence[Sequence[int] | None],
+                    price: np.ndarray, order: Sequence[str] = ()) -> tuple[list[list[int]], list[str | None]]:
+    """:func:`oracle_choice`'s step padded to the cheapest step that commits the same tokens: ``(drafts [B][<= K],
+    chain name or None per row)``.
+
+    ``price``: the step's price by positions ``T`` (``price[T]``, the serving cost curve: T = B + draft tokens). A
+    known row whose reference goes on past its accepted prefix ``n`` may verify more of a chain's draft: the chosen
+    chain's tokens after ``n`` (where none was chosen, the first chain in ``order``, then ``offers``' order, that
+    offers any), whose first differs from the reference's next token (``n`` is the longest common prefix), so
+    verification rejects it and commits exactly what the prefix alone commits. The padding goes to the ``T`` of the
+    lowest price the spare tokens reach (ties to the fewest positions), one token per row in turn; a price that
+    never falls adds none."""
+    drafts, chosen = [list(map(int, x)) for x in drafts], list(chosen)
+    names = [c for c in order if c in offers] + [c for c in offers if c not in order]
+    spare: list[list[int]] = [[] for _ in drafts]
+    for b, (cont, ok) in enumerate(zip(continuations, known)):
+        n = len(drafts[b])
+        if not ok or cont is None or len(cont) <= n:  # unknown, or the reference ends here: nothing sure to reject
+            continue
+        source = chosen[b] if chosen[b] is not None else next((c for c in names if len(offers[c][b]) > 0), None)
+        if source is not None:
+            spare[b] = [int(t) for t in offers[source][b][n:]]
+            if spare[b] and chosen[b] is None:
+                chosen[b] = source
+    base = len(drafts) + sum(len(x) for x in drafts)
+    top = min(base + sum(len(x) for x in spare), len(price) - 1)
+    if top <= base:
+        return drafts, [c if drafts[b] else None for b, c in enumerate(chosen)]
+    extra = int(np.argmin(np.asarray(price[base: top + 1], dtype=np.float64)))  # the first minimum: fewest positions
+    taken = [0] * len(drafts)
+    while extra > 0:
+        for b in range(len(drafts)):
+            if extra > 0 and taken[b] < len(spare[b]):
+                taken[b] += 1
+                extra -= 1
+    padded = [x + spare[b][: taken[b]] for b, x in enumerate(drafts)]
+    return padded, [c if padded[b] else None for b, c in enumerate(chosen)]
+
+
 def all_committed(ngram: Sequence[Sequence[int]] | None, continuations: Sequence[Sequence[int] | None],
                   k: int) -> bool:
     """Whether every request's n-gram chain already commits ``min(k, len(continuation))`` tokens (so no model
@@ -233,9 +279,12 @@ class Oracle:
     """The oracle's serving state in one engine process: the reference, and each running request's prompt key
     (computed once per request id, dropped by :meth:`finish`)."""
 
-    def __init__(self, reference: Reference):
+    def __init__(self, reference: Reference, price: np.ndarray | None = None):
         self.reference = reference
         self.keys: dict[str, str] = {}  # req_id -> prompt key
+        # [T_max + 1] the step's price by positions (serving's cost curve), or None: no padding (pad_to_cheapest)
+        self.price = None if price is None else np.asarray(price, dtype=np.float64)
+        self.padded = 0  # draft tokens verified past an accepted prefix to reach a cheaper step
 
     def continuations(self, batch, rows: Sequence[int], req_ids: Sequence[str], temperatures: Sequence[float],
                       limit: int, extra: Sequence[Sequence[int]] | None = None) -> list[list[int] | None]:
@@ -264,8 +313,9 @@ class Oracle:
     def decide(self, inputs, continuations: Sequence[Sequence[int] | None], engine_chain: str,
                engine_drafts: Sequence[Sequence[int]]):
         """``(StepDecision, known flags [B])`` of :func:`oracle_choice` on the step's offers
-        (:class:`calib.serve.StepInputs`): chain ids int8, depth int32, expected accepted float32 (= depth where
-        known: every verified token is accepted; NaN where the engine's own draft was kept), probs None."""
+        (:class:`calib.serve.StepInputs`), padded by :func:`pad_to_cheapest` where :attr:`price` is given: chain ids
+        int8, depth int32, expected accepted float32 (the accepted prefix where known: every token before the
+        padding is accepted; NaN where the engine's own draft was kept), probs None."""
         import torch
 
         from calib.chains import NO_CHAIN, chain
@@ -275,10 +325,14 @@ class Oracle:
         offers = {name: offer.tokens for name, offer in inputs.offers.items()}
         cheaper = sorted(offers, key=lambda n: chain(n).confidence is not None)  # model-free chains first
         drafts, chosen, known = oracle_choice(offers, continuations, cheaper, engine_chain, engine_drafts)
+        accepted = torch.tensor([len(x) for x in drafts], dtype=torch.float32)
+        if self.price is not None:
+            before = sum(len(x) for x in drafts)
+            drafts, chosen = pad_to_cheapest(drafts, chosen, known, offers, continuations, self.price, cheaper)
+            self.padded += sum(len(x) for x in drafts) - before
         ids = torch.tensor([chain(c).id if c is not None else NO_CHAIN for c in chosen], dtype=torch.int8)
         depth = torch.tensor([len(x) for x in drafts], dtype=torch.int32)
-        expected = torch.where(torch.tensor(known, dtype=torch.bool), depth.to(torch.float32),
-                               torch.tensor(math.nan))
+        expected = torch.where(torch.tensor(known, dtype=torch.bool), accepted, torch.tensor(math.nan))
         return StepDecision(list(inputs.req_ids), drafts, ids, depth, expected,
                             (time.perf_counter() - start) * 1e3, probs=None), known
 

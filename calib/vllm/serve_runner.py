@@ -476,7 +476,8 @@ def summary(r: dict) -> str:
             lines.append(f"  draft passes {c['passes_engine']} -> {c['passes_planned']} on {c['planned']} steps")
         if c.get("oracle"):
             lines.append(f"  clock oracle: {c['oracle_known']} request-steps decided from the reference, "
-                         f"{c['oracle_unknown']} unknown (vLLM's drafts kept)")
+                         f"{c['oracle_unknown']} unknown (vLLM's drafts kept); {c.get('oracle_padded', 0)} draft "
+                         "tokens padded past the accepted prefix for a cheaper step")
         lines.append(f"  overhead {r['overhead_pct']:.1f}% of wall ({r['calib_ms_per_step']:.2f} ms/step; allocator "
                      f"{r['allocator_ms_per_step']:.2f} ms/step)"
                      + (f"; OFF: {c['disabled_reason']}" if c.get("disabled_reason") else "")

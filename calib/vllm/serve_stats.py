@@ -44,6 +44,7 @@ class ServeStats:
     left_to_vllm: int = 0  # request-steps left to vLLM: target-only logit transforms (calib/transforms.py)
     oracle_known: int = 0  # the clock oracle (knob oracle): request-steps it decided from the reference continuation
     oracle_unknown: int = 0  # ... whose continuation it did not know (vLLM's own draft kept)
+    oracle_padded: int = 0  # ... draft tokens it verified past an accepted prefix, for a cheaper step (pad_to_cheapest)
     oracle: bool = False  # the clock oracle decided this process's steps (knob oracle)
     aside_engine: int = 0  # steps calib stood aside on, handing vLLM's own drafts through (calib/serve/aside.py)
     aside_none: int = 0  # ... scheduling no draft tokens (and, with a model drafter, no draft pass)
@@ -70,7 +71,8 @@ class ServeStats:
                 f"(plan_ms mean {(sum(self.plan_ms) / len(self.plan_ms)) if self.plan_ms else math.nan:.2f}); "
                 f"{self.left_to_vllm} request-steps left to vLLM (logit transforms); "
                 f"stood aside on {self.aside_engine} steps (vLLM's drafts) and {self.aside_none} (no drafts); "
-                + (f"oracle {self.oracle_known} known / {self.oracle_unknown} unknown; " if self.oracle else "") +
+                + (f"oracle {self.oracle_known} known / {self.oracle_unknown} unknown, {self.oracle_padded} "
+                   f"tokens padded; " if self.oracle else "") +
                 f"{self.errors} hook errors" + (f"; OFF: {self.disabled_reason}" if self.disabled_reason else ""))
 
 

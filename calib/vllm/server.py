@@ -128,7 +128,9 @@ class Server(DraftPlanning):
         if self.knobs.oracle:  # the clock oracle decides from a reference (plan_passes: 0 or vLLM's K)
             from calib.serve.oracle import Oracle, Reference
 
-            self.oracle, self.stats.oracle = Oracle(Reference.load(self.knobs.oracle)), True
+            # priced as calib is: it pads a step to the cheapest that commits the same tokens (pad_to_cheapest)
+            price = cost.to(torch.float64).numpy()
+            self.oracle, self.stats.oracle = Oracle(Reference.load(self.knobs.oracle), price), True
             self.planning = model_drafter
             return dec
         self.planning = self.plan and model_drafter and dec.tables.forecast(dec.engine_chain) is not None
@@ -320,6 +322,7 @@ class Server(DraftPlanning):
                                               dec.engine_chain, engine)
                 self.stats.oracle_known += sum(known)
                 self.stats.oracle_unknown += len(known) - sum(known)
+                self.stats.oracle_padded = self.oracle.padded
             else:
                 d = self.decide_sampled(dec, inputs) if sampled else (self.planned_decision(inputs, planned)
                                                                        or dec.decide(inputs))

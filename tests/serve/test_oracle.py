@@ -26,6 +26,7 @@ from calib.serve.oracle import (
     accepted_prefix,
     all_committed,
     oracle_choice,
+    pad_to_cheapest,
     prompt_key,
     write_reference,
 )
@@ -132,6 +133,54 @@ def test_oracle_choice_commits_most_ties_to_the_cheaper_chain():
     assert accepted_prefix([], [1]) == 0 and accepted_prefix([1, 2], [1, 2, 3]) == 2
 
 
+def _committed(draft, cont) -> list[int]:
+    """What greedy verification of ``draft`` commits against the reference ``cont``: the accepted prefix, then the
+    target's own next token (the corrected or bonus token) where the reference goes on."""
+    n = accepted_prefix(draft, cont)
+    return list(cont[: n + 1])
+
+
+def test_padding_reaches_the_cheapest_step_and_commits_the_same_tokens():
+    offers = {"ngram": [[1, 2, 9, 9], [5, 5], [], [3, 3, 3]], "model": [[1, 8], [6, 6, 6], [4], [3, 3, 3]]}
+    conts = [[1, 2, 3, 4], [7, 7, 7], [1, 2], None]
+    drafts, chosen, known = oracle_choice(offers, conts, ("ngram", "model"), "model", [[], [], [], [3, 3]])
+    assert drafts == [[1, 2], [], [], [3, 3]]  # B = 4, T = 8
+    falling = np.array([0, 60, 58, 56, 54, 52, 50, 48, 47, 46, 45, 44, 46, 48, 50], dtype=np.float64)
+    padded, names = pad_to_cheapest(drafts, chosen, known, offers, conts, falling, ("ngram", "model"))
+    # spare: row 0 [9, 9] (ngram's tokens past its prefix), row 1 ngram's [5, 5], row 2 model's [4]: T 8 -> 11 (44)
+    assert padded == [[1, 2, 9], [5], [4], [3, 3]] and names == ["ngram", "ngram", "model", "model"]
+    assert sum(map(len, padded)) + 4 == 11
+    for d, p, c in zip(drafts, padded, conts):
+        if c is not None:
+            assert _committed(p, c) == _committed(d, c)  # the same tokens, token for token
+    rising = np.arange(20, dtype=np.float64)
+    assert pad_to_cheapest(drafts, chosen, known, offers, conts, rising) == (drafts, chosen)  # every shipped cost
+    # a reference that ends at the prefix (the request finishes) and an unknown row get nothing
+    assert pad_to_cheapest([[1, 2]], ["ngram"], [True], {"ngram": [[1, 2, 5]]}, [[1, 2]], falling)[0] == [[1, 2]]
+    assert pad_to_cheapest([[]], [None], [False], {"ngram": [[4]]}, [None], falling) == ([[]], [None])
+
+
+def test_padding_never_changes_what_is_committed_and_never_costs_more():
+    """Random SYNTHETIC instances: the padded step commits what the unpadded one does and is priced no higher."""
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        B, K = int(rng.integers(1, 6)), int(rng.integers(1, 5))
+        conts = [None if rng.random() < 0.15 else rng.integers(0, 3, size=int(rng.integers(0, 6))).tolist()
+                 for _ in range(B)]
+        offers = {c: [rng.integers(0, 3, size=int(rng.integers(0, K + 1))).tolist() for _ in range(B)]
+                  for c in ("ngram", "model")}
+        price = rng.uniform(1, 2, size=B * (K + 1) + 1)
+        drafts, chosen, known = oracle_choice(offers, conts, ("ngram",), "model", offers["model"])
+        padded, names = pad_to_cheapest(drafts, chosen, known, offers, conts, price, ("ngram",))
+        assert all(len(p) <= K and p[: len(d)] == list(d) for p, d in zip(padded, drafts))
+        assert price[B + sum(map(len, padded))] <= price[B + sum(map(len, drafts))]
+        for d, p, c, name, b in zip(drafts, padded, conts, names, range(B)):
+            if c is not None:
+                assert _committed(p, c) == _committed(d, c)
+            if len(p) > len(d):
+                assert name is not None and p == offers[name][b][: len(p)]  # one chain's draft, as offered
+
+
 def test_all_committed_is_what_no_model_draft_could_beat():
     assert all_committed([[1, 2], [5]], [[1, 2, 3], [5]], 2)  # min(K, left) each
     assert not all_committed([[1], [5]], [[1, 2, 3], [5]], 2)
@@ -177,6 +226,14 @@ def test_oracle_decision_is_a_step_decision():
     assert d.depth.dtype == torch.int32 and d.depth.tolist() == [2, 1, 2]
     assert d.expected_accepted.dtype == torch.float32 and d.expected_accepted[:2].tolist() == [2.0, 1.0]
     assert torch.isnan(d.expected_accepted[2]) and d.probs is None and not d.passthrough
+    # priced where more positions cost less: each row verifies its chosen chain's next token past the prefix
+    # (row 0 the model's 6, row 1 the n-gram's 3), T 5 -> 7, the cheapest the offers reach
+    cheap = Oracle(Reference({}, 4, "auto"), price=np.array([0, 9, 8, 7, 6, 5, 4, 3, 2.0]))
+    inputs = StepInputs(["a", "b"], [0.0] * 2, {MODEL.name: Offer([[1, 2, 6], [5, 5]], None),
+                                                 LOOKUP.name: Offer([[1], [3, 3]], None)})
+    d, known = cheap.decide(inputs, [[1, 2, 5], [3, 4]], MODEL.name, [[1, 2, 6], [5, 5]])
+    assert d.drafts == [[1, 2, 6], [3, 3]] and cheap.padded == 2 and known == [True, True]
+    assert d.depth.tolist() == [3, 2] and d.expected_accepted.tolist() == [2.0, 1.0]  # the prefix, not the depth
 
 
 def _server(tmp_path, ref: dict, engine_chain: str):

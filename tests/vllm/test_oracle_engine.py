@@ -6,7 +6,9 @@ chains: EAGLE's draft and the recomputed n-gram chain; draft passes 0 where the 
 
 Asserted: (a) the oracle's outputs are no speculation's; (b) it decided every request-step from a known
 continuation and every draft token it had verified was accepted (vLLM's spec-decode counters: accepted ==
-verified draft tokens > 0, i.e. 1.0 accepted per verified token).
+verified draft tokens > 0, i.e. 1.0 accepted per verified token). Priced by a step cost whose price falls with
+positions (an AMD EPYC's, measured: docs/bench/step-cost-2026-12-06-epyc-f32-small.json), (a) still holds and
+every draft token it padded past an accepted prefix is rejected: accepted == verified - padded.
 
 Tables: SYNTHETIC (tests/serve/test_serve_entry.py's random grids for this target, EAGLE head and n-gram):
 the oracle never reads their numbers, only the engine check that builds calib's decider needs them. Each
@@ -52,16 +54,20 @@ def reference(tmp_path_factory):
     return tmp, ref, texts, _synthetic_eagle_tables(tmp / "tables")
 
 
-@pytest.mark.parametrize("speculative", ["ngram", "eagle"])
-def test_the_oracle_verifies_only_what_is_accepted(reference, speculative):
+FALLING = "docs/bench/step-cost-2026-12-06-epyc-f32-small.json"  # T = 5 positions priced below T = 1
+
+
+@pytest.mark.parametrize(("speculative", "cost"), [("ngram", "[1.0,0.05]"), ("eagle", "[1.0,0.05]"),
+                                                   ("ngram", FALLING)])
+def test_the_oracle_verifies_only_what_is_accepted(reference, speculative, cost):
     from calib.serve.oracle import Reference
 
     tmp, ref, texts, tables = reference
     refs = Reference.load(ref)
     assert len(refs) == len(texts) == 3 and refs.max_tokens == 32 and refs.dtype == "float32"
-    out = tmp / f"oracle-{speculative}"
+    out = tmp / f"oracle-{speculative}-{'falling' if cost == FALLING else 'linear'}"
     _serve("policy=oracle", f"speculative={speculative}", f"serve.oracle={ref}", f"tables={tables}",
-           f"out_dir={out}", "serve.cost=[1.0,0.05]")
+           f"out_dir={out}", f"serve.cost={cost}")
     rec = json.loads((out / "serve.json").read_text())
     assert json.loads((out / "outputs.json").read_text()) == texts  # (a)
     st, c = rec["calib"], rec["vllm_spec_decode"]
@@ -69,6 +75,11 @@ def test_the_oracle_verifies_only_what_is_accepted(reference, speculative):
                                                                                "passes_engine", "passes_planned")}, c)
     assert st["oracle"] and st["disabled_reason"] is None and st["errors"] == 0, st
     assert st["decided"] > 0 and st["oracle_known"] > 0 and st["oracle_unknown"] == 0, st  # (b)
+    if cost == FALLING:  # padded to the cheapest step: the padding, and only it, rejected
+        assert st["oracle_padded"] > 0 and c["num_accepted_tokens"] > 0, st
+        assert c["num_accepted_tokens"] == c["num_draft_tokens"] - st["oracle_padded"], (st, c)
+        return
+    assert st["oracle_padded"] == 0, st  # a price that never falls pads nothing
     assert c["num_draft_tokens"] > 0 and c["num_accepted_tokens"] == c["num_draft_tokens"], c  # 1.0 per token
     if speculative == "eagle":  # the draft passes: vLLM's K, or none where the n-gram chain commits all it can
         assert st["planned"] > 0 and st["passes_planned"] <= st["passes_engine"], st
