@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from calib.allocate.padding import cheapest_padding
+from calib.chains import NO_CHAIN
 from calib.policies.base import Arm, Policy, PolicyResult, Serving, register_policy
 from calib.policies.setting import Setting, allocate_chains, committed
 
@@ -66,7 +68,26 @@ def _oracle_passes(s: Setting, gmax: int, extra: float) -> tuple[np.ndarray, np.
     de = np.zeros((sb.S, sb.B), np.int64)
     for i in range(sb.S):
         dr[i], de[i] = allocate_chains(p1[i], None if p2 is None else p2[i], cost_t, s.budget, s.cfg.impl, sb.names)
+        if s.budget is None:  # as served: the same tokens in the cheapest step the drafts reach
+            dr[i], de[i] = _padded(sb, i, gmax, dr[i], de[i], curve.values)
     return committed(sb, dr, de), curve.charge(de) + extra, de.sum(axis=1)
+
+
+def _padded(sb, i: int, gmax: int, dr: np.ndarray, de: np.ndarray, price: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Step ``i``'s (chain [B], depth [B]) padded as the clock oracle pads (calib/serve/oracle.py ``pad_to_cheapest``):
+    each row's chosen chain's drafted tokens past its depth, or where it chose none the chain that drafted more (the
+    primary's draft is ``gmax`` passes long), up to the cheapest step they reach. A padded token past the accepted
+    prefix is rejected, so :func:`committed` counts the same tokens; only the step's price changes."""
+    first, second = sb.ids
+    drafted = {first: np.minimum(sb.length[first][i], gmax)}
+    if sb.second:
+        drafted[second] = sb.length[second][i]
+    other = second if sb.second else first
+    longer = np.where(drafted[other] > drafted[first], other, first) if sb.second else np.full_like(dr, first)
+    chosen = np.where(dr == NO_CHAIN, longer, dr)
+    avail = np.where(chosen == first, drafted[first], drafted[other])
+    extra = cheapest_padding(avail - de, len(de) + int(de.sum()), price)
+    return np.where(extra > 0, chosen, dr), de + extra
 
 
 register_policy(Policy(

@@ -41,6 +41,8 @@ from pathlib import Path
 
 import numpy as np
 
+from calib.allocate.padding import cheapest_padding
+
 FORMAT = "calib-oracle-reference/1"
 
 
@@ -236,9 +238,8 @@ def pad_to_cheapest(drafts: Sequence[Sequence[int]], chosen: Sequence[str | None
     known row whose reference goes on past its accepted prefix ``n`` may verify more of a chain's draft: the chosen
     chain's tokens after ``n`` (where none was chosen, the first chain in ``order``, then ``offers``' order, that
     offers any), whose first differs from the reference's next token (``n`` is the longest common prefix), so
-    verification rejects it and commits exactly what the prefix alone commits. The padding goes to the ``T`` of the
-    lowest price the spare tokens reach (ties to the fewest positions), one token per row in turn; a price that
-    never falls adds none."""
+    verification rejects it and commits exactly what the prefix alone commits. How many each row verifies:
+    :func:`calib.allocate.padding.cheapest_padding` (none where the price never falls)."""
     drafts, chosen = [list(map(int, x)) for x in drafts], list(chosen)
     names = [c for c in order if c in offers] + [c for c in offers if c not in order]
     spare: list[list[int]] = [[] for _ in drafts]
@@ -252,16 +253,7 @@ def pad_to_cheapest(drafts: Sequence[Sequence[int]], chosen: Sequence[str | None
             if spare[b] and chosen[b] is None:
                 chosen[b] = source
     base = len(drafts) + sum(len(x) for x in drafts)
-    top = min(base + sum(len(x) for x in spare), len(price) - 1)
-    if top <= base:
-        return drafts, [c if drafts[b] else None for b, c in enumerate(chosen)]
-    extra = int(np.argmin(np.asarray(price[base: top + 1], dtype=np.float64)))  # the first minimum: fewest positions
-    taken = [0] * len(drafts)
-    while extra > 0:
-        for b in range(len(drafts)):
-            if extra > 0 and taken[b] < len(spare[b]):
-                taken[b] += 1
-                extra -= 1
+    taken = cheapest_padding([len(x) for x in spare], base, price).tolist()
     padded = [x + spare[b][: taken[b]] for b, x in enumerate(drafts)]
     return padded, [c if padded[b] else None for b, c in enumerate(chosen)]
 

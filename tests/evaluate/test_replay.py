@@ -337,3 +337,26 @@ def test_steps_deal_every_round_once_per_pass(n_rounds, batch, passes):
     full = int(passes * n_rounds) // n_rounds  # every round at least this often; none more than one extra
     assert counts.min() >= full and counts.max() <= full + 1
     assert all(len(np.unique(r)) == batch for r in idx)
+
+
+def test_the_replays_oracle_pads_its_steps_as_the_served_oracle_does(tmp_path, monkeypatch):
+    """Where the price falls with positions (SYNTHETIC curve, cheapest at T = 14 of B = 4), the oracle's steps are
+    priced padded to the cheapest size their drafts reach (calib/serve/oracle.py pad_to_cheapest): the same tokens,
+    never a higher price, and here a lower one; under a price that never falls, nothing changes."""
+    import calib.policies.oracle as policy
+
+    bank = load_eval_bank(tiny_bank(tmp_path), forecast_tables(tmp_path, 0.7), fractions=(0, 0, 1))
+    rng = np.random.default_rng(0)
+    sb = StepBatch(bank, np.arange(4), np.stack([rng.permutation(4) for _ in range(24)]))
+    cfg = ReplayConfig(draft_cost={"model": 0.0, "ngram": 0.0})
+    falling = CostCurve("falling", np.r_[2.0, np.linspace(2.0, 1.0, 14), np.linspace(1.1, 1.3, 3)], "s")
+    curves = {"falling": falling, "rising": curve()}
+    padded = {k: replay_setting(sb, c, cfg, train_mean_curve(bank)) for k, c in curves.items()}
+    with monkeypatch.context() as m:
+        m.setattr(policy, "_padded", lambda sb, i, gmax, dr, de, price: (dr, de))
+        plain = {k: replay_setting(sb, c, cfg, train_mean_curve(bank)) for k, c in curves.items()}
+    for name in ("oracle_served", "oracle"):
+        (tok, cost, pos, _), (tok0, cost0, pos0, _) = padded["falling"][name], plain["falling"][name]
+        assert (tok == tok0).all() and (cost <= cost0 + 1e-12).all() and (pos >= pos0).all(), name
+        assert (cost < cost0).any() and (pos > pos0).any(), name
+        assert all((a == b).all() for a, b in zip(padded["rising"][name][:3], plain["rising"][name][:3])), name
