@@ -96,6 +96,11 @@ class ServeKnobs:
     # retire a newcomer before its first step where the last plan would run no pass for one more request either:
     # its prefill skips the head's pass and its prefix-cache hit keeps the block vLLM drops for the head
     retire_at_admission: bool = True
+    # the step clock (calib/serve/step_clock.py): the cost curve corrected by this engine's own steps, per batch
+    # size, each step's weight decaying by clock_decay per later step, the curve a prior of clock_prior steps
+    clock: bool = True
+    clock_decay: float = 0.95
+    clock_prior: float = 8.0
 
     _parameter_constraints: ClassVar[dict] = {
         "tables": [TEXT],
@@ -118,6 +123,9 @@ class ServeKnobs:
         "aside_every": [Interval(numbers.Integral, 1, None)],
         "retire_drafter_after": [Interval(numbers.Integral, 0, None)],
         "retire_at_admission": [Boolean()],
+        "clock": [Boolean()],
+        "clock_decay": [Interval(numbers.Real, 0, 1, closed="right")],
+        "clock_prior": [Interval(numbers.Real, 0, None, closed="neither")],
         "oracle": [NoneValue(), Satisfies("None or the path of an existing oracle reference file "
                                           "(calib/serve/oracle.py)", lambda v: isinstance(v, str) and Path(v).is_file())],
     }

@@ -48,6 +48,9 @@ class ServeStats:
     oracle: bool = False  # the clock oracle decided this process's steps (knob oracle)
     aside_engine: int = 0  # steps calib stood aside on, handing vLLM's own drafts through (calib/serve/aside.py)
     aside_none: int = 0  # ... scheduling no draft tokens (and, with a model drafter, no draft pass)
+    clock_steps: int = 0  # steps the step clock timed (knob clock; calib/serve/step_clock.py)
+    # {"B=<size> <greedy|sampled>": [ms beyond the curve at no draft token, ms per draft token, steps]}: its correction
+    clock: dict = field(default_factory=dict)
     errors: int = 0  # exceptions caught in the hooks themselves
     disabled_reason: str | None = None  # why the decider was not built (None: built, or not reached)
 

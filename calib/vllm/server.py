@@ -58,6 +58,11 @@ class Server(DraftPlanning):
         self.ranks = None  # calib.vllm.ranks.RankCheck under tensor parallelism (set at engine start), else None
         self.oracle = None  # calib.serve.oracle.Oracle when knobs.oracle names a reference (set at construction)
         self.aside = StandAside(knobs.aside_after, knobs.aside_every)  # stretches that need no decision
+        # the cost curve corrected by this engine's own steps (knob clock; calib/serve/step_clock.py), set at
+        # construction; the curve as given (the decider's price before the clock has seen enough of a batch)
+        self.clock, self.base_cost = None, None
+        self.clock_last: float | None = None  # perf_counter at the previous step's draft proposal
+        self.clock_pending: tuple | None = None  # the batch key of the decision the next step verifies
         self.aside_now: tuple | None = None  # (request ids, verdict) the plan of this step's draft passes took
         self.passes_now: int | None = None  # the draft passes the plan set this step (None: it set none)
         # requests the model drafter no longer pays for: a step of only those that runs no pass skips the head's
@@ -110,6 +115,11 @@ class Server(DraftPlanning):
         loaded = drafted.confidence is not None  # a model drafter: an engine step cost charges its idle forward
         cost = cost_curve(self.cost_text, int(runner.max_num_reqs) * (self.k + 1), drafter_loaded=loaded)
         self.unpriced_sampling = prices_greedy_only(self.cost_text)
+        self.base_cost = cost
+        if self.knobs.clock and not self.knobs.oracle:  # the oracle prices as the curve does (pad_to_cheapest)
+            from calib.serve.step_clock import StepClock
+
+            self.clock = StepClock(cost.to(torch.float64).numpy(), self.knobs.clock_decay, self.knobs.clock_prior)
         self.max_model_len = getattr(runner, "max_model_len", None)
         dec = SafeDecider(self.tables_dir, model_id=model_id, speculator=speculator, k_max=self.k,
                           method=method, chains=self.chains, cost=cost, identity=engine_identity(runner, sc),
@@ -272,6 +282,22 @@ class Server(DraftPlanning):
             if self.decider is not None:
                 self.decider.finish(r)
 
+    def time_step(self, so, now: float, drafted_s: float) -> None:
+        """One observation of the step clock (calib/serve/step_clock.py) at a step's draft proposal: the wall time
+        since the previous one's, less its drafting (``drafted_s``), for a pure decode step (no prompt chunk) of as
+        many requests as calib last decided for."""
+        last, self.clock_last = self.clock_last, now
+        pending, self.clock_pending = self.clock_pending, None
+        if self.clock is None or last is None or pending is None:
+            return
+        batch, T = len(so.num_scheduled_tokens), int(so.total_num_scheduled_tokens)
+        pure = batch == pending[0] and T == batch + sum(len(v) for v in so.scheduled_spec_decode_tokens.values())
+        if pure and self.clock.observe(pending, batch, T, now - last - drafted_s):
+            self.stats.clock_steps += 1
+            a, b = self.clock.correction(pending)
+            self.stats.clock[f"B={batch} {'sampled' if pending[1] else 'greedy'}"] = [
+                round(a * 1e3, 3), round(b * 1e3, 3), self.clock.steps[pending]]
+
     def step(self, runner, out):
         """vLLM's ``DraftTokenIds`` -> calib's (or ``out`` itself when passing through)."""
         start = time.perf_counter()
@@ -300,6 +326,10 @@ class Server(DraftPlanning):
         if self.unpriced_sampling and any(t > 0 for t in temps):
             self.note_unpriced_sampling()
         key = batch_key(temps)
+        self.clock_pending = (len(req_ids), any(t > 0 for t in temps))  # what the step that verifies this is timed as
+        if self.clock is not None:
+            price = self.clock.price(self.clock_pending, len(req_ids))
+            dec.cost = self.base_cost if price is None else price
         verdict = self.aside_verdict(req_ids, key, any(left))
         if verdict == "engine":  # vLLM's own proposal, untouched (calib/serve/aside.py)
             self.stats.aside_engine += 1

@@ -23,6 +23,8 @@ class ServingSubscriber(RunnerSubscriber):
 
     def __init__(self, server: Server):
         self.server = server
+        self.draft_start = 0.0
+        self.drafted_s = 0.0  # the last draft proposal's seconds (left out of the step clock's time)
 
     def before_take(self, runner) -> None:
         srv = self.server
@@ -59,6 +61,10 @@ class ServingSubscriber(RunnerSubscriber):
 
     def before_propose(self, runner, scheduler_output, sampled_token_ids) -> None:
         srv = self.server
+        try:
+            srv.time_step(scheduler_output, time.perf_counter(), self.drafted_s)
+        except Exception as exc:  # noqa: BLE001 - the curve stays as it was
+            srv.error("step clock", exc)
         engine_k = getattr(scheduler_output, "num_spec_tokens_to_schedule", None)
         srv.retirement.skip_now = False  # set again below for this step only
         srv.passes_now = None  # the plan sets it when it runs
@@ -87,7 +93,8 @@ class ServingSubscriber(RunnerSubscriber):
 
     def after_propose(self, runner) -> None:
         srv = self.server
-        srv.stats.draft_ms.append((time.perf_counter() - self.draft_start) * 1e3)
+        self.drafted_s = time.perf_counter() - self.draft_start
+        srv.stats.draft_ms.append(self.drafted_s * 1e3)
         try:
             srv.finish_drafting(list(runner.input_batch.req_ids))
         except Exception as exc:  # noqa: BLE001

@@ -1,0 +1,100 @@
+"""The step's price as this engine's clock says: a correction of the cost curve, learned from the steps it serves.
+
+calib prices a step by a cost curve measured elsewhere (``serve.cost``: a profile's fit, calib/cost/step.py), on
+another machine or day, by timers inside the step. On one AMD EPYC core at concurrency 16 a served step with a few
+draft tokens cost 4-6 ms more per position than no speculation's (bench/serve.py's steady steps), where the curve
+priced 2.8: calib speculated at 0.92x of no speculation (docs/serving.md). The engine serving now is the answer, so
+:class:`StepClock` measures each pure decode step's wall time (from one draft proposal to the next: the verify
+forward of the step's ``T`` positions, calib's decision, the engine's bookkeeping; a model drafter's passes left out,
+they are priced apart) and fits, per batch (its size, and whether it samples), the residual from the curve as a line
+in the step's draft tokens ``x = T - B``::
+
+    seconds - curve[T] = a + b * x
+
+by least squares over the batch's recent steps (each step's weight decays by ``decay`` per later step of that batch),
+the curve's own slope a prior worth ``prior`` steps of one draft token (a ridge ``prior * b**2``: ``b`` is learned
+from the steps that verify draft tokens, ``a`` from all). The decision then reads
+``curve[T] + a + b (T - B)`` (:meth:`StepClock.price`). A batch that stops speculating keeps its slope until its
+drafted steps decay below the prior, then drafts again by the curve's and re-learns it. Engine-independent: no vLLM
+import.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+# a step's residual counts at most this share of the curve's price, either way: one step that waited on the host
+# (a page fault, a collection) must not reprice the next hundred
+MAX_RESIDUAL = 0.5
+# the corrected price stays at least this share of the curve's (positive, as the allocator requires)
+MIN_PRICE_SHARE = 0.05
+
+
+class StepClock:
+    """Per batch key: decayed sums of ``(1, x, r, x², x·r)`` over its steps (``x`` draft tokens, ``r`` seconds
+    beyond the curve), the fitted correction, and the corrected curve handed to the decider, rebuilt every
+    ``refresh`` steps of that key once it has ``min_steps``.
+
+    ``curve``: float ``[T_max + 1]`` serving's price of a step by its positions ``T`` (seconds, as
+    :func:`calib.cost.serving.cost_curve` builds it)."""
+
+    def __init__(self, curve, decay: float = 0.95, prior: float = 8.0, refresh: int = 4, min_steps: int = 4):
+        self.curve = np.asarray(curve, dtype=np.float64)  # [T_max + 1]
+        self.decay, self.prior, self.refresh, self.min_steps = float(decay), float(prior), int(refresh), int(min_steps)
+        self.sums: dict[tuple, np.ndarray] = {}  # key -> [5] decayed sums of 1, x, r, x*x, x*r
+        self.steps: dict[tuple, int] = {}  # key -> steps observed
+        self.curves: dict[tuple, torch.Tensor] = {}  # key -> float32 [T_max + 1] the corrected curve, while fresh
+
+    def observe(self, key: tuple, batch: int, positions: int, seconds: float) -> bool:
+        """Count one pure decode step of ``batch`` requests verifying ``positions`` in all, that took ``seconds``;
+        False where it is not one the curve prices (no position past the curve, fewer positions than requests, a
+        time that is not a positive number)."""
+        x = int(positions) - int(batch)
+        if not (0 <= x and int(positions) < len(self.curve) and batch >= 1 and np.isfinite(seconds) and seconds > 0):
+            return False
+        price = self.curve[int(positions)]
+        r = float(np.clip(seconds - price, -MAX_RESIDUAL * price, MAX_RESIDUAL * price))
+        sums = self.sums.get(key)
+        if sums is None:
+            sums = self.sums[key] = np.zeros(5)
+        sums *= self.decay
+        sums += (1.0, x, r, x * x, x * r)
+        n = self.steps[key] = self.steps.get(key, 0) + 1
+        if n % self.refresh == 0:
+            self.curves.pop(key, None)
+        return True
+
+    def correction(self, key: tuple) -> tuple[float, float]:
+        """``(a, b)``: seconds the batch's steps take beyond the curve at no draft token, and per draft token
+        (``(0, 0)`` for a key not observed): the prior-weighted least squares of the module docstring."""
+        sums = self.sums.get(key)
+        if sums is None:
+            return 0.0, 0.0
+        w, sx, sr, sxx, sxr = sums
+        sxx = sxx + self.prior  # the ridge on b: the curve's slope, worth `prior` steps of one draft token
+        det = w * sxx - sx * sx
+        b = (w * sxr - sx * sr) / det if det > 0 else 0.0
+        return float((sr - b * sx) / w), float(b)
+
+    def price(self, key: tuple, batch: int) -> torch.Tensor | None:
+        """The corrected curve for a step of this key, float32 ``[T_max + 1]`` (the same tensor until the key's next
+        refresh, so that what the decider derives from it is derived once), or None before ``min_steps`` steps."""
+        if self.steps.get(key, 0) < self.min_steps:
+            return None
+        held = self.curves.get(key)
+        if held is None:
+            a, b = self.correction(key)
+            t = np.arange(len(self.curve), dtype=np.float64)
+            corrected = np.maximum(self.curve + a + b * (t - batch), MIN_PRICE_SHARE * self.curve)
+            held = self.curves[key] = torch.from_numpy(corrected.astype(np.float32))
+        return held
+
+    def summary(self) -> dict[str, list[float]]:
+        """{``"B=<size> <greedy|sampled>"``: [a ms, b ms per draft token, steps]} per batch key seen (the serving
+        statistics)."""
+        out = {}
+        for key, n in sorted(self.steps.items()):
+            a, b = self.correction(key)
+            out[f"B={key[0]} {'sampled' if key[1] else 'greedy'}"] = [round(a * 1e3, 3), round(b * 1e3, 3), n]
+        return out

@@ -1,0 +1,95 @@
+"""The step clock (calib/serve/step_clock.py) and its wiring in the Server (calib/vllm/server.py ``time_step``).
+
+Every curve, time and scheduler output here is SYNTHETIC (made-up seconds and a stand-in of vLLM's
+``SchedulerOutput``); the served runs are bench/serve.py's (docs/serving.md).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from calib.serve.knobs import ServeKnobs
+from calib.serve.step_clock import MAX_RESIDUAL, StepClock
+
+CURVE = 0.050 + 0.003 * np.arange(81, dtype=np.float64)  # [T_max + 1] seconds: 50 ms + 3 ms per position
+KEY = (16, False)
+
+
+def test_learns_the_line_the_clock_draws_beyond_the_curve():
+    """Steps that take 10 ms less than the curve at no draft token and 2 ms more per draft token: learned."""
+    rng = np.random.default_rng(0)
+    clock = StepClock(CURVE, decay=0.99, prior=8.0)
+    for _ in range(400):
+        x = int(rng.integers(0, 12))
+        T = 16 + x
+        assert clock.observe(KEY, 16, T, CURVE[T] - 0.010 + 0.002 * x + rng.normal(0, 0.002))
+    a, b = clock.correction(KEY)
+    assert a == pytest.approx(-0.010, abs=0.0015) and b == pytest.approx(0.002, abs=0.0003)
+    price = clock.price(KEY, 16)
+    assert price.dtype == torch.float32 and price.shape == (81,)
+    assert float(price[20]) == pytest.approx(CURVE[20] + a + 4 * b, rel=1e-6)
+    assert clock.price(KEY, 16) is price  # the same tensor until the next refresh: derived once by the decider
+    assert clock.summary() == {"B=16 greedy": [round(a * 1e3, 3), round(b * 1e3, 3), 400]}
+
+
+def test_the_curve_is_a_prior_and_steps_without_drafts_keep_the_slope_near_it():
+    clock = StepClock(CURVE, prior=8.0, min_steps=4)
+    assert clock.price(KEY, 16) is None and clock.correction(KEY) == (0.0, 0.0)  # nothing seen yet
+    for _ in range(3):
+        clock.observe(KEY, 16, 16, CURVE[16] + 0.008)
+    assert clock.price(KEY, 16) is None  # fewer than min_steps
+    for _ in range(200):
+        clock.observe(KEY, 16, 16, CURVE[16] + 0.008)  # 8 ms more, never a draft token
+    # no drafted step: the base is learned, the slope stays the curve's
+    assert clock.correction(KEY) == (pytest.approx(0.008), 0.0)
+    assert clock.correction((4, False)) == (0.0, 0.0)  # another batch size learns apart
+
+
+def test_outliers_are_clipped_and_the_price_stays_positive():
+    clock = StepClock(CURVE, decay=0.5, prior=0.01, min_steps=1, refresh=1)
+    assert clock.observe(KEY, 16, 20, 5.0)  # a step that waited on the host for seconds
+    a, _ = clock.correction(KEY)
+    assert a <= MAX_RESIDUAL * CURVE[20] + 1e-9
+    for _ in range(30):
+        clock.observe(KEY, 16, 16, 1e-4)  # absurdly fast steps: clipped, and the price never reaches 0
+    assert (clock.price(KEY, 16) > 0).all()
+    # steps the curve does not price are refused
+    assert not clock.observe(KEY, 16, 15, 0.05) and not clock.observe(KEY, 16, 81, 0.05)
+    assert not clock.observe(KEY, 16, 16, float("nan")) and not clock.observe(KEY, 16, 16, 0.0)
+
+
+def _so(tokens: dict, spec: dict):
+    return SimpleNamespace(num_scheduled_tokens=tokens, total_num_scheduled_tokens=sum(tokens.values()),
+                           scheduled_spec_decode_tokens=spec)
+
+
+def test_server_times_pure_decode_steps_of_the_batch_it_decided_for():
+    from calib.vllm.server import Server
+
+    srv = Server(ServeKnobs("unused-tables"))
+    srv.clock = StepClock(CURVE, min_steps=1, refresh=1)
+    srv.time_step(_so({"a": 3, "b": 1}, {"a": [1, 2]}), 10.0, 0.0)  # the first: nothing to time it from
+    assert srv.stats.clock_steps == 0 and srv.clock_last == 10.0
+    srv.clock_pending = (2, False)
+    srv.time_step(_so({"a": 3, "b": 1}, {"a": [1, 2]}), 10.2, 0.05)  # 200 ms less 50 of drafting, T = 4
+    assert srv.stats.clock_steps == 1 and srv.clock.steps[(2, False)] == 1
+    assert srv.clock.sums[(2, False)][2] == pytest.approx(min(0.15 - CURVE[4], MAX_RESIDUAL * CURVE[4]))
+    assert set(srv.stats.clock) == {"B=2 greedy"}
+    for so in (_so({"a": 3, "b": 9}, {"a": [1, 2]}),  # a prompt chunk rode along
+               _so({"a": 1, "b": 1, "c": 1}, {})):  # another batch size than the decision's
+        srv.clock_pending = (2, False)
+        srv.time_step(so, 10.4, 0.0)
+    assert srv.stats.clock_steps == 1
+    srv.time_step(_so({"a": 1, "b": 1}, {}), 10.5, 0.0)  # no decision since (stood aside before it, or none)
+    assert srv.stats.clock_steps == 1
+
+
+def test_knobs():
+    assert ServeKnobs("t").clock is True and ServeKnobs("t", clock=False).clock is False
+    for bad in ({"clock": "yes"}, {"clock_decay": 0.0}, {"clock_decay": 1.5}, {"clock_prior": 0.0}):
+        with pytest.raises((TypeError, ValueError), match=next(iter(bad))):
+            ServeKnobs("t", **bad)
