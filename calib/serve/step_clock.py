@@ -1,22 +1,25 @@
 """The step's price as this engine's clock says: a correction of the cost curve, learned from the steps it serves.
 
 calib prices a step by a cost curve measured elsewhere (``serve.cost``: a profile's fit, calib/cost/step.py), on
-another machine or day, by timers inside the step. On one AMD EPYC core at concurrency 16 a served step with a few
+another machine or day, by timers inside the step. On one AMD EPYC core at concurrency 16, served steps with a few
 draft tokens cost 4-6 ms more per position than no speculation's (bench/serve.py's steady steps), where the curve
-priced 2.8: calib speculated at 0.92x of no speculation (docs/serving.md). The engine serving now is the answer, so
-:class:`StepClock` measures each pure decode step's wall time (from one draft proposal to the next: the verify
-forward of the step's ``T`` positions, calib's decision, the engine's bookkeeping; a model drafter's passes left out,
-they are priced apart) and fits, per batch (its size, and whether it samples), the residual from the curve as a line
-in the step's draft tokens ``x = T - B``::
+priced 2.8 ms, and even the clock oracle, verifying only accepted tokens, served 0.94x of no speculation
+(docs/serving.md). The engine serving now is the answer, so :class:`StepClock` measures each pure decode step's wall
+time (from one draft proposal to the next: the verify forward of the step's ``T`` positions, calib's decision, the
+engine's bookkeeping; a model drafter's passes left out, they are priced apart) and fits, per batch (its size, and
+whether it samples), the residual from the curve in the step's draft tokens ``x = T - B``::
 
-    seconds - curve[T] = a + b * x
+    seconds - curve[T] = a + j * [x > 0] + b * x
 
-by least squares over the batch's recent steps (each step's weight decays by ``decay`` per later step of that batch),
-the curve's own slope a prior worth ``prior`` steps of one draft token (a ridge ``prior * b**2``: ``b`` is learned
-from the steps that verify draft tokens, ``a`` from all). The decision then reads
-``curve[T] + a + b (T - B)`` (:meth:`StepClock.price`). A batch that stops speculating keeps its slope until its
-drafted steps decay below the prior, then drafts again by the curve's and re-learns it. Engine-independent: no vLLM
-import.
+``a`` the base the curve mispriced, ``j`` what a step pays once for verifying any draft token (the engine's
+speculative path: the rejection sampler, the scheduler's and the output's bookkeeping of draft tokens), ``b`` per
+draft token; by least squares over the batch's recent steps (each step's weight decays by ``decay`` per later step of
+that batch), the curve's slope a ridge prior on ``b`` worth ``prior`` steps of one draft token (``j`` gets a ridge of
+one step, :data:`JUMP_PRIOR`: it is learned where steps with and without draft tokens both occur, ``b`` from the steps
+that verify draft tokens, ``a`` from all). The decision then reads
+``curve[T] + a + j [T > B] + b (T - B)`` (:meth:`StepClock.price`). A batch that stops speculating keeps its ``j``
+and ``b`` until its drafted steps decay below the prior, then drafts again by the curve's and re-learns them.
+Engine-independent: no vLLM import.
 """
 
 from __future__ import annotations
@@ -27,14 +30,16 @@ import torch
 # a step's residual counts at most this share of the curve's price, either way: one step that waited on the host
 # (a page fault, a collection) must not reprice the next hundred
 MAX_RESIDUAL = 0.5
+# the ridge on the jump j, in steps: enough to leave j at 0 where no step tells it from the base a
+JUMP_PRIOR = 1.0
 # the corrected price stays at least this share of the curve's (positive, as the allocator requires)
 MIN_PRICE_SHARE = 0.05
 
 
 class StepClock:
-    """Per batch key: decayed sums of ``(1, x, r, x², x·r)`` over its steps (``x`` draft tokens, ``r`` seconds
-    beyond the curve), the fitted correction, and the corrected curve handed to the decider, rebuilt every
-    ``refresh`` steps of that key once it has ``min_steps``.
+    """Per batch key: decayed sums over its steps (``z = [x > 0]``, ``x`` draft tokens, ``r`` seconds beyond the
+    curve) of what the least squares of ``r`` on ``(1, z, x)`` needs, the fitted correction, and the corrected curve
+    handed to the decider, rebuilt every ``refresh`` steps of that key once it has ``min_steps``.
 
     ``curve``: float ``[T_max + 1]`` serving's price of a step by its positions ``T`` (seconds, as
     :func:`calib.cost.serving.cost_curve` builds it)."""
@@ -42,7 +47,7 @@ class StepClock:
     def __init__(self, curve, decay: float = 0.95, prior: float = 8.0, refresh: int = 4, min_steps: int = 4):
         self.curve = np.asarray(curve, dtype=np.float64)  # [T_max + 1]
         self.decay, self.prior, self.refresh, self.min_steps = float(decay), float(prior), int(refresh), int(min_steps)
-        self.sums: dict[tuple, np.ndarray] = {}  # key -> [5] decayed sums of 1, x, r, x*x, x*r
+        self.sums: dict[tuple, np.ndarray] = {}  # key -> [7] decayed sums of 1, z, x, x*x, r, z*r, x*r
         self.steps: dict[tuple, int] = {}  # key -> steps observed
         self.curves: dict[tuple, torch.Tensor] = {}  # key -> float32 [T_max + 1] the corrected curve, while fresh
 
@@ -55,27 +60,29 @@ class StepClock:
             return False
         price = self.curve[int(positions)]
         r = float(np.clip(seconds - price, -MAX_RESIDUAL * price, MAX_RESIDUAL * price))
+        z = float(x > 0)
         sums = self.sums.get(key)
         if sums is None:
-            sums = self.sums[key] = np.zeros(5)
+            sums = self.sums[key] = np.zeros(7)
         sums *= self.decay
-        sums += (1.0, x, r, x * x, x * r)
+        sums += (1.0, z, x, x * x, r, z * r, x * r)
         n = self.steps[key] = self.steps.get(key, 0) + 1
         if n % self.refresh == 0:
             self.curves.pop(key, None)
         return True
 
-    def correction(self, key: tuple) -> tuple[float, float]:
-        """``(a, b)``: seconds the batch's steps take beyond the curve at no draft token, and per draft token
-        (``(0, 0)`` for a key not observed): the prior-weighted least squares of the module docstring."""
+    def correction(self, key: tuple) -> tuple[float, float, float]:
+        """``(a, j, b)`` seconds: the batch's steps beyond the curve at no draft token, once for any, and per draft
+        token (zeros for a key not observed): the ridge least squares of the module docstring."""
         sums = self.sums.get(key)
         if sums is None:
-            return 0.0, 0.0
-        w, sx, sr, sxx, sxr = sums
-        sxx = sxx + self.prior  # the ridge on b: the curve's slope, worth `prior` steps of one draft token
-        det = w * sxx - sx * sx
-        b = (w * sxr - sx * sr) / det if det > 0 else 0.0
-        return float((sr - b * sx) / w), float(b)
+            return 0.0, 0.0, 0.0
+        w, wz, wx, wxx, wr, wzr, wxr = sums
+        # z*z = z and z*x = x: a step with draft tokens is one with z = 1. The jump's ridge is one step: where every
+        # step drafts (or none), a and j cannot be told apart and j stays 0; the slope's is the prior.
+        gram = np.array([[w, wz, wx], [wz, wz + JUMP_PRIOR, wx], [wx, wx, wxx + self.prior]])
+        a, j, b = np.linalg.solve(gram, np.array([wr, wzr, wxr]))
+        return float(a), float(j), float(b)
 
     def price(self, key: tuple, batch: int) -> torch.Tensor | None:
         """The corrected curve for a step of this key, float32 ``[T_max + 1]`` (the same tensor until the key's next
@@ -84,17 +91,12 @@ class StepClock:
             return None
         held = self.curves.get(key)
         if held is None:
-            a, b = self.correction(key)
-            t = np.arange(len(self.curve), dtype=np.float64)
-            corrected = np.maximum(self.curve + a + b * (t - batch), MIN_PRICE_SHARE * self.curve)
+            a, j, b = self.correction(key)
+            x = np.arange(len(self.curve), dtype=np.float64) - batch
+            corrected = np.maximum(self.curve + a + j * (x > 0) + b * x, MIN_PRICE_SHARE * self.curve)
             held = self.curves[key] = torch.from_numpy(corrected.astype(np.float32))
         return held
 
-    def summary(self) -> dict[str, list[float]]:
-        """{``"B=<size> <greedy|sampled>"``: [a ms, b ms per draft token, steps]} per batch key seen (the serving
-        statistics)."""
-        out = {}
-        for key, n in sorted(self.steps.items()):
-            a, b = self.correction(key)
-            out[f"B={key[0]} {'sampled' if key[1] else 'greedy'}"] = [round(a * 1e3, 3), round(b * 1e3, 3), n]
-        return out
+    def summary(self, key: tuple) -> list[float]:
+        """``[a, j, b]`` in milliseconds and the key's steps: what the serving statistics keep per batch."""
+        return [*(round(v * 1e3, 3) for v in self.correction(key)), self.steps.get(key, 0)]

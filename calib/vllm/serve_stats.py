@@ -49,7 +49,8 @@ class ServeStats:
     aside_engine: int = 0  # steps calib stood aside on, handing vLLM's own drafts through (calib/serve/aside.py)
     aside_none: int = 0  # ... scheduling no draft tokens (and, with a model drafter, no draft pass)
     clock_steps: int = 0  # steps the step clock timed (knob clock; calib/serve/step_clock.py)
-    # {"B=<size> <greedy|sampled>": [ms beyond the curve at no draft token, ms per draft token, steps]}: its correction
+    # {"B=<size> <greedy|sampled>": [ms beyond the curve at no draft token, ms once for any, ms per draft token,
+    # steps]}: the step clock's correction of each batch's price
     clock: dict = field(default_factory=dict)
     errors: int = 0  # exceptions caught in the hooks themselves
     disabled_reason: str | None = None  # why the decider was not built (None: built, or not reached)

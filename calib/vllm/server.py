@@ -294,9 +294,7 @@ class Server(DraftPlanning):
         pure = batch == pending[0] and T == batch + sum(len(v) for v in so.scheduled_spec_decode_tokens.values())
         if pure and self.clock.observe(pending, batch, T, now - last - drafted_s):
             self.stats.clock_steps += 1
-            a, b = self.clock.correction(pending)
-            self.stats.clock[f"B={batch} {'sampled' if pending[1] else 'greedy'}"] = [
-                round(a * 1e3, 3), round(b * 1e3, 3), self.clock.steps[pending]]
+            self.stats.clock[f"B={batch} {'sampled' if pending[1] else 'greedy'}"] = self.clock.summary(pending)
 
     def step(self, runner, out):
         """vLLM's ``DraftTokenIds`` -> calib's (or ``out`` itself when passing through)."""

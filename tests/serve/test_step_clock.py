@@ -19,41 +19,49 @@ CURVE = 0.050 + 0.003 * np.arange(81, dtype=np.float64)  # [T_max + 1] seconds: 
 KEY = (16, False)
 
 
-def test_learns_the_line_the_clock_draws_beyond_the_curve():
-    """Steps that take 10 ms less than the curve at no draft token and 2 ms more per draft token: learned."""
+def test_learns_what_the_clock_adds_to_the_curve():
+    """Steps that take 10 ms less than the curve at no draft token, 6 ms more once for any and 2 ms more per draft
+    token: learned."""
     rng = np.random.default_rng(0)
     clock = StepClock(CURVE, decay=0.99, prior=8.0)
     for _ in range(400):
-        x = int(rng.integers(0, 12))
+        x = int(rng.integers(1, 12)) if rng.random() < 0.5 else 0  # half the steps verify no draft token
         T = 16 + x
-        assert clock.observe(KEY, 16, T, CURVE[T] - 0.010 + 0.002 * x + rng.normal(0, 0.002))
-    a, b = clock.correction(KEY)
-    assert a == pytest.approx(-0.010, abs=0.0015) and b == pytest.approx(0.002, abs=0.0003)
+        assert clock.observe(KEY, 16, T, CURVE[T] - 0.010 + 0.006 * (x > 0) + 0.002 * x + rng.normal(0, 0.002))
+    a, j, b = clock.correction(KEY)
+    assert a == pytest.approx(-0.010, abs=0.001) and j == pytest.approx(0.006, abs=0.0015)
+    assert b == pytest.approx(0.002, abs=0.0003)
     price = clock.price(KEY, 16)
     assert price.dtype == torch.float32 and price.shape == (81,)
-    assert float(price[20]) == pytest.approx(CURVE[20] + a + 4 * b, rel=1e-6)
+    assert float(price[20]) == pytest.approx(CURVE[20] + a + j + 4 * b, rel=1e-6)
+    assert float(price[16]) == pytest.approx(CURVE[16] + a, rel=1e-6)
     assert clock.price(KEY, 16) is price  # the same tensor until the next refresh: derived once by the decider
-    assert clock.summary() == {"B=16 greedy": [round(a * 1e3, 3), round(b * 1e3, 3), 400]}
+    assert clock.summary(KEY) == [round(a * 1e3, 3), round(j * 1e3, 3), round(b * 1e3, 3), 400]
 
 
-def test_the_curve_is_a_prior_and_steps_without_drafts_keep_the_slope_near_it():
+def test_the_curve_is_a_prior_and_steps_without_drafts_keep_its_jump_and_slope():
     clock = StepClock(CURVE, prior=8.0, min_steps=4)
-    assert clock.price(KEY, 16) is None and clock.correction(KEY) == (0.0, 0.0)  # nothing seen yet
+    assert clock.price(KEY, 16) is None and clock.correction(KEY) == (0.0, 0.0, 0.0)  # nothing seen yet
     for _ in range(3):
         clock.observe(KEY, 16, 16, CURVE[16] + 0.008)
     assert clock.price(KEY, 16) is None  # fewer than min_steps
     for _ in range(200):
         clock.observe(KEY, 16, 16, CURVE[16] + 0.008)  # 8 ms more, never a draft token
-    # no drafted step: the base is learned, the slope stays the curve's
-    assert clock.correction(KEY) == (pytest.approx(0.008), 0.0)
-    assert clock.correction((4, False)) == (0.0, 0.0)  # another batch size learns apart
+    # no drafted step: the base is learned, the jump and the slope stay the curve's
+    assert clock.correction(KEY) == (pytest.approx(0.008), 0.0, 0.0)
+    assert clock.correction((4, False)) == (0.0, 0.0, 0.0)  # another batch size learns apart
+    drafting = StepClock(CURVE)  # every step drafts: nothing tells a jump from the base, which takes it all
+    for x in [1, 3, 2, 4] * 50:
+        drafting.observe(KEY, 16, 16 + x, CURVE[16 + x] + 0.004)
+    a, j, b = drafting.correction(KEY)
+    assert a == pytest.approx(0.004, rel=0.01) and abs(j) < 1e-4 and abs(b) < 1e-5
 
 
 def test_outliers_are_clipped_and_the_price_stays_positive():
     clock = StepClock(CURVE, decay=0.5, prior=0.01, min_steps=1, refresh=1)
     assert clock.observe(KEY, 16, 20, 5.0)  # a step that waited on the host for seconds
-    a, _ = clock.correction(KEY)
-    assert a <= MAX_RESIDUAL * CURVE[20] + 1e-9
+    a, j, b = clock.correction(KEY)
+    assert a + j + 4 * b <= MAX_RESIDUAL * CURVE[20] + 1e-9
     for _ in range(30):
         clock.observe(KEY, 16, 16, 1e-4)  # absurdly fast steps: clipped, and the price never reaches 0
     assert (clock.price(KEY, 16) > 0).all()
@@ -77,7 +85,7 @@ def test_server_times_pure_decode_steps_of_the_batch_it_decided_for():
     srv.clock_pending = (2, False)
     srv.time_step(_so({"a": 3, "b": 1}, {"a": [1, 2]}), 10.2, 0.05)  # 200 ms less 50 of drafting, T = 4
     assert srv.stats.clock_steps == 1 and srv.clock.steps[(2, False)] == 1
-    assert srv.clock.sums[(2, False)][2] == pytest.approx(min(0.15 - CURVE[4], MAX_RESIDUAL * CURVE[4]))
+    assert srv.clock.sums[(2, False)][4] == pytest.approx(min(0.15 - CURVE[4], MAX_RESIDUAL * CURVE[4]))
     assert set(srv.stats.clock) == {"B=2 greedy"}
     for so in (_so({"a": 3, "b": 9}, {"a": [1, 2]}),  # a prompt chunk rode along
                _so({"a": 1, "b": 1, "c": 1}, {})):  # another batch size than the decision's
