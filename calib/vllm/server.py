@@ -116,7 +116,9 @@ class Server(DraftPlanning):
         cost = cost_curve(self.cost_text, int(runner.max_num_reqs) * (self.k + 1), drafter_loaded=loaded)
         self.unpriced_sampling = prices_greedy_only(self.cost_text)
         self.base_cost = cost
-        if self.knobs.clock and not self.knobs.oracle:  # the oracle prices as the curve does (pad_to_cheapest)
+        # the oracle prices as the curve does (pad_to_cheapest); under tensor parallelism each rank would time its own
+        # steps and decide apart, and the ranks must decide alike (calib.vllm.ranks): the curve as given
+        if self.knobs.clock and not self.knobs.oracle and self.ranks is None:
             from calib.serve.step_clock import StepClock
 
             self.clock = StepClock(cost.to(torch.float64).numpy(), self.knobs.clock_decay, self.knobs.clock_prior)
@@ -294,7 +296,8 @@ class Server(DraftPlanning):
         pure = batch == pending[0] and T == batch + sum(len(v) for v in so.scheduled_spec_decode_tokens.values())
         if pure and self.clock.observe(pending, batch, T, now - last - drafted_s):
             self.stats.clock_steps += 1
-            self.stats.clock[f"B={batch} {'sampled' if pending[1] else 'greedy'}"] = self.clock.summary(pending)
+            if (self.clock.steps[pending] - 1) % self.clock.refresh == 0:  # as often as the price: steps 1, 5, 9...
+                self.stats.clock[f"B={batch} {'sampled' if pending[1] else 'greedy'}"] = self.clock.summary(pending)
 
     def step(self, runner, out):
         """vLLM's ``DraftTokenIds`` -> calib's (or ``out`` itself when passing through)."""
