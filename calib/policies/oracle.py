@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from calib.allocate.padding import cheapest_padding
 from calib.chains import NO_CHAIN
 from calib.policies.base import Arm, Policy, PolicyResult, Serving, register_policy
 from calib.policies.setting import Setting, allocate_chains, committed
@@ -78,6 +77,9 @@ def _padded(sb, i: int, gmax: int, dr: np.ndarray, de: np.ndarray, price: np.nda
     each row's chosen chain's drafted tokens past its depth, or where it chose none the chain that drafted more (the
     primary's draft is ``gmax`` passes long), up to the cheapest step they reach. A padded token past the accepted
     prefix is rejected, so :func:`committed` counts the same tokens; only the step's price changes."""
+    # here, not at the top: calib.allocate imports torch, and the entry points' --help import the policies
+    from calib.allocate.padding import cheapest_padding
+
     first, second = sb.ids
     drafted = {first: np.minimum(sb.length[first][i], gmax)}
     if sb.second:

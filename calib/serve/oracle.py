@@ -41,8 +41,6 @@ from pathlib import Path
 
 import numpy as np
 
-from calib.allocate.padding import cheapest_padding
-
 FORMAT = "calib-oracle-reference/1"
 
 
@@ -240,6 +238,9 @@ def pad_to_cheapest(drafts: Sequence[Sequence[int]], chosen: Sequence[str | None
     offers any), whose first differs from the reference's next token (``n`` is the longest common prefix), so
     verification rejects it and commits exactly what the prefix alone commits. How many each row verifies:
     :func:`calib.allocate.padding.cheapest_padding` (none where the price never falls)."""
+    # here, not at the top: calib.allocate imports torch, and serve.py --help imports this module
+    from calib.allocate.padding import cheapest_padding
+
     drafts, chosen = [list(map(int, x)) for x in drafts], list(chosen)
     names = [c for c in order if c in offers] + [c for c in offers if c not in order]
     spare: list[list[int]] = [[] for _ in drafts]
