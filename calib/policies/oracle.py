@@ -81,13 +81,10 @@ def _padded(sb, i: int, gmax: int, dr: np.ndarray, de: np.ndarray, price: np.nda
     from calib.allocate.padding import cheapest_padding
 
     first, second = sb.ids
-    drafted = {first: np.minimum(sb.length[first][i], gmax)}
-    if sb.second:
-        drafted[second] = sb.length[second][i]
-    other = second if sb.second else first
-    longer = np.where(drafted[other] > drafted[first], other, first) if sb.second else np.full_like(dr, first)
-    chosen = np.where(dr == NO_CHAIN, longer, dr)
-    avail = np.where(chosen == first, drafted[first], drafted[other])
+    own = np.minimum(sb.length[first][i], gmax)  # [B] the primary's draft: gmax passes long
+    other, alt = (second, sb.length[second][i]) if sb.second else (first, own)
+    chosen = np.where(dr == NO_CHAIN, np.where(alt > own, other, first), dr)
+    avail = np.where(chosen == first, own, alt)
     extra = cheapest_padding(avail - de, len(de) + int(de.sum()), price)
     return np.where(extra > 0, chosen, dr), de + extra
 

@@ -189,6 +189,11 @@ def accepted_prefix(draft: Sequence[int], continuation: Sequence[int]) -> int:
     return n
 
 
+def _in_order(offers: Mapping[str, object], first: Sequence[str]) -> list[str]:
+    """The offered chain names, those in ``first`` first (in its order), then the rest in ``offers``' order."""
+    return [c for c in first if c in offers] + [c for c in offers if c not in first]
+
+
 def oracle_choice(offers: Mapping[str, Sequence[Sequence[int]]], continuations: Sequence[Sequence[int] | None],
                   cheaper_first: Sequence[str] = (), engine_chain: str | None = None,
                   engine_drafts: Sequence[Sequence[int]] | None = None
@@ -206,7 +211,7 @@ def oracle_choice(offers: Mapping[str, Sequence[Sequence[int]]], continuations: 
             raise ValueError(f"chain {name!r} offers {len(rows)} drafts for {B} requests")
     if engine_drafts is not None and len(engine_drafts) != B:
         raise ValueError(f"{len(engine_drafts)} engine drafts for {B} requests")
-    order = [c for c in cheaper_first if c in offers] + [c for c in offers if c not in cheaper_first]
+    order = _in_order(offers, cheaper_first)
     drafts, chosen, known = [], [], []
     for b, cont in enumerate(continuations):
         if cont is None:
@@ -242,7 +247,7 @@ def pad_to_cheapest(drafts: Sequence[Sequence[int]], chosen: Sequence[str | None
     from calib.allocate.padding import cheapest_padding
 
     drafts, chosen = [list(map(int, x)) for x in drafts], list(chosen)
-    names = [c for c in order if c in offers] + [c for c in offers if c not in order]
+    names = _in_order(offers, order)
     spare: list[list[int]] = [[] for _ in drafts]
     for b, (cont, ok) in enumerate(zip(continuations, known)):
         n = len(drafts[b])

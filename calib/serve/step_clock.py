@@ -58,8 +58,8 @@ class StepClock:
         x = int(positions) - int(batch)
         if not (0 <= x and int(positions) < len(self.curve) and batch >= 1 and np.isfinite(seconds) and seconds > 0):
             return False
-        price = self.curve[int(positions)]
-        r = float(np.clip(seconds - price, -MAX_RESIDUAL * price, MAX_RESIDUAL * price))
+        price = float(self.curve[int(positions)])
+        r = min(max(seconds - price, -MAX_RESIDUAL * price), MAX_RESIDUAL * price)  # scalars: no numpy call per step
         z = float(x > 0)
         sums = self.sums.get(key)
         if sums is None:
