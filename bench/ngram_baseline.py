@@ -25,8 +25,9 @@ TRAIN_BANKS = ["data/banks/eagle-chat_code-t0", "data/banks/eagle-chat_code-t0.8
 BASELINE_FEATURES = ["match_n"]
 
 
-def rows(tables_dir: str, train_banks: list[str], banks: list[str]) -> list[dict]:
-    """One row per (bank, category, and "all"): n, Brier and AUROC of the tables and of the baseline."""
+def rows(tables_dir: str, train_banks: list[str], banks: list[str], by_depth: bool = False) -> list[dict]:
+    """One row per (bank, category, and "all"; with ``by_depth`` also per depth): n, Brier and AUROC of the tables
+    and of the baseline."""
     from calib.bank.io import load  # here, not at the top: --help answers without pandas or scikit-learn
     from calib.calibrators.base import with_depth
     from calib.calibrators.features import LogisticAcceptance
@@ -51,11 +52,17 @@ def rows(tables_dir: str, train_banks: list[str], banks: list[str]) -> list[dict
         p_base = base.accept_proba(with_depth(s[BASELINE_FEATURES], s.depth.to_numpy()))
         p_tab = table_predict(table, s[axes].to_numpy(dtype=np.float64), s.depth.to_numpy())
         y = s.label.to_numpy()
+        depths = ["all", *sorted(int(d) for d in s.depth.unique())] if by_depth else ["all"]
         for cat in ["all", *sorted(s.category.unique())]:
-            m = np.ones(len(s), bool) if cat == "all" else (s.category == cat).to_numpy()
-            out.append({"bank": Path(path).name, "category": cat, "n": int(m.sum()),
-                        "brier_tables": brier(p_tab[m], y[m]), "brier_baseline": brier(p_base[m], y[m]),
-                        "auroc_tables": auroc(p_tab[m], y[m]), "auroc_baseline": auroc(p_base[m], y[m])})
+            for depth in depths:
+                m = np.ones(len(s), bool) if cat == "all" else (s.category == cat).to_numpy()
+                if depth != "all":
+                    m = m & (s.depth == depth).to_numpy()
+                if len(np.unique(y[m])) < 2:  # AUROC needs both labels
+                    continue
+                out.append({"bank": Path(path).name, "category": cat, "depth": depth, "n": int(m.sum()),
+                            "brier_tables": brier(p_tab[m], y[m]), "brier_baseline": brier(p_base[m], y[m]),
+                            "auroc_tables": auroc(p_tab[m], y[m]), "auroc_baseline": auroc(p_base[m], y[m])})
     return out
 
 
@@ -65,10 +72,12 @@ def main(argv=None) -> None:
     ap.add_argument("--tables", default="runs/train/default", help="tables folder (python train.py)")
     ap.add_argument("--train-banks", nargs="+", default=TRAIN_BANKS,
                     help="the banks the tables were trained on (the baseline is fitted on their train/val prompts)")
+    ap.add_argument("--by-depth", action="store_true", help="a row per depth too (where a chain is cut)")
     args = ap.parse_args(argv)
-    print(f"{'bank':24s} {'category':10s} {'n':>7s}  Brier tables | baseline   AUROC tables | baseline")
-    for r in rows(args.tables, args.train_banks, args.banks):
-        print(f"{r['bank']:24s} {r['category']:10s} {r['n']:7d}  {r['brier_tables']:.4f} | {r['brier_baseline']:.4f}"
+    print(f"{'bank':24s} {'category':10s} {'depth':>5s} {'n':>7s}  Brier tables | baseline   AUROC tables | baseline")
+    for r in rows(args.tables, args.train_banks, args.banks, args.by_depth):
+        print(f"{r['bank']:24s} {r['category']:10s} {r['depth']!s:>5s} {r['n']:7d}  {r['brier_tables']:.4f} | "
+              f"{r['brier_baseline']:.4f}"
               f"       {r['auroc_tables']:.3f} | {r['auroc_baseline']:.3f}"
               f"{'' if r['brier_tables'] <= r['brier_baseline'] else '   <- the baseline is better'}")
 

@@ -27,12 +27,17 @@ class NgramMatch:
     agreement: float = 0.0  # share of occurrences whose next token is the chain's first token
     cont_len: int = 0  # tokens after the match used, up to the context end
     context_len: int = 0
+    # per depth j of the chain: of the occurrences whose continuation agrees with the chain's first j tokens (and
+    # reaches depth j inside the context), the share that goes on with its token j; depth 0 is ``agreement``
+    depth_agreement: list[float] = field(default_factory=list)
 
     def features(self) -> dict:
+        """The round's match features (:data:`MATCH_FEATURES`), then the per-depth ``depth_agreement`` list."""
         return {
             "match_n": self.match_n, "occurrences": self.occurrences, "distance": self.distance,
             "in_prompt": self.in_prompt, "distinct_next": self.distinct_next,
             "agreement": self.agreement, "cont_len": self.cont_len, "context_len": self.context_len,
+            DEPTH_FEATURE: list(self.depth_agreement),
         }
 
 
@@ -77,21 +82,40 @@ def find_match(context, min_n: int, max_n: int, k: int, prompt_len: int = 0,
         out.distinct_next = int(np.unique(nxt).size)
         out.agreement = float(np.mean(nxt == chain[0]))
         out.cont_len = int(total - end)
+        out.depth_agreement = depth_agreement(ctx, ends, chain)
         return out
     return out
 
 
-# The columns of :func:`find_matches`' feature array, in NgramMatch.features() order.
+def depth_agreement(ctx: np.ndarray, ends: np.ndarray, chain: np.ndarray) -> list[float]:
+    """Per depth j of ``chain``: among the occurrences (ending at ``ends``, exclusive) whose continuation in ``ctx``
+    agrees with ``chain[:j]`` and reaches depth j, the share whose token j is ``chain[j]``. The chain is one
+    occurrence's continuation, so every share is above 0; depth 0 is the round's ``agreement``. Where every earlier
+    occurrence still agrees at a deep depth, the chain is likelier right there than its match alone says."""
+    alive, out = np.asarray(ends, dtype=np.int64), []
+    for j, tok in enumerate(np.asarray(chain).tolist()):
+        alive = alive[alive + j < ctx.shape[0]]
+        same = alive[ctx[alive + j] == tok]
+        out.append(float(same.size / alive.size))
+        alive = same
+    return out
+
+
+# The round columns of :func:`find_matches`' feature array, in NgramMatch.features() order; the array then holds
+# ``k`` columns of ``depth_agreement`` (NaN beyond the chain).
 MATCH_FEATURES = ("match_n", "occurrences", "distance", "in_prompt", "distinct_next", "agreement", "cont_len",
                   "context_len")
+DEPTH_FEATURE = "depth_agreement"  # the per-depth feature (a list in NgramMatch.features())
+_N_ROUND = len(MATCH_FEATURES)  # where the kernel writes depth_agreement (a constant numba compiles in)
 
 
 def find_matches(token_ids, rows, num_tokens, prompt_lens, min_n: int, max_n: int, k: int,
                  max_model_len: int | None = None, extra=None, extra_len=None):
     """:func:`find_match` for a batch at once, on an engine's token buffer: request ``b``'s context is
     ``token_ids[rows[b], :num_tokens[b]]`` followed by ``extra[b, :extra_len[b]]`` (tokens not yet written).
-    Returns ``(tokens [B][<= k], features float64 [B, len(MATCH_FEATURES)])``, a row of zeros but
-    ``context_len`` where there is no match (as :class:`NgramMatch` holds then). One compiled call per
+    Returns ``(tokens [B][<= k], features float64 [B, len(MATCH_FEATURES) + k])``: the round columns, a row of zeros
+    but ``context_len`` where there is no match (as :class:`NgramMatch` holds then), then ``depth_agreement`` per
+    depth, NaN beyond the chain. One compiled call per
     step where numba is installed (vLLM's own n-gram proposer uses it; calib's serving path then costs
     microseconds per request), else :func:`find_match` per request; both give the same (tested)."""
     B = len(rows)
@@ -108,19 +132,23 @@ def find_matches(token_ids, rows, num_tokens, prompt_lens, min_n: int, max_n: in
                                    extra_len)
     chains = np.zeros((B, max(int(k), 1)), dtype=np.int64)
     lengths = np.zeros(B, dtype=np.int64)
-    feats = np.zeros((B, len(MATCH_FEATURES)), dtype=np.float64)
+    feats = np.zeros((B, len(MATCH_FEATURES) + max(int(k), 1)), dtype=np.float64)
+    feats[:, len(MATCH_FEATURES):] = np.nan
     kernel(np.asarray(token_ids), rows, num_tokens, prompt_lens, int(min_n), int(max_n), int(k), limit, extra,
            extra_len, chains, lengths, feats)
     return [c[:n] for c, n in zip(chains.tolist(), lengths.tolist())], feats  # two tolist calls, not one per row
 
 
 def _find_matches_numpy(token_ids, rows, num_tokens, prompt_lens, min_n, max_n, k, limit, extra, extra_len):
-    tokens, feats = [], np.zeros((len(rows), len(MATCH_FEATURES)))
+    n_round = len(MATCH_FEATURES)
+    tokens, feats = [], np.full((len(rows), n_round + max(int(k), 1)), np.nan)
     for b, r in enumerate(rows.tolist()):
         ctx = np.concatenate([np.asarray(token_ids[r, : num_tokens[b]], dtype=np.int64), extra[b, : extra_len[b]]])
         m = find_match(ctx, min_n, max_n, k, int(prompt_lens[b]), None if limit < 0 else limit)
         tokens.append(m.tokens)
-        feats[b] = [float(v) for v in m.features().values()]
+        f = m.features()
+        feats[b, :n_round] = [float(f[name]) for name in MATCH_FEATURES]
+        feats[b, n_round: n_round + len(m.depth_agreement)] = m.depth_agreement
     return tokens, feats
 
 
@@ -195,6 +223,24 @@ def _match_batch(token_ids, rows, num_tokens, prompt_lens, min_n, max_n, k, limi
         feats[b, 4] = distinct
         feats[b, 5] = agree / count
         feats[b, 6] = total - end
+        # depth_agreement: the occurrences still agreeing with the chain, narrowed depth by depth
+        alive = np.empty(count, dtype=np.int64)
+        n_alive = 0
+        for i in range(total - 1):
+            if ends[i] >= n:
+                alive[n_alive] = i + 1
+                n_alive += 1
+        for j in range(m):
+            known, same = 0, 0
+            for a in range(n_alive):
+                at = alive[a] + j
+                if at < total:
+                    known += 1
+                    if ctx[at] == ctx[end + j]:
+                        alive[same] = alive[a]
+                        same += 1
+            feats[b, _N_ROUND + j] = same / known
+            n_alive = same
 
 
 def label_chain(chain, context_len: int, final_tokens) -> tuple[int, list[int]]:

@@ -58,10 +58,12 @@ def synthetic_tables(n_prompts=4, rounds_per_prompt=5, width=4, seed=0, with_ngr
         ng["label_source"] = ["counterfactual" if l else "none" for l in lens]
         for j in range(width):
             ng[f"ngram_tok{j}"] = [int(rng.integers(0, 1000)) if j < l else None for l in lens]
+            ng[f"depth_agreement{j}"] = [float(rng.uniform(0.05, 1)) if j < l else None for l in lens]
             ng[f"acc{j}"] = [(1 if j < a else 0) if (a is not None and j < l) else None
                              for l, a in zip(lens, acc_ng)]
         fields = key_schema + [pa.field(c, t) for c, t in schema.NGRAM_ROUND.items()]
         fields += [pa.field(f"ngram_tok{j}", pa.int64()) for j in range(width)]
+        fields += [pa.field(f"depth_agreement{j}", pa.float64()) for j in range(width)]
         fields += [pa.field(f"acc{j}", pa.int8()) for j in range(width)]
         ngram = pa.table(ng, schema=pa.schema(fields))
     return acceptance, speculator_t, ngram

@@ -29,5 +29,10 @@ def test_it_scores_every_reached_ngram_depth_per_category(tmp_path, capsys):
     assert all(0 <= r[k] <= 1 for r in rows for k in ("brier_tables", "brier_baseline"))
     mod.main([str(unseen), "--tables", str(tmp_path / "tables"), "--train-banks", str(train)])
     out = capsys.readouterr().out.splitlines()
-    assert out[0].split()[:3] == ["bank", "category", "n"] and len(out) == 1 + len(rows)
+    assert out[0].split()[:4] == ["bank", "category", "depth", "n"] and len(out) == 1 + len(rows)
     assert np.isfinite(by["all"]["auroc_tables"])
+    # per depth: every reached depth of the pooled rows (each holds both labels here), adding up to them
+    deep = [r for r in mod.rows(str(tmp_path / "tables"), [str(train)], [str(unseen)], by_depth=True)
+            if r["category"] == "all"]
+    assert [r["depth"] for r in deep] == ["all", *sorted(samples.depth.unique())]
+    assert sum(r["n"] for r in deep[1:]) == deep[0]["n"] == len(samples)

@@ -74,8 +74,27 @@ def _find_match_windows(context, min_n, max_n, k, prompt_len=0, max_model_len=No
         out.distance, out.in_prompt = int(total - start), bool(end <= prompt_len)
         out.distinct_next, out.agreement = int(np.unique(nxt).size), float(np.mean(nxt == chain[0]))
         out.cont_len = int(total - end)
+        out.depth_agreement = _depth_agreement_naive(ctx.tolist(), ends.tolist(), chain.tolist())
         return out
     return out
+
+
+def _depth_agreement_naive(ctx, ends, chain):
+    """Per depth: of the occurrences whose continuation equals chain[:j] and reaches depth j, the share with chain[j]."""
+    out = []
+    for j in range(len(chain)):
+        known = [e for e in ends if e + j < len(ctx) and ctx[e: e + j] == chain[:j]]
+        out.append(sum(ctx[e + j] == chain[j] for e in known) / len(known))
+    return out
+
+
+def test_depth_agreement_by_hand():
+    """Three earlier occurrences of (1, 2): their next tokens are 3, 4, 3; of the two with 3, one goes on with 9."""
+    m = find_match([5, 1, 2, 3, 9, 1, 2, 4, 7, 1, 2, 3, 8, 1, 2], 1, 4, 4)
+    assert m.tokens == [3, 9, 1, 2]
+    assert m.depth_agreement == pytest.approx([2 / 3, 1 / 2, 1.0, 1.0])
+    assert m.depth_agreement[0] == m.agreement
+    assert find_match([1, 2, 3], 1, 4, 4).depth_agreement == []  # no match
 
 
 def test_find_match_equals_the_sliding_window_matcher():
@@ -117,4 +136,7 @@ def test_batch_matches_equal_one_at_a_time(data, batch, min_n, extra, k, capped)
         ctx = list(buf[rows[b], : lengths[b]]) + late[b]
         m = find_match(ctx, min_n, min_n + extra, k, prompt[b], limit)
         assert tokens[b] == m.tokens
-        assert feats[b].tolist() == [float(m.features()[f]) for f in MATCH_FEATURES]
+        assert feats[b, : len(MATCH_FEATURES)].tolist() == [float(m.features()[f]) for f in MATCH_FEATURES]
+        depth = feats[b, len(MATCH_FEATURES):]
+        assert depth[: len(m.tokens)].tolist() == m.depth_agreement
+        assert np.isnan(depth[len(m.tokens):]).all()

@@ -17,7 +17,8 @@ additively (a reader that knows only the public layout sees nothing new):
   ``batch_size`` (int64, requests in the verify step), ``temperature`` (float64) and ``logit_transforms``
   (string: the request's target-only logit transforms, calib/transforms.py).
 * ngram.parquet (same keys) holds the n-gram (prompt-lookup) chain that the context offered at that
-  round, its match features and, when known, its accept mask — see :data:`NGRAM_FEATURES`.
+  round, its match features and, when known, its accept mask — see :data:`NGRAM_FEATURES` — and, in banks
+  collected since calib recorded it, ``depth_agreement{j}`` per depth (:data:`NGRAM_DEPTH_FEATURES`).
 
 Routing captures (MoE targets; see :data:`ROUTING_META_COLUMNS`): ``routing.npy`` row ``i`` holds,
 for one position the target verified, the ``top_k`` expert ids chosen in each MoE layer.
@@ -173,8 +174,12 @@ class ChainFile:
                 + [f"{p}{j}" for p in self.depth_features for j in range(width)] + [f"{ACC}{j}" for j in range(width)])
 
 
+# per depth: of the earlier occurrences still agreeing with the chain, the share going on with its token there
+# (calib.ngram.depth_agreement); banks collected before it lack the columns, and stay valid
+NGRAM_DEPTH_FEATURES = {"depth_agreement": (0.0, 1.0)}
 NGRAM_FILE = ChainFile(NGRAM, "ngram_len", NGRAM_TOK,
-                       {n: (t, 0.0, 1.0 if n == "agreement" else math.inf) for n, t in NGRAM_FEATURES.items()})
+                       {n: (t, 0.0, 1.0 if n == "agreement" else math.inf) for n, t in NGRAM_FEATURES.items()},
+                       NGRAM_DEPTH_FEATURES)
 _CHAIN_FILES: dict[str, ChainFile] = {NGRAM: NGRAM_FILE}  # the public layout's own extension, always known
 
 

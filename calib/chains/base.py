@@ -73,7 +73,8 @@ class ChainKind:
     # chain recomputed from a request's tokens at a serving step (a model-free chain: prompt lookup)
     propose: Callable | None = None
     # (token buffer [R, N], rows [B], lengths [B], prompt lengths [B], settings, max_model_len, extra tokens [B, E],
-    # their counts [B]) -> (tokens [B][<= k], features float64 [B, F]): ``propose`` for a whole step at once
+    # their counts [B]) -> (tokens [B][<= k], features float64 [B, F (+ k per depth feature)]): ``propose`` for a
+    # whole step at once
     # (serving's hot path); None: ``propose`` per request
     propose_batch: Callable | None = None
     # the layout of ``bank_file`` (calib.bank.schema.ChainFile): registered with the kind, so that the bank
@@ -99,6 +100,9 @@ class ChainKind:
     # float32 [B, width, F] (a numpy array or a tensor): ``step_features`` for what ``propose_batch`` returns; None:
     # the kind has no batch path
     batch_features: Callable | None = None
+    # per-depth features of ``bank`` a table may read although a bank predates them: the kind fills them in
+    # (documented where it does) and check_bank notes such a bank instead of refusing it
+    filled_features: tuple[str, ...] = ()
 
     def recompute(self, settings, k: int):
         """The kind's per-request recomputation (:attr:`proposer`, else a stateless wrapper of :attr:`propose`)

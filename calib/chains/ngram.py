@@ -16,8 +16,26 @@ import numpy as np
 from calib.bank import schema
 from calib.chains.base import ChainKind, RoundData, binned_table_axes
 
-NGRAM_SAMPLE_FEATURES = tuple(schema.NGRAM_FEATURES)
+DEPTH_AGREEMENT = "depth_agreement"  # calib.ngram.depth_agreement: ngram.parquet's depth_agreement{j} columns
+NGRAM_SAMPLE_FEATURES = (*schema.NGRAM_FEATURES, *schema.NGRAM_DEPTH_FEATURES)
 PREFIX = "ng_"  # of ngram.parquet's columns in Bank.rounds(chains=...)
+# depth_agreement where a bank collected before calib recorded it has none: depth 0 is the round's agreement (the
+# same number by definition), deeper depths this value, a bucket of their own in a table (edges from -0.5)
+NOT_RECORDED = -1.0
+
+
+def depth_agreement_matrix(table, width: int, length: np.ndarray, prefix: str = "") -> np.ndarray:
+    """float64 ``[R, width]``: ``depth_agreement`` of each round's chain (the bank's ``depth_agreement{j}``), NaN
+    beyond it; where a bank did not record it, the round's ``agreement`` at depth 0 and :data:`NOT_RECORDED` deeper."""
+    out = schema.depth_matrix(table, f"{prefix}{DEPTH_AGREEMENT}", width)
+    on = np.arange(width)[None, :] < np.asarray(length)[:, None]
+    missing = on & np.isnan(out)
+    if missing.any():
+        agreement = table.column(f"{prefix}agreement").to_numpy(zero_copy_only=False).astype(np.float64)
+        out[:, :1] = np.where(missing[:, :1], agreement[:, None], out[:, :1])
+        out[:, 1:][missing[:, 1:]] = NOT_RECORDED
+    out[~on] = np.nan
+    return out
 
 
 def ngram_samples(bank):
@@ -36,10 +54,12 @@ def ngram_samples(bank):
     t = t.filter(pa.array(src != "none"))
     width = schema.width(t.column_names, schema.NGRAM_TOK)
     acc = schema.depth_matrix(t, schema.ACC, width)
-    rounds = {f: t.column(f).to_numpy(zero_copy_only=False).astype(np.float64) for f in NGRAM_SAMPLE_FEATURES}
+    rounds = {f: t.column(f).to_numpy(zero_copy_only=False).astype(np.float64) for f in schema.NGRAM_FEATURES}
+    length = np.nan_to_num(t.column("ngram_len").to_numpy(zero_copy_only=False).astype(np.float64))
+    per_depth = {DEPTH_AGREEMENT: depth_agreement_matrix(t, width, length)}
     rounds["counterfactual"] = np.asarray(t.column("label_source").to_pylist(), dtype=object) == "counterfactual"
     rounds.update({n: t.column(f"ctx_{n}").to_numpy(zero_copy_only=False).astype(np.float64) for n in CONTEXT_COLUMNS})
-    return per_depth_samples(t, acc, {}, rounds)
+    return per_depth_samples(t, acc, per_depth, rounds)
 
 
 def ngram_drafted_depth(bank_dir) -> int:
@@ -53,8 +73,8 @@ def ngram_drafted_depth(bank_dir) -> int:
 def round_feature_tensor(table, names, width: int, prefix: str = ""):
     """n-gram features ``[R, L, F]`` (float32 torch) in the order ``names`` from ngram.parquet round columns.
 
-    The chain's features are per round, so they are repeated across depths ``j < ngram_len``;
-    every feature is NaN at depths beyond the chain (feature 0 NaN = "no token", as the tables read
+    The round features are repeated across depths ``j < ngram_len``, ``depth_agreement`` is read per depth
+    (:func:`depth_agreement_matrix`); every feature is NaN at depths beyond the chain (feature 0 NaN = "no token", as the tables read
     it). ``in_prompt`` becomes 0/1. ``prefix`` is :data:`PREFIX` for ``Bank.rounds(chains=...)``.
     """
     import pyarrow as pa
@@ -66,11 +86,15 @@ def round_feature_tensor(table, names, width: int, prefix: str = ""):
     for f, name in enumerate(names):
         if name not in NGRAM_SAMPLE_FEATURES:
             raise KeyError(f"unknown n-gram feature {name!r}; known: {NGRAM_SAMPLE_FEATURES}")
+        if name == DEPTH_AGREEMENT:
+            continue
         col = table.column(f"{prefix}{name}")
         if pa.types.is_boolean(col.type):
             col = col.cast(pa.int8())
         feats[:, f] = col.to_numpy(zero_copy_only=False).astype(np.float64)
     out = np.repeat(feats[:, None, :], width, axis=1)
+    if DEPTH_AGREEMENT in names:
+        out[:, :, list(names).index(DEPTH_AGREEMENT)] = depth_agreement_matrix(table, width, length, prefix)
     beyond = np.arange(width)[None, :] >= length[:, None]
     out[beyond] = np.nan
     return torch.from_numpy(out.astype(np.float32))
@@ -103,7 +127,8 @@ def step_feature_tensor(features: Sequence[Mapping | None], lengths: Sequence[in
         n = min(int(n), width)
         if f is None or n <= 0:
             continue
-        out[i, :n, :] = [float(f[name]) for name in names]
+        for c, name in enumerate(names):
+            out[i, :n, c] = np.asarray(f[name], dtype=np.float64)[:n] if name == DEPTH_AGREEMENT else float(f[name])
     return torch.from_numpy(out.astype(np.float32))
 
 
@@ -130,18 +155,25 @@ def propose_batch(token_ids, rows, num_tokens, prompt_lens, settings: tuple[int,
 
 
 def batch_feature_array(features, lengths: Sequence[int], names: Sequence[str], width: int) -> np.ndarray:
-    """numpy float32 ``[B, width, F]`` of :func:`propose_batch`'s features (``[B, F]``, or its rows; columns
-    ``names``), as :func:`step_feature_tensor` lays them out: repeated over depths ``< lengths[b]``, NaN beyond.
+    """numpy float32 ``[B, width, F]`` of :func:`propose_batch`'s features (``[B, F + k]``, or its rows; columns
+    ``names``), as :func:`step_feature_tensor` lays them out: round features repeated over depths ``< lengths[b]``,
+    ``depth_agreement`` read per depth, NaN beyond.
     numpy, not a tensor: serving reads it in numpy (calib.chains.base.offer_inputs), where a torch call each way
     would start cold inside the engine."""
     from calib.ngram import MATCH_FEATURES
 
-    cols = [MATCH_FEATURES.index(n) for n in names]
+    n_round = len(MATCH_FEATURES)
+    cols = [MATCH_FEATURES.index(n) if n != DEPTH_AGREEMENT else 0 for n in names]
     if not isinstance(features, np.ndarray):  # rows: np.array, not np.stack (a few times faster on a step's rows)
-        features = np.array(features, dtype=np.float64) if len(features) else np.zeros((0, len(MATCH_FEATURES)))
+        features = np.array(features, dtype=np.float64) if len(features) else np.zeros((0, n_round + width))
     reached = np.arange(width)[None, :] < np.asarray(lengths, dtype=np.int64)[:, None]  # [B, width]
     # rounded to float32 before the broadcast (the same values as after it: one rounding either way)
-    return np.where(reached[:, :, None], features[:, cols].astype(np.float32)[:, None, :], np.float32(np.nan))
+    out = np.where(reached[:, :, None], features[:, cols].astype(np.float32)[:, None, :], np.float32(np.nan))
+    if DEPTH_AGREEMENT in names:
+        depth = features[:, n_round: n_round + width].astype(np.float32)  # [B, <= width]
+        out[:, : depth.shape[1], list(names).index(DEPTH_AGREEMENT)] = np.where(
+            reached[:, : depth.shape[1]], depth, np.float32(np.nan))
+    return out
 
 
 def ngram_settings(given, k: int) -> tuple[int, int, int]:
@@ -170,5 +202,5 @@ NGRAM = ChainKind(
     bank_file=schema.NGRAM, column_prefix=PREFIX, manifest_key="ngram_chain", engine_methods=("ngram",),
     propose=propose, propose_batch=propose_batch, bank=schema.NGRAM_FILE, settings=ngram_settings,
     step_features=step_feature_tensor, batch_features=batch_feature_array, engine_settings=ngram_engine_settings,
-    serve_knob="ngram",
+    serve_knob="ngram", filled_features=(DEPTH_AGREEMENT,),
     description="prompt lookup (vLLM ngram): match features of the chain the context offered")

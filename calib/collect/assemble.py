@@ -163,6 +163,18 @@ def build_tables(rounds: dict[int, list[dict]], categories: dict[int, str],
     chain_tables = []
     for kind in kinds:
         names = kind.bank.column_names(keys.chain_width)
+        # a per-depth feature family no chain of these records carries (a capture from before calib recorded it)
+        # is left out whole; one that only some carry cannot be filled in
+        for prefix in kind.bank.depth_features:
+            lacking = chain_cols[kind.name].pop(f"_lacking_{prefix}", [])
+            if not lacking:
+                continue
+            if len(lacking) < sum(1 for n in chain_cols[kind.name][kind.bank.length] if n):
+                idx, r_idx = lacking[0]
+                raise ValueError(f"prompt {idx} round {r_idx}: its {kind.name} chain records no {prefix} while "
+                                 f"others of this run do (a collection resumed across calib versions?): collect "
+                                 f"again into a new out_dir")
+            names = [c for c in names if not schema.depth_columns([c], prefix)]
         chain_tables.append(pa.table({c: chain_cols[kind.name][c] for c in names}, schema=_schema(names, kind.bank_file)))
     return (acceptance, speculator, *chain_tables)
 
@@ -195,6 +207,8 @@ def _chain_row(cols, kind, rec, idx, r_idx, final, keys: RunKeys, verified: bool
     for j in range(L):
         cols[f"{spec.token}{j}"].append(chain[j] if j < len(chain) else None)
         for prefix in spec.depth_features:
+            if j == 0 and chain and feats.get(prefix) is None:
+                cols[f"_lacking_{prefix}"].append((idx, r_idx))
             vals = feats.get(prefix) or []
             cols[f"{prefix}{j}"].append(float(vals[j]) if j < len(chain) and j < len(vals) else None)
         cols[f"acc{j}"].append(mask[j] if j < len(mask) else None)

@@ -13,7 +13,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from calib.chains import CONTEXT, verified_chain
+from calib.bank import schema
+from calib.chains import CONTEXT, chain_names, verified_chain
+from calib.chains import chain as chain_kind
 from calib.fingerprint import describe, is_fingerprint, same_model
 from calib.params import finite_number
 from calib.tables.layout import ChainTable, GridTables
@@ -337,7 +339,7 @@ class Tables(GridTables):
     def _check_other_chains(self, facts: dict) -> tuple[list[str], list[str]]:
         """:meth:`check_bank`'s check of the other chains a bank records (the n-gram chain of a model bank,
         ...): their depth, and the table's own features among the columns of the chain's bank file."""
-        tdir, bdir, problems = facts["tables"], facts["path"], []
+        tdir, bdir, problems, notes = facts["tables"], facts["path"], [], []
         drafters = self.meta.get("chains", {})
         for other in drafters:
             k_bank, k_tab = facts["chain_k"].get(other), self.chain_depth(other) if other in self.chains else None
@@ -349,10 +351,16 @@ class Tables(GridTables):
                 continue
             # context axes (temperature, ...) are read from the verified rounds, not the chain's file
             feats = [f for f in self.feature_names(name) if f not in CONTEXT]
-            missing = [f for f in feats if f not in cols]
+            # a per-depth feature is its {name}{j} columns; one the chain kind fills in for older banks is noted
+            missing = [f for f in feats if f not in cols and not schema.depth_columns(cols, f)]
+            filled = [f for f in missing if name in chain_names() and f in chain_kind(name).filled_features]
+            if filled:
+                notes.append(f"bank {bdir}'s {file} was collected before calib recorded {filled}: the {name} "
+                             f"chain reads them filled in (calib/chains/{name}.py); recollect it for tables that see them")
+            missing = [f for f in missing if f not in filled]
             if missing:
                 problems.append(f"{name} features: tables {tdir} read {feats}, bank {bdir}'s {file} lacks {missing}")
-        return problems, []
+        return problems, notes
 
     def _check_bank_temperatures(self, facts: dict) -> tuple[list[str], list[str]]:
         """:meth:`check_bank`'s sampling temperature check: every chain checked before that the tables

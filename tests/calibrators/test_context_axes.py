@@ -124,7 +124,7 @@ def test_planted_temperature_effect_on_the_ngram_chain():
     s = pd.DataFrame({"match_n": match, "occurrences": rng.integers(1, 10, n).astype(float),
                       "distance": rng.integers(1, 300, n).astype(float), "in_prompt": rng.integers(0, 2, n) * 1.0,
                       "distinct_next": np.ones(n), "agreement": rng.uniform(0, 1, n),
-                      "cont_len": rng.integers(1, 20, n) * 1.0, "context_len": rng.integers(50, 500, n) * 1.0,
+                      "depth_agreement": rng.uniform(0, 1, n), "cont_len": rng.integers(1, 20, n) * 1.0, "context_len": rng.integers(50, 500, n) * 1.0,
                       "temperature": temp, "prev_accept": np.full(n, np.nan), "depth": np.zeros(n, int),
                       "label": (rng.uniform(0, 1, n) < p).astype(np.int8), "category": "chat", "prompt_idx": prompt,
                       "split": np.where(prompt % 5 == 0, "val", np.where(prompt % 5 == 1, "test", "train"))})

@@ -22,7 +22,8 @@ NGRAM_FEATURES = ("match_n", "agreement")
 NGRAM_EDGES = ((2, 3, 4), (0.5, 0.99))
 
 
-def fit_tables(banks, out_dir, grid_points: int = 21, split: str = "train"):
+def fit_tables(banks, out_dir, grid_points: int = 21, split: str = "train", ngram_features=NGRAM_FEATURES,
+               ngram_edges=NGRAM_EDGES):
     from sklearn.isotonic import IsotonicRegression
 
     from calib.bank import load
@@ -44,7 +45,7 @@ def fit_tables(banks, out_dir, grid_points: int = 21, split: str = "train"):
             model_acc.append(eb.chains["model"].acc[keep])
         if "ngram" in eb.chains:
             t = load(path).rounds(chains=[chain("ngram")])
-            feats = round_feature_tensor(t, NGRAM_FEATURES, eb.chains["ngram"].acc.shape[1], prefix="ng_").numpy()
+            feats = round_feature_tensor(t, ngram_features, eb.chains["ngram"].acc.shape[1], prefix="ng_").numpy()
             ng_feat.append(feats[keep])
             ng_acc.append(eb.chains["ngram"].acc[keep])
     K = 4
@@ -62,10 +63,10 @@ def fit_tables(banks, out_dir, grid_points: int = 21, split: str = "train"):
             grid[k] = torch.from_numpy(iso.predict(xs)).float()
         drafters["model"] = {"estimator": "isotonic (test stand-in)", "depths": K, "k": K,
                              "ids": sorted(model_ids)}
-    edges = torch.full((len(NGRAM_FEATURES), 3), float("inf"))
-    for f, e in enumerate(NGRAM_EDGES):
+    edges = torch.full((len(ngram_features), 3), float("inf"))
+    for f, e in enumerate(ngram_edges):
         edges[f, : len(e)] = torch.tensor(e)
-    n_b = [len(e) + 1 for e in NGRAM_EDGES]
+    n_b = [len(e) + 1 for e in ngram_edges]
     strides = torch.tensor([int(np.prod(n_b[f + 1:])) for f in range(len(n_b))], dtype=torch.int64)
     cells = int(np.prod(n_b))
     ng_grid = torch.full((K, cells), 0.5)
@@ -73,7 +74,7 @@ def fit_tables(banks, out_dir, grid_points: int = 21, split: str = "train"):
         feats, acc = np.concatenate(ng_feat), np.concatenate(ng_acc)
         reached, label = censored(acc)
         buckets = np.stack([np.searchsorted(np.asarray(e), feats[:, 0, f], side="right")
-                            for f, e in enumerate(NGRAM_EDGES)], axis=1)
+                            for f, e in enumerate(ngram_edges)], axis=1)
         cell = (np.nan_to_num(buckets) * strides.numpy()).sum(axis=1)
         for k in range(min(K, acc.shape[1])):
             m = reached[:, k]
@@ -81,7 +82,7 @@ def fit_tables(banks, out_dir, grid_points: int = 21, split: str = "train"):
             a = np.bincount(cell[m], weights=label[m, k], minlength=cells)
             ng_grid[k] = torch.from_numpy((a + 1) / (n + 2)).float()
         drafters["ngram"] = {"estimator": "cell rate (test stand-in)", "depths": K, "k": K, "ids": ["ngram"]}
-    tables = two_chain_tables(grid, edges, strides, ng_grid, features=list(NGRAM_FEATURES))
+    tables = two_chain_tables(grid, edges, strides, ng_grid, features=list(ngram_features))
     tables = GridTables({name: t for name, t in tables.chains.items() if name in drafters})
     return save(out_dir, tables,
                 meta={"chains": drafters,

@@ -26,7 +26,7 @@ import pandas as pd
 import torch
 from threadpoolctl import threadpool_limits
 
-from calib.bank.schema import NGRAM_FEATURES
+from calib.bank.schema import NGRAM_DEPTH_FEATURES, NGRAM_FEATURES
 from calib.calibrators.base import Boolean, Calibrator, Interval, Subset
 from calib.calibrators.lightning_fit import FIT_THREADS, torch_threads
 from calib.chains import CONTEXT
@@ -34,11 +34,11 @@ from calib.chains import CONTEXT
 log = logging.getLogger(__name__)
 
 DRAFTER_FEATURES = ("conf", "entropy", "margin")  # the model chain's per-depth drafter outputs
-FEATURE_NAMES = tuple(NGRAM_FEATURES) + DRAFTER_FEATURES  # every feature a bank records per round/depth
+FEATURE_NAMES = (*NGRAM_FEATURES, *NGRAM_DEPTH_FEATURES, *DRAFTER_FEATURES)  # every feature a bank records per round/depth
 LOG_FEATURES = {"match_n", "occurrences", "distance", "distinct_next", "cont_len", "context_len", "position"}
 LOGIT_FEATURES = {"conf"}
 DEFAULT_FEATURES = ("match_n", "occurrences", "distance", "in_prompt", "distinct_next", "agreement",
-                    "cont_len", "context_len")
+                    "cont_len", "context_len", "depth_agreement")
 # Context axes a model may also read as features: NaN (a request's first round, a bank without
 # temperatures) becomes CONTEXT_MISSING, its own value as it is the table's bucket 0.
 CONTEXT_FEATURES = tuple(CONTEXT)
