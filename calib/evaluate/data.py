@@ -219,7 +219,8 @@ def _context_len(t, notes: list) -> np.ndarray | None:
         group = keys.ne(keys.shift()).any(axis=1).cumsum().to_numpy()  # rows are sorted by the bank keys
         step = np.asarray(t.column("accept").to_numpy(zero_copy_only=False), dtype=np.float64) + 1
         before = pd.Series(step).groupby(group).cumsum().to_numpy() - step  # committed before each round
-        offset = pd.Series(np.where(known, ctx - before, np.nan)).groupby(group).transform("median").to_numpy()
+        # a copy: pandas may hand back a read-only view, and the lone requests' offsets are written below
+        offset = pd.Series(np.where(known, ctx - before, np.nan)).groupby(group).transform("median").to_numpy(copy=True)
         lone = ~np.isfinite(offset)
         if lone.any():
             offset[lone] = np.nanmedian(ctx - before)

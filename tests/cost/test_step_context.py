@@ -124,3 +124,21 @@ def test_the_replay_charges_a_long_context_more_and_fills_a_round_the_chain_did_
         cost[name] = float(res["no_spec"].cost[0])
         assert cost[name] == pytest.approx(verify(2, 2, sb.cached[0], np.ones(2)))  # one position each
     assert cost["long"] > cost["short"]
+
+
+
+def test_a_request_whose_chain_was_never_looked_up_is_placed_at_the_banks_median_prompt():
+    """Prompt 1 offered no chain in either round: its context is the bank's median offset plus what it committed
+    (pandas may hand the offsets back read-only: they are written here; a held-out bank first raised it)."""
+    from calib.bank import schema
+    from calib.evaluate.data import _context_len
+
+    keys = {k: ["m"] * 4 for k in ("model", "speculator", "config", "category")}
+    t = pa.table({**keys, "prompt_idx": [0, 0, 1, 1], "turn": [0] * 4, "round_idx": [0, 1, 0, 1],
+                  "accept": [1, 2, 0, 3], "ng_context_len": pa.array([500, 504, None, None], pa.int64())})
+    assert set(schema.KEYS) <= set(t.column_names)
+    notes = []
+    got = _context_len(t, notes)
+    median = np.median([500 - 0, 504 - 2])  # prompt 0's context less the tokens committed before each round
+    assert got.tolist() == [500, 504, median, median + 1]
+    assert notes and "records no context_len" in notes[0]
