@@ -58,7 +58,7 @@ def _lightning(prefix: str) -> dict:
 
 
 def _train_constraints() -> dict:
-    from calib.bank.schema import NGRAM_DEPTH_FEATURES, NGRAM_FEATURES
+    from calib.chains.ngram import NGRAM_SAMPLE_FEATURES
 
     return {
         "data.train": [TEXT, PATHS],
@@ -68,7 +68,7 @@ def _train_constraints() -> dict:
         **_lightning("trainer"),
         "calibrator.grid_points": [Interval(numbers.Integral, 2, None)],
         "calibrator.extra": [NoneValue(), _names(CALIBRATOR_EXTRA)],
-        "ngram_model.table.features": [Subset((*NGRAM_FEATURES, *NGRAM_DEPTH_FEATURES))],
+        "ngram_model.table.features": [Subset(NGRAM_SAMPLE_FEATURES)],
         "ngram_model.table.edges": [Each(EDGES)],
         "context.max_bins": [INT_1],
         "context.min_cell_samples": [INT_1],

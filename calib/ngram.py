@@ -198,11 +198,13 @@ def _match_batch(token_ids, rows, num_tokens, prompt_lens, min_n, max_n, k, limi
             continue
         n, count, first = best, 0, -1  # the longest n-gram; its earliest occurrence; their next tokens
         nxt = np.empty(total, dtype=np.int64)
+        alive = np.empty(total, dtype=np.int64)  # where each occurrence's continuation starts
         for i in range(total - 1):
             if ends[i] >= n:
                 if first < 0:
                     first = i
                 nxt[count] = ctx[i + 1]
+                alive[count] = i + 1
                 count += 1
         end = first + 1
         m = min(kk, total - end)
@@ -224,12 +226,7 @@ def _match_batch(token_ids, rows, num_tokens, prompt_lens, min_n, max_n, k, limi
         feats[b, 5] = agree / count
         feats[b, 6] = total - end
         # depth_agreement: the occurrences still agreeing with the chain, narrowed depth by depth
-        alive = np.empty(count, dtype=np.int64)
-        n_alive = 0
-        for i in range(total - 1):
-            if ends[i] >= n:
-                alive[n_alive] = i + 1
-                n_alive += 1
+        n_alive = count
         for j in range(m):
             known, same = 0, 0
             for a in range(n_alive):

@@ -15,8 +15,10 @@ import numpy as np
 
 from calib.bank import schema
 from calib.chains.base import ChainKind, RoundData, binned_table_axes
+from calib.ngram import DEPTH_FEATURE as DEPTH_AGREEMENT  # ngram.parquet's depth_agreement{j} columns
 
-DEPTH_AGREEMENT = "depth_agreement"  # calib.ngram.depth_agreement: ngram.parquet's depth_agreement{j} columns
+assert DEPTH_AGREEMENT in schema.NGRAM_DEPTH_FEATURES  # the bank layout's family and the matcher's name are one
+# every feature an n-gram table or model may read: the round's match features, then the per-depth ones
 NGRAM_SAMPLE_FEATURES = (*schema.NGRAM_FEATURES, *schema.NGRAM_DEPTH_FEATURES)
 PREFIX = "ng_"  # of ngram.parquet's columns in Bank.rounds(chains=...)
 # depth_agreement where a bank collected before calib recorded it has none: depth 0 is the round's agreement (the

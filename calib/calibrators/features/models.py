@@ -26,15 +26,15 @@ import pandas as pd
 import torch
 from threadpoolctl import threadpool_limits
 
-from calib.bank.schema import NGRAM_DEPTH_FEATURES, NGRAM_FEATURES
 from calib.calibrators.base import Boolean, Calibrator, Interval, Subset
 from calib.calibrators.lightning_fit import FIT_THREADS, torch_threads
 from calib.chains import CONTEXT
+from calib.chains.ngram import NGRAM_SAMPLE_FEATURES
 
 log = logging.getLogger(__name__)
 
 DRAFTER_FEATURES = ("conf", "entropy", "margin")  # the model chain's per-depth drafter outputs
-FEATURE_NAMES = (*NGRAM_FEATURES, *NGRAM_DEPTH_FEATURES, *DRAFTER_FEATURES)  # every feature a bank records per round/depth
+FEATURE_NAMES = (*NGRAM_SAMPLE_FEATURES, *DRAFTER_FEATURES)  # every feature a bank records per round/depth
 LOG_FEATURES = {"match_n", "occurrences", "distance", "distinct_next", "cont_len", "context_len", "position"}
 LOGIT_FEATURES = {"conf"}
 DEFAULT_FEATURES = ("match_n", "occurrences", "distance", "in_prompt", "distinct_next", "agreement",
