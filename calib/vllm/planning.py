@@ -146,6 +146,7 @@ class DraftPlanning:
             extra = held[1] if held is not None and held[0] is sampled_token_ids else sampled_token_ids.tolist()
         tables, drafted, name = dec.tables, dec.engine_chain, self.plan_chain
         contexts = StepContexts(batch, rows, extra)  # the decision after bookkeeping sees the same contexts
+        dec.history.settle(req_ids, contexts.tokens)  # before the plan reads the history (calib.serve.history)
         if self.oracle is not None:
             if extra is not None:
                 extra = [[t for t in r if t >= 0] for r in extra[:B]]

@@ -52,6 +52,9 @@ class ServeStats:
     # {"B=<size> <greedy|sampled>": [ms beyond the curve at no draft token, ms once for any, ms per draft token,
     # steps]}: the step clock's correction of each batch's price
     clock: dict = field(default_factory=dict)
+    # the history read from the text (calib.serve.history): its settled rounds, their whole chains' accepted tokens,
+    # and the accepted tokens at the depth calib verified (what the history would have read from the outcomes)
+    history: dict = field(default_factory=dict)
     errors: int = 0  # exceptions caught in the hooks themselves
     disabled_reason: str | None = None  # why the decider was not built (None: built, or not reached)
 

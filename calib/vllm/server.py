@@ -14,8 +14,9 @@ import torch
 
 from calib.chains import NO_CHAIN, Offer, chain, chain_names, chains
 from calib.cost.serving import cost_curve, prices_greedy_only, sampled_price, step_cost_path
-from calib.serve import StepInputs
+from calib.serve import RequestHistory, StepInputs
 from calib.serve.aside import StandAside, batch_key, decision_kind
+from calib.serve.history import round_chains
 from calib.serve.knobs import ServeKnobs
 from calib.transforms import target_only_transforms
 from calib.vllm.planning import DraftPlanning, PlannedStep
@@ -125,6 +126,7 @@ class Server(DraftPlanning):
         self.max_model_len = getattr(runner, "max_model_len", None)
         dec = SafeDecider(self.tables_dir, model_id=model_id, speculator=speculator, k_max=self.k,
                           method=method, chains=self.chains, cost=cost, identity=engine_identity(runner, sc),
+                          history=RequestHistory(from_text=True),  # the rounds' whole chains, as a bank counts them
                           impl="host",  # numpy on the step's few requests (calib/allocate/host.py)
                           online=self.knobs.online_settings(),
                           sampled_price=sampled_price(self.cost_text))  # priced where a step samples
@@ -337,6 +339,7 @@ class Server(DraftPlanning):
             engine_chain = chain(dec.engine_chain).name
             for r, x in zip(req_ids, engine):
                 self.chosen[r] = engine_chain if x else None
+            self.open_rounds(dec, batch, rows, req_ids, engine, [len(x) for x in engine])
             self.planned = None
             self.stats.hook_ms.append((time.perf_counter() - start) * 1e3)
             return out
@@ -374,6 +377,8 @@ class Server(DraftPlanning):
         if d is not None and self.oracle is None:  # the oracle learns nothing
             dec.remember(inputs, d, skip=left)
             self.note_kind(key, decision_kind(drafts, engine, passes_now, K) if not any(left) else None)
+            whole = round_chains(drafts, [self.chosen[r] for r in req_ids], engine, inputs.offers, dec.engine_chain)
+            self.open_rounds(dec, batch, rows, req_ids, whole, [len(x) for x in drafts])
         if sampled:  # the rejection sampler's q rows must follow the lists handed back
             self.rebuild_draft_probs(runner, req_ids, drafts, chain_ids)
         self.count(drafts, engine, decided=d is not None)
@@ -381,6 +386,13 @@ class Server(DraftPlanning):
             self.stats.allocator_ms.append(float(d.allocator_ms))
         self.stats.hook_ms.append((time.perf_counter() - start) * 1e3)
         return type(out)(req_ids, drafts)
+
+    @staticmethod
+    def open_rounds(dec, batch, rows: list[int], req_ids: list[str], whole, verified: list[int]) -> None:
+        """The step's rounds for the history read from the text (calib.serve.history): each request's chain from
+        its context's end (its tokens before this step's drafts)."""
+        nums = batch.num_tokens_no_spec
+        dec.history.open_rounds(req_ids, [int(nums[r]) for r in rows], whole, verified)
 
     # -- standing aside (calib/serve/aside.py) -----------------------------------------------------
     def aside_verdict(self, req_ids: list[str], key: tuple, any_left: bool = False) -> str | None:
@@ -451,6 +463,8 @@ class Server(DraftPlanning):
                 offers[dec.engine_chain] = Offer(model_tokens, conf)
         contexts = StepContexts(batch, rows)
         self.step_keys = contexts.keys
+        dec.history.settle(req_ids, contexts.tokens)  # the text since the requests' rounds: what they accepted
+        self.stats.history = dec.history.settled
         planned = self.planned.chain if self.planned is not None else None
         for name, rec in self.recomputed.items():
             tokens, signal = rec.chains(contexts)  # the plan's, when it ran on the same contexts

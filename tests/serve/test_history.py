@@ -83,3 +83,138 @@ def test_first_round_observe_and_finish():
         h.observe("a", -1)
     with pytest.raises(KeyError, match="temperature"):
         h.values(["a"], ["temperature"])
+
+
+# -- read from the text (serving's history: RequestHistory(from_text=True)) ---------------------------------------
+
+
+def _serve_text(seed: int, verify_whole: bool, n_requests: int = 3, steps: int = 30):
+    """SYNTHETIC engine steps of requests generating fixed texts: at each step a request is offered a chain (a
+    prefix of its text's continuation of random length, then wrong tokens; or nothing) and verifies a random prefix
+    of it (``verify_whole``: all of it, as a bank's collector does), accepting the common prefix with the text,
+    then emitting one more token of the text. Returns the bank rows of the rounds (accept = the whole chain's
+    common prefix with the text, as verifying all of it would accept) with what the history said before each,
+    and each round's emitted tokens."""
+    rng = np.random.default_rng(seed)
+    hist = RequestHistory(from_text=True)
+    prompt = 5
+    texts = {f"r{i}": rng.integers(0, 50, size=prompt + 200).tolist() for i in range(n_requests)}
+    length = {r: prompt for r in texts}  # tokens the request holds
+    rows, n_rounds = [], {r: 0 for r in texts}
+    opened = {r: [] for r in texts}  # (start, chain) of each round
+    ids = list(texts)
+    for _ in range(steps):
+        hist.settle(ids, lambda i: np.asarray(texts[ids[i]][: length[ids[i]]]))
+        chains, verified, starts = [], [], []
+        for r in ids:
+            n = length[r]
+            if rng.uniform() < 0.25:  # no chain offered: no round
+                chains.append([]), verified.append(0), starts.append(n)
+                continue
+            good = int(rng.integers(0, 5))
+            chain = texts[r][n: n + good] + [99] * int(rng.integers(0, 5 - good))  # 99: never in a text
+            chain = chain[:4] or [99]
+            d = len(chain) if verify_whole else int(rng.integers(0, len(chain) + 1))
+            chains.append(chain), verified.append(d), starts.append(n)
+        before = {r: hist.context(r) for r in ids}
+        for r in ids:  # what the text read so far says of each earlier round: its common prefix with its chain
+            seen = [_common(c, texts[r][x: length[r]]) for x, c in opened[r]]
+            assert before[r]["mean_accept"] == (np.mean(seen) if seen else pytest.approx(math.nan, nan_ok=True))
+            assert before[r]["prev_accept"] == (seen[-1] if seen else pytest.approx(math.nan, nan_ok=True))
+        hist.open_rounds(ids, starts, chains, verified)
+        for r, x, c in zip(ids, starts, chains):
+            if c:
+                opened[r].append((x, c))
+        for r, chain, d in zip(ids, chains, verified):
+            if not chain:
+                length[r] += 1
+                continue
+            whole = 0
+            while whole < len(chain) and chain[whole] == texts[r][length[r] + whole]:
+                whole += 1
+            rows.append({"prompt_idx": int(r[1:]), "round_idx": n_rounds[r], "accept": whole,
+                         "emitted": min(whole, d) + 1, **{f"h_{k}": v for k, v in before[r].items()}})
+            n_rounds[r] += 1
+            length[r] += min(whole, d) + 1  # the verified accepted tokens, then the step's own
+            hist.observe(r, min(whole, d), d)  # from the text: changes nothing
+    return rows
+
+
+def _common(chain, text) -> int:
+    n = 0
+    while n < min(len(chain), len(text)) and chain[n] == text[n]:
+        n += 1
+    return n
+
+
+def _bank_context(rows):
+    n = len(rows)
+    t = pa.table({"model": ["m"] * n, "speculator": ["s"] * n, "config": ["c"] * n, "category": ["chat"] * n,
+                  "prompt_idx": [r["prompt_idx"] for r in rows], "turn": [0] * n,
+                  "round_idx": [r["round_idx"] for r in rows], "accept": [r["accept"] for r in rows]})
+    return round_context(t, HISTORY_COLUMNS)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_from_text_equals_bank_definitions_when_verifying_whole_chains(seed):
+    """Verifying every chain whole (a bank's collector), the history read from the text is the bank's."""
+    rows = _serve_text(seed, verify_whole=True)
+    ctx = _bank_context(rows)
+    for name in HISTORY_COLUMNS:
+        mine = np.array([r[f"h_{name}"] for r in rows], dtype=np.float64)
+        assert np.array_equal(mine, ctx[name], equal_nan=True), name
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_from_text_counts_whole_chains_when_calib_verifies_a_prefix(seed):
+    """calib verifying a prefix (or none) of a chain: prev_accept and mean_accept count each earlier round's whole
+    chain against the text read so far (checked at every step in _serve_text): the bank's value once the text has
+    passed the round, a lower bound before. Counted from the step's outcomes instead, both would be cut at the
+    depth verified. position counts what each round's step emitted."""
+    rows = _serve_text(seed, verify_whole=False)
+    ctx = _bank_context(rows)
+    mine = np.array([r["h_mean_accept"] for r in rows], dtype=np.float64)
+    first = np.isnan(ctx["mean_accept"])
+    assert np.array_equal(np.isnan(mine), first)
+    assert (mine[~first] <= ctx["mean_accept"][~first] + 1e-12).all()  # a lower bound of the bank's
+    assert (mine[~first] < ctx["mean_accept"][~first] - 1e-12).any()  # (one round still ahead of the text)
+    by_request: dict = {}
+    for r in rows:
+        emitted_before = by_request.setdefault(r["prompt_idx"], 0)
+        assert r["h_position"] == emitted_before
+        by_request[r["prompt_idx"]] += r["emitted"]
+    assert any(r["emitted"] < r["accept"] + 1 for r in rows)  # some round was cut: the case differs from a bank's
+
+
+def test_from_text_round_waits_for_the_text():
+    """A round whose chain runs past the text read so far counts its common prefix so far, and settles once the
+    text passes its first mismatch or its last token; a request not in the call waits."""
+    h = RequestHistory(from_text=True)
+    h.open_rounds(["a", "b"], [3, 2], [[7, 8, 9], [5]], [1, 0])
+    assert h.context("a") == {"prev_accept": 0.0, "mean_accept": 0.0, "position": 1.0}
+    h.settle(["a"], lambda i: [0, 0, 0, 7, 8])  # a verified 7 (accepted), emitted 8: its third token not yet known
+    assert h.context("a") == {"prev_accept": 2.0, "mean_accept": 2.0, "position": 2.0}
+    h.settle(["a"], lambda i: [0, 0, 0, 7, 8, 9, 1])
+    assert h.context("a")["mean_accept"] == 3.0 and h.context("a")["position"] == 2.0
+    h.settle(["a"], lambda i: [0, 0, 0, 1, 1, 1, 1])  # settled: a later text does not reopen it
+    assert h.context("a")["mean_accept"] == 3.0
+    assert h.context("b")["mean_accept"] == 0.0  # b was not in the calls
+    h.settle(["b"], lambda i: np.array([0, 0, 5]))
+    assert h.context("b") == {"prev_accept": 1.0, "mean_accept": 1.0, "position": 1.0}  # emptied: 1 token emitted
+    assert h.settled == {"rounds": 2, "whole": 4, "verified": 1}  # a: 3 whole, 1 verified; b: 1 whole, 0 verified
+    h.observe("a", 0, drafted=2)  # the step's outcome: the text already said
+    assert h.context("a")["mean_accept"] == 3.0
+    h.finish("a")
+    h.settle(["a"], lambda i: [])
+    assert "a" not in h
+
+
+def test_round_chains_takes_whole_chains():
+    from calib.chains import Offer
+    from calib.serve.history import round_chains
+
+    offers = {"ngram": Offer([[1, 2, 3], [4, 5], [6]], None)}
+    got = round_chains([[1], [], [9]], ["ngram", None, "ngram"], [[1, 2, 3, 4], [4, 5, 6], []],
+                       offers, engine_chain="model")
+    assert got == [[1, 2, 3], [4, 5, 6], [9]]  # the whole chain; the engine's when emptied; the verified if off
+    assert round_chains([[1, 2]], ["model"], [[1, 2, 3, 4]], {}, engine_chain="model") == [[1, 2, 3, 4]]

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from calib.chains import Offer, chains
-from calib.serve import StepInputs
+from calib.serve import RequestHistory, StepInputs
 from calib.serve.knobs import ServeKnobs
 from calib.serve.oracle import (
     FORMAT,
@@ -248,7 +248,7 @@ def _server(tmp_path, ref: dict, engine_chain: str):
     srv.oracle = Oracle(Reference.load(path))
     srv.decider = SimpleNamespace(enabled=True, engine_chain=engine_chain, chains=[engine_chain, LOOKUP.name], tables=None,
                                   remember=lambda *a, **k: pytest.fail("the oracle must not feed online learning"),
-                                  finish=lambda r: None)
+                                  finish=lambda r: None, history=RequestHistory(from_text=True))
     return srv
 
 

@@ -123,6 +123,8 @@ def test_serving_is_lossless_and_replaces_drafts(setup):
     assert st["decided"] > 0 and st["replaced"] > 0, st  # (b) calib changed vLLM's lists
     assert st["ngram_mismatch"] == 0  # the recomputed chain is vLLM's own
     assert st["tokens_out"] < st["tokens_engine"]
+    # the history read from the text counted each round's whole chain: more than the cut drafts had accepted
+    assert st["history"]["rounds"] > 0 and st["history"]["whole"] > st["history"]["verified"], st["history"]
     assert len(st["allocator_ms"]) == st["decided"]
 
 

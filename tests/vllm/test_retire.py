@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from calib.chains import chains
+from calib.serve.history import RequestHistory
 from calib.serve.knobs import ServeKnobs
 from calib.vllm.patches import PatchSet, RunnerSubscriber
 from calib.vllm.retire import DrafterRetirement
@@ -97,7 +98,7 @@ def _server(after: int):
     srv.k, srv.max_model_len, srv.planning = 4, 2048, True
     srv.recomputed = {LOOKUP.name: Recomputed(LOOKUP, (1, 4, 4), 4, [], 2048)}
     srv.decider = SimpleNamespace(enabled=True, engine_chain=MODEL.name, chains=[MODEL.name, LOOKUP.name],
-                                  finish=lambda r: None)
+                                  finish=lambda r: None, history=RequestHistory(from_text=True))
     return srv
 
 
@@ -231,7 +232,6 @@ def test_the_admission_question_of_a_retired_batch_is_the_plans(tmp_path):
     chains give, at every batch size and pass price (pass where a pass is cheap, retire where it is dear), with the
     forecast's columns read when asked or given. SYNTHETIC tables and cost."""
     from calib.serve import StepInputs
-    from calib.serve.history import RequestHistory
     from calib.tables import load
     from calib.vllm.planning import best_case, newcomer_drafts
     from tests.serve.test_serve_entry import _synthetic_eagle_tables
