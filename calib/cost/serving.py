@@ -146,3 +146,52 @@ def sampled_price_table(cost: np.ndarray, price: SampledPrice, n_requests: int, 
     d = np.arange(width + 1, dtype=np.float64)
     added = np.where(d > 0, price.per_drafting_request + price.per_draft * d, np.zeros_like(d))
     return base, batch_slope(cost, n_requests, width) * d + added
+
+
+class ContextCurves:
+    """Serving's price of a step at its own batch and context: an engine step cost fitted with the context its
+    attention reads (step-cost version 3: ``C`` thousands of tokens cached, ``Q`` thousands of query-key pairs,
+    docs/cost.md) read at the step's requests and their mean context, where :func:`cost_curve` reads it at the
+    profile's mean context and no batch. On one EPYC core at c = 16 a code edit's step (~800 tokens cached per request)
+    cost 30-45 ms more than a chat step's (~200), and each verified position more too; priced at the profile's mean,
+    the step clock's base learned +26 to +66 ms on code edits and -9 on chat, and carried one category's correction
+    into the other's steps (docs/serving.md, "December 7").
+
+    :meth:`at` is the float32 tensor the allocator reads and its float64 numpy (the step clock's), built once per
+    (batch, context bucket of :data:`CONTEXT_BUCKET` tokens) and kept while the batch and bucket last."""
+
+    def __init__(self, cost, t_max: int, drafter_loaded: bool = False):
+        self.cost, self.t_max, self.drafter = cost, int(t_max), bool(drafter_loaded)
+        self.held: dict[tuple[int, int], tuple[torch.Tensor, np.ndarray]] = {}
+
+    @classmethod
+    def of(cls, text: str, t_max: int, drafter_loaded: bool = False) -> ContextCurves | None:
+        """For the ``cost`` knob when it names a context-aware engine step cost; None otherwise (the knob's one curve)."""
+        path = step_cost_path(text)
+        if path is None or not serving_step_cost(path).context_aware:
+            return None
+        return cls(serving_step_cost(path), t_max, drafter_loaded)
+
+    def at(self, batch: int, cached: int) -> tuple[torch.Tensor, np.ndarray]:
+        """The price curve ``[t_max + 1]`` of a step of ``batch`` requests holding ``cached`` tokens in all."""
+        per_request = (int(cached) // max(int(batch), 1)) // CONTEXT_BUCKET * CONTEXT_BUCKET + CONTEXT_BUCKET // 2
+        key = (int(batch), per_request)
+        held = self.held.get(key)
+        if held is None:
+            if len(self.held) > MAX_HELD_CURVES:  # a long run's batches and contexts: keep the newest
+                self.held.clear()
+            t = np.arange(self.t_max + 1, dtype=np.float64)
+            t[0] = 1
+            c = per_request / 1e3
+            values = self.cost.verify_at(t, batch, cached=batch * c, queries=t * c)
+            if self.drafter:
+                values = values + self.cost.idle(T=t)
+            values = np.ascontiguousarray(values, dtype=np.float64)
+            held = self.held[key] = (torch.from_numpy(values.astype(np.float32)), values)
+        return held
+
+
+# tokens per request one context bucket spans: the price moves by ~0.1 ms per position across one (EPYC, q ~ 2-3 ms
+# per thousand query-key pairs), and a step's requests add a few tokens each
+CONTEXT_BUCKET = 32
+MAX_HELD_CURVES = 256

@@ -16,7 +16,8 @@ the step's best). :class:`StandAside` notices such a stretch and skips the decis
 
 A skipped step costs a dictionary lookup. What it gives up: a request that joins a batch of the same size and
 temperatures mid-stretch is decided at the next re-check, up to ``every - 1`` steps later; the online
-correction learns nothing from a skipped step (the history context still does). Serving logs one line when a
+correction learns nothing from a skipped step (the history context counts the rounds of a step handed through, none
+on a step without draft tokens). Serving logs one line when a
 stretch of each kind first begins, and counts the skipped steps (:class:`calib.vllm.server.ServeStats`).
 """
 

@@ -101,6 +101,9 @@ class ServeKnobs:
     clock: bool = True
     clock_decay: float = 0.95
     clock_prior: float = 8.0
+    # an engine step cost fitted with context (docs/cost.md): price each step at its own batch and its requests' mean
+    # context (calib.cost.serving.ContextCurves), not at the profile's mean context
+    context_price: bool = True
 
     _parameter_constraints: ClassVar[dict] = {
         "tables": [TEXT],
@@ -126,6 +129,7 @@ class ServeKnobs:
         "clock": [Boolean()],
         "clock_decay": [Interval(numbers.Real, 0, 1, closed="right")],
         "clock_prior": [Interval(numbers.Real, 0, None, closed="neither")],
+        "context_price": [Boolean()],
         "oracle": [NoneValue(), Satisfies("None or the path of an existing oracle reference file "
                                           "(calib/serve/oracle.py)", lambda v: isinstance(v, str) and Path(v).is_file())],
     }

@@ -49,16 +49,19 @@ class StepClock:
         self.decay, self.prior, self.refresh, self.min_steps = float(decay), float(prior), int(refresh), int(min_steps)
         self.sums: dict[tuple, np.ndarray] = {}  # key -> [7] decayed sums of 1, z, x, x*x, r, z*r, x*r
         self.steps: dict[tuple, int] = {}  # key -> steps observed
-        self.curves: dict[tuple, torch.Tensor] = {}  # key -> float32 [T_max + 1] the corrected curve, while fresh
+        # key -> (the base curve, float32 [T_max + 1] it corrected), while fresh
+        self.curves: dict[tuple, tuple[np.ndarray, torch.Tensor]] = {}
 
-    def observe(self, key: tuple, batch: int, positions: int, seconds: float) -> bool:
+    def observe(self, key: tuple, batch: int, positions: int, seconds: float, curve=None) -> bool:
         """Count one pure decode step of ``batch`` requests verifying ``positions`` in all, that took ``seconds``;
         False where it is not one the curve prices (no position past the curve, fewer positions than requests, a
-        time that is not a positive number)."""
+        time that is not a positive number). ``curve``: float64 ``[T_max + 1]`` the step was priced by, where serving
+        prices each step at its own context (:class:`calib.cost.serving.ContextCurves`; None: :attr:`curve`)."""
+        curve = self.curve if curve is None else curve
         x = int(positions) - int(batch)
-        if not (0 <= x and int(positions) < len(self.curve) and batch >= 1 and np.isfinite(seconds) and seconds > 0):
+        if not (0 <= x and int(positions) < len(curve) and batch >= 1 and np.isfinite(seconds) and seconds > 0):
             return False
-        price = float(self.curve[int(positions)])
+        price = float(curve[int(positions)])
         r = min(max(seconds - price, -MAX_RESIDUAL * price), MAX_RESIDUAL * price)  # scalars: no numpy call per step
         z = float(x > 0)
         sums = self.sums.get(key)
@@ -84,18 +87,20 @@ class StepClock:
         a, j, b = np.linalg.solve(gram, np.array([wr, wzr, wxr]))
         return float(a), float(j), float(b)
 
-    def price(self, key: tuple, batch: int) -> torch.Tensor | None:
+    def price(self, key: tuple, batch: int, curve=None) -> torch.Tensor | None:
         """The corrected curve for a step of this key, float32 ``[T_max + 1]`` (the same tensor until the key's next
-        refresh, so that what the decider derives from it is derived once), or None before ``min_steps`` steps."""
+        refresh or another ``curve``, so that what the decider derives from it is derived once), or None before
+        ``min_steps`` steps. ``curve``: float64 ``[T_max + 1]`` this step's own price (None: :attr:`curve`)."""
         if self.steps.get(key, 0) < self.min_steps:
             return None
+        base = self.curve if curve is None else curve
         held = self.curves.get(key)
-        if held is None:
+        if held is None or held[0] is not base:
             a, j, b = self.correction(key)
-            x = np.arange(len(self.curve), dtype=np.float64) - batch
-            corrected = np.maximum(self.curve + a + j * (x > 0) + b * x, MIN_PRICE_SHARE * self.curve)
-            held = self.curves[key] = torch.from_numpy(corrected.astype(np.float32))
-        return held
+            x = np.arange(len(base), dtype=np.float64) - batch
+            corrected = np.maximum(base + a + j * (x > 0) + b * x, MIN_PRICE_SHARE * base)
+            held = self.curves[key] = (base, torch.from_numpy(corrected.astype(np.float32)))
+        return held[1]
 
     def summary(self, key: tuple) -> list[float]:
         """``[a, j, b]`` in milliseconds and the key's steps: what the serving statistics keep per batch."""

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from calib.chains import NO_CHAIN, Offer, chain, chain_names, chains
-from calib.cost.serving import cost_curve, prices_greedy_only, sampled_price, step_cost_path
+from calib.cost.serving import ContextCurves, cost_curve, prices_greedy_only, sampled_price, step_cost_path
 from calib.serve import RequestHistory, StepInputs
 from calib.serve.aside import StandAside, batch_key, decision_kind
 from calib.serve.history import round_chains
@@ -64,6 +64,8 @@ class Server(DraftPlanning):
         self.clock, self.base_cost = None, None
         self.clock_last: float | None = None  # perf_counter at the previous step's draft proposal
         self.clock_pending: tuple | None = None  # the batch key of the decision the next step verifies
+        self.context_curves: ContextCurves | None = None  # each step's price at its own context (knob context_price)
+        self.clock_curve = None  # float64 numpy [T_max + 1] the price that decision read (None: the clock's own)
         self.aside_now: tuple | None = None  # (request ids, verdict) the plan of this step's draft passes took
         self.passes_now: int | None = None  # the draft passes the plan set this step (None: it set none)
         # requests the model drafter no longer pays for: a step of only those that runs no pass skips the head's
@@ -117,6 +119,8 @@ class Server(DraftPlanning):
         cost = cost_curve(self.cost_text, int(runner.max_num_reqs) * (self.k + 1), drafter_loaded=loaded)
         self.unpriced_sampling = prices_greedy_only(self.cost_text)
         self.base_cost = cost
+        if self.knobs.context_price and not self.knobs.oracle:  # each step at its own batch and context
+            self.context_curves = ContextCurves.of(self.cost_text, len(cost) - 1, drafter_loaded=loaded)
         # the oracle prices as the curve does (pad_to_cheapest); under tensor parallelism each rank would time its own
         # steps and decide apart, and the ranks must decide alike (calib.vllm.ranks): the curve as given
         if self.knobs.clock and not self.knobs.oracle and self.ranks is None:
@@ -292,11 +296,12 @@ class Server(DraftPlanning):
         many requests as calib last decided for."""
         last, self.clock_last = self.clock_last, now
         pending, self.clock_pending = self.clock_pending, None
+        curve, self.clock_curve = self.clock_curve, None
         if self.clock is None or last is None or pending is None:
             return
         batch, T = len(so.num_scheduled_tokens), int(so.total_num_scheduled_tokens)
         pure = batch == pending[0] and T == batch + sum(len(v) for v in so.scheduled_spec_decode_tokens.values())
-        if pure and self.clock.observe(pending, batch, T, now - last - drafted_s):
+        if pure and self.clock.observe(pending, batch, T, now - last - drafted_s, curve):
             self.stats.clock_steps += 1
             if (self.clock.steps[pending] - 1) % self.clock.refresh == 0:  # as often as the price: steps 1, 5, 9...
                 self.stats.clock[f"B={batch} {'sampled' if pending[1] else 'greedy'}"] = self.clock.summary(pending)
@@ -330,16 +335,20 @@ class Server(DraftPlanning):
             self.note_unpriced_sampling()
         key = batch_key(temps)
         self.clock_pending = (len(req_ids), any(t > 0 for t in temps))  # what the step that verifies this is timed as
-        if self.clock is not None:
-            price = self.clock.price(self.clock_pending, len(req_ids))
-            dec.cost = self.base_cost if price is None else price
+        price, self.clock_curve = self.base_cost, None  # the step's price (ContextCurves: at its own context)
+        if self.context_curves is not None:
+            nums = batch.num_tokens_no_spec
+            price, self.clock_curve = self.context_curves.at(len(rows), sum(int(nums[r]) for r in rows))
+        corrected = self.clock.price(self.clock_pending, len(req_ids), self.clock_curve) if self.clock else None
+        dec.cost = price if corrected is None else corrected
         verdict = self.aside_verdict(req_ids, key, any(left))
         if verdict == "engine":  # vLLM's own proposal, untouched (calib/serve/aside.py)
             self.stats.aside_engine += 1
             engine_chain = chain(dec.engine_chain).name
             for r, x in zip(req_ids, engine):
                 self.chosen[r] = engine_chain if x else None
-            self.open_rounds(dec, batch, rows, req_ids, engine, [len(x) for x in engine])
+            starts = [int(batch.num_tokens_no_spec[r]) for r in rows]  # each chain from its context's end
+            dec.history.open_rounds(req_ids, starts, engine, [len(x) for x in engine])  # calib.serve.history
             self.planned = None
             self.stats.hook_ms.append((time.perf_counter() - start) * 1e3)
             return out
@@ -378,7 +387,8 @@ class Server(DraftPlanning):
             dec.remember(inputs, d, skip=left)
             self.note_kind(key, decision_kind(drafts, engine, passes_now, K) if not any(left) else None)
             whole = round_chains(drafts, [self.chosen[r] for r in req_ids], engine, inputs.offers, dec.engine_chain)
-            self.open_rounds(dec, batch, rows, req_ids, whole, [len(x) for x in drafts])
+            starts = [int(batch.num_tokens_no_spec[r]) for r in rows]  # each chain from its context's end
+            dec.history.open_rounds(req_ids, starts, whole, [len(x) for x in drafts])
         if sampled:  # the rejection sampler's q rows must follow the lists handed back
             self.rebuild_draft_probs(runner, req_ids, drafts, chain_ids)
         self.count(drafts, engine, decided=d is not None)
@@ -386,13 +396,6 @@ class Server(DraftPlanning):
             self.stats.allocator_ms.append(float(d.allocator_ms))
         self.stats.hook_ms.append((time.perf_counter() - start) * 1e3)
         return type(out)(req_ids, drafts)
-
-    @staticmethod
-    def open_rounds(dec, batch, rows: list[int], req_ids: list[str], whole, verified: list[int]) -> None:
-        """The step's rounds for the history read from the text (calib.serve.history): each request's chain from
-        its context's end (its tokens before this step's drafts)."""
-        nums = batch.num_tokens_no_spec
-        dec.history.open_rounds(req_ids, [int(nums[r]) for r in rows], whole, verified)
 
     # -- standing aside (calib/serve/aside.py) -----------------------------------------------------
     def aside_verdict(self, req_ids: list[str], key: tuple, any_left: bool = False) -> str | None:

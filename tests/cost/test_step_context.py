@@ -6,6 +6,7 @@ import json
 import numpy as np
 import pyarrow as pa
 import pytest
+import torch
 
 from calib.cost import make_curve
 from calib.cost.step import EngineStepCurve, Linear, StepCost, fit_step_cost, load_step_cost, save_step_cost
@@ -142,3 +143,22 @@ def test_a_request_whose_chain_was_never_looked_up_is_placed_at_the_banks_median
     median = np.median([500 - 0, 504 - 2])  # prompt 0's context less the tokens committed before each round
     assert got.tolist() == [500, 504, median, median + 1]
     assert notes and "records no context_len" in notes[0]
+
+
+def test_serving_prices_each_step_at_its_own_batch_and_context(tmp_path):
+    """calib.cost.serving.ContextCurves: the step's price at its batch and its requests' mean context (bucketed),
+    each position dearer on a longer context; a cost without context terms, or a CSV/parametric one, has none."""
+    from calib.cost.serving import CONTEXT_BUCKET, ContextCurves
+
+    save_step_cost(KEYED, tmp_path / "keyed.json")
+    curves = ContextCurves.of(str(tmp_path / "keyed.json"), 80)
+    short64 = curves.at(4, 4 * 50)[1]
+    long, long64 = curves.at(4, 4 * 800)
+    per = 800 // CONTEXT_BUCKET * CONTEXT_BUCKET + CONTEXT_BUCKET // 2  # the bucket's middle
+    assert long64[10] == pytest.approx(float(KEYED.verify(T=10, B=4, C=4 * per / 1e3, Q=10 * per / 1e3)))
+    assert long.dtype == torch.float32 and np.allclose(long.numpy(), long64, rtol=1e-6)
+    assert long64[10] - long64[4] > short64[10] - short64[4] > 0  # a position reads more cache on a long context
+    assert curves.at(4, 4 * 800 + 3)[1] is long64  # the same bucket: the same curve, not rebuilt
+    save_step_cost(TRUE, tmp_path / "plain.json")  # fitted without the steps' context
+    assert ContextCurves.of(str(tmp_path / "plain.json"), 80) is None
+    assert ContextCurves.of("1.0,0.01", 80) is None

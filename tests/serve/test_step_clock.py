@@ -101,3 +101,21 @@ def test_knobs():
     for bad in ({"clock": "yes"}, {"clock_decay": 0.0}, {"clock_decay": 1.5}, {"clock_prior": 0.0}):
         with pytest.raises((TypeError, ValueError), match=next(iter(bad))):
             ServeKnobs("t", **bad)
+
+
+def test_a_step_priced_at_its_own_context_is_corrected_on_that_price():
+    """Serving prices each step at its own context (knob context_price, calib.cost.serving.ContextCurves): the clock
+    reads each step's residual from the curve that step was priced by, and corrects the curve it is given."""
+    flat = np.full(50, 0.1)
+    clock = StepClock(flat, decay=1.0, prior=8.0, refresh=1, min_steps=1)
+    dear = flat + 0.05  # the step's own price: 50 ms dearer than the clock's curve
+    for _ in range(20):
+        assert clock.observe((4, False), 4, 4, 0.15, dear)  # took what its own price said
+    a, j, b = clock.correction((4, False))
+    assert abs(a) < 1e-9 and abs(j) < 1e-9 and abs(b) < 1e-9  # nothing beyond its own price
+    got = clock.price((4, False), 4, dear)
+    assert np.allclose(got.numpy(), dear) and clock.price((4, False), 4, dear) is got  # kept while the curve is
+    assert np.allclose(clock.price((4, False), 4, flat).numpy(), flat)  # another step's price: rebuilt on it
+    assert ServeKnobs("t").context_price is True and ServeKnobs("t", context_price=False).context_price is False
+    with pytest.raises((TypeError, ValueError), match="context_price"):
+        ServeKnobs("t", context_price="yes")
