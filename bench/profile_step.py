@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -31,6 +30,7 @@ import time
 from pathlib import Path
 
 from calib.cli import parser as plain_parser
+from calib.cli import worker_env
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("bench_serve", Path(__file__).with_name("serve.py"))
@@ -358,7 +358,7 @@ def profile_arm(arm: str, args, tmp: Path) -> list[dict]:
             "overrides": [*bench_serve.ARMS[arm], f"tables={Path(args.tables).resolve()}",
                           f"prompts={args.prompts}", f"sampling={args.sampling}", *args.set]}
     (tmp / f"{arm}.spec.json").write_text(json.dumps(spec))
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "offline"}
+    env = worker_env(ROOT)  # this tree's calib, whatever an editable install points at
     with open(tmp / f"{arm}.log", "w") as fh:
         proc = subprocess.run([sys.executable, __file__, "--worker", str(tmp / f"{arm}.spec.json")], env=env,
                               cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, check=False)

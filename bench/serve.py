@@ -47,6 +47,7 @@ import time
 from pathlib import Path
 
 from calib.cli import parser as plain_parser
+from calib.cli import worker_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -165,7 +166,7 @@ def run_arm(arm: str, rep: int, cells: list, args, extra: list[str], work: Path,
     spec["out"] = str(work / f"{arm}-{rep}-{key}.partial.json")
     path = work / f"{arm}-{rep}-{key}.spec.json"
     path.write_text(json.dumps(spec))
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "offline"}
+    env = worker_env(ROOT)  # this tree's calib, whatever an editable install points at
     log = work / f"{arm}-{rep}-{key}.log"
     with open(log, "w") as fh:
         proc = subprocess.run([sys.executable, __file__, "--worker", str(path)], check=False, stdout=fh,

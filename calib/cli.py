@@ -142,3 +142,15 @@ def help_keys(root) -> str:
         line = f"{key}: {_brief(value)}"
         lines.append(line if len(line) <= width else line[: width - 3] + "...")
     return "\n".join(lines).replace("$", "$$")
+
+
+def worker_env(root) -> dict:
+    """The environment of a bench's worker process (``python bench/X.py --worker``): offline, and ``root`` first on
+    ``PYTHONPATH``. A script's own folder, not the working directory, heads a worker's ``sys.path``, so with calib
+    installed editable from another tree (a clone benched beside the tree being edited) the worker would serve that
+    tree's code while its JSON names the clone's commit."""
+    import os
+
+    path = os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "offline",
+            "PYTHONPATH": path}

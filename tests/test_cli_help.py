@@ -155,3 +155,24 @@ def test_summary_keeps_first_paragraph_and_examples():
     doc = "What it does.\n\nDetails nobody needs at first.\n\n    python x.py --a 1   # example\n\nMore.\n"
     assert summary(doc) == "What it does.\n\n    python x.py --a 1   # example\n"
     assert summary("") == ""
+
+
+def test_a_bench_worker_imports_calib_from_the_benched_tree(tmp_path, monkeypatch):
+    """bench/serve.py and bench/profile_step.py run ``python bench/X.py --worker``, whose sys.path starts at bench/:
+    without the tree on PYTHONPATH an editable install's calib would be served instead (calib.cli.worker_env)."""
+    import os
+    import subprocess
+    import sys
+
+    from calib.cli import worker_env
+
+    tree = tmp_path / "clone"
+    (tree / "calib").mkdir(parents=True)
+    (tree / "bench").mkdir()
+    (tree / "calib" / "__init__.py").write_text("WHERE = 'the clone'\n")
+    (tree / "bench" / "worker.py").write_text("import calib\nprint(getattr(calib, 'WHERE', 'elsewhere'))\n")
+    monkeypatch.setenv("PYTHONPATH", "")
+    run = lambda env: subprocess.run([sys.executable, str(tree / "bench" / "worker.py")], cwd=tree, env=env,
+                                     capture_output=True, text=True, check=True).stdout.strip()
+    assert run({**os.environ}) == "elsewhere"  # the script's folder heads sys.path, not the tree
+    assert run(worker_env(tree)) == "the clone"
