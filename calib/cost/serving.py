@@ -154,7 +154,7 @@ class ContextCurves:
     docs/cost.md) read at the step's requests and their mean context, where :func:`cost_curve` reads it at the
     profile's mean context and no batch. On one EPYC core at c = 16 a code edit's step (~800 tokens cached per request)
     cost 30-45 ms more than a chat step's (~200), and each verified position more too; priced at the profile's mean,
-    the step clock's base learned +26 to +66 ms on code edits and -9 on chat, and carried one category's correction
+    the step clock's base learned +18 and +31 ms on code edits and -9 to +2 on chat, and carried one category's correction
     into the other's steps (docs/serving.md, "December 7").
 
     :meth:`at` is the float32 tensor the allocator reads and its float64 numpy (the step clock's), built once per
