@@ -180,13 +180,7 @@ class ContextCurves:
         if held is None:
             if len(self.held) > MAX_HELD_CURVES:  # a long run's batches and contexts: keep the newest
                 self.held.clear()
-            t = np.arange(self.t_max + 1, dtype=np.float64)
-            t[0] = 1
-            c = per_request / 1e3
-            values = self.cost.verify_at(t, batch, cached=batch * c, queries=t * c)
-            if self.drafter:
-                values = values + self.cost.idle(T=t)
-            values = np.ascontiguousarray(values, dtype=np.float64)
+            values = np.ascontiguousarray(self.cost.price_curve(self.t_max, batch, self.drafter, per_request))
             held = self.held[key] = (torch.from_numpy(values.astype(np.float32)), values)
         return held
 

@@ -104,16 +104,25 @@ class StepCost:
         context-aware model prices such a step as a context-free fit to the same profile would."""
         return float(self.source.get("context_mean", 0.0) or 0.0)
 
-    def verify_at(self, T, B, cached=None, queries=None) -> np.ndarray:
+    def verify_at(self, T, B, cached=None, queries=None, context: float | None = None) -> np.ndarray:
         """``verify`` over ``T`` positions of ``B`` requests; a context-aware one with ``cached`` (thousands of tokens
         cached, ``C``) and ``queries`` (thousands of query-key pairs, ``Q``), each, where not given, from ``B``
-        requests (``T`` positions) at :attr:`context_mean` tokens cached per request."""
+        requests (``T`` positions) at ``context`` tokens cached per request (None: :attr:`context_mean`)."""
         if not self.context_aware:
             return self.verify(T=T, B=B) + self.small_t_residual(T)
-        mean = self.context_mean / 1e3
+        mean = (self.context_mean if context is None else float(context)) / 1e3
         cached = np.asarray(B, dtype=np.float64) * mean if cached is None else cached
         queries = np.asarray(T, dtype=np.float64) * mean if queries is None else queries
         return self.verify(T=T, B=B, C=cached, Q=queries) + self.small_t_residual(T)
+
+    def price_curve(self, t_max: int, batch: int, drafter: bool = False, context: float | None = None) -> np.ndarray:
+        """float64 ``[t_max + 1]``: a step's verify over ``T`` positions of ``batch`` requests (``T = 0`` priced as 1) at
+        ``context`` tokens cached per request (:meth:`verify_at`), plus the idle drafter's forward where one is loaded:
+        the curve serving and the replay's policies price by."""
+        t = np.arange(t_max + 1, dtype=np.float64)
+        t[0] = 1
+        return np.asarray(self.verify_at(t, batch, context=context) + (self.idle(T=t) if drafter else 0.0),
+                          dtype=np.float64)
 
     def small_t_residual(self, T) -> np.ndarray:
         """Seconds :attr:`small_t` adds to the linear ``verify`` at ``T`` positions (0 without it, and above
@@ -351,10 +360,9 @@ class EngineStepCurve(CostCurve):
     def __init__(self, name: str, cost: StepCost, t_max: int, unit: str = "s", batch: int = 1,
                  drafter: bool = False, sampled: bool = False, charging: StepCost | None = None,
                  context: np.ndarray | None = None):
-        t = np.arange(t_max + 1, dtype=np.float64)
-        t[0] = 1
-        values = cost.verify_at(t, batch) + (cost.idle(T=t) if drafter else 0.0)
+        values = cost.price_curve(t_max, batch, drafter)
         if sampled:
+            t = np.maximum(np.arange(t_max + 1, dtype=np.float64), 1)  # T = 0 priced as 1, as price_curve does
             drafts = np.maximum(t - batch, 0)  # the requests drafting are not known from T: at most min(B, D)
             values = values + cost.speculating_sampled(drafts, np.minimum(drafts, batch))
         super().__init__(name, np.asarray(values, dtype=np.float64), unit)

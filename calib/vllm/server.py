@@ -128,9 +128,11 @@ class Server(DraftPlanning):
 
             self.clock = StepClock(cost.to(torch.float64).numpy(), self.knobs.clock_decay, self.knobs.clock_prior)
         self.max_model_len = getattr(runner, "max_model_len", None)
+        history = RequestHistory(from_text=True)  # the rounds' whole chains, as a bank counts them
+        self.stats.history = history.settled  # its tally, kept up to date by the history itself
         dec = SafeDecider(self.tables_dir, model_id=model_id, speculator=speculator, k_max=self.k,
                           method=method, chains=self.chains, cost=cost, identity=engine_identity(runner, sc),
-                          history=RequestHistory(from_text=True),  # the rounds' whole chains, as a bank counts them
+                          history=history,
                           impl="host",  # numpy on the step's few requests (calib/allocate/host.py)
                           online=self.knobs.online_settings(),
                           sampled_price=sampled_price(self.cost_text))  # priced where a step samples
@@ -335,10 +337,10 @@ class Server(DraftPlanning):
             self.note_unpriced_sampling()
         key = batch_key(temps)
         self.clock_pending = (len(req_ids), any(t > 0 for t in temps))  # what the step that verifies this is timed as
+        lengths = [int(batch.num_tokens_no_spec[r]) for r in rows]  # each request's tokens: where its draft starts
         price, self.clock_curve = self.base_cost, None  # the step's price (ContextCurves: at its own context)
         if self.context_curves is not None:
-            nums = batch.num_tokens_no_spec
-            price, self.clock_curve = self.context_curves.at(len(rows), sum(int(nums[r]) for r in rows))
+            price, self.clock_curve = self.context_curves.at(len(rows), sum(lengths))
         corrected = self.clock.price(self.clock_pending, len(req_ids), self.clock_curve) if self.clock else None
         dec.cost = price if corrected is None else corrected
         verdict = self.aside_verdict(req_ids, key, any(left))
@@ -347,8 +349,7 @@ class Server(DraftPlanning):
             engine_chain = chain(dec.engine_chain).name
             for r, x in zip(req_ids, engine):
                 self.chosen[r] = engine_chain if x else None
-            starts = [int(batch.num_tokens_no_spec[r]) for r in rows]  # each chain from its context's end
-            dec.history.open_rounds(req_ids, starts, engine, [len(x) for x in engine])  # calib.serve.history
+            dec.history.open_rounds(req_ids, lengths, engine, [len(x) for x in engine])  # calib.serve.history
             self.planned = None
             self.stats.hook_ms.append((time.perf_counter() - start) * 1e3)
             return out
@@ -387,8 +388,7 @@ class Server(DraftPlanning):
             dec.remember(inputs, d, skip=left)
             self.note_kind(key, decision_kind(drafts, engine, passes_now, K) if not any(left) else None)
             whole = round_chains(drafts, [self.chosen[r] for r in req_ids], engine, inputs.offers, dec.engine_chain)
-            starts = [int(batch.num_tokens_no_spec[r]) for r in rows]  # each chain from its context's end
-            dec.history.open_rounds(req_ids, starts, whole, [len(x) for x in drafts])
+            dec.history.open_rounds(req_ids, lengths, whole, [len(x) for x in drafts])
         if sampled:  # the rejection sampler's q rows must follow the lists handed back
             self.rebuild_draft_probs(runner, req_ids, drafts, chain_ids)
         self.count(drafts, engine, decided=d is not None)
@@ -467,7 +467,6 @@ class Server(DraftPlanning):
         contexts = StepContexts(batch, rows)
         self.step_keys = contexts.keys
         dec.history.settle(req_ids, contexts.tokens)  # the text since the requests' rounds: what they accepted
-        self.stats.history = dec.history.settled
         planned = self.planned.chain if self.planned is not None else None
         for name, rec in self.recomputed.items():
             tokens, signal = rec.chains(contexts)  # the plan's, when it ran on the same contexts
