@@ -101,6 +101,11 @@ class ServeKnobs:
     clock: bool = True
     clock_decay: float = 0.95
     clock_prior: float = 8.0
+    # where a batch has verified draft tokens clock_probe steps in a row and its last decision expected less than
+    # clock_probe_gain (a share of the step's goodput) from them, one step without draft tokens: the clock then tells
+    # what a step pays once for any draft token from its base (0: never)
+    clock_probe: int = 16
+    clock_probe_gain: float = 0.25
     # an engine step cost fitted with context (docs/cost.md): price each step at its own batch and its requests' mean
     # context (calib.cost.serving.ContextCurves), not at the profile's mean context
     context_price: bool = True
@@ -129,6 +134,8 @@ class ServeKnobs:
         "clock": [Boolean()],
         "clock_decay": [Interval(numbers.Real, 0, 1, closed="right")],
         "clock_prior": [Interval(numbers.Real, 0, None, closed="neither")],
+        "clock_probe": [Interval(numbers.Integral, 0, None)],
+        "clock_probe_gain": [Interval(numbers.Real, 0, None)],
         "context_price": [Boolean()],
         "oracle": [NoneValue(), Satisfies("None or the path of an existing oracle reference file "
                                           "(calib/serve/oracle.py)", lambda v: isinstance(v, str) and Path(v).is_file())],

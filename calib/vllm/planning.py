@@ -124,8 +124,9 @@ class DraftPlanning:
         temps = [float(t) for t in batch.temperature_cpu[:B].tolist()]  # one numpy call, not one per request
         verdict = self.fresh_verdict(batch_key(temps))
         self.aside_now = (tuple(req_ids), verdict)  # the decision after drafting takes the same verdict
-        if verdict == "none":  # the tables say nothing pays for this batch: a newcomer's model chain neither
-            retirement.admitting = self.admit_at_entry and self.oracle is None
+        if verdict in ("none", "probe"):  # the tables say nothing pays for this batch (or the step clock asks for a
+            # step without drafts): no pass; where the tables said it, a newcomer's model chain pays neither
+            retirement.admitting = verdict == "none" and self.admit_at_entry and self.oracle is None
             return self.set_passes(scheduler_output, 0, k_sched, start)
         if verdict == "engine":  # vLLM's K passes, its drafts handed through
             return

@@ -62,6 +62,18 @@ def decide_sampled(dec, inputs):
                         dtype=torch.int32), expected, ms, probs=probs)
 
 
+def follow_drafts(runner, engine_chain: str, req_ids: list[str], drafts: list[list[int]], chain_ids) -> None:
+    """Make the q rows vLLM's rejection sampler reads next step (``runner._draft_probs`` by
+    ``_draft_prob_req_ids``, ``[:num_draft]`` per request) follow ``drafts``: model prefixes keep their rows,
+    another chain's tokens get one-hot rows (:func:`verified_draft_probs`). ``chain_ids``: int8 ``[B]`` numpy."""
+    from calib.chains import chain
+
+    model_id = chain(engine_chain).id
+    from_model = [int(c) == model_id for c in chain_ids.tolist()]
+    runner._draft_probs, runner._draft_prob_req_ids = verified_draft_probs(
+        runner._draft_probs, list(runner._draft_prob_req_ids), req_ids, drafts, from_model)
+
+
 def verified_draft_probs(probs: torch.Tensor, prob_req_ids: list[str], req_ids: list[str],
                          drafts: list[list[int]], from_model: list[bool]) -> tuple[torch.Tensor, list[str]]:
     """The draft probabilities ``[R, W, V]`` (rows by the returned request ids) that verify ``drafts``

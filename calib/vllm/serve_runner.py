@@ -181,7 +181,8 @@ def calib_off(policy: dict, record: dict) -> str | None:
         return "the serving hooks were never installed: the calib plugin did not load in the engine's process"
     if st.get("disabled_reason"):
         return str(st["disabled_reason"])
-    stood_aside = st.get("aside_engine", 0) + st.get("aside_none", 0)  # steps taken without deciding, on purpose
+    # steps taken without deciding, on purpose
+    stood_aside = st.get("aside_engine", 0) + st.get("aside_none", 0) + st.get("clock_probes", 0)
     if st.get("steps", 0) > 0 and st.get("decided", 0) == 0 and not stood_aside:
         return f"none of {st['steps']} engine steps was decided ({st.get('errors', 0)} hook errors)"
     return None
@@ -472,6 +473,8 @@ def summary(r: dict) -> str:
         if c.get("aside_engine") or c.get("aside_none"):
             lines.append(f"  stood aside on {c['aside_engine']} steps (vLLM's own drafts handed through) and "
                          f"{c['aside_none']} (no draft tokens scheduled)")
+        if c.get("clock_probes"):
+            lines.append(f"  {c['clock_probes']} steps without draft tokens for the step clock (knob clock_probe)")
         if c.get("planned"):
             lines.append(f"  draft passes {c['passes_engine']} -> {c['passes_planned']} on {c['planned']} steps")
         if c.get("oracle"):

@@ -49,6 +49,7 @@ class ServeStats:
     aside_engine: int = 0  # steps calib stood aside on, handing vLLM's own drafts through (calib/serve/aside.py)
     aside_none: int = 0  # ... scheduling no draft tokens (and, with a model drafter, no draft pass)
     clock_steps: int = 0  # steps the step clock timed (knob clock; calib/serve/step_clock.py)
+    clock_probes: int = 0  # steps scheduled without draft tokens for the step clock (knob clock_probe)
     # {"B=<size> <greedy|sampled>": [ms beyond the curve at no draft token, ms once for any, ms per draft token,
     # steps]}: the step clock's correction of each batch's price
     clock: dict = field(default_factory=dict)
@@ -78,6 +79,7 @@ class ServeStats:
                 f"(plan_ms mean {(sum(self.plan_ms) / len(self.plan_ms)) if self.plan_ms else math.nan:.2f}); "
                 f"{self.left_to_vllm} request-steps left to vLLM (logit transforms); "
                 f"stood aside on {self.aside_engine} steps (vLLM's drafts) and {self.aside_none} (no drafts); "
+                f"{self.clock_probes} steps without drafts for the step clock; "
                 + (f"oracle {self.oracle_known} known / {self.oracle_unknown} unknown, {self.oracle_padded} "
                    f"tokens padded; " if self.oracle else "") +
                 f"{self.errors} hook errors" + (f"; OFF: {self.disabled_reason}" if self.disabled_reason else ""))

@@ -18,6 +18,7 @@ from calib.serve import RequestHistory, StepInputs
 from calib.serve.aside import StandAside, batch_key, decision_kind
 from calib.serve.history import round_chains
 from calib.serve.knobs import ServeKnobs
+from calib.serve.step_clock import StepClock, predicted_gain
 from calib.transforms import target_only_transforms
 from calib.vllm.planning import DraftPlanning, PlannedStep
 from calib.vllm.ranks import digest
@@ -124,9 +125,8 @@ class Server(DraftPlanning):
         # the oracle prices as the curve does (pad_to_cheapest); under tensor parallelism each rank would time its own
         # steps and decide apart, and the ranks must decide alike (calib.vllm.ranks): the curve as given
         if self.knobs.clock and not self.knobs.oracle and self.ranks is None:
-            from calib.serve.step_clock import StepClock
-
-            self.clock = StepClock(cost.to(torch.float64).numpy(), self.knobs.clock_decay, self.knobs.clock_prior)
+            self.clock = StepClock(cost.to(torch.float64).numpy(), self.knobs.clock_decay, self.knobs.clock_prior,
+                                   probe_every=self.knobs.clock_probe, probe_gain=self.knobs.clock_probe_gain)
         self.max_model_len = getattr(runner, "max_model_len", None)
         history = RequestHistory(from_text=True)  # the rounds' whole chains, as a bank counts them
         self.stats.history = history.settled  # its tally, kept up to date by the history itself
@@ -354,8 +354,9 @@ class Server(DraftPlanning):
             self.stats.hook_ms.append((time.perf_counter() - start) * 1e3)
             return out
         d = None
-        if verdict == "none":  # no draft tokens: the step costs what a step without speculation costs
-            self.stats.aside_none += 1
+        if verdict in ("none", "probe"):  # no draft tokens: the step costs what a step without speculation costs
+            self.stats.aside_none += verdict == "none"
+            self.stats.clock_probes += verdict == "probe"
             self.planned = None
             drafts, chain_ids = [[] for _ in req_ids], np.full(len(req_ids), NO_CHAIN, dtype=np.int8)
         else:
@@ -373,6 +374,9 @@ class Server(DraftPlanning):
             if d.passthrough:
                 self.stats.passthrough += 1
                 return out
+            if self.clock is not None:  # what the clock's probe turns on (calib/serve/step_clock.py)
+                self.clock.note_gain(self.clock_pending, predicted_gain(dec.cost, len(req_ids), d.host("depth"),
+                                                                        d.host("expected_accepted")))
             drafts, chain_ids = d.drafts, d.host("chain")  # int8 [B], numpy: no torch call in the step
             if any(left):
                 drafts, chain_ids = keep_engine_rows(drafts, d.chain, engine, left, dec.engine_chain)
@@ -411,7 +415,10 @@ class Server(DraftPlanning):
         request left to vLLM (decide)."""
         if self.oracle is not None or any_left:
             return None
-        return self.aside.verdict(key)
+        verdict = self.aside.verdict(key)
+        if verdict != "none" and self.clock is not None and self.clock.probe((key[0], any(t > 0 for t in key[1]))):
+            return "probe"  # one step without draft tokens, for the step clock (calib/serve/step_clock.py)
+        return verdict
 
     def note_kind(self, key: tuple, kind: str | None) -> None:
         """A decided step's kind (:func:`calib.serve.aside.decision_kind`); one log line when a stretch of a
@@ -432,16 +439,10 @@ class Server(DraftPlanning):
         return decide_sampled(dec, inputs)
 
     def rebuild_draft_probs(self, runner, req_ids: list[str], drafts: list[list[int]], chain_ids) -> None:
-        """Make the q rows vLLM's rejection sampler reads next step (``runner._draft_probs`` by
-        ``_draft_prob_req_ids``, ``[:num_draft]`` per request) follow ``drafts``: model prefixes keep
-        their rows, another chain's tokens get one-hot rows (:func:`calib.vllm.sampled.verified_draft_probs`)."""
-        from calib.chains import chain
-        from calib.vllm import sampled
+        """:func:`calib.vllm.sampled.follow_drafts`: the rejection sampler's q rows made to follow ``drafts``."""
+        from calib.vllm.sampled import follow_drafts
 
-        model_id = chain(self.decider.engine_chain).id
-        from_model = [int(c) == model_id for c in chain_ids.tolist()]
-        runner._draft_probs, runner._draft_prob_req_ids = sampled.verified_draft_probs(
-            runner._draft_probs, list(runner._draft_prob_req_ids), req_ids, drafts, from_model)
+        follow_drafts(runner, self.decider.engine_chain, req_ids, drafts, chain_ids)
         self.stats.probabilistic_decided += 1
 
     def offers(self, dec, req_ids: list[str], engine: list[list[int]], batch, rows: list[int]) -> dict:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from calib.serve.knobs import ServeKnobs
-from calib.serve.step_clock import MAX_RESIDUAL, StepClock
+from calib.serve.step_clock import MAX_RESIDUAL, StepClock, predicted_gain
 
 CURVE = 0.050 + 0.003 * np.arange(81, dtype=np.float64)  # [T_max + 1] seconds: 50 ms + 3 ms per position
 KEY = (16, False)
@@ -119,3 +119,67 @@ def test_a_step_priced_at_its_own_context_is_corrected_on_that_price():
     assert ServeKnobs("t").context_price is True and ServeKnobs("t", context_price=False).context_price is False
     with pytest.raises((TypeError, ValueError), match="context_price"):
         ServeKnobs("t", context_price="yes")
+
+
+def _serve(clock: StepClock, steps: int, accepted: float, rng) -> tuple[int, np.ndarray, float]:
+    """A SYNTHETIC engine whose steps with draft tokens pay 15 ms once beyond its base, where the curve prices a
+    step without any 15 ms too dear, served by a decider that verifies 3 draft tokens (``accepted`` of them expected)
+    where the clock's price says it pays. Returns the probes, the draft tokens per step and the tokens a second."""
+    probes, drafted, seconds = 0, [], 0.0
+    for _ in range(steps):
+        if clock.probe(KEY):
+            probes, x = probes + 1, 0
+        else:
+            price = clock.price(KEY, 16)
+            gain = predicted_gain(CURVE if price is None else price, 16, np.array([3]), np.array([accepted]))
+            clock.note_gain(KEY, gain)
+            x = 3 if gain > 0 else 0
+        drafted.append(x)
+        took = CURVE[16 + x] - 0.015 + 0.015 * (x > 0) + rng.normal(0, 0.002)
+        seconds += took
+        clock.observe(KEY, 16, 16 + x, took)
+    drafted = np.array(drafted)
+    return probes, drafted, (16 * steps + accepted * (drafted > 0).sum()) / seconds
+
+
+def test_a_batch_that_always_drafts_is_probed_until_the_clock_tells_the_jump():
+    """The jump is learned only from steps both with and without draft tokens: where decisions expect little (below
+    probe_gain), one step without drafts after probe_every drafted ones shows it, and the decider stops verifying
+    draft tokens that cost more than they commit; where they expect much, or with probe_every 0, no probe."""
+    rng = np.random.default_rng(1)
+    probes, drafted, speed = _serve(StepClock(CURVE, probe_every=16, probe_gain=0.25), 300, 2.0, rng)
+    blind = _serve(StepClock(CURVE, probe_every=0), 300, 2.0, rng)
+    assert probes >= 1 and drafted[16] == 0 and (drafted[:16] > 0).all()  # the first after 16 drafted steps
+    assert (blind[1] > 0).all() and blind[0] == 0  # never told: a step with 3 draft tokens looks worth it
+    assert (drafted[100:] > 0).mean() < 0.2  # told: mostly none (a few drafted steps as the jump's evidence fades)
+    none = 16 / (CURVE[16] - 0.015)  # tokens a second without speculation
+    assert speed > 0.97 * none and blind[2] < 0.9 * none
+    clock = StepClock(CURVE, probe_every=16, probe_gain=0.25)
+    assert _serve(clock, 100, 12.0, rng)[0] == 0  # drafting wins clearly (gain > probe_gain): never probed
+
+
+def test_predicted_gain():
+    price = np.array([0.0, 0.05, 0.05, 0.06, 0.07, 0.08])  # [T_max + 1] seconds
+    # 2 requests, 2 draft tokens, 1.5 expected accepted: 3.5 / 0.07 against 2 / 0.05
+    assert predicted_gain(price, 2, np.array([2, 0]), np.array([1.5, np.nan])) == pytest.approx(3.5 / 0.07 / 40 - 1)
+    assert predicted_gain(torch.tensor(price), 2, np.array([0, 0]), np.array([0.0, 0.0])) == 0.0  # nothing verified
+    assert predicted_gain(price, 2, np.array([4, 0]), np.array([3.0, 0.0])) == 0.0  # past the curve: no figure
+
+
+def test_server_probes_for_the_clock_and_says_so():
+    from calib.vllm.server import Server
+
+    srv = Server(ServeKnobs("unused-tables"))
+    srv.clock = StepClock(CURVE, min_steps=1, probe_every=2)
+    key = (16, tuple([0.0] * 16))  # calib.serve.aside.batch_key of 16 greedy requests
+    assert srv.fresh_verdict(key) is None  # nothing timed yet
+    for _ in range(2):
+        srv.clock.observe(KEY, 16, 18, CURVE[18])
+    srv.clock.note_gain(KEY, 0.1)
+    assert srv.fresh_verdict(key) == "probe" and srv.fresh_verdict(key) is None  # one, then probe_every more steps
+    srv.clock.observe(KEY, 16, 16, CURVE[16])
+    assert srv.clock.drafted_run[KEY] == 0
+    assert ServeKnobs("t").clock_probe == 16 and ServeKnobs("t", clock_probe=0).clock_probe == 0
+    for bad in ({"clock_probe": -1}, {"clock_probe_gain": -0.1}):
+        with pytest.raises((TypeError, ValueError), match=next(iter(bad))):
+            ServeKnobs("t", **bad)
