@@ -431,6 +431,15 @@ class SafeDecider:
         except Exception as exc:  # noqa: BLE001
             self._fail(exc, "finish")
 
+    def forget_learned(self) -> None:
+        """The online correction back to the tables alone (:meth:`calib.tables.online_tables.OnlineTables.reset`)
+        and no round left pending: a bench's cells each start from the same state (call it with no request in
+        flight)."""
+        self._pending.clear()
+        self._outcomes.clear()
+        if self.online is not None:
+            self.online.reset()
+
     def _fail(self, exc: BaseException, where: str) -> None:
         self.failures += 1
         self.consecutive_failures += 1

@@ -117,6 +117,11 @@ class StepClock:
             held = self.curves[key] = (base, torch.from_numpy(corrected.astype(np.float32)))
         return held[1]
 
+    def forget(self) -> None:
+        """Every batch's steps forgotten: the curve as given again (a bench's cells each start from the same state)."""
+        for held in (self.sums, self.steps, self.drafted_run, self.gain, self.curves):
+            held.clear()
+
     def note_gain(self, key: tuple, gain: float) -> None:
         """The goodput a decision for this key expected over verifying nothing (:func:`predicted_gain`)."""
         self.gain[key] = float(gain)

@@ -193,3 +193,15 @@ class OnlineTables:
 
     def state(self) -> dict:
         return {name: c["correction"].state() for name, c in self.chains.items()}
+
+    def reset(self) -> None:
+        """The tables alone again: every chain's grid back to its prior, its correction unlearnt (a bench's cells
+        each start from the same state)."""
+        for c in self.chains.values():
+            c["table"].grid.copy_(c["prior"])
+            old = c["correction"]
+            c["correction"] = OnlineCorrection(old.n_depths, self.settings,
+                                               compiled=None if old._kernels is not None else False)
+            c["stale"][:] = False
+        self._dirty.clear()
+        self._whole.clear()

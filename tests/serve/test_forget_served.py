@@ -55,10 +55,30 @@ def test_the_worker_ends_calibs_stand_aside_stretch(monkeypatch):
     aside, key = StandAside(after=1, every=16), batch_key([0.0] * 4)
     aside.record(key, "engine")
     assert aside.verdict(key) == "engine"
-    monkeypatch.setattr(serving, "server", lambda: SimpleNamespace(aside=aside, recomputed={}))
+    monkeypatch.setattr(serving, "server", lambda: SimpleNamespace(aside=aside, recomputed={}, decider=None,
+                                                                    clock=None))
     worker = SimpleNamespace(model_runner=SimpleNamespace(drafter=object()))
     assert serve_runner._forget_in_worker(worker) == {"vllm": 0, "calib": 0}
     assert aside.verdict(key) is None
+
+
+def test_the_worker_forgets_what_calib_learnt_while_serving(monkeypatch):
+    """The online correction and the step clock start every cell from the same state: a cell of code edits after one
+    of chat read chat's acceptance and prices (December 7: 9 draft tokens a step after chat, 27 before it)."""
+    import numpy as np
+
+    from calib.serve.aside import StandAside
+    from calib.serve.step_clock import StepClock
+    from calib.vllm import serving
+
+    forgot = []
+    clock = StepClock(np.linspace(0.05, 0.1, 20), min_steps=1)
+    clock.observe((2, False), 2, 4, 0.2)
+    srv = SimpleNamespace(aside=StandAside(), recomputed={}, clock=clock,
+                          decider=SimpleNamespace(forget_learned=lambda: forgot.append(True)))
+    monkeypatch.setattr(serving, "server", lambda: srv)
+    serve_runner._forget_in_worker(SimpleNamespace(model_runner=SimpleNamespace(drafter=object())))
+    assert forgot == [True] and clock.correction((2, False)) == (0.0, 0.0, 0.0) and clock.price((2, False), 2) is None
 
 
 def test_a_worker_without_a_suffix_drafter_or_calib_serving_forgets_nothing():

@@ -206,6 +206,12 @@ def test_online_correction_learns_from_what_it_decided_and_rewrites_only_its_cha
             assert bool((on.tables.chains[name].grid[0] <= before[name][0] + 1e-7).all())
             assert bool((on.tables.chains[name].grid[0] < before[name][0] - 1e-4).any())
     assert all(torch.equal(t.grid, synthetic_decider(saved).tables.chains[n].grid) for n, t in off.tables.chains.items())
+    on.remember(inputs, first_on)
+    for r in inputs.req_ids:  # the cell's requests finish (their history with them)
+        on.finish(r)
+    on.forget_learned()  # between a bench's cells: the tables alone again, nothing pending
+    assert not on._pending and all(torch.equal(t.grid, before[n]) for n, t in on.tables.chains.items())
+    assert on.decide(inputs).drafts == first_off.drafts
 
 
 def test_online_positions_after_the_first_rejection_are_not_rejections(saved):
