@@ -21,9 +21,10 @@ that verify draft tokens, ``a`` from all). The decision then reads
 and ``b`` until its drafted steps decay below the prior, then drafts again by the curve's and re-learns them.
 
 A batch that drafts every step never shows ``j``: ``a`` takes it whole, and the price of not speculating reads as
-high as a drafted step's. On one AMD EPYC core at concurrency 16 (chat, greedy, December 7) no speculation's steps took
-82 ms where the curve priced 97 ms, and steps verifying 2-4 draft tokens 101-114 ms: calib, pricing the first draft
-token at a few ms, verified ~2.5 a step and served 0.86x of no speculation. So where a batch has gone ``probe_every``
+high as a drafted step's. On one AMD EPYC core shared with other work (chat at concurrency 16, greedy, the morning of
+December 7) no speculation's steps took 82 ms where the curve priced 97 ms, and steps verifying 2-4 draft tokens
+101-114 ms: calib, pricing the first draft token at a few ms, verified ~2.5 a step and served 0.86x of no speculation
+(on the same machine alone, 1.03x: docs/serving.md, "December 7, later"). So where a batch has gone ``probe_every``
 steps without one at no draft token, and its last decision expected to gain less than ``probe_gain`` (a share of the
 step's goodput, :func:`predicted_gain`) over verifying nothing, :meth:`StepClock.probe` asks for one step without draft
 tokens: what the clock needs to tell ``j`` from ``a``. Where drafting wins clearly (code edits: 2-3x the tokens a
