@@ -20,8 +20,8 @@ tables were fitted on these values, so the engine must pass the same, not its ow
 each round's whole chain, so its ``accept`` is the chain's accepted length; calib verifies a prefix of it, or
 none, so the accepted count a step reports is cut at the depth calib chose, and a chain calib emptied is no
 round at all. Histories counted from those outcomes drift from the values the tables were fitted on, and each
-cut lowers the next prediction (code edits at c = 16 on one EPYC core: 2,832 tokens accepted over the rounds'
-whole chains, 1,445 at the depths calib verified; docs/serving.md, "December 7"). Read from the text, a round is a step at which the request was offered a chain
+cut lowers the next prediction (code edits at c = 16 on one EPYC core: 1,975 tokens accepted over the rounds'
+whole chains, 1,281 at the depths calib verified; docs/serving.md, "December 7"). Read from the text, a round is a step at which the request was offered a chain
 (:meth:`open_rounds`: the chain it verified, else the engine's own), and its accepted length is that chain's
 longest common prefix with the tokens the request then generated (:meth:`settle`, from the request's token ids
 at a later step), which is what verifying the whole chain would have accepted (greedy; under sampling the same

@@ -397,6 +397,7 @@ def _forget_in_worker(worker) -> dict:
             srv.decider.forget_learned()
         if srv.clock is not None:
             srv.clock.forget()
+            srv.stats.clock.clear()  # its per-batch summary: the next cell's batches only
     return {"vllm": forget_responses(cache) if cache is not None else 0,
             "calib": sum(rec.forget_responses() for rec in (srv.recomputed.values() if srv is not None else ()))}
 
@@ -435,7 +436,8 @@ def serving_snapshot(llm) -> dict | None:
 
 
 def _stats_delta(a: dict | None, b: dict | None) -> dict | None:
-    """The serving statistics of one cell: counters differenced, per-step lists sliced."""
+    """The serving statistics of one cell: counters differenced (a tally of counters, ``history``, key by key),
+    per-step lists sliced."""
     if b is None:
         return None
     a = a or {}
@@ -443,11 +445,18 @@ def _stats_delta(a: dict | None, b: dict | None) -> dict | None:
     for k, v in b.items():
         if isinstance(v, list):
             out[k] = v[len(a.get(k, [])):]
-        elif isinstance(v, (int, float)) and not isinstance(v, bool):
+        elif _counter(v):
             out[k] = v - a.get(k, 0)
+        elif isinstance(v, dict) and v and all(_counter(x) for x in v.values()):
+            before = a.get(k) or {}
+            out[k] = {name: x - before.get(name, 0) for name, x in v.items()}
         else:
             out[k] = v
     return out
+
+
+def _counter(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def _calib_figures(st: dict | None, wall: float) -> dict:

@@ -74,11 +74,29 @@ def test_the_worker_forgets_what_calib_learnt_while_serving(monkeypatch):
     forgot = []
     clock = StepClock(np.linspace(0.05, 0.1, 20), min_steps=1)
     clock.observe((2, False), 2, 4, 0.2)
-    srv = SimpleNamespace(aside=StandAside(), recomputed={}, clock=clock,
+    from calib.vllm.serve_stats import ServeStats
+
+    stats = ServeStats(clock={"B=2 greedy": [1.0, 0.0, 0.0, 1]})
+    srv = SimpleNamespace(aside=StandAside(), recomputed={}, clock=clock, stats=stats,
                           decider=SimpleNamespace(forget_learned=lambda: forgot.append(True)))
     monkeypatch.setattr(serving, "server", lambda: srv)
     serve_runner._forget_in_worker(SimpleNamespace(model_runner=SimpleNamespace(drafter=object())))
     assert forgot == [True] and clock.correction((2, False)) == (0.0, 0.0, 0.0) and clock.price((2, False), 2) is None
+    assert stats.clock == {}  # the next cell's record shows its own batches only
+
+
+def test_a_cells_statistics_are_its_own():
+    """Counters, the history's tally of counters and per-step lists are the cell's own (the process keeps serving
+    across cells); the clock's summaries (lists of figures, not counters) are taken as they stand."""
+    before = {"steps": 10, "hook_ms": [1.0, 2.0], "history": {"rounds": 893, "whole": 857, "verified": 164},
+              "clock": {"B=16 greedy": [1.0, 2.0, 3.0, 40]}, "oracle": False}
+    after = {"steps": 25, "hook_ms": [1.0, 2.0, 3.0], "history": {"rounds": 1614, "whole": 2832, "verified": 1445},
+             "clock": {"B=16 greedy": [4.0, 5.0, 6.0, 21]}, "oracle": False}
+    cell = serve_runner._stats_delta(before, after)
+    assert cell["steps"] == 15 and cell["hook_ms"] == [3.0] and cell["oracle"] is False
+    assert cell["history"] == {"rounds": 721, "whole": 1975, "verified": 1281}
+    assert cell["clock"] == {"B=16 greedy": [4.0, 5.0, 6.0, 21]}
+    assert serve_runner._stats_delta(None, after)["history"] == after["history"]  # the first cell: all of it
 
 
 def test_a_worker_without_a_suffix_drafter_or_calib_serving_forgets_nothing():
