@@ -47,6 +47,11 @@ JUMP_PRIOR = 1.0
 MIN_PRICE_SHARE = 0.05
 
 
+def clock_key(temperatures) -> tuple:
+    """What the clock keeps a batch's correction by: its size and whether any of its requests samples."""
+    return (len(temperatures), any(t > 0 for t in temperatures))
+
+
 class StepClock:
     """Per batch key: decayed sums over its steps (``z = [x > 0]``, ``x`` draft tokens, ``r`` seconds beyond the
     curve) of what the least squares of ``r`` on ``(1, z, x)`` needs, the fitted correction, and the corrected curve
@@ -147,7 +152,7 @@ def predicted_gain(price, batch: int, depth, expected_accepted) -> float:
     """The share of goodput a decision expects beyond verifying nothing: ``(B + Σ accepted) / price[B + Σ depth]``
     over ``B / price[B]``, less one. ``price``: float ``[T_max + 1]`` the decision read (numpy or a CPU tensor);
     ``depth`` int ``[B]``; ``expected_accepted`` float ``[B]`` (NaN, a request not decided, counts 0)."""
-    price = np.asarray(price, dtype=np.float64)
+    price = np.asarray(price)  # a view of a CPU tensor: two entries are read, no copy of the curve
     verified = int(np.sum(depth))
     if verified <= 0 or batch + verified >= len(price):
         return 0.0

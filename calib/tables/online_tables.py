@@ -199,9 +199,7 @@ class OnlineTables:
         each start from the same state)."""
         for c in self.chains.values():
             c["table"].grid.copy_(c["prior"])
-            old = c["correction"]
-            c["correction"] = OnlineCorrection(old.n_depths, self.settings,
-                                               compiled=None if old._kernels is not None else False)
+            c["correction"] = OnlineCorrection(c["correction"].n_depths, self.settings)  # as __init__ makes it
             c["stale"][:] = False
         self._dirty.clear()
         self._whole.clear()

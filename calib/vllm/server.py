@@ -18,7 +18,7 @@ from calib.serve import RequestHistory, StepInputs
 from calib.serve.aside import StandAside, batch_key, decision_kind
 from calib.serve.history import round_chains
 from calib.serve.knobs import ServeKnobs
-from calib.serve.step_clock import StepClock, predicted_gain
+from calib.serve.step_clock import StepClock, clock_key, predicted_gain
 from calib.transforms import target_only_transforms
 from calib.vllm.planning import DraftPlanning, PlannedStep
 from calib.vllm.ranks import digest
@@ -336,7 +336,7 @@ class Server(DraftPlanning):
         if self.unpriced_sampling and any(t > 0 for t in temps):
             self.note_unpriced_sampling()
         key = batch_key(temps)
-        self.clock_pending = (len(req_ids), any(t > 0 for t in temps))  # what the step that verifies this is timed as
+        self.clock_pending = clock_key(temps)  # what the step that verifies this is timed as
         lengths = [int(batch.num_tokens_no_spec[r]) for r in rows]  # each request's tokens: where its draft starts
         price, self.clock_curve = self.base_cost, None  # the step's price (ContextCurves: at its own context)
         if self.context_curves is not None:
@@ -374,7 +374,7 @@ class Server(DraftPlanning):
             if d.passthrough:
                 self.stats.passthrough += 1
                 return out
-            if self.clock is not None:  # what the clock's probe turns on (calib/serve/step_clock.py)
+            if self.clock is not None and self.clock.probe_every:  # what its probe turns on (calib/serve/step_clock.py)
                 self.clock.note_gain(self.clock_pending, predicted_gain(dec.cost, len(req_ids), d.host("depth"),
                                                                         d.host("expected_accepted")))
             drafts, chain_ids = d.drafts, d.host("chain")  # int8 [B], numpy: no torch call in the step
@@ -416,7 +416,7 @@ class Server(DraftPlanning):
         if self.oracle is not None or any_left:
             return None
         verdict = self.aside.verdict(key)
-        if verdict != "none" and self.clock is not None and self.clock.probe((key[0], any(t > 0 for t in key[1]))):
+        if verdict != "none" and self.clock is not None and self.clock.probe(clock_key(key[1])):
             return "probe"  # one step without draft tokens, for the step clock (calib/serve/step_clock.py)
         return verdict
 
