@@ -110,6 +110,11 @@ REGISTRY: dict[str, EnvVar] = {v.name: v for v in (
          "exponentials only for requests with draft tokens, none on a step without any (calib.vllm.sampled; "
          "lossless); 0 keeps vLLM's draw for every request of every sampled step",
          _flag("CALIB_LEAN_RECOVERED_DRAW", True)),
+    _var("CALIB_PLAIN_DRAW", "flag", True,
+         "on by default where calib serves (CALIB_SERVE): a step of a speculative engine without any draft token "
+         "is sampled by vLLM's plain sampler, not its rejection sampler (the same draw: calib.vllm.patches."
+         "plain_draw_serves); 0 keeps vLLM's rejection sampler on every step",
+         _flag("CALIB_PLAIN_DRAW", True)),
     # --- read from other tools ---------------------------------------------------------------------
     _var("TRITON_INTERPRET", "flag", False,
          "Triton's CPU interpreter; must be set before triton is first imported (tests set it)",

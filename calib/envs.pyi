@@ -22,6 +22,7 @@ CALIB_SERVE: str | None  # JSON of calib.serve.knobs.ServeKnobs
 CALIB_DTYPE_CHOICE: str | None  # why engine.dtype auto became this dtype (calib.vllm.engine.cpu_dtype)
 CALIB_CPU_SAMPLING_FIX: bool
 CALIB_LEAN_RECOVERED_DRAW: bool
+CALIB_PLAIN_DRAW: bool
 TRITON_INTERPRET: bool
 WANDB_MODE: str
 VLLM_ENABLE_V1_MULTIPROCESSING: bool

@@ -75,6 +75,28 @@ class RunnerSubscriber:
         every subscriber says so (capture never does)."""
         return False
 
+    def samples_plainly(self) -> bool:
+        """Whether a step of a speculative engine without any draft token may be sampled by vLLM's plain sampler
+        instead of its rejection sampler (:func:`plain_draw_serves` says when that draw is the same). Taken only
+        when every subscriber says so (capture never does: its banks record the engine as vLLM runs it)."""
+        return False
+
+
+def plain_draw_serves(spec_decode_metadata, sampling_metadata) -> bool:
+    """Whether vLLM's plain sampler draws what its rejection sampler would on this step: no request has a draft
+    token, and nothing is asked for that the rejection sampler's bonus draw treats otherwise (logprobs, penalties and
+    bad words, which it reads with the draft tokens, a thinking budget).
+
+    vLLM builds ``spec_decode_metadata`` on every step of a speculative engine, so a step without any draft token
+    still runs the rejection sampler, which draws each request's bonus token through the same sampler on the same
+    logits (``logits[bonus_logits_indices]`` is every row when no request has drafts) and the same generators, plus a
+    copy of the logits for logprobs nobody asked for and the empty rejection: ~1 ms a step at c = 16 under sampling
+    on a CPU (docs/serving.md)."""
+    holder = getattr(sampling_metadata, "thinking_budget_state_holder", None)
+    return (spec_decode_metadata.max_spec_len == 0 and sampling_metadata.max_num_logprobs is None
+            and not getattr(sampling_metadata, "logprob_token_ids", None) and sampling_metadata.no_penalties
+            and not sampling_metadata.bad_words_token_ids and (holder is None or not holder.has_tracked_requests()))
+
 
 def takes_plain_argmax(proposer, sampling_metadata, base) -> bool:
     """Whether the proposer's ``_sample_draft_tokens`` takes vLLM's plain argmax path
@@ -155,9 +177,17 @@ class PatchSet:
         patch_set = self  # subscribers read at each call: a mode stood down at engine start leaves it
 
         def _sample(runner, logits, spec_decode_metadata):
-            for s in patch_set.subscribers:
+            subscribers = patch_set.subscribers
+            for s in subscribers:
                 s.before_verify(runner)
-            out = orig(runner, logits, spec_decode_metadata)
+            drawn = spec_decode_metadata
+            if drawn is not None and subscribers and all(s.samples_plainly() for s in subscribers):
+                try:
+                    if plain_draw_serves(drawn, runner.input_batch.sampling_metadata):
+                        drawn = None  # the plain sampler's [B, 1] is the rejection sampler's output at max_spec_len 0
+                except Exception as exc:  # noqa: BLE001 - the rejection sampler draws as vLLM does
+                    log.debug("plain draw not checked: %r", exc)
+            out = orig(runner, logits, drawn)
             for s in reversed(patch_set.subscribers):
                 s.after_verify(runner, spec_decode_metadata, out)
             return out

@@ -11,6 +11,7 @@ import logging
 import os
 import time
 
+from calib import envs
 from calib.serve.knobs import ServeKnobs
 from calib.vllm.patches import RunnerSubscriber
 from calib.vllm.server import Server, ServeStats
@@ -25,6 +26,7 @@ class ServingSubscriber(RunnerSubscriber):
         self.server = server
         self.draft_start = 0.0
         self.drafted_s = 0.0  # the last draft proposal's seconds (left out of the step clock's time)
+        self.plain_draw = bool(envs.CALIB_PLAIN_DRAW)  # read once: the patch set asks every step
 
     def before_take(self, runner) -> None:
         srv = self.server
@@ -103,6 +105,9 @@ class ServingSubscriber(RunnerSubscriber):
 
     def skips_idle_pass(self) -> bool:
         return self.server.retirement.take_skip()
+
+    def samples_plainly(self) -> bool:
+        return self.plain_draw
 
     def keeps_head_block(self, request_id: str) -> bool:
         srv = self.server
