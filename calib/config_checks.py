@@ -75,6 +75,7 @@ def _train_constraints() -> dict:
         "context.trial_samples": [INT_1],
         **{f"{group}.selection.{k}": v for group in ("calibrator", "ngram_model") for k, v in _selection().items()},
         "ngram_model.transfer.max_samples": [INT_1],
+        "ngram_model.per_cell": [Boolean()],
         "logger.kind": [Options(LOGGERS)],
         "overwrite": [Boolean()],
     }

@@ -160,14 +160,17 @@ def _with_axes(kind: ChainKind, est, selected) -> object:
 
 
 def _selection(kind: ChainKind, cfg: dict, candidates: dict, selected, sel_cfg: dict, rows: pd.DataFrame):
-    """The unfitted estimator of a chain: grouped-CV selection over ``candidates`` (per context cell of
-    ``selected`` for a chain with a raw confidence)."""
+    """The unfitted estimator of a chain: grouped-CV selection over ``candidates``, per context cell of
+    ``selected`` for a chain with a raw confidence and for one whose config says ``per_cell`` (else a chain of
+    models reading named features reads the context axes as features)."""
     c = _with_selected(cfg, selected)
     n_own = len(kind.feature_names(c))
-    cands = {n: _with_axes(kind, _readable(kind, e, rows), selected) for n, e in candidates.items()}
+    per_cell = bool(selected) and (bool(kind.confidence) or bool(cfg.get("per_cell")))
+    # fitted per cell, a candidate reads no context axis: each cell's rows hold one bucket of each
+    cands = {n: _with_axes(kind, _readable(kind, e, rows), () if per_cell else selected) for n, e in candidates.items()}
     sel = GroupedCVSelection(cands, n_own=n_own, **sel_cfg)
     ctx_cfg = c.get("context") or {}
-    if kind.confidence and selected:
+    if per_cell:
         edges = [list(a.edges) for a in context_axes(c)]
         return PerContextCell(sel, n_own, edges, int(ctx_cfg.get("min_cell_samples", 500)))
     return sel
