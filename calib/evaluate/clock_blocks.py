@@ -199,8 +199,9 @@ def render_grid(manifest: dict, source: str, root: Path = ROOT, tolerance: float
               f"decode state)" + (f"; of its headroom calib captured {min(head):+.0%} to {max(head):+.0%} (median "
                                   f"{fmt_pct(statistics.median(head))}, {len(head)} cells with a ceiling)" if head
                                   else "")
-              + f"; the replay (a prediction) put {sum(e <= tolerance for e in errors)} of {len(errors)} "
-              f"(cell, arm) pairs within ±{tolerance:.0%}."), "",
+              + (f"; the replay (a prediction) put {sum(e <= tolerance for e in errors)} of {len(errors)} "
+                 f"(cell, arm) pairs within ±{tolerance:.0%}." if errors else "; no replay predicted these runs.")),
+             "",
              ("| category | sampling | c | best vLLM arm | calib's best arm [spread] | clock oracle / vLLM n-gram "
               f"(tok/s, steady) | headroom captured | replay within ±{tolerance:.0%} | run |"), "|" + "---|" * 9]
     for (row, src, _), (tok, steady) in zip(cells, oracle):
