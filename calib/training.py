@@ -169,10 +169,9 @@ def _selection(kind: ChainKind, cfg: dict, candidates: dict, selected, sel_cfg: 
     # fitted per cell, a candidate reads no context axis: each cell's rows hold one bucket of each
     cands = {n: _with_axes(kind, _readable(kind, e, rows), () if per_cell else selected) for n, e in candidates.items()}
     sel = GroupedCVSelection(cands, n_own=n_own, **sel_cfg)
-    ctx_cfg = c.get("context") or {}
     if per_cell:
         edges = [list(a.edges) for a in context_axes(c)]
-        return PerContextCell(sel, n_own, edges, int(ctx_cfg.get("min_cell_samples", 500)))
+        return PerContextCell(sel, n_own, edges, int((c.get("context") or {}).get("min_cell_samples", 500)))
     return sel
 
 
