@@ -130,7 +130,7 @@ def sampled_shape_price(cost: torch.Tensor, price: SampledPrice, n_requests: int
 def batch_slope(cost: np.ndarray, n_requests: int, width: int) -> float:
     """A step's price per draft token over the positions a batch of ``n_requests`` can verify: the curve's mean slope
     from ``T = B`` to ``B + B * width`` (the first difference on a line, where a step cost is affine), and 0 where
-    it falls. A step cost's measured steps at a few positions (:attr:`calib.cost.step.StepCost.small_t`) can make a
+    it falls. A step cost's measured steps at a few positions (:attr:`calib.cost.step.StepCost.t_residual`) can make a
     step with draft tokens cheaper than one without (one AMD EPYC at B = 1): a separable price cannot pay a request
     for drafting, so its drafts are free there."""
     span = min(n_requests * width, cost.shape[0] - 1 - n_requests)

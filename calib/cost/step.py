@@ -8,6 +8,7 @@ and read back by :func:`load_step_cost`. :class:`EngineStepCurve` is it as the r
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from dataclasses import asdict, dataclass, field
@@ -22,14 +23,19 @@ DRAFTER_PARTS = {"idle": ("drafter_first_pass",), "lm_head": ("drafter_lm_head",
                  "more": ("drafter_more_passes",)}
 CHAIN_PARTS = ("ngram_propose",)
 CALIB_PARTS = ("calib",)
-# 2 added the ``sampled`` term (a version-1 file reads with it zero); 3 verify's C and Q; 4 ``small_t`` (none before)
-STEP_COST_VERSION = 4
-READABLE_VERSIONS = (1, 2, 3, 4)
-# verify at a few positions, as measured (StepCost.small_t): the target's matrix products over T rows do not cost a
-# line there (one AMD EPYC stepped T = 5 positions 15 % faster than T = 1, docs/cost.md), so each T up to SMALL_T_MAX
-# with at least SMALL_T_MIN_STEPS plain steps in the profile keeps its median residual from the linear fit
+# 2 added the ``sampled`` term (a version-1 file reads with it zero); 3 verify's C and Q; 4 ``small_t``; 5 ``t_residual``
+# over every T the profile stepped (4's ``small_t``, read into it, held T <= 8 only)
+STEP_COST_VERSION = 5
+READABLE_VERSIONS = (1, 2, 3, 4, 5)
+# verify as measured at each T (StepCost.t_residual): the target's matrix products over T rows do not cost a line (one
+# AMD EPYC stepped T = 5 positions 15 % faster than T = 1, and T = 9..20 10-20 % below the line fitted to all its
+# steps, docs/cost.md), so the profile's plain steps keep their median residual from the linear fit at each T up to
+# SMALL_T_MAX, and in each bin between T_BIN_EDGES above it, where at least T_MIN_STEPS of them stepped
 SMALL_T_MAX = 8
-SMALL_T_MIN_STEPS = 20
+T_BIN_EDGES = (8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
+T_MIN_STEPS = 20
+# past the last measured T the residual fades to the line over this many positions (an unmeasured T is the line's)
+T_FADE = 8
 # verify's inputs: T positions, B requests; with a profile that recorded each step's context (3), C thousands of tokens
 # in the requests' KV caches (rows' ``context``: read once a step per request) and Q thousands of (query, key) pairs
 # attended over (rows' ``query_keys``: each position against its request's cache)
@@ -88,9 +94,9 @@ class StepCost:
     calib: Linear
     source: dict
     sampled: Linear = field(default_factory=lambda: Linear(0.0, {"D": 0.0, "R": 0.0}))
-    # {T: seconds}: verify's measured median residual from the linear fit at T <= SMALL_T_MAX positions (JSON keys are
-    # strings); between the measured T it is interpolated, and past the last it fades to the line over SMALL_T_MAX more
-    small_t: dict = field(default_factory=dict)
+    # {T: seconds}: verify's measured median residual from the linear fit at T positions (each T up to SMALL_T_MAX, a
+    # bin's median T above it; JSON keys are strings); interpolated between, fading to the line over T_FADE past the last
+    t_residual: dict = field(default_factory=dict)
 
     @property
     def context_aware(self) -> bool:
@@ -109,11 +115,11 @@ class StepCost:
         cached, ``C``) and ``queries`` (thousands of query-key pairs, ``Q``), each, where not given, from ``B``
         requests (``T`` positions) at ``context`` tokens cached per request (None: :attr:`context_mean`)."""
         if not self.context_aware:
-            return self.verify(T=T, B=B) + self.small_t_residual(T)
+            return self.verify(T=T, B=B) + self.t_residual_at(T)
         mean = (self.context_mean if context is None else float(context)) / 1e3
         cached = np.asarray(B, dtype=np.float64) * mean if cached is None else cached
         queries = np.asarray(T, dtype=np.float64) * mean if queries is None else queries
-        return self.verify(T=T, B=B, C=cached, Q=queries) + self.small_t_residual(T)
+        return self.verify(T=T, B=B, C=cached, Q=queries) + self.t_residual_at(T)
 
     def price_curve(self, t_max: int, batch: int, drafter: bool = False, context: float | None = None) -> np.ndarray:
         """float64 ``[t_max + 1]``: a step's verify over ``T`` positions of ``batch`` requests (``T = 0`` priced as 1) at
@@ -124,11 +130,11 @@ class StepCost:
         return np.asarray(self.verify_at(t, batch, context=context) + (self.idle(T=t) if drafter else 0.0),
                           dtype=np.float64)
 
-    def small_t_residual(self, T) -> np.ndarray:
-        """Seconds :attr:`small_t` adds to the linear ``verify`` at ``T`` positions (0 without it, and above
-        :data:`SMALL_T_MAX` more positions than the last measured): the measured residuals interpolated, fading to 0
-        over the ``SMALL_T_MAX`` positions past the last."""
-        return _small_t_residual(self.small_t, T)
+    def t_residual_at(self, T) -> np.ndarray:
+        """Seconds :attr:`t_residual` adds to the linear ``verify`` at ``T`` positions (0 without it, and more than
+        :data:`T_FADE` positions past the last measured): the measured residuals interpolated, fading to 0 over the
+        ``T_FADE`` positions past the last."""
+        return _t_residual_at(self.t_residual, T)
 
     def speculating_sampled(self, draft_tokens, drafting) -> np.ndarray:
         """Seconds a sampled step adds for verifying ``draft_tokens`` from ``drafting`` requests (0 for none: no
@@ -165,7 +171,7 @@ def fit_step_cost(rows: list[dict], source: dict) -> StepCost:
     (bench/profile_step.py's steady decode steps; every arm's rows together), each optionally with
     ``"draft_tokens"`` (default ``tokens - batch``) and ``"sampled"`` (a step under sampling; default False).
     ``verify`` is fitted on the rows without the sampled path's extra work (greedy steps, and sampled steps
-    without draft tokens), with each small ``T``'s measured residual kept beside the line (``small_t``);
+    without draft tokens), with each ``T``'s measured residual kept beside the line (``t_residual``);
     ``sampled`` on what the sampled steps with draft tokens spent beyond it."""
     if not rows:
         raise ValueError("fit_step_cost: no profile rows (run bench/profile_step.py)")
@@ -197,8 +203,8 @@ def fit_step_cost(rows: list[dict], source: dict) -> StepCost:
     else:
         fits = {"verify": _fit(np.column_stack([T[plain], B[plain]]), verify_s[plain], ("T", "B"))}
         ran = fits["verify"](T=T, B=B)
-    small_t = _small_t(T[plain], verify_s[plain] - ran[plain])
-    ran = ran + _small_t_residual(small_t, T)
+    t_residual = _t_residual(T[plain], verify_s[plain] - ran[plain])
+    ran = ran + _t_residual_at(t_residual, T)
     fits["sampled"] = (_fit(np.column_stack([D[jumped], R[jumped]]), verify_s[jumped] - ran[jumped], ("D", "R"))
                        if jumped.any() and (plain & ~jumped).any() else Linear(0.0, {"D": 0.0, "R": 0.0}))
     fits["idle"] = _fit(T[loaded, None], idle_s[loaded], ("T",)) if loaded.any() else Linear(0.0, {"T": 0.0})
@@ -210,26 +216,31 @@ def fit_step_cost(rows: list[dict], source: dict) -> StepCost:
         y = np.array([_part_ms(r, parts) for r in rows]) / 1e3
         mask = y > 0
         fits[name] = _fit(B[mask, None], y[mask], ("B",)) if mask.any() else Linear(0.0, {"B": 0.0})
-    return StepCost(**fits, source=source, small_t=small_t)
+    return StepCost(**fits, source=source, t_residual=t_residual)
 
 
-def _small_t(T: np.ndarray, residual: np.ndarray) -> dict:
-    """{T: median residual} of the plain steps at each ``T <= SMALL_T_MAX`` positions with at least
-    :data:`SMALL_T_MIN_STEPS` of them (:attr:`StepCost.small_t`)."""
+def _t_residual(T: np.ndarray, residual: np.ndarray) -> dict:
+    """{T: median residual} of the plain steps at each ``T <= SMALL_T_MAX`` positions, and in each bin between
+    :data:`T_BIN_EDGES` above it (keyed by the bin's median T), with at least :data:`T_MIN_STEPS` of them
+    (:attr:`StepCost.t_residual`)."""
     out = {}
     for t in range(1, SMALL_T_MAX + 1):
         at = residual[T == t]
-        if at.size >= SMALL_T_MIN_STEPS:
+        if at.size >= T_MIN_STEPS:
             out[t] = float(np.median(at))
+    for lo, hi in itertools.pairwise(T_BIN_EDGES):
+        inside = (T > lo) & (T <= hi)
+        if inside.sum() >= T_MIN_STEPS:
+            out[round(float(np.median(T[inside])))] = float(np.median(residual[inside]))
     return out
 
 
-def _small_t_residual(small_t: dict, T) -> np.ndarray:
+def _t_residual_at(t_residual: dict, T) -> np.ndarray:
     T = np.asarray(T, dtype=np.float64)
-    if not small_t:
+    if not t_residual:
         return np.zeros_like(T)
-    at = sorted((float(t), float(r)) for t, r in small_t.items())
-    xs, ys = [t for t, _ in at] + [at[-1][0] + SMALL_T_MAX], [r for _, r in at] + [0.0]
+    at = sorted((float(t), float(r)) for t, r in t_residual.items())
+    xs, ys = [t for t, _ in at] + [at[-1][0] + T_FADE], [r for _, r in at] + [0.0]
     return np.interp(T, xs, ys, left=ys[0], right=0.0)
 
 
@@ -269,17 +280,21 @@ def load_step_cost(path) -> StepCost:
             raise ValueError(f"{path}: {key}: expected {{intercept, slopes: {{input: seconds}}}} with finite "
                              f"values >= 0, got {term!r}")
         terms[key] = Linear(float(term["intercept"]), {k: float(v) for k, v in term["slopes"].items()})
-    small_t = doc.get("small_t", {})
-    if not (isinstance(small_t, dict) and all(
-            str(t).isdigit() and 1 <= int(t) <= SMALL_T_MAX and isinstance(r, (int, float)) and not isinstance(r, bool)
-            and math.isfinite(r) for t, r in small_t.items())):
-        raise ValueError(f"{path}: small_t: expected {{positions 1..{SMALL_T_MAX}: finite seconds}}, got {small_t!r} "
+    # version 4 kept T <= SMALL_T_MAX only, as ``small_t``; the same residuals, read the same way
+    key = "small_t" if doc["version"] == 4 else "t_residual"
+    t_residual = doc.get(key, {})
+    if not (isinstance(t_residual, dict) and all(
+            str(t).isdigit() and 1 <= int(t) <= (SMALL_T_MAX if key == "small_t" else T_BIN_EDGES[-1])
+            and isinstance(r, (int, float)) and not isinstance(r, bool) and math.isfinite(r)
+            for t, r in t_residual.items())):
+        top = SMALL_T_MAX if key == "small_t" else T_BIN_EDGES[-1]
+        raise ValueError(f"{path}: {key}: expected {{positions 1..{top}: finite seconds}}, got {t_residual!r} "
                          f"(re-run bench/profile_step.py --step-cost {path})")
     source = doc.get("source", {})
     if not isinstance(source, dict):  # a file's content: a ValueError as every refusal here
         raise ValueError(f"{path}: source: {source!r} ({type(source).__name__}); expected an object (the profile's "  # noqa: TRY004
                          f"command, date, cpu, device) or no key at all (re-run bench/profile_step.py --step-cost {path})")
-    return StepCost(**terms, source=source, small_t={int(t): float(r) for t, r in small_t.items()})
+    return StepCost(**terms, source=source, t_residual={int(t): float(r) for t, r in t_residual.items()})
 
 
 def this_machine() -> str:
