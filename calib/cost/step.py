@@ -281,13 +281,12 @@ def load_step_cost(path) -> StepCost:
                              f"values >= 0, got {term!r}")
         terms[key] = Linear(float(term["intercept"]), {k: float(v) for k, v in term["slopes"].items()})
     # version 4 kept T <= SMALL_T_MAX only, as ``small_t``; the same residuals, read the same way
-    key = "small_t" if doc["version"] == 4 else "t_residual"
+    key, top = ("small_t", SMALL_T_MAX) if doc["version"] == 4 else ("t_residual", T_BIN_EDGES[-1])
     t_residual = doc.get(key, {})
     if not (isinstance(t_residual, dict) and all(
-            str(t).isdigit() and 1 <= int(t) <= (SMALL_T_MAX if key == "small_t" else T_BIN_EDGES[-1])
+            str(t).isdigit() and 1 <= int(t) <= top
             and isinstance(r, (int, float)) and not isinstance(r, bool) and math.isfinite(r)
             for t, r in t_residual.items())):
-        top = SMALL_T_MAX if key == "small_t" else T_BIN_EDGES[-1]
         raise ValueError(f"{path}: {key}: expected {{positions 1..{top}: finite seconds}}, got {t_residual!r} "
                          f"(re-run bench/profile_step.py --step-cost {path})")
     source = doc.get("source", {})
