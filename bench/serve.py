@@ -1,30 +1,34 @@
 """Wall-clock serving benchmark: calib's policies against vLLM's own, all arms in one run.
 
-    python bench/serve.py --tables DIR                   # the full grid (hours on 2 CPU cores)
-    python bench/serve.py --tables DIR --concurrency 1 4 --categories code_edit --sampling greedy --reps 3
+    python bench/serve.py --tables DIR    # the full grid (hours on 2 cores); a part: --categories code_edit --reps 3
 
 Arms (each servable policy's ``Serving.arms`` in calib.policies, + conf/speculative/): ``none`` (no_spec),
 ``vllm_eagle`` and ``vllm_ngram`` (fixed: vLLM, K=4), ``vllm_dynamic`` (vllm_dsd: vLLM Dynamic SD, EAGLE,
 K by batch size), ``calib_ragged`` (ragged_calibrated: EAGLE, calib truncates and picks the draft passes)
 and ``calib_two_drafter`` (two_drafter: EAGLE + the n-gram chain, calib picks chain, depth and passes);
 ``--arms ... calib_ngram`` adds calib cutting vLLM's n-gram drafts; ``vllm_suffix`` (vLLM's suffix decoding) and
-``calib_three_chain`` (EAGLE + the n-gram and the suffix chain) are the third drafter's (make install-suffix). Each (arm, repetition) is one process (calib's hooks install once per process)
-that builds its engine once (``max_num_seqs`` = the largest concurrency) and serves every cell (category x
-sampling x concurrency) in a shuffled order after a short warm-up on held-out prompts no cell serves; every cell
-starts from an empty prefix cache and suffix trees (``calib.vllm.serve_runner.forget_served``: what an earlier cell
-cached would favour whichever arm served after it), and each repetition seeds the engine apart (a sampled cell's
-repetitions then draw different texts); repetitions rotate the arms' order, so arms alternate on the clock. A cell at concurrency ``c`` serves ``max(min_prompts, 2c)`` prompts (a category
-holding fewer is served again from the top, so the batch fills) with ``c`` in flight. Reported per cell: the median over repetitions of output
-tokens/s, and each arm's ratio to the best vLLM arm of that cell: no speculation included (a user who
+``calib_three_chain`` (EAGLE + the n-gram and the suffix chain) are the third drafter's (make install-suffix).
+Each (arm, repetition) is one process (calib's hooks install once per process) that builds its engine once
+(``max_num_seqs`` = the largest concurrency) and warms it up on held-out prompts no cell serves; every cell (category x
+sampling x concurrency) starts from an empty prefix cache and suffix trees (``calib.vllm.serve_runner.forget_served``:
+what an earlier cell cached would favour whichever arm served after it), and each repetition seeds the engine apart
+(a sampled cell's repetitions then draw different texts). ``--interleave cells`` keeps every arm's engine of a
+repetition alive and serves each cell by every arm in turn, seconds apart, the order rotating from cell to cell (a
+machine whose speed drifts over minutes moves a cell's arms alike); ``arms`` serves one arm's every cell after
+another's, repetitions rotating the arms' order; ``auto`` (the default) picks ``cells`` where every engine fits in
+memory at once and no GPU is present (bench/lib/serve_arms.py). A cell at concurrency ``c`` serves
+``max(min_prompts, 2c)`` prompts (a category holding fewer is served again from the top, so the batch fills) with
+``c`` in flight. Reported per cell: the median over repetitions of output tokens/s, and each arm's ratio to the best vLLM arm of that cell: no speculation included (a user who
 finds speculation slower turns it off), and to the best vLLM speculation arm (eagle, ngram, dynamic).
 
 ``--identity`` (on by default) also serves every category greedily in float32 with every arm, at
 concurrency 4, and counts prompts whose text equals no speculation's (tests/engine_identity.py explains
 why float32: bf16 greedy parts at near-ties that differ between CPUs).
 
-Resumable: each finished (arm, repetition) is kept in ``--work`` (default runs/bench/serve-work/) under a
-digest of what it served (cells, overrides, the tables' bytes, and the code: git HEAD plus its uncommitted
-diff); the same command run again on the same code serves only what is missing, so an interrupted run of hours loses one arm at most. ``--set KEY=VALUE`` passes serve.py
+Resumable: each finished (arm, repetition), or (repetition, cell) under ``--interleave cells``, is kept in
+``--work`` (default runs/bench/serve-work/) under a digest of what it served (cells, overrides, the tables' bytes,
+and the code: git HEAD plus its uncommitted diff); the same command run again on the same code serves only what is
+missing, so an interrupted run of hours loses one arm (or one cell) at most. ``--set KEY=VALUE`` passes serve.py
 overrides to every arm (e.g. ``engine.dtype=float32``).
 
 Writes ``--out`` (default runs/bench/serve.json, staged then renamed) and prints the table.
@@ -37,19 +41,21 @@ arm).
 from __future__ import annotations
 
 import argparse
-import functools
 import hashlib
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 from calib.cli import parser as plain_parser
-from calib.cli import worker_env
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench.lib import serve_arms
+from bench.lib.serve_arms import cell_prompts, compose, warmup_prompts, worker  # noqa: F401 -- the worker's entry
 
 
 def _arms():
@@ -70,133 +76,16 @@ CALIB_ARMS = (*CALIB_ARMS, "calib_three_chain")
 SAMPLING = {"greedy": "greedy", "sampled": "sampled"}
 
 
-def compose(overrides: list[str]) -> dict:
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from omegaconf import OmegaConf
-
-    from calib.policies.config_store import store_policy_configs
-
-    store_policy_configs()  # the `policy` group
-    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
-        cfg = hydra_compose("serve", overrides=[f"root={ROOT}", *overrides])
-    return OmegaConf.to_container(cfg, resolve=True)
+def arm_overrides(arm: str, args, extra: list[str]) -> list[str]:
+    """serve.py's overrides of ``arm``'s engine: the arm's own, the tables, ``--set``, then ``extra``."""
+    return [*ARMS[arm], f"tables={args.tables}", *args.set, *extra]
 
 
-def cell_prompts(prompts: list, n: int) -> list:
-    """The first ``n`` prompts of a category, its file served again from the top where it holds fewer: at c = 64 a
-    60-prompt category serves 128 requests (each prompt about twice), so the batch fills and stays full for a
-    while, the steady state the replay prices (with 60 for 64 clients it never filled). The replay predicts
-    the cell from the same prompts' rounds (``cell_rows``: the first 128 of 60 are all 60)."""
-    if not prompts:
-        raise ValueError("a category without prompts cannot fill a bench cell")
-    return [prompts[i % len(prompts)] for i in range(n)]
-
-
-def warmup_prompts(category: str, n: int = 2) -> list:
-    """The warm-up's prompts: the first of ``category`` in the held-out set (``prompts=holdout``,
-    data/prompts/holdout/; the set's first where it holds none of that category), which no cell serves, so that the
-    warm-up leaves nothing in a cache a cell could reuse (the cells' prompts are the category's own file,
-    :func:`cell_prompts`)."""
-    from calib.prompts import load_prompts
-
-    held_out = load_prompts(compose(["prompts=holdout"])["prompts"]["files"], root=ROOT)
-    return ([p for p in held_out if p.category == category] or held_out)[:n]
-
-
-def worker(spec_path: str) -> None:
-    """One (arm, repetition): build the engine, warm it up, serve every cell; results to spec['out']."""
-    import random
-
-    from calib.prompts import load_prompts
-    from calib.vllm.serve_runner import build_engine, calib_off, forget_served, serve_cell
-
-    spec = json.loads(Path(spec_path).read_text())
-    cfg = compose(spec["overrides"])
-    # Each repetition samples its own outputs: the engine's seed moves with the repetition, the same for every arm of
-    # it. With one seed, a sampled cell's repetitions drew the same texts again (an arm's accepted tokens per step
-    # alike to the last digit), so its median compared one draw of each arm's outputs. Greedy cells are unchanged.
-    cfg["seed"] = int(cfg["seed"]) + max(int(spec["rep"]), 0)
-    llm = build_engine(cfg, ROOT, max_num_seqs=max(c["concurrency"] for c in spec["cells"]))
-    cells = list(spec["cells"])
-    random.Random(spec["seed"]).shuffle(cells)
-    by_category = {}
-    results = []
-    reference: dict | None = {} if spec.get("reference") else None  # {prompt key: output token ids}
-    for i, cell in enumerate(cells):
-        cat = cell["category"]
-        if cat not in by_category:
-            by_category[cat] = load_prompts(compose([f"prompts={cat}"])["prompts"]["files"], root=ROOT)
-        prompts = cell_prompts(by_category[cat], cell["n_prompts"])
-        sampling = compose([f"sampling={cell['sampling']}"])["sampling"]
-        sampling["max_tokens"] = cell["max_tokens"]
-        if i == 0:  # warm-up: first-call costs (lazy tables, allocator, caches) off the clock, on prompts no cell serves
-            serve_cell(llm, cfg, warmup_prompts(cat), {**sampling, "max_tokens": 8}, 2, cat, progress=False)
-        forget_served(llm)  # every arm starts every cell from an empty prefix cache and suffix trees
-        record, texts = serve_cell(llm, cfg, prompts, sampling, cell["concurrency"], cat, progress=False,
-                                   tokens=reference)
-        # A calib arm that decided nothing is vLLM's own arm under another name: recorded, never counted.
-        record["calib_off"] = calib_off(cfg["policy"], record)
-        record.update(arm=spec["arm"], rep=spec["rep"], cell=cell, texts=texts)
-        results.append(record)
-        print(f"  {spec['arm']:<18} rep {spec['rep']} {cat:<9} {cell['sampling']:<7} c={cell['concurrency']:<3} "
-              f"{record['tok_s']:7.1f} tok/s" + (f"  calib OFF: {record['calib_off']}" if record["calib_off"] else ""),
-              flush=True)
-    if reference is not None:
-        from calib.serve.oracle import write_reference
-
-        write_reference(spec["reference"], reference, max_tokens=max(c["max_tokens"] for c in cells),
-                        dtype=str(cfg["engine"].get("dtype", "auto")))
-    Path(spec["out"]).write_text(json.dumps(results))
-
-
-def run_arm(arm: str, rep: int, cells: list, args, extra: list[str], work: Path, reference: str | None = None) -> list:
-    """Serve every cell with ``arm`` in one process; its records, kept in ``work`` under a digest of what was
-    served (a finished (arm, rep) with the same digest is read back, not served again). ``reference``: also
-    write the served outputs there as the clock oracle's reference (:mod:`calib.serve.oracle`)."""
-    spec = {"arm": arm, "rep": rep, "seed": rep, "cells": cells, "reference": reference,
-            "overrides": [*ARMS[arm], f"tables={args.tables}", *args.set, *extra]}
-    key = hashlib.sha256(json.dumps({**spec, "tables_sha": _tables_digest(args.tables), "code": _code_digest()},
-                                    sort_keys=True).encode()).hexdigest()[:12]
-    done = work / f"{arm}-{rep}-{key}.json"
-    if done.is_file() and (reference is None or Path(reference).is_file()):
-        records = json.loads(done.read_text())
-        print(f"  {arm:<18} rep {rep}: kept from an earlier run ({done})", flush=True)
-        return records
-    spec["out"] = str(work / f"{arm}-{rep}-{key}.partial.json")
-    path = work / f"{arm}-{rep}-{key}.spec.json"
-    path.write_text(json.dumps(spec))
-    env = worker_env(ROOT)  # this tree's calib, whatever an editable install points at
-    log = work / f"{arm}-{rep}-{key}.log"
-    with open(log, "w") as fh:
-        proc = subprocess.run([sys.executable, __file__, "--worker", str(path)], check=False, stdout=fh,
-                              stderr=subprocess.STDOUT,
-                              env=env, cwd=ROOT)
-    lines = log.read_text().splitlines()
-    for line in lines:
-        if line.startswith("  ") and "tok/s" in line:
-            print(line, flush=True)
-    if proc.returncode != 0:
-        tail = "\n".join(lines[-30:])
-        raise RuntimeError(f"arm {arm} rep {rep} failed (exit {proc.returncode}); log {log}:\n{tail}")
-    os.replace(spec["out"], done)  # only a finished (arm, rep) is ever kept
-    return json.loads(done.read_text())
-
-
-@functools.cache
-def _code_digest() -> str:
-    """git HEAD and its uncommitted diff, digested: a kept arm is never reused after the code changed."""
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, check=True).stdout
-        diff = subprocess.run(["git", "diff", "HEAD"], cwd=ROOT, capture_output=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return "no git"
-    return hashlib.sha256(head + diff).hexdigest()
-
-
-def _tables_digest(tables: str) -> str:
-    path = Path(tables) / "tables.json"
-    return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else ""
+def run_arm(arm: str, rep: int, cells: list, args, extra: list[str], work: Path, reference: str | None = None,
+            max_num_seqs: int | None = None) -> list:
+    """Serve every cell with ``arm`` in one process (:func:`bench.lib.serve_arms.run_arm`)."""
+    spec = serve_arms.arm_spec(arm, rep, cells, arm_overrides(arm, args, extra), reference, max_num_seqs)
+    return serve_arms.run_arm(spec, args.tables, work)
 
 
 def cells_for(args) -> list:
@@ -292,6 +181,8 @@ def main(argv=None) -> None:
     ap.add_argument("--tolerance", type=float, default=0.10, metavar="F",
                     help="more repetitions while a ratio spreads wider")
     ap.add_argument("--max-reps", type=int, default=None, metavar="N", help="the most repetitions (default: --reps)")
+    ap.add_argument("--interleave", default="auto", choices=serve_arms.INTERLEAVE, metavar="HOW",
+                    help="cells, arms or auto (--help-all)")
     args = ap.parse_args(argv)
     if args.worker:
         return worker(args.worker)
@@ -345,19 +236,37 @@ def main(argv=None) -> None:
         run_arm("none", -1, list(widest.values()), args, [], work, reference=ref)
         extra = {a: [f"serve.oracle={ref}"] for a in ORACLE_ARMS}
     max_reps = max(args.reps, args.max_reps or args.reps)
+    kv_gb = float(compose(list(args.set))["engine"]["kv_cache_gb"])
+    try:
+        mode, why = serve_arms.resolve_interleave(args.interleave, len(arms), kv_gb)
+    except ValueError as exc:
+        sys.exit(f"bench/serve.py: {exc}")
     print(f"{len(arms)} arms x {args.reps} reps (up to {max_reps} while a ratio spreads more than "
-          f"±{args.tolerance:.0%}) x {len(cells)} cells (each finished arm kept in {work})", flush=True)
-    served_s, served, rep = 0.0, 0, 0
+          f"±{args.tolerance:.0%}) x {len(cells)} cells, interleaved by {mode}: {why} (each finished "
+          f"{'cell' if mode == 'cells' else 'arm'} kept in {work})", flush=True)
+    arm_cells = {a: greedy if a in ORACLE_ARMS else cells for a in arms}
+    overrides = {a: arm_overrides(a, args, extra.get(a, [])) for a in arms}
+    served_s, served, rep, todo = 0.0, 0, 0, arm_cells
+    widest = max(args.concurrency)  # every engine sized alike, a repetition of a few cells too
     while rep < args.reps or (rep < max_reps and (pending := clock.unstable(clock.rows(records), args.tolerance))):
-        if rep >= args.reps:
+        if rep >= args.reps:  # a further repetition serves only the cells still spread too wide, with every arm
             print(f"rep {rep}: unstable cells {pending}", flush=True)
-        order = arms[rep % len(arms):] + arms[: rep % len(arms)]  # repetitions rotate the arms' order
+            again = serve_arms.cells_named(pending, cells)
+            todo = {a: kept for a, cs in arm_cells.items() if (kept := [c for c in cs if c in again])}
+        if mode == "cells":
+            print(f"[rep {rep + 1}/{max(args.reps, rep + 1)}] every arm's engine, then each cell by every arm in turn",
+                  flush=True)
+            records += serve_arms.serve_rep_by_cells(todo, rep, overrides, args.tables, work, max_num_seqs=widest,
+                                                     progress=lambda line: print(line, flush=True))
+            rep += 1
+            continue
+        order = [a for a in arms[rep % len(arms):] + arms[: rep % len(arms)] if a in todo]  # rotated by repetition
         for i, arm in enumerate(order):
             left = len(order) - i + len(arms) * max(0, args.reps - rep - 1)
             eta = f", ETA {served_s / served * left / 60:.0f} min" if served else ""
             print(f"[rep {rep + 1}/{args.reps}, arm {i + 1}/{len(order)}] {arm}{eta}", flush=True)
             t0 = time.time()
-            records += run_arm(arm, rep, greedy if arm in ORACLE_ARMS else cells, args, extra.get(arm, []), work)
+            records += run_arm(arm, rep, todo[arm], args, extra.get(arm, []), work, max_num_seqs=widest)
             if time.time() - t0 > 5:  # an arm kept from an earlier run says nothing about the time left
                 served_s, served = served_s + time.time() - t0, served + 1
         rep += 1
@@ -379,7 +288,7 @@ def main(argv=None) -> None:
               "date": time.strftime("%Y-%m-%d"), "cpu": this_machine(), "replay": args.replay if metrics else None,
               "cost_model": args.cost_model, "arms": arms, "table": rows, "identity_float32_greedy": ident,
               "tolerance": args.tolerance, "unstable": clock.unstable(rows, args.tolerance), "cost_file": cost_file,
-              "tables": args.tables, "tables_sha256": _tables_digest(args.tables),  # eval's report matches on it
+              "interleave": mode, "tables": args.tables, "tables_sha256": serve_arms.tables_digest(args.tables),  # eval's report matches on it
               "runs": records}
     from calib.atomic import write_text_atomic
 
@@ -437,7 +346,7 @@ def _read_result(path: str) -> dict:
 
 
 def _cells_digest(cells: list, args) -> str:
-    return hashlib.sha256(json.dumps([cells, args.set, _code_digest()], sort_keys=True).encode()).hexdigest()[:12]
+    return hashlib.sha256(json.dumps([cells, args.set, serve_arms.code_digest()], sort_keys=True).encode()).hexdigest()[:12]
 
 
 def _metrics(path: str | None) -> dict | None:
