@@ -86,6 +86,24 @@ def test_unstable_cells_are_named():
     assert clock.unstable(clock.rows(RECORDS), 0.10) == []
 
 
+def test_a_run_interleaved_by_cells_says_so_and_counts_its_uneven_repetitions():
+    """A cell served again (--max-reps) while its ratios spread wider than --tolerance: the header says how many
+    repetitions each cell had and how the arms were alternated."""
+    from calib.evaluate import clock_blocks
+
+    other = [{**r, "cell": {**r["cell"], "concurrency": 16}} for r in RECORDS]
+    recs = RECORDS + other + [_rec("none", 2, 42.0, 24.0), _rec("vllm_ngram", 2, 52.0, 19.0),
+                              _rec("calib_ngram", 2, 61.0, 16.0)]
+    result = {"command": "python bench/serve.py", "wall_s": 60.0, "table": clock.rows(recs), "arms": ARMS,
+              "runs": recs, "tolerance": 0.05, "interleave": "cells", "cost_model": "engine"}
+    assert clock.repetitions_text(result) == "2–3 repetitions (more where a ratio still spread wider than ±5% of its median)"
+    tables = clock_blocks.render_tables(result, "docs/bench/x.json")
+    assert "every arm's engine alive and each cell served by every arm in turn, 2–3 repetitions" in tables
+    assert "each cell served by every arm in turn" in clock_blocks.render_answer(result, "docs/bench/x.json")
+    arms_run = {**result, "interleave": "arms", "table": clock.rows(RECORDS), "runs": RECORDS}
+    assert "arms alternated within each of 2 repetitions" in clock_blocks.render_tables(arms_run, "docs/bench/x.json")
+
+
 def test_a_cell_whose_model_drafter_does_not_pay_names_the_engine_to_deploy_instead(capsys):
     """Issue 42 Must 4: where calib ran (almost) none of the EAGLE head's passes, the bench says to deploy the
     n-gram engine, with both arms' ratios; a cell where it drafted is not named."""

@@ -367,6 +367,17 @@ def repetitions(result: dict) -> int:
         (max(row["reps"].values(), default=0) for row in result["table"]), default=0)
 
 
+def repetitions_text(result: dict) -> str:
+    """``"2 repetitions"``, or ``"2-3 repetitions (more where ...)"`` where further repetitions served only the cells
+    whose ratios still spread wider than the run's tolerance."""
+    counts = [n for row in result["table"] for n in row.get("reps", {}).values()]
+    lo, hi = (min(counts), max(counts)) if counts else (repetitions(result),) * 2
+    if lo == hi:
+        return f"{hi} repetitions"
+    return (f"{lo}–{hi} repetitions (more where a ratio still spread wider than ±{result.get('tolerance', 0):.0%} "
+            "of its median)")
+
+
 def prediction_errors(row: dict) -> dict:
     """{arm: predicted / measured speed-up over no speculation − 1} of a row (recomputed for a bench that
     predates the field)."""

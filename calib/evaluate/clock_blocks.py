@@ -25,6 +25,7 @@ from calib.evaluate.clock import (
     oracle_arms,
     prediction_errors,
     repetitions,
+    repetitions_text,
     speedup_table,
     tok_s_table,
     vllm_arms,
@@ -39,8 +40,10 @@ def render_answer(result: dict, source: str, root: Path = ROOT) -> str:
     figures = answer_figures(table)
     best, head, err = figures["best"], figures["headroom"], figures["errors"]
     wins = sum(b >= 1.0 for b in best)
+    served = (f"{repetitions_text(result)}, each cell served by every arm in turn" if result.get("interleave") == "cells"
+              else f"{repetitions(result)} repetitions, arms alternated")
     s = (f"**On a clock — the answer** (`{result['command']}`, {result.get('date', '?')}, {result.get('cpu', '?')}, "
-         f"{repetitions(result)} repetitions, arms alternated; [{Path(source).name}]({source})): ")
+         f"{served}; [{Path(source).name}]({source})): ")
     if best:
         s += (f"calib's best arm is **{min(best):.2f}–{max(best):.2f}× the best vLLM arm** of each cell (no "
               f"speculation included; median {statistics.median(best):.2f}×), at least its equal in {wins} of "
@@ -84,9 +87,11 @@ def render_tables(result: dict, source: str, root: Path = ROOT) -> str:
     arm_names = list(result["arms"])
     ident = result.get("identity_float32_greedy")
     same = (", ".join(f"{a} {o['identical']}/{o['prompts']}" for a, o in ident.items()) if ident else "not run")
+    served = (f"every arm's engine alive and each cell served by every arm in turn, {repetitions_text(result)}"
+              if result.get("interleave") == "cells" else f"arms alternated within each of {repetitions(result)} "
+              "repetitions")
     parts = [f"Measured on the clock by `{result['command']}` on {result.get('date', '?')} ({result.get('cpu', '?')}, "
-             f"{result['wall_s'] / 60:.0f} min, all arms in one run, arms alternated within each of "
-             f"{repetitions(result)} repetitions; [{Path(source).name}]({source})). Output tokens/s, median [min–max over "
+             f"{result['wall_s'] / 60:.0f} min, all arms in one run, {served}; [{Path(source).name}]({source})). Output tokens/s, median [min–max over "
              "the repetitions] (ratio to the best vLLM arm of the cell, no speculation included, "
              + ("the median of the per-repetition ratios):" if any("ratio_spread" in r for r in result["table"])
                 else "the ratio of the medians: this bench predates pairwise ratios):"),
