@@ -9,16 +9,15 @@ and ``calib_two_drafter`` (two_drafter: EAGLE + the n-gram chain, calib picks ch
 ``--arms ... calib_ngram`` adds calib cutting vLLM's n-gram drafts; ``vllm_suffix`` (vLLM's suffix decoding) and
 ``calib_three_chain`` (EAGLE + the n-gram and the suffix chain) are the third drafter's (make install-suffix).
 Each (arm, repetition) is one process (calib's hooks install once per process) that builds its engine once
-(``max_num_seqs`` = the largest concurrency) and warms it up on held-out prompts no cell serves; every cell (category x
-sampling x concurrency) starts from an empty prefix cache and suffix trees (``calib.vllm.serve_runner.forget_served``:
-what an earlier cell cached would favour whichever arm served after it), and each repetition seeds the engine apart
-(a sampled cell's repetitions then draw different texts). ``--interleave cells`` keeps every arm's engine of a
-repetition alive and serves each cell by every arm in turn, seconds apart, the order rotating from cell to cell (a
-machine whose speed drifts over minutes moves a cell's arms alike); ``arms`` serves one arm's every cell after
-another's, repetitions rotating the arms' order; ``auto`` (the default) picks ``cells`` where every engine fits in
-memory at once and no GPU is present (bench/lib/serve_arms.py). A cell at concurrency ``c`` serves
-``max(min_prompts, 2c)`` prompts (a category holding fewer is served again from the top, so the batch fills) with
-``c`` in flight. Reported per cell: the median over repetitions of output tokens/s, and each arm's ratio to the best vLLM arm of that cell: no speculation included (a user who
+(``max_num_seqs`` = the largest concurrency) and warms it up on held-out prompts no cell serves; every cell (category
+x sampling x concurrency) starts from an empty prefix cache and suffix trees (``calib.vllm.serve_runner.
+forget_served``: what an earlier cell cached would favour whichever arm served after it), and each repetition seeds
+the engine apart (a sampled cell's repetitions then draw different texts). Repetitions rotate the arms' order;
+``--interleave cells`` instead keeps every arm's engine of a repetition alive and serves each cell by every arm in
+turn, seconds apart (it needs memory for every engine at once and no GPU; on a 2-core EPYC it spread the ratios no
+less: bench/lib/serve_arms.py). A cell at concurrency ``c`` serves ``max(min_prompts, 2c)`` prompts (a category
+holding fewer is served again from the top, so the batch fills) with ``c`` in flight. Reported per cell: the median
+over repetitions of output tokens/s, and each arm's ratio to the best vLLM arm of that cell: no speculation included (a user who
 finds speculation slower turns it off), and to the best vLLM speculation arm (eagle, ngram, dynamic).
 
 ``--identity`` (on by default) also serves every category greedily in float32 with every arm, at
@@ -27,8 +26,8 @@ why float32: bf16 greedy parts at near-ties that differ between CPUs).
 
 Resumable: each finished (arm, repetition), or (repetition, cell) under ``--interleave cells``, is kept in
 ``--work`` (default runs/bench/serve-work/) under a digest of what it served (cells, overrides, the tables' bytes,
-and the code: git HEAD plus its uncommitted diff); the same command run again on the same code serves only what is
-missing, so an interrupted run of hours loses one arm (or one cell) at most. ``--set KEY=VALUE`` passes serve.py
+and the served code: calib/, bench/, conf/ and data/ at git HEAD plus their uncommitted diff, so a commit of docs
+keeps it); the same command run again on the same code serves only what is missing, so an interrupted run of hours loses one arm (or one cell) at most. ``--set KEY=VALUE`` passes serve.py
 overrides to every arm (e.g. ``engine.dtype=float32``).
 
 Writes ``--out`` (default runs/bench/serve.json, staged then renamed) and prints the table.
@@ -181,8 +180,8 @@ def main(argv=None) -> None:
     ap.add_argument("--tolerance", type=float, default=0.10, metavar="F",
                     help="more repetitions while a ratio spreads wider")
     ap.add_argument("--max-reps", type=int, default=None, metavar="N", help="the most repetitions (default: --reps)")
-    ap.add_argument("--interleave", default="auto", choices=serve_arms.INTERLEAVE, metavar="HOW",
-                    help="cells, arms or auto (--help-all)")
+    ap.add_argument("--interleave", default="arms", choices=serve_arms.INTERLEAVE, metavar="HOW",
+                    help="arms (the default) or cells (--help-all)")
     args = ap.parse_args(argv)
     if args.worker:
         return worker(args.worker)
@@ -237,8 +236,9 @@ def main(argv=None) -> None:
         extra = {a: [f"serve.oracle={ref}"] for a in ORACLE_ARMS}
     max_reps = max(args.reps, args.max_reps or args.reps)
     kv_gb = float(compose(list(args.set))["engine"]["kv_cache_gb"])
+    mode = args.interleave
     try:
-        mode, why = serve_arms.resolve_interleave(args.interleave, len(arms), kv_gb)
+        why = serve_arms.check_interleave(mode, len(arms), kv_gb)
     except ValueError as exc:
         sys.exit(f"bench/serve.py: {exc}")
     print(f"{len(arms)} arms x {args.reps} reps (up to {max_reps} while a ratio spreads more than "

