@@ -17,8 +17,8 @@ the engine apart (a sampled cell's repetitions then draw different texts). Repet
 turn, seconds apart (it needs memory for every engine at once and no GPU; on a 2-core EPYC it spread the ratios no
 less: bench/lib/serve_arms.py). A cell at concurrency ``c`` serves ``max(min_prompts, 2c)`` prompts (a category
 holding fewer is served again from the top, so the batch fills) with ``c`` in flight. Reported per cell: the median
-over repetitions of output tokens/s, and each arm's ratio to the best vLLM arm of that cell: no speculation included (a user who
-finds speculation slower turns it off), and to the best vLLM speculation arm (eagle, ngram, dynamic).
+over repetitions of output tokens/s, and each arm's ratio to the best vLLM arm of that cell: no speculation included
+(a user who finds speculation slower turns it off), and to the best vLLM speculation arm (eagle, ngram, dynamic).
 
 ``--identity`` (on by default) also serves every category greedily in float32 with every arm, at
 concurrency 4, and counts prompts whose text equals no speculation's (tests/engine_identity.py explains
@@ -27,8 +27,9 @@ why float32: bf16 greedy parts at near-ties that differ between CPUs).
 Resumable: each finished (arm, repetition), or (repetition, cell) under ``--interleave cells``, is kept in
 ``--work`` (default runs/bench/serve-work/) under a digest of what it served (cells, overrides, the tables' bytes,
 and the served code: calib/, bench/, conf/ and data/ at git HEAD plus their uncommitted diff, so a commit of docs
-keeps it); the same command run again on the same code serves only what is missing, so an interrupted run of hours loses one arm (or one cell) at most. ``--set KEY=VALUE`` passes serve.py
-overrides to every arm (e.g. ``engine.dtype=float32``).
+keeps it); the same command run again on the same code serves only what is missing, so an interrupted run of hours
+loses one arm (or one cell) at most. ``--set KEY=VALUE`` passes serve.py overrides to every arm (e.g.
+``engine.dtype=float32``).
 
 Writes ``--out`` (default runs/bench/serve.json, staged then renamed) and prints the table.
 
@@ -288,7 +289,8 @@ def main(argv=None) -> None:
               "date": time.strftime("%Y-%m-%d"), "cpu": this_machine(), "replay": args.replay if metrics else None,
               "cost_model": args.cost_model, "arms": arms, "table": rows, "identity_float32_greedy": ident,
               "tolerance": args.tolerance, "unstable": clock.unstable(rows, args.tolerance), "cost_file": cost_file,
-              "interleave": mode, "tables": args.tables, "tables_sha256": serve_arms.tables_digest(args.tables),  # eval's report matches on it
+              "interleave": mode, "tables": args.tables,
+              "tables_sha256": serve_arms.tables_digest(args.tables),  # eval's report matches on it
               "runs": records}
     from calib.atomic import write_text_atomic
 
@@ -346,7 +348,8 @@ def _read_result(path: str) -> dict:
 
 
 def _cells_digest(cells: list, args) -> str:
-    return hashlib.sha256(json.dumps([cells, args.set, serve_arms.code_digest()], sort_keys=True).encode()).hexdigest()[:12]
+    served = json.dumps([cells, args.set, serve_arms.code_digest()], sort_keys=True)
+    return hashlib.sha256(served.encode()).hexdigest()[:12]
 
 
 def _metrics(path: str | None) -> dict | None:

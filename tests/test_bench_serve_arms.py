@@ -69,7 +69,8 @@ def test_each_cell_is_served_by_every_arm_in_turn_the_order_rotating(tmp_path):
 
 def test_a_rerun_serves_only_the_cells_still_missing(tmp_path):
     first = serve_arms.serve_rep_by_cells(_arm_cells(), 0, _overrides(), str(tmp_path), tmp_path,
-                                          start=lambda spec, work, key: FakeWorker([], spec), progress=lambda line: None)
+                                          start=lambda spec, work, key: FakeWorker([], spec),
+                                          progress=lambda line: None)
 
     def refuse(spec, work, key):
         raise AssertionError("no engine may start when every cell is kept")
