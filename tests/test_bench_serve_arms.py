@@ -179,3 +179,12 @@ def test_kept_records_survive_a_commit_of_docs_but_not_one_of_the_served_code(tm
     git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qam", "code")
     assert digest() != first
     serve_arms.code_digest.cache_clear()
+
+
+def test_a_real_worker_that_cannot_start_is_named_with_its_log_and_not_left_running(tmp_path):
+    """The protocol over a real worker process (bench/serve.py --worker): a config error before the engine is
+    built ends the process; the parent says which arm, what it was doing, and the log's tail."""
+    spec = serve_arms.arm_spec("none", 0, CELLS[:1], ["policy=no_such_policy"])
+    with pytest.raises(RuntimeError, match=r"arm none rep 0 failed starting its engine.*log .*none-0-k\.pool\.log"):
+        serve_arms.PoolWorker(spec, tmp_path, "k")
+    assert "no_such_policy" in (tmp_path / "none-0-k.pool.log").read_text()

@@ -263,7 +263,11 @@ class PoolWorker:
         self.proc = subprocess.Popen([sys.executable, str(SERVE_SCRIPT), "--worker", str(path)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self._log, env=worker_env(ROOT), cwd=ROOT,
                                      text=True, bufsize=1)
-        self._expect("ready", "starting its engine")
+        try:
+            self._expect("ready", "starting its engine")
+        except BaseException:  # not yet the caller's to close: a worker that never got ready is not left running
+            self.close()
+            raise
 
     def _expect(self, field: str, doing: str):
         line = self.proc.stdout.readline()
@@ -291,12 +295,16 @@ class PoolWorker:
             self.proc.kill()
             self.proc.wait()
         finally:
-            self._log.close()
+            for stream in (self.proc.stdin, self.proc.stdout, self._log):
+                try:
+                    stream.close()
+                except OSError:  # a pipe the worker already broke
+                    pass
 
 
 def cell_order(arms: list[str], rep: int, i: int) -> list[str]:
-    """The arms serving a repetition's ``i``-th cell, rotated by repetition and cell: every arm leads as often as
-    another, and none always follows the same one."""
+    """The arms serving a repetition's ``i``-th cell, rotated by repetition and cell, so that every arm leads (and
+    closes) a cell about as often as another."""
     k = (rep + i) % len(arms) if arms else 0
     return arms[k:] + arms[:k]
 
