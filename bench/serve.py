@@ -236,8 +236,8 @@ def main(argv=None) -> None:
         run_arm("none", -1, list(widest.values()), args, [], work, reference=ref)
         extra = {a: [f"serve.oracle={ref}"] for a in ORACLE_ARMS}
     max_reps = max(args.reps, args.max_reps or args.reps)
-    kv_gb = float(compose(list(args.set))["engine"]["kv_cache_gb"])
     mode = args.interleave
+    kv_gb = float(compose(list(args.set))["engine"]["kv_cache_gb"]) if mode == "cells" else None  # cells' memory
     try:
         why = serve_arms.check_interleave(mode, len(arms), kv_gb)
     except ValueError as exc:
@@ -252,7 +252,7 @@ def main(argv=None) -> None:
     while rep < args.reps or (rep < max_reps and (pending := clock.unstable(clock.rows(records), args.tolerance))):
         if rep >= args.reps:  # a further repetition serves only the cells still spread too wide, with every arm
             print(f"rep {rep}: unstable cells {pending}", flush=True)
-            again = serve_arms.cells_named(pending, cells)
+            again = clock.unstable_cells(pending, cells)
             todo = {a: kept for a, cs in arm_cells.items() if (kept := [c for c in cs if c in again])}
         if mode == "cells":
             print(f"[rep {rep + 1}/{max(args.reps, rep + 1)}] every arm's engine, then each cell by every arm in turn",

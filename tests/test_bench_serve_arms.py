@@ -141,7 +141,9 @@ def test_cells_runs_only_where_every_engine_fits_and_no_gpu_and_says_what_to_do_
 
 def test_a_further_repetition_serves_the_unstable_cells_by_name():
     labels = ["chat/greedy/c4/calib_ngram", "chat/greedy/c4/none", "code_edit/sampled/c1/vllm_ngram"]
-    named = serve_arms.cells_named(labels, CELLS)
+    from calib.evaluate import clock
+
+    named = clock.unstable_cells(labels, CELLS)
     assert [(c["category"], c["sampling"], c["concurrency"]) for c in named] == [
         ("chat", "greedy", 4), ("code_edit", "sampled", 1)]
 

@@ -210,12 +210,6 @@ def arm_spec(arm: str, rep: int, cells: list, overrides: list[str], reference: s
     return {**spec, "max_num_seqs": max_num_seqs} if max_num_seqs else spec
 
 
-def cells_named(labels: list[str], cells: list[dict]) -> list[dict]:
-    """The cells that :func:`calib.evaluate.clock.unstable`'s labels (``category/sampling/c<C>/arm``) name."""
-    named = {tuple(label.split("/")[:3]) for label in labels}
-    return [c for c in cells if (c["category"], c["sampling"], f"c{c['concurrency']}") in named]
-
-
 def _digest(obj: dict, tables: str) -> str:
     return hashlib.sha256(json.dumps({**obj, "tables_sha": tables_digest(tables), "code": code_digest()},
                                      sort_keys=True).encode()).hexdigest()[:12]
@@ -328,14 +322,15 @@ def serve_rep_by_cells(arm_cells: dict[str, list], rep: int, overrides: dict[str
 
     records, pending = [], []
     for i, cell in enumerate(cells):
-        if done_path(cell).is_file():
-            records += json.loads(done_path(cell).read_text())
+        path = done_path(cell)
+        if path.is_file():
+            records += json.loads(path.read_text())
         else:
-            pending.append((i, cell))
+            pending.append((i, cell, path))
     if not pending:
         progress(f"  rep {rep}: every cell kept from an earlier run ({work})")
         return records
-    needed = [a for a in arms if any(c in arm_cells[a] for _, c in pending)]
+    needed = [a for a in arms if any(c in arm_cells[a] for _, c, _ in pending)]
     workers: dict = {}
     try:
         for arm in needed:
@@ -343,12 +338,11 @@ def serve_rep_by_cells(arm_cells: dict[str, list], rep: int, overrides: dict[str
             progress(f"  rep {rep}: starting {arm}'s engine ({len(workers) + 1}/{len(needed)})")
             workers[arm] = start(spec, work, _digest(spec, tables))
         t0 = time.time()
-        for n, (i, cell) in enumerate(pending):
+        for n, (i, cell, path) in enumerate(pending):
             got = []
             for arm in cell_order([a for a in needed if cell in arm_cells[a]], rep, i):
                 got.append(workers[arm].serve(cell))
                 progress(cell_line(got[-1]))
-            path = done_path(cell)
             tmp = path.with_suffix(".partial")
             tmp.write_text(json.dumps(got))
             os.replace(tmp, path)  # only a cell every arm finished is ever kept
@@ -383,7 +377,7 @@ def engines_fit(n_engines: int, kv_cache_gb: float, meminfo: str | None = None) 
                           f"+ {MEMORY_MARGIN_GIB:.0f} GiB = {need:.1f} GiB needed, {have:.1f} GiB available")
 
 
-def check_interleave(choice: str, n_engines: int, kv_cache_gb: float, gpu: bool | None = None,
+def check_interleave(choice: str, n_engines: int, kv_cache_gb: float | None, gpu: bool | None = None,
                      meminfo: str | None = None) -> str:
     """Why ``--interleave``'s choice can run here; a ValueError that says what to do where ``cells`` cannot: its
     engines must fit in memory at once (:func:`engines_fit`), and on a GPU each vLLM engine claims most of it."""

@@ -269,6 +269,13 @@ def unstable(table: list[dict], tolerance: float) -> list[str]:
     return bad
 
 
+def unstable_cells(labels: list[str], cells: list[dict]) -> list[dict]:
+    """The cells (bench/serve.py's ``{"category", "sampling", "concurrency", ...}``) that :func:`unstable`'s labels
+    (``category/sampling/c<C>/arm``) name."""
+    named = {tuple(label.split("/")[:3]) for label in labels}
+    return [c for c in cells if (c["category"], c["sampling"], f"c{c['concurrency']}") in named]
+
+
 def fmt_x(v) -> str:
     return "–" if v is None else f"{v:.2f}×"
 

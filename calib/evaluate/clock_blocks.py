@@ -91,8 +91,9 @@ def render_tables(result: dict, source: str, root: Path = ROOT) -> str:
               if result.get("interleave") == "cells" else f"arms alternated within each of {repetitions(result)} "
               "repetitions")
     parts = [f"Measured on the clock by `{result['command']}` on {result.get('date', '?')} ({result.get('cpu', '?')}, "
-             f"{result['wall_s'] / 60:.0f} min, all arms in one run, {served}; [{Path(source).name}]({source})). Output tokens/s, median [min–max over "
-             "the repetitions] (ratio to the best vLLM arm of the cell, no speculation included, "
+             f"{result['wall_s'] / 60:.0f} min, all arms in one run, {served}; [{Path(source).name}]({source})). "
+             "Output tokens/s, median [min–max over the repetitions] (ratio to the best vLLM arm of the cell, no "
+             "speculation included, "
              + ("the median of the per-repetition ratios):" if any("ratio_spread" in r for r in result["table"])
                 else "the ratio of the medians: this bench predates pairwise ratios):"),
              "", tok_s_table(result["table"], arm_names), "",
