@@ -79,6 +79,39 @@ def test_the_replay_is_judged_against_the_decode_steps_where_they_were_recorded(
     assert mixed["prediction_basis"] == "decode (TPOT)" and mixed["decode_step_ratio_to_none"] == {}
 
 
+def test_headroom_in_the_decode_state_is_taken_by_the_same_measure_on_every_side():
+    """Prefill and a cell's draining tail weigh on every arm's tok/s alike and shrink the oracle's margin: the
+    headroom is also stated over the steady decode speed-ups, with the best vLLM arm and the oracle taken there."""
+    steady = {"none": (8.0, 8.0), "vllm_ngram": (12.0, 12.0), "calib_ngram": (15.0, 15.0), "oracle_ngram": (16.0, 16.0)}
+    recs = RECORDS + [_rec("oracle_ngram", 0, 66.0, 12.0), _rec("oracle_ngram", 1, 70.0, 12.0)]
+    (row,) = clock.rows([{**r, "steady_tok_s": steady[r["arm"]][r["rep"]]} for r in recs])
+    assert row["prediction_basis"] == "steady decode"
+    # steady: vLLM 1.5x none, calib 1.875x, oracle 2.0x -> (1.875/1.5 - 1) / (2.0/1.5 - 1) = 0.75
+    assert row["headroom_captured_decode"]["calib_ngram"] == pytest.approx(0.75)
+    tok = row["headroom_captured"]["calib_ngram"]
+    assert tok == pytest.approx((row["ratio_to_best_vllm"]["calib_ngram"] - 1)
+                                / (row["ratio_to_best_vllm"]["oracle_ngram"] - 1))
+    assert tok != pytest.approx(0.75)  # two measures, both kept
+    assert "(+75% in steady decode)" in clock.headroom_table([row])
+    assert clock.answer_figures([row])["headroom_decode"] == [pytest.approx(0.75)]
+    assert "(+75% to +75% in the decode state, over 1)" in clock.answer_lines([row])[0]
+    from calib.evaluate import clock_blocks
+
+    answer = clock_blocks.render_answer({"command": "python bench/serve.py", "table": [row], "runs": recs},
+                                        "docs/bench/x.json")
+    assert "in the decode state (prefill and a cell's draining tail left out) +75% to +75%" in answer
+    # the best vLLM arm in the decode state may be another than by tok/s: no speculation here
+    slow = {**steady, "vllm_ngram": (7.0, 7.0)}
+    (row2,) = clock.rows([{**r, "steady_tok_s": slow[r["arm"]][r["rep"]]} for r in recs])
+    assert row2["best_vllm"] == "vllm_ngram"  # by tok/s
+    assert row2["headroom_captured_decode"]["calib_ngram"] == pytest.approx((15 / 8 - 1) / (16 / 8 - 1))
+    # no decode figures (a bench before December 5 recorded only tok/s and TPOT): TPOT is the basis
+    (old,) = clock.rows(recs)
+    assert old["prediction_basis"] == "decode (TPOT)" and "calib_ngram" in old["headroom_captured_decode"]
+    # tok/s only: no decode headroom
+    assert clock.decode_headroom({**old, "prediction_basis": "output tok/s"}) == {}
+
+
 def test_unstable_cells_are_named():
     recs = RECORDS + [_rec("calib_ngram", 2, 90.0, 15.0), _rec("vllm_ngram", 2, 50.0, 18.0)]
     rows = clock.rows(recs)

@@ -129,6 +129,21 @@ def headroom(ratio: float | None, oracle: float | None, floor: float = HEADROOM_
     return (ratio - 1.0) / (oracle - 1.0)
 
 
+def decode_headroom(row: dict) -> dict:
+    """{calib arm: the headroom it captured in the decode state the row's prediction is judged in (its
+    ``prediction_basis``: the steady state where recorded)}: :func:`headroom` over those speed-ups, the best vLLM
+    arm and the fastest oracle taken by the same measure, so that prefill and a cell's half-empty tail, which weigh
+    on every arm's tok/s alike, do not shrink the oracle's margin into the clock's noise. {} where the row holds no
+    decode figures."""
+    speed = basis_ratios(row) if row.get("prediction_basis") != "output tok/s" else {}
+    peers = [speed[a] for a in vllm_arms() if speed.get(a)]
+    ceiling = [speed[a] for a in oracle_arms() if speed.get(a)]
+    if not peers or not ceiling:
+        return {}
+    best, top = max(peers), max(ceiling)
+    return {a: headroom(speed[a] / best, top / best) for a in row.get("oracle", {}) if speed.get(a)}
+
+
 def _oracle_of(arm: str, present: dict) -> str | None:
     """The ceiling ``arm`` is judged against: the fastest oracle arm of the cell (whichever engine it ran on)."""
     cands = [o for o in oracle_arms() if o in present]
@@ -149,9 +164,10 @@ def rows(records: list, predicted: dict | None = None) -> list[dict]:
     """One row per cell: median tok/s per arm over repetitions with its [min, max]; each arm's ratio to the best
     vLLM arm of the cell (no speculation included), the median of the per-repetition ratios, with their
     spread; to the best vLLM speculation arm and to no speculation likewise; the decode speed-up by TPOT;
-    the headroom captured per calib arm; the replay's predicted speed-up over no speculation and its
-    relative error against the clock's decode speed-up (``predicted / measured − 1``): over the steps in which
-    no request was in prefill, else by TPOT, else tok/s, whichever the records hold. A calib arm's repetition served with
+    the headroom captured per calib arm, by tok/s and in the decode state (:func:`decode_headroom`); the
+    replay's predicted speed-up over no speculation and its relative error against the clock's decode speed-up
+    (``predicted / measured − 1``): over the steps in which no request was in prefill, else by TPOT, else tok/s,
+    whichever the records hold. A calib arm's repetition served with
     calib off (``calib_off``) is not counted; a cell where every repetition was is shown as OFF."""
     cells: dict[tuple, dict[str, list]] = {}
     off: dict[tuple, dict[str, str]] = {}
@@ -207,6 +223,7 @@ def rows(records: list, predicted: dict | None = None) -> list[dict]:
         row["model_passes_share"] = _passes_share(by_arm)
         row["oracle"] = {a: _oracle_of(a, med) for a in med if a in calib_arms() and _oracle_of(a, med)}
         row["headroom_captured"] = {a: headroom(to_best.get(a), to_best.get(o)) for a, o in row["oracle"].items()}
+        row["headroom_captured_decode"] = decode_headroom(row)
         out.append(row)
     return out
 
@@ -337,7 +354,9 @@ def headroom_table(table: list[dict]) -> str | None:
             continue
         orcs = sorted({o for o in row["oracle"].values()})
         orc = ", ".join(f"{o} {fmt_x(row['ratio_to_best_vllm'].get(o))}" for o in orcs)
+        dec = row.get("headroom_captured_decode") or {}
         vals = [f"{fmt_x(row['ratio_to_best_vllm'].get(a))}, {fmt_pct(row['headroom_captured'].get(a))}"
+                + (f" ({fmt_pct(dec[a])} in {row['prediction_basis']})" if dec.get(a) is not None else "")
                 if a in row["headroom_captured"] else "–" for a in mine]
         lines.append(f"| {row['category']} | {row['concurrency']} | {row['best_vllm']} | {orc} | " + " | ".join(vals)
                      + " |")
@@ -360,6 +379,10 @@ def answer_lines(table: list[dict]) -> list[str]:
             line += f", over {len(r)} cells"
             if h:
                 line += f"; headroom captured {min(h):+.0%} to {max(h):+.0%} over {len(h)} greedy cells"
+            d = [row["headroom_captured_decode"][arm] for row in table
+                 if (row.get("headroom_captured_decode") or {}).get(arm) is not None]
+            if d:
+                line += f" ({min(d):+.0%} to {max(d):+.0%} in the decode state, over {len(d)})"
             out.append(line)
         off = [f"{row['category']}/{row['sampling']}/c{row['concurrency']}" for row in table
                if arm in row["calib_off"] and arm not in row["tok_s"]]
@@ -398,11 +421,14 @@ def prediction_errors(row: dict) -> dict:
 def answer_figures(table: list[dict]) -> dict[str, list[float]]:
     """The answer's figures over a bench's cells, for every place that states it (README/docs blocks, eval's
     report): ``best`` per cell, calib's best arm over the best vLLM arm; ``headroom``, per greedy cell with a
-    ceiling, the most headroom a calib arm captured; ``errors``, |the replay's error| per (cell, arm)."""
+    ceiling, the most headroom a calib arm captured (``headroom_decode``: in the decode state); ``errors``, |the
+    replay's error| per (cell, arm)."""
     mine = calib_arms()
     best = [max(row["ratio_to_best_vllm"][a] for a in mine if a in row["ratio_to_best_vllm"])
             for row in table if any(a in row["ratio_to_best_vllm"] for a in mine)]
     head = [max(v for v in row["headroom_captured"].values() if v is not None) for row in table
             if any(v is not None for v in (row.get("headroom_captured") or {}).values())]
+    decode = [max(v for v in row["headroom_captured_decode"].values() if v is not None) for row in table
+              if any(v is not None for v in (row.get("headroom_captured_decode") or {}).values())]
     errors = [abs(e) for row in table for e in prediction_errors(row).values() if e is not None]
-    return {"best": best, "headroom": head, "errors": errors}
+    return {"best": best, "headroom": head, "headroom_decode": decode, "errors": errors}

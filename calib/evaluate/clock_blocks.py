@@ -51,7 +51,7 @@ def render_answer(result: dict, source: str, root: Path = ROOT) -> str:
     if head:
         s += (f"; of the clock oracle's headroom over the best vLLM arm it captured {min(head):+.0%} to "
               f"{max(head):+.0%} (median {fmt_pct(statistics.median(head))}, {len(head)} greedy cells)")
-    s += "."
+    s += _decode_headroom_text(figures["headroom_decode"]) + "."
     lines = [s]
     if err:
         lines += ["", (f"The replay's predicted speed-ups over no speculation missed the clock's decode speed-ups by "
@@ -61,6 +61,14 @@ def render_answer(result: dict, source: str, root: Path = ROOT) -> str:
     if per_arm:
         lines += ["", *(f"- {line}" for line in per_arm)]
     return "\n".join(lines)
+
+
+def _decode_headroom_text(decode: list[float]) -> str:
+    """The headroom captured in the decode state, beside the tok/s figure ("" where no cell has it)."""
+    if not decode:
+        return ""
+    return (f"; in the decode state (prefill and a cell's draining tail left out) {min(decode):+.0%} to "
+            f"{max(decode):+.0%} (median {fmt_pct(statistics.median(decode))}, {len(decode)} cells)")
 
 
 def _speedup_sentence(result: dict) -> str:
@@ -103,7 +111,12 @@ def render_tables(result: dict, source: str, root: Path = ROOT) -> str:
     if head:
         parts += ["", ("Headroom captured on the clock, per greedy cell: (calib − best vLLM arm) / (oracle − best "
                        "vLLM arm), the fastest oracle arm of the cell (it verifies exactly what the reference output "
-                       "accepts); none where the oracle is not 2 % above the best vLLM arm:"), "", head]
+                       "accepts); none where the oracle is not 2 % above the best vLLM arm"
+                       + ("; in brackets the same quotient in the decode state the replay prices, the best vLLM arm "
+                          "and the oracle taken there too (prefill and a cell's draining tail weigh on every arm's "
+                          "tok/s alike and shrink the oracle's margin towards the clock's noise)"
+                          if any(r.get("headroom_captured_decode") for r in result["table"]) else "") + ":"),
+                  "", head]
     deploy = deploy_lines(result["table"])
     if deploy:
         # what an EAGLE engine still paid for its head in the run: every step's idle pass before calib retired requests
@@ -205,6 +218,7 @@ def render_grid(manifest: dict, source: str, root: Path = ROOT, tolerance: float
               f"decode state)" + (f"; of its headroom calib captured {min(head):+.0%} to {max(head):+.0%} (median "
                                   f"{fmt_pct(statistics.median(head))}, {len(head)} cells with a ceiling)" if head
                                   else "")
+              + _decode_headroom_text(figures["headroom_decode"])
               + (f"; the replay (a prediction) put {sum(e <= tolerance for e in errors)} of {len(errors)} "
                  f"(cell, arm) pairs within ±{tolerance:.0%}." if errors else "; no replay predicted these runs.")),
              "",
@@ -218,10 +232,12 @@ def render_grid(manifest: dict, source: str, root: Path = ROOT, tolerance: float
                                          + (f" [{spread[0]:.2f}–{spread[1]:.2f}]" if spread else ""))
         orc = "–" if tok is None else f"{fmt_x(tok)}, {fmt_x(steady)}"
         got = [v for v in (row.get("headroom_captured") or {}).values() if v is not None]
+        dec = [v for v in (row.get("headroom_captured_decode") or {}).values() if v is not None]
         err = [e for e in prediction_errors(row).values() if e is not None]
         within = f"{sum(abs(e) <= tolerance for e in err)} of {len(err)}" if err else "–"
+        head = (fmt_pct(max(got)) if got else "–") + (f" ({fmt_pct(max(dec))} decode)" if dec else "")
         lines.append(f"| {row['category']} | {row['sampling']} | {row['concurrency']} | {row['best_vllm']} | {calib} "
-                     f"| {orc} | {fmt_pct(max(got)) if got else '–'} | {within} | [{Path(src).name}]({src}) |")
+                     f"| {orc} | {head} | {within} | [{Path(src).name}]({src}) |")
     return "\n".join(lines)
 
 

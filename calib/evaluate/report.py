@@ -358,7 +358,9 @@ def clock_summary(bench: Path | None, tables_sha256: str | None) -> dict | None:
     return {"bench": str(bench), "command": d.get("command", "python bench/serve.py"), "date": d.get("date"),
             "cpu": d.get("cpu"), "cells": len(d["table"]), "tables": whose, "tables_sha256": recorded,
             "calib_arms": calib_arms, "calib_best_vs_best_vllm": spread(figures["best"]),
-            "headroom_captured": spread(figures["headroom"]), "prediction_abs_error": spread(figures["errors"]),
+            "headroom_captured": spread(figures["headroom"]),
+            "headroom_captured_decode": spread(figures["headroom_decode"]),
+            "prediction_abs_error": spread(figures["errors"]),
             "per_arm": {a: [r["ratio_to_best_vllm"][a] for r in d["table"] if a in r.get("ratio_to_best_vllm", {})]
                         for a in calib_arms},
             "identical": (all(v.get("identical") == v.get("prompts") for v in ident.values()) if ident else None)}
@@ -407,6 +409,10 @@ def clock_lines(clock: dict | None, out: Path | None = None) -> list[str]:
               f"(median {0.0 if abs(h['median']) < 0.005 else h['median']:.0%}, {h['cells']} greedy cells)")
     else:
         s += "; headroom captured: not measured (the bench ran no oracle arm)"
+    hd = clock.get("headroom_captured_decode")
+    if hd:
+        s += (f" ({hd['min']:.0%}–{hd['max']:.0%} in the decode state, prefill and each cell's draining tail left "
+              f"out, {hd['cells']} cells)")
     per_arm = ", ".join(f"`{a}` {min(v):.2f}–{max(v):.2f}×" for a, v in clock["per_arm"].items() if v)
     if per_arm:
         s += f"; per arm: {per_arm}"

@@ -201,8 +201,9 @@ def _scalars(metrics: dict) -> dict:
     row behind them is logged as a table."""
     out: dict[str, float] = {}
     clock = metrics.get("clock") or {}  # the answer, measured: first in the summary
-    for key, name in (("calib_best_vs_best_vllm", "clock/calib_vs_best_vllm"), ("headroom_captured",
-                                                                                 "clock/headroom_captured"),
+    for key, name in (("calib_best_vs_best_vllm", "clock/calib_vs_best_vllm"),
+                      ("headroom_captured", "clock/headroom_captured"),
+                      ("headroom_captured_decode", "clock/headroom_captured_decode"),
                       ("prediction_abs_error", "clock/replay_abs_error")):
         if clock.get(key):
             out.update({f"{name}_{s}": float(clock[key][s]) for s in ("min", "median", "max")})
