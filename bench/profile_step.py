@@ -190,7 +190,8 @@ def calib_totals(st) -> dict:
 
 def worker(spec_path: str) -> None:
     from calib.prompts import load_prompts
-    from calib.vllm.serve_runner import build_engine, forget_served
+    from calib.vllm.cell_stats import forget_served
+    from calib.vllm.serve_runner import build_engine
 
     spec = json.loads(Path(spec_path).read_text())
     cfg = bench_serve.compose(spec["overrides"])

@@ -10,7 +10,7 @@ and ``calib_two_drafter`` (two_drafter: EAGLE + the n-gram chain, calib picks ch
 ``calib_three_chain`` (EAGLE + the n-gram and the suffix chain) are the third drafter's (make install-suffix).
 Each (arm, repetition) is one process (calib's hooks install once per process) that builds its engine once
 (``max_num_seqs`` = the largest concurrency) and warms it up on held-out prompts no cell serves; every cell (category
-x sampling x concurrency) starts from an empty prefix cache and suffix trees (``calib.vllm.serve_runner.
+x sampling x concurrency) starts from an empty prefix cache and suffix trees (``calib.vllm.cell_stats.
 forget_served``: what an earlier cell cached would favour whichever arm served after it), and each repetition seeds
 the engine apart (a sampled cell's repetitions then draw different texts). Repetitions rotate the arms' order;
 ``--interleave cells`` instead keeps every arm's engine of a repetition alive and serves each cell by every arm in

@@ -112,7 +112,7 @@ def test_round_data_reads_its_features(tmp_path):
 
 
 def test_forgetting_the_responses_drafts_a_served_prompt_again_as_the_first_time():
-    """Between benchmark cells (calib.vllm.serve_runner.forget_served): a re-served greedy prompt must not be drafted
+    """Between benchmark cells (calib.vllm.cell_stats.forget_served): a re-served greedy prompt must not be drafted
     from its own earlier output; the requests still held as active (finished, not yet told) are stopped first."""
     toks = _requests(n=1)[0]
     prompt = 20

@@ -99,7 +99,7 @@ class ArmEngine:
     def serve(self, cell: dict) -> dict:
         """One cell, timed: its record (``arm``, ``rep``, ``cell`` and the served ``texts`` added)."""
         from calib.prompts import load_prompts
-        from calib.vllm import serve_runner
+        from calib.vllm import cell_stats, serve_runner
 
         cat = cell["category"]
         if cat not in self.prompts:
@@ -111,7 +111,7 @@ class ArmEngine:
             serve_runner.serve_cell(self.llm, self.cfg, warmup_prompts(cat), {**sampling, "max_tokens": 8}, 2, cat,
                                     progress=False)
             self.warm = True
-        serve_runner.forget_served(self.llm)  # every arm starts every cell from an empty prefix cache and suffix trees
+        cell_stats.forget_served(self.llm)  # every arm starts every cell from an empty prefix cache and suffix trees
         record, texts = serve_runner.serve_cell(self.llm, self.cfg, prompts, sampling, cell["concurrency"], cat,
                                                 progress=False, tokens=self.reference)
         # A calib arm that decided nothing is vLLM's own arm under another name: recorded, never counted.

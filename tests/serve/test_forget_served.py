@@ -1,4 +1,4 @@
-"""Every arm starts every timed cell from the same state (calib.vllm.serve_runner.forget_served, bench/serve.py's
+"""Every arm starts every timed cell from the same state (calib.vllm.cell_stats.forget_served, bench/serve.py's
 warm-up): no prefix-cache entry or suffix-tree response left by the warm-up or an earlier cell. Stand-in engines
 (no vLLM): what is asked of the engine, and what the warm-up serves."""
 
@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from calib.prompts import load_prompts
-from calib.vllm import serve_runner
+from calib.vllm import cell_stats, serve_runner
 from tests.bench_scripts import load_bench
 
 
@@ -29,20 +29,20 @@ class _Engine:
 
 def test_the_prefix_cache_is_emptied_and_the_workers_forget_their_suffix_responses():
     llm = _Engine()
-    serve_runner.forget_served(llm)
-    assert llm.calls == ["reset_prefix_cache", serve_runner._forget_in_worker]
+    cell_stats.forget_served(llm)
+    assert llm.calls == ["reset_prefix_cache", cell_stats._forget_in_worker]
 
 
 def test_it_refuses_while_requests_are_in_flight():
     llm = _Engine(unfinished=True)
     with pytest.raises(RuntimeError, match="between cells"):
-        serve_runner.forget_served(llm)
+        cell_stats.forget_served(llm)
     assert llm.calls == []
 
 
 def test_a_prefix_cache_vllm_would_not_reset_is_said(caplog):
     with caplog.at_level("WARNING", logger="calib.serve"):
-        serve_runner.forget_served(_Engine(reset_ok=False))
+        cell_stats.forget_served(_Engine(reset_ok=False))
     assert "did not reset its prefix cache" in caplog.text
 
 
@@ -58,7 +58,7 @@ def test_the_worker_ends_calibs_stand_aside_stretch(monkeypatch):
     monkeypatch.setattr(serving, "server", lambda: SimpleNamespace(aside=aside, recomputed={}, decider=None,
                                                                     clock=None))
     worker = SimpleNamespace(model_runner=SimpleNamespace(drafter=object()))
-    assert serve_runner._forget_in_worker(worker) == {"vllm": 0, "calib": 0}
+    assert cell_stats._forget_in_worker(worker) == {"vllm": 0, "calib": 0}
     assert aside.verdict(key) is None
 
 
@@ -80,7 +80,7 @@ def test_the_worker_forgets_what_calib_learnt_while_serving(monkeypatch):
     srv = SimpleNamespace(aside=StandAside(), recomputed={}, clock=clock, stats=stats,
                           decider=SimpleNamespace(forget_learned=lambda: forgot.append(True)))
     monkeypatch.setattr(serving, "server", lambda: srv)
-    serve_runner._forget_in_worker(SimpleNamespace(model_runner=SimpleNamespace(drafter=object())))
+    cell_stats._forget_in_worker(SimpleNamespace(model_runner=SimpleNamespace(drafter=object())))
     assert forgot == [True] and clock.correction((2, False)) == (0.0, 0.0, 0.0) and clock.price((2, False), 2) is None
     assert stats.clock == {}  # the next cell's record shows its own batches only
 
@@ -92,16 +92,16 @@ def test_a_cells_statistics_are_its_own():
               "clock": {"B=16 greedy": [1.0, 2.0, 3.0, 40]}, "oracle": False}
     after = {"steps": 25, "hook_ms": [1.0, 2.0, 3.0], "history": {"rounds": 1614, "whole": 2832, "verified": 1445},
              "clock": {"B=16 greedy": [4.0, 5.0, 6.0, 21]}, "oracle": False}
-    cell = serve_runner._stats_delta(before, after)
+    cell = cell_stats.stats_delta(before, after)
     assert cell["steps"] == 15 and cell["hook_ms"] == [3.0] and cell["oracle"] is False
     assert cell["history"] == {"rounds": 721, "whole": 1975, "verified": 1281}
     assert cell["clock"] == {"B=16 greedy": [4.0, 5.0, 6.0, 21]}
-    assert serve_runner._stats_delta(None, after)["history"] == after["history"]  # the first cell: all of it
+    assert cell_stats.stats_delta(None, after)["history"] == after["history"]  # the first cell: all of it
 
 
 def test_a_worker_without_a_suffix_drafter_or_calib_serving_forgets_nothing():
     worker = SimpleNamespace(model_runner=SimpleNamespace(drafter=object()))
-    assert serve_runner._forget_in_worker(worker) == {"vllm": 0, "calib": 0}
+    assert cell_stats._forget_in_worker(worker) == {"vllm": 0, "calib": 0}
 
 
 @pytest.mark.parametrize("category", ["chat", "code_edit"])
@@ -126,7 +126,7 @@ def test_the_bench_worker_warms_up_off_the_cells_prompts_and_forgets_before_ever
     bench = load_bench("serve")
     calls, seeds = [], []
     monkeypatch.setattr(serve_runner, "build_engine", lambda cfg, root, max_num_seqs: seeds.append(cfg["seed"]))
-    monkeypatch.setattr(serve_runner, "forget_served", lambda llm: calls.append("forget"))
+    monkeypatch.setattr(cell_stats, "forget_served", lambda llm: calls.append("forget"))
 
     def serve_cell(llm, cfg, prompts, sampling, concurrency, category, progress=True, tokens=None):
         calls.append(("serve", sampling["max_tokens"], tuple(p.id for p in prompts)))

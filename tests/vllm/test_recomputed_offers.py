@@ -95,11 +95,11 @@ def test_at_most_two_chains_reach_the_allocator():
 
 
 def test_between_cells_the_worker_forgets_the_suffix_responses_of_vllm_and_of_calib(monkeypatch):
-    """calib.vllm.serve_runner.forget_served's worker side: vLLM's suffix drafter's cache and calib's recomputed
+    """calib.vllm.cell_stats.forget_served's worker side: vLLM's suffix drafter's cache and calib's recomputed
     suffix chain both emptied of the requests served so far (finished ones whose end was not told yet included)."""
     from arctic_inference.suffix_decoding import SuffixDecodingCache
 
-    from calib.vllm import serve_runner, serving
+    from calib.vllm import cell_stats, serving
 
     srv, _ = _server()
     srv.recomputed["suffix"].chains(StepContexts(_batch([([7, 8, 9, 7, 8], [9]), ([3, 4, 3], [4])]), [0, 1]))
@@ -108,7 +108,7 @@ def test_between_cells_the_worker_forgets_the_suffix_responses_of_vllm_and_of_ca
     theirs.add_active_response("a", np.array([4], dtype=np.int32))
     monkeypatch.setattr(serving, "_SERVER", srv)
     worker = SimpleNamespace(model_runner=SimpleNamespace(drafter=SimpleNamespace(suffix_cache=theirs)))
-    assert serve_runner._forget_in_worker(worker) == {"vllm": 1, "calib": 2}
+    assert cell_stats._forget_in_worker(worker) == {"vllm": 1, "calib": 2}
     assert not theirs.active_requests and not theirs.cached_requests
     mine = srv.recomputed["suffix"].each
     assert not mine.cache.active_requests and not mine.cache.cached_requests and not mine.seen
