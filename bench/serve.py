@@ -41,7 +41,6 @@ arm).
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import sys
@@ -227,7 +226,8 @@ def main(argv=None) -> None:
     work.mkdir(parents=True, exist_ok=True)
     extra: dict[str, list[str]] = {}
     if any(a in ORACLE_ARMS for a in arms):  # the oracle's reference: no speculation's outputs of every greedy cell
-        ref = str((work / f"reference-{_cells_digest(greedy, args)}.json").resolve())
+        key = serve_arms.served_digest({"cells": greedy, "set": args.set})  # no speculation's outputs: no tables
+        ref = str((work / f"reference-{key}.json").resolve())
         widest = {}
         for c in greedy:
             w = widest.setdefault(c["category"], {**c, "concurrency": 4, "n_prompts": 0})  # float32: batch-invariant
@@ -345,11 +345,6 @@ def _read_result(path: str) -> dict:
         sys.exit(f"bench/serve.py: {path}: no `table` and `arms` lists (a run's result) nor `sources` (a grid "
                  f"manifest); {hint}")
     return done
-
-
-def _cells_digest(cells: list, args) -> str:
-    served = json.dumps([cells, args.set, serve_arms.code_digest()], sort_keys=True)
-    return hashlib.sha256(served.encode()).hexdigest()[:12]
 
 
 def _metrics(path: str | None) -> dict | None:

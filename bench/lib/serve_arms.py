@@ -210,8 +210,12 @@ def arm_spec(arm: str, rep: int, cells: list, overrides: list[str], reference: s
     return {**spec, "max_num_seqs": max_num_seqs} if max_num_seqs else spec
 
 
-def _digest(obj: dict, tables: str) -> str:
-    return hashlib.sha256(json.dumps({**obj, "tables_sha": tables_digest(tables), "code": code_digest()},
+def served_digest(obj: dict, tables: str | None = None) -> str:
+    """What a kept bench file was served from, in 12 hex digits: ``obj`` (the cells, arm, overrides...), the tables'
+    digest (where ``tables`` is given) and the served code's (:func:`code_digest`); a rerun keeps a file only under the
+    same digest."""
+    tables_sha = {} if tables is None else {"tables_sha": tables_digest(tables)}
+    return hashlib.sha256(json.dumps({**obj, **tables_sha, "code": code_digest()},
                                      sort_keys=True).encode()).hexdigest()[:12]
 
 
@@ -221,7 +225,7 @@ def run_arm(spec: dict, tables: str, work: Path) -> list:
     back, not served again). ``spec['reference']``: also write the served outputs there as the clock oracle's
     reference (:mod:`calib.serve.oracle`)."""
     arm, rep, reference = spec["arm"], spec["rep"], spec.get("reference")
-    key = _digest(spec, tables)
+    key = served_digest(spec, tables)
     done = work / f"{arm}-{rep}-{key}.json"
     if done.is_file() and (reference is None or Path(reference).is_file()):
         records = json.loads(done.read_text())
@@ -318,7 +322,7 @@ def serve_rep_by_cells(arm_cells: dict[str, list], rep: int, overrides: dict[str
 
     def done_path(cell: dict) -> Path:
         serving = {a: overrides[a] for a in arms if cell in arm_cells[a]}
-        return work / f"cell-{rep}-{_digest({'cell': cell, 'rep': rep, 'arms': serving}, tables)}.json"
+        return work / f"cell-{rep}-{served_digest({'cell': cell, 'rep': rep, 'arms': serving}, tables)}.json"
 
     records, pending = [], []
     for i, cell in enumerate(cells):
@@ -336,7 +340,7 @@ def serve_rep_by_cells(arm_cells: dict[str, list], rep: int, overrides: dict[str
         for arm in needed:
             spec = arm_spec(arm, rep, arm_cells[arm], overrides[arm], max_num_seqs=max_num_seqs)
             progress(f"  rep {rep}: starting {arm}'s engine ({len(workers) + 1}/{len(needed)})")
-            workers[arm] = start(spec, work, _digest(spec, tables))
+            workers[arm] = start(spec, work, served_digest(spec, tables))
         t0 = time.time()
         for n, (i, cell, path) in enumerate(pending):
             got = []
