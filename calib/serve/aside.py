@@ -14,6 +14,14 @@ the step's best). :class:`StandAside` notices such a stretch and skips the decis
 * every ``every``-th step of the stretch is decided again, and any other batch, or a decision of another
   kind, ends the stretch at once.
 
+A stretch of vLLM's own lists begins only where handing them through unchecked can cost little
+(:func:`proposal_price`): where vLLM's whole proposal adds at most ``engine_price`` (knob ``aside_engine_price``) to
+the price of a step verifying none. A streak of whole chains says the drafts were good lately, not that they will stay
+so: on one EPYC core at code edits c = 4 greedy, calib on the n-gram engine stood aside on 18 of 51 steps after such
+streaks and verified 9.25 draft tokens a step, calib on the EAGLE engine, deciding every step over the n-gram chains it
+recomputes, 8.0, each accepting ~6.9; a token there costs ~4 ms of an ~85-ms step, a decision ~1 ms. A single request's step prices its whole proposal at -9 to +24 %
+on the CPUs profiled, a batch of 3 or more at +44 to +300 % (docs/bench/step-cost-*.json).
+
 A skipped step costs a dictionary lookup. What it gives up: a request that joins a batch of the same size and
 temperatures mid-stretch is decided at the next re-check, up to ``every - 1`` steps later; the online
 correction learns nothing from a skipped step (the history context counts the rounds of a step handed through, none
@@ -23,8 +31,13 @@ stretch of each kind first begins, and counts the skipped steps (:class:`calib.v
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+import numpy as np
+
+log = logging.getLogger("calib.serve")
 
 KINDS = ("engine", "none")  # vLLM's own lists handed through; no draft tokens
 # A step on which vLLM proposed no draft token at all (no n-gram match anywhere): calib's decision is empty
@@ -59,21 +72,55 @@ def decision_kind(drafts: Sequence[Sequence[int]], engine: Sequence[Sequence[int
     return None
 
 
+def proposal_price(price, batch: int, k: int) -> float:
+    """What vLLM's whole proposal at its longest, ``k`` draft tokens for each of ``batch`` requests, adds to the price
+    of the step verifying none, relative: ``price[B·(k+1)] / price[B] − 1``. ``price``: float ``[T_max + 1]`` the
+    decision read (numpy or a CPU tensor; a longer proposal than it spans is read at its end)."""
+    price = np.asarray(price)  # a view of a CPU tensor: two entries are read
+    base = float(price[min(batch, len(price) - 1)])
+    return float(price[min(batch * (k + 1), len(price) - 1)]) / base - 1.0 if base > 0 else float("inf")
+
+
 @dataclass
 class StandAside:
     """The stretch in progress (see the module docstring); ``after = 0`` never stands aside."""
 
     after: int = 4  # consecutive decided steps of one kind and batch before standing aside
     every: int = 16  # while aside, every every-th step is decided again
+    engine_price: float = 0.3  # the most vLLM's whole proposal may add to a step's price for a stretch of its lists
     key: tuple | None = field(default=None, init=False)  # the batch of the current streak
     kind: str | None = field(default=None, init=False)  # its decisions' kind
     streak: int = field(default=0, init=False)  # consecutive decided steps of that batch and kind
     skipped: int = field(default=0, init=False)  # steps skipped since the last decided one
     began: set = field(default_factory=set, init=False)  # kinds whose first stretch has begun (logged once)
+    costly: set = field(default_factory=set, init=False)  # batch sizes whose proposal was too costly (logged once)
 
     def __post_init__(self):
-        if int(self.after) < 0 or int(self.every) < 1:
-            raise ValueError(f"stand-aside needs after >= 0 and every >= 1, got after={self.after}, every={self.every}")
+        if int(self.after) < 0 or int(self.every) < 1 or not float(self.engine_price) >= 0:
+            raise ValueError(f"stand-aside needs after >= 0, every >= 1 and engine_price >= 0, got after={self.after}, "
+                             f"every={self.every}, engine_price={self.engine_price}")
+
+    def kind_of(self, drafts: Sequence[Sequence[int]], engine: Sequence[Sequence[int]], planned_passes: int | None,
+                k: int, price) -> str | None:
+        """A decided step's kind for :meth:`record` (:func:`decision_kind`); vLLM's own lists (``"engine"``) count
+        only where handing them through unchecked would cost little (:meth:`engine_pays`), else None: decide every
+        step where a token the decision would have cut costs more than deciding."""
+        kind = decision_kind(drafts, engine, planned_passes, k)
+        if kind == "engine" and price is not None and not self.engine_pays(price, len(engine), k):
+            return None
+        return kind
+
+    def engine_pays(self, price, batch: int, k: int) -> bool:
+        """Whether a stretch of vLLM's own lists may begin at this batch: its whole proposal adds at most
+        ``engine_price`` to the step's price (:func:`proposal_price`); one log line per batch size where not."""
+        if proposal_price(price, batch, k) <= self.engine_price:
+            return True
+        if batch not in self.costly:
+            self.costly.add(batch)
+            log.info("calib serve: deciding every step at batch %d, even where it keeps vLLM's drafts whole: their "
+                     "whole proposal would add more than %.0f%% to the step's price unchecked (knob "
+                     "aside_engine_price)", batch, 100 * self.engine_price)
+        return False
 
     def forget(self) -> None:
         """End the stretch in progress (between a bench's cells; the kinds already logged stay logged)."""

@@ -89,6 +89,8 @@ class ServeKnobs:
     # own drafts, or no drafts, take that without deciding (0: always decide), deciding again every aside_every steps
     aside_after: int = 4
     aside_every: int = 16
+    # ... and a stretch of vLLM's own drafts only where their whole proposal adds at most this share to a step's price
+    aside_engine_price: float = 0.3
     # with a model drafter: retire a request from the model chain after this many consecutive steps its batch ran no
     # draft pass; a step of retired requests only that runs none skips the head's idle pass (calib/vllm/retire.py;
     # 0: never, the head runs every step as in vLLM)
@@ -129,6 +131,7 @@ class ServeKnobs:
         **{old: [NoneValue(), *OnlineSettings._parameter_constraints[new]] for old, new in DEPRECATED_ONLINE.items()},
         "aside_after": [Interval(numbers.Integral, 0, None)],
         "aside_every": [Interval(numbers.Integral, 1, None)],
+        "aside_engine_price": [Interval(numbers.Real, 0, None)],
         "retire_drafter_after": [Interval(numbers.Integral, 0, None)],
         "retire_at_admission": [Boolean()],
         "clock": [Boolean()],

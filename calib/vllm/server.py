@@ -15,7 +15,7 @@ import torch
 from calib.chains import NO_CHAIN, Offer, chain, chain_names, chains
 from calib.cost.serving import ContextCurves, cost_curve, prices_greedy_only, sampled_price, step_cost_path
 from calib.serve import RequestHistory, StepInputs
-from calib.serve.aside import StandAside, batch_key, decision_kind
+from calib.serve.aside import StandAside, batch_key
 from calib.serve.history import round_chains
 from calib.serve.knobs import ServeKnobs
 from calib.serve.step_clock import StepClock, clock_key, predicted_gain
@@ -59,7 +59,7 @@ class Server(DraftPlanning):
         self.transformed: dict[str, bool] = {}  # req_id -> carries target-only logit transforms (left to vLLM)
         self.ranks = None  # calib.vllm.ranks.RankCheck under tensor parallelism (set at engine start), else None
         self.oracle = None  # calib.serve.oracle.Oracle when knobs.oracle names a reference (set at construction)
-        self.aside = StandAside(knobs.aside_after, knobs.aside_every)  # stretches that need no decision
+        self.aside = StandAside(knobs.aside_after, knobs.aside_every, knobs.aside_engine_price)  # no decision needed
         # the cost curve corrected by this engine's own steps (knob clock; calib/serve/step_clock.py), set at
         # construction; the curve as given (the decider's price before the clock has seen enough of a batch)
         self.clock, self.base_cost = None, None
@@ -390,7 +390,7 @@ class Server(DraftPlanning):
         # what the online correction learns from once the step is verified (never the requests left to vLLM)
         if d is not None and self.oracle is None:  # the oracle learns nothing
             dec.remember(inputs, d, skip=left)
-            self.note_kind(key, decision_kind(drafts, engine, passes_now, K) if not any(left) else None)
+            self.note_kind(key, self.aside.kind_of(drafts, engine, passes_now, K, dec.cost) if not any(left) else None)
             whole = round_chains(drafts, [self.chosen[r] for r in req_ids], engine, inputs.offers, dec.engine_chain)
             dec.history.open_rounds(req_ids, lengths, whole, [len(x) for x in drafts])
         if sampled:  # the rejection sampler's q rows must follow the lists handed back
@@ -421,7 +421,7 @@ class Server(DraftPlanning):
         return verdict
 
     def note_kind(self, key: tuple, kind: str | None) -> None:
-        """A decided step's kind (:func:`calib.serve.aside.decision_kind`); one log line when a stretch of a
+        """A decided step's kind (:meth:`calib.serve.aside.StandAside.kind_of`); one log line when a stretch of a
         kind first begins."""
         if self.aside.record(key, kind):
             what = ("hands vLLM's own drafts through" if kind == "engine"

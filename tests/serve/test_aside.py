@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from calib.serve.aside import EMPTY, StandAside, batch_key, decision_kind
+from calib.serve.aside import EMPTY, StandAside, batch_key, decision_kind, proposal_price
 
 
 def test_a_stretch_begins_after_the_streak_and_is_rechecked():
@@ -82,7 +82,7 @@ def test_decision_kinds():
     assert decision_kind([[], []], [[1, 2], []]) == "none"
     assert decision_kind([[1, 2], []], [[1, 2], []]) == "engine"
     assert decision_kind([[1], []], [[1, 2], []]) is None  # truncated
-    with pytest.raises(ValueError, match="after >= 0 and every >= 1"):
+    with pytest.raises(ValueError, match="after >= 0, every >= 1"):
         StandAside(after=2, every=0)
 
 
@@ -117,3 +117,37 @@ def test_the_server_hands_vllms_own_lists_through_while_aside(tmp_path):
     assert (on["decided"], on["aside_engine"]) == (6, 39), on
     off = hot.run("ngram", 4, 45, 0.0, tables, "1.0,0.001", seed=0, aside_after=0)
     assert off["aside_engine"] == 0 and off["decided"] == 45
+    # each position a tenth of the step's fixed price: the whole proposal would add 114 %, so calib decides every step
+    steep = hot.run("ngram", 4, 45, 0.0, tables, "1.0,0.1", seed=0, aside_after=4)
+    assert steep["errors"] == 0 and steep["aside_engine"] == 0 and steep["decided"] == 45, steep
+
+
+def test_a_stretch_of_vllms_lists_begins_only_where_its_whole_proposal_is_cheap(caplog):
+    """A streak of whole chains says the drafts were good lately, not that they stay so: where vLLM's whole proposal
+    (K tokens for every request) adds more than ``engine_price`` to a step's price, calib decides every step."""
+    import logging
+
+    import numpy as np
+
+    flat = np.full(21, 0.05)  # a single request's step on the EPYC: verifying K more positions costs nothing
+    steep = 0.04 + 0.004 * np.arange(21)  # a batch of 4: K tokens each add 0.064 s to a 0.056-s step
+    assert proposal_price(flat, 1, 4) == 0.0 and proposal_price(steep, 4, 4) == pytest.approx(0.064 / 0.056)
+    assert proposal_price(steep, 8, 4) == pytest.approx(steep[20] / steep[8] - 1)  # longer than the curve: its end
+    whole = [[5, 6, 7, 8]] * 4
+    cheap, costly = StandAside(after=4), StandAside(after=4)
+    with caplog.at_level(logging.INFO, logger="calib.serve"):
+        for _ in range(4):
+            assert cheap.kind_of(whole[:1], whole[:1], None, 4, flat) == "engine"
+            cheap.record(batch_key([0.0]), "engine")
+            kind = costly.kind_of(whole, whole, None, 4, steep)
+            assert kind is None  # never "engine": the streak does not grow
+            costly.record(batch_key([0.0] * 4), kind)
+    assert cheap.verdict(batch_key([0.0])) == "engine" and costly.verdict(batch_key([0.0] * 4)) is None
+    assert sum("deciding every step at batch 4" in r.message for r in caplog.records) == 1  # logged once per batch
+    # no draft tokens at all is another matter (no speculation pays): a "none" stretch needs no cheap proposal
+    assert costly.kind_of([[]] * 4, whole, None, 4, steep) == "none"
+    # a loose enough limit, or no price at all (budget mode), stands aside as before
+    assert StandAside(engine_price=1.5).kind_of(whole, whole, None, 4, steep) == "engine"
+    assert costly.kind_of(whole, whole, None, 4, None) == "engine"
+    with pytest.raises(ValueError, match="engine_price"):
+        StandAside(engine_price=-0.1)
