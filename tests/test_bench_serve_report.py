@@ -195,3 +195,14 @@ def test_the_cost_file_says_whether_it_prices_sampled_steps(tmp_path, capsys):
         assert out["prices_sampling"] == (cost is SAMPLED)
         assert ("note_sampling" in out) == warned
         assert ("fitted on greedy steps only" in capsys.readouterr().out) == warned
+
+
+def test_a_run_of_calib_arms_alone_reports_without_a_ratio(capsys):
+    """``--arms calib_ngram`` alone (a quick look at what calib decided): no vLLM arm to judge it against, so no
+    ratio, and the report still prints its tables."""
+    mine = [r for r in RECORDS if r["arm"] == "calib_ngram"]
+    (row,) = clock.rows(mine)
+    assert row["best_vllm"] is None and row["ratio_to_best_vllm"] == {}
+    assert clock.answer_lines([row]) == []
+    _bench().report({"table": [row], "arms": ["calib_ngram"], "cost_model": "engine"})
+    assert "| 63.0 [60.0–66.0] |" in capsys.readouterr().out

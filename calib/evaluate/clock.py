@@ -368,7 +368,7 @@ def answer_lines(table: list[dict]) -> list[str]:
     headroom captured, over the cells it served; then the cells it was OFF in."""
     out = []
     for arm in calib_arms():
-        r = [row["ratio_to_best_vllm"][arm] for row in table if arm in row["tok_s"]]
+        r = [row["ratio_to_best_vllm"][arm] for row in table if arm in row["ratio_to_best_vllm"]]
         s = [row["ratio_to_best_vllm_speculative"][arm] for row in table
              if arm in row["tok_s"] and arm in row["ratio_to_best_vllm_speculative"]]
         h = [row["headroom_captured"][arm] for row in table if row.get("headroom_captured", {}).get(arm) is not None]
