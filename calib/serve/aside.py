@@ -16,11 +16,13 @@ the step's best). :class:`StandAside` notices such a stretch and skips the decis
 
 A stretch of vLLM's own lists begins only where handing them through unchecked can cost little
 (:func:`proposal_price`): where vLLM's whole proposal adds at most ``engine_price`` (knob ``aside_engine_price``) to
-the price of a step verifying none. A streak of whole chains says the drafts were good lately, not that they will stay
-so: on one EPYC core at code edits c = 4 greedy, calib on the n-gram engine stood aside on 18 of 51 steps after such
-streaks and verified 9.25 draft tokens a step, calib on the EAGLE engine, deciding every step over the n-gram chains it
-recomputes, 8.0, each accepting ~6.9; a token there costs ~4 ms of an ~85-ms step, a decision ~1 ms. A single request's step prices its whole proposal at -9 to +24 %
-on the CPUs profiled, a batch of 3 or more at +44 to +300 % (docs/bench/step-cost-*.json).
+the price of a step verifying none. A streak of whole chains says the drafts were good lately, not that they stay
+so, and in a batch a token the decision would have cut costs more than deciding (one EPYC core, c = 4: a draft
+token ~4-6 ms of an ~85-ms step, a decision ~1 ms). At code edits c = 4 greedy calib on the n-gram engine stood
+aside on 18 of 51 steps and verified 9.25 draft tokens a step; deciding every step of the batch, 7.4-8.2 for about
+the same accepted (6.6-7.0 against 6.9; docs/serving.md, "December 7, late night"). A single request's step prices
+its whole proposal at -9 to +24 % on the CPUs profiled and stands aside as before, a batch of 3 or more at +44 to
++300 %.
 
 A skipped step costs a dictionary lookup. What it gives up: a request that joins a batch of the same size and
 temperatures mid-stretch is decided at the next re-check, up to ``every - 1`` steps later; the online
