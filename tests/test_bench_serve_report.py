@@ -206,3 +206,19 @@ def test_a_run_of_calib_arms_alone_reports_without_a_ratio(capsys):
     assert clock.answer_lines([row]) == []
     _bench().report({"table": [row], "arms": ["calib_ngram"], "cost_model": "engine"})
     assert "| 63.0 [60.0–66.0] |" in capsys.readouterr().out
+
+
+def test_the_report_says_why_a_tok_s_headroom_is_missing_where_the_decode_state_has_one():
+    """An oracle that ran but stood within the clock's noise by tok/s: not "no oracle arm"."""
+    from calib.evaluate.report import clock_lines
+
+    spread = {"min": 0.6, "median": 0.6, "max": 0.6, "cells": 1}
+    clock = {"bench": "docs/bench/x.json", "command": "python bench/serve.py", "tables": "these", "tables_sha256": None,
+             "calib_best_vs_best_vllm": {"min": 1.0, "median": 1.0, "max": 1.0, "cells": 1},
+             "headroom_captured": None, "headroom_captured_decode": spread, "prediction_abs_error": None,
+             "per_arm": {}}
+    text = "\n".join(clock_lines(clock))
+    assert "no cell's oracle 2 % above the best vLLM arm" in text and "no oracle arm" not in text
+    assert "(60%–60% in the decode state" in text
+    assert "not measured (the bench ran no oracle arm)" in "\n".join(
+        clock_lines({**clock, "headroom_captured_decode": None}))

@@ -426,9 +426,12 @@ def answer_figures(table: list[dict]) -> dict[str, list[float]]:
     mine = calib_arms()
     best = [max(row["ratio_to_best_vllm"][a] for a in mine if a in row["ratio_to_best_vllm"])
             for row in table if any(a in row["ratio_to_best_vllm"] for a in mine)]
-    head = [max(v for v in row["headroom_captured"].values() if v is not None) for row in table
-            if any(v is not None for v in (row.get("headroom_captured") or {}).values())]
-    decode = [max(v for v in row["headroom_captured_decode"].values() if v is not None) for row in table
-              if any(v is not None for v in (row.get("headroom_captured_decode") or {}).values())]
     errors = [abs(e) for row in table for e in prediction_errors(row).values() if e is not None]
-    return {"best": best, "headroom": head, "headroom_decode": decode, "errors": errors}
+    return {"best": best, "headroom": _most_per_cell(table, "headroom_captured"),
+            "headroom_decode": _most_per_cell(table, "headroom_captured_decode"), "errors": errors}
+
+
+def _most_per_cell(table: list[dict], field: str) -> list[float]:
+    """Per row with any figure in ``field`` ({calib arm: headroom or None}), the most a calib arm captured."""
+    got = [[v for v in (row.get(field) or {}).values() if v is not None] for row in table]
+    return [max(v) for v in got if v]

@@ -400,6 +400,7 @@ def clock_lines(clock: dict | None, out: Path | None = None) -> list[str]:
              "other": f"**other tables** (tables.json sha256 {_digest(clock['tables_sha256'])}, not these)",
              "unrecorded": "tables it does not record (an older bench: **not necessarily these tables**)"}[clock["tables"]]
     b, h, e = clock["calib_best_vs_best_vllm"], clock["headroom_captured"], clock["prediction_abs_error"]
+    hd = clock.get("headroom_captured_decode")  # the same quotient in the decode state (older reports: absent)
     s = (f"**On a clock — the answer** (`{clock['command']}`, {clock.get('date') or '?'}, {clock.get('cpu') or '?'}; "
          f"[{bench.name}]({link}); it served {whose}): ")
     s += (f"calib's best arm is **{b['min']:.2f}–{b['max']:.2f}× the best vLLM arm** (no speculation included; "
@@ -407,9 +408,10 @@ def clock_lines(clock: dict | None, out: Path | None = None) -> list[str]:
     if h:
         s += (f"; headroom captured (calib − best vLLM) / (clock oracle − best vLLM) {h['min']:.0%}–{h['max']:.0%} "
               f"(median {0.0 if abs(h['median']) < 0.005 else h['median']:.0%}, {h['cells']} greedy cells)")
+    elif hd:
+        s += "; headroom captured by output tok/s: no cell's oracle 2 % above the best vLLM arm"
     else:
         s += "; headroom captured: not measured (the bench ran no oracle arm)"
-    hd = clock.get("headroom_captured_decode")
     if hd:
         s += (f" ({hd['min']:.0%}–{hd['max']:.0%} in the decode state, prefill and each cell's draining tail left "
               f"out, {hd['cells']} cells)")
