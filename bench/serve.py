@@ -96,8 +96,9 @@ def cells_for(args) -> list:
 
 
 def predictions(records: list, metrics: dict | None, cost_model: str) -> dict:
-    """{(category, sampling, concurrency, arm): the replay's predicted speed-up over no speculation}."""
-    from calib.evaluate.prediction import bank_kinds, predicted_speedup, replay_row
+    """{(category, sampling, concurrency, arm): the replay's prediction over no speculation (its speed-up and the
+    speed-up's factors, :class:`calib.evaluate.prediction.Predicted`)}."""
+    from calib.evaluate.prediction import bank_kinds, predicted, replay_row
 
     out = {}
     if metrics is None:
@@ -116,9 +117,8 @@ def predictions(records: list, metrics: dict | None, cost_model: str) -> dict:
         family = a.family and a.replay_policy == a.policy  # a row of another policy is that policy's own
         row = replay_row(a.replay_policy or a.policy, family, int(r["num_speculative_tokens"]) or 1, a.dynamic,
                          c["concurrency"])
-        out[key] = predicted_speedup(metrics, row=row,
-                                     method=a.method, temperature=float(r["temperature"]), category=c["category"],
-                                     batch=c["concurrency"], cost_model=cost_model, kinds=kinds)
+        out[key] = predicted(metrics, row=row, method=a.method, temperature=float(r["temperature"]),
+                             category=c["category"], batch=c["concurrency"], cost_model=cost_model, kinds=kinds)
     return out
 
 
@@ -387,6 +387,12 @@ def _report_run(result: dict) -> None:
           f"TPOT where recorded (in brackets the replay's prediction, {result.get('cost_model')} cost model, and its "
           "error):")
     print(clock.speedup_table(rows, arms))
+    factors = clock.factor_table(rows, arms)
+    if factors:
+        print("\nWhere the replay's error comes from, in the steady decode state (predicted / measured - 1): tokens a "
+              "step over no speculation's / a step's time over no speculation's (the first is acceptance and "
+              "decisions, the second the cost model):")
+        print(factors)
     head = clock.headroom_table(rows)
     if head:
         print("\nHeadroom captured, per greedy cell ((calib - best vLLM) / (oracle - best vLLM)):")

@@ -16,6 +16,8 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
+from calib.evaluate.prediction import Predicted, factor_errors, measured_factors
+
 ROOT = Path(__file__).resolve().parents[2]
 # bench/serve.py's cell at concurrency c serves the first max(MIN_CELL_PROMPTS, PROMPTS_PER_REQUEST * c) prompts of
 # its category's file; the replay predicts that cell from the same prompts (eval.py replay.cell_prompts)
@@ -160,6 +162,11 @@ def _ratios(by_arm: dict[str, list], med: dict[str, float], ref: str | None, fie
             {a: [min(p), max(p)] for a, p in pairs.items() if p})
 
 
+def _as_predicted(v) -> Predicted | None:
+    """A prediction as :class:`Predicted` (a bare number: the speed-up alone, without its factors)."""
+    return v if v is None or isinstance(v, Predicted) else Predicted(float(v))
+
+
 def rows(records: list, predicted: dict | None = None) -> list[dict]:
     """One row per cell: median tok/s per arm over repetitions with its [min, max]; each arm's ratio to the best
     vLLM arm of the cell (no speculation included), the median of the per-repetition ratios, with their
@@ -167,7 +174,10 @@ def rows(records: list, predicted: dict | None = None) -> list[dict]:
     the headroom captured per calib arm, by tok/s and in the decode state (:func:`decode_headroom`); the
     replay's predicted speed-up over no speculation and its relative error against the clock's decode speed-up
     (``predicted / measured − 1``): over the steps in which no request was in prefill, else by TPOT, else tok/s,
-    whichever the records hold. A calib arm's repetition served with
+    whichever the records hold; and where the steady state was recorded, that speed-up's two factors, tokens a step
+    and a step's time over no speculation's, beside the replay's (``steady_factors``, ``predicted_factors``,
+    ``prediction_factor_error``: :mod:`calib.evaluate.prediction`). ``predicted``: {(category, sampling,
+    concurrency, arm): :class:`Predicted`, or the speed-up alone}. A calib arm's repetition served with
     calib off (``calib_off``) is not counted; a cell where every repetition was is shown as OFF."""
     cells: dict[tuple, dict[str, list]] = {}
     off: dict[tuple, dict[str, str]] = {}
@@ -191,7 +201,8 @@ def rows(records: list, predicted: dict | None = None) -> list[dict]:
         to_best, spread = _ratios(by_arm, med, best)
         to_spec, _ = _ratios(by_arm, med, best_spec)
         to_none, _ = _ratios(by_arm, med, "none" if "none" in med else None)
-        pred = {a: (predicted or {}).get((*key, a)) for a in med}
+        preds = {a: _as_predicted((predicted or {}).get((*key, a))) for a in med}
+        pred = {a: None if p is None else p.speedup for a, p in preds.items()}
         decode = _decode_ratios(by_arm)
         steps = _speed_ratios(by_arm, "decode_step_tok_s")
         steady = _speed_ratios(by_arm, "steady_tok_s")
@@ -220,6 +231,10 @@ def rows(records: list, predicted: dict | None = None) -> list[dict]:
                                           for a, p in pred.items() if a != "none"},
                "tok_s_spread": {a: [min(x["tok_s"] for x in rs), max(x["tok_s"] for x in rs)]
                                 for a, rs in by_arm.items()}}
+        row["steady_factors"] = measured_factors(by_arm)  # {arm: {tokens, step}} over no speculation's
+        row["predicted_factors"] = {a: {"tokens": p.tokens, "step": p.step} for a, p in preds.items()
+                                    if p is not None and p.tokens is not None}
+        row["prediction_factor_error"] = factor_errors(preds, row["steady_factors"])
         row["model_passes_share"] = _passes_share(by_arm)
         row["oracle"] = {a: _oracle_of(a, med) for a in med if a in calib_arms() and _oracle_of(a, med)}
         row["headroom_captured"] = {a: headroom(to_best.get(a), to_best.get(o)) for a, o in row["oracle"].items()}
@@ -338,6 +353,21 @@ def speedup_table(table: list[dict], arm_names: list[str]) -> str:
             vals.append(fmt_x(m) + ("" if d is None else f" / {d:.2f}×") + ("" if st is None else f" / {st:.2f}×")
                         + ("" if sd is None else f" / {sd:.2f}×")
                         + ("" if p is None else f" ({p:.2f}×, {fmt_pct(e)})"))
+        lines.append(f"| {row['category']} | {row['sampling']} | {row['concurrency']} | " + " | ".join(vals) + " |")
+    return "\n".join(lines)
+
+
+def factor_table(table: list[dict], arm_names: list[str]) -> str | None:
+    """Per cell and arm, where the replay's error in the steady state comes from: its tokens a step over no
+    speculation's against the clock's, and a step's time likewise, each ``predicted / measured − 1`` (the speed-up's
+    error is about the first less the second); None where no row holds both sides."""
+    shown = [a for a in arm_names if any(a in (r.get("prediction_factor_error") or {}) for r in table)]
+    if not shown:
+        return None
+    lines = ["| category | sampling | c | " + " | ".join(shown) + " |", "|" + "---|" * (len(shown) + 3)]
+    for row in table:
+        err = row.get("prediction_factor_error") or {}
+        vals = [f"{fmt_pct(err[a]['tokens'])} / {fmt_pct(err[a]['step'])}" if a in err else "–" for a in shown]
         lines.append(f"| {row['category']} | {row['sampling']} | {row['concurrency']} | " + " | ".join(vals) + " |")
     return "\n".join(lines)
 

@@ -3,11 +3,15 @@
 A served arm (:class:`calib.policies.Arm` of a servable policy) maps to one replay row: the policy's
 own row (``fixed``: ``fixed_<K>``) on the bank drafted by the arm's speculative method at the cell's
 temperature, at ``B`` = the cell's concurrency. A prediction, not a clock: bench/serve.py prints it
-beside the measured tokens/s of the same cell.
+beside the measured tokens/s of the same cell, and its two factors beside the clock's (:class:`Predicted`):
+where the replay misses, whether it mispredicted the tokens a step or the price of the step.
 """
 
 from __future__ import annotations
 
+import math
+import statistics
+from dataclasses import dataclass
 from pathlib import Path
 
 from calib.sidefiles import read_json
@@ -40,20 +44,83 @@ def replay_row(policy_name: str, family: bool, k: int, dynamic=None, batch: int 
     return f"{policy_name}_{k}" if family else policy_name
 
 
-def predicted_speedup(metrics: dict, *, row: str, method: str | None, temperature: float, category: str,
-                      batch: int, cost_model: str, kinds: dict | None = None) -> float | None:
-    """The replay's goodput of ``row`` over ``no_spec``'s in one cell, or None where eval did not replay
-    it (no bank drafted by ``method`` at ``temperature``, that ``batch`` or ``cost_model``). ``method``
-    None (no speculation) predicts 1. ``kinds``: :func:`bank_kinds` of ``metrics``, when a caller
-    predicts many cells (read here otherwise)."""
+@dataclass(frozen=True)
+class Predicted:
+    """The replay's prediction of one served arm in one cell, over no speculation's: ``speedup`` (goodput) and
+    its two factors, ``speedup = tokens / step``: ``tokens``, the tokens a step commits (each lane's
+    ``tokens_per_round``: 1 + accepted per request), and ``step``, a step's time (``tokens_per_round / goodput``).
+    None where the ladder row records no tokens (an older metrics.json): the speed-up alone."""
+
+    speedup: float
+    tokens: float | None = None
+    step: float | None = None
+
+
+NOT_SPECULATING = Predicted(1.0, 1.0, 1.0)
+
+
+def predicted(metrics: dict, *, row: str, method: str | None, temperature: float, category: str, batch: int,
+              cost_model: str, kinds: dict | None = None) -> Predicted | None:
+    """The replay's :class:`Predicted` of ``row`` in one cell, or None where eval did not replay it (no bank
+    drafted by ``method`` at ``temperature``, that ``batch`` or ``cost_model``). ``method`` None (no speculation)
+    predicts :data:`NOT_SPECULATING`. ``kinds``: :func:`bank_kinds` of ``metrics``, when a caller predicts many
+    cells (read here otherwise)."""
     if method is None:
-        return 1.0
+        return NOT_SPECULATING
     kinds = bank_kinds(metrics) if kinds is None else kinds
     banks = [name for name, (m, t) in kinds.items() if m == method and abs(t - temperature) < 1e-9]
     for bank in banks:
-        gp = {r["policy"]: r["goodput"] for r in metrics.get("ladder", [])
+        at = {r["policy"]: r for r in metrics.get("ladder", [])
               if r["bank"] == bank and r["batch_size"] == batch and r["category"] == category
               and r["cost_model"] == cost_model}
-        if row in gp and gp.get("no_spec"):
-            return gp[row] / gp["no_spec"]
+        arm, none = at.get(row), at.get("no_spec")
+        if arm is None or none is None or not none.get("goodput"):
+            continue
+        speedup = arm["goodput"] / none["goodput"]
+        if arm.get("tokens_per_round") and none.get("tokens_per_round"):
+            tokens = arm["tokens_per_round"] / none["tokens_per_round"]
+            return Predicted(speedup, tokens, tokens / speedup)
+        return Predicted(speedup)
     return None
+
+
+
+# the clock's two factors of an arm's speed-up in the state the replay prices (pure decode, every client's request
+# in flight: calib.vllm.clients.decode_step_figures), each over no speculation's in the same repetition
+STEADY_FACTORS = {"tokens": "steady_tokens_per_step", "step": "steady_step_ms"}
+
+
+def _positive(v) -> bool:
+    return isinstance(v, (int, float)) and math.isfinite(v) and v > 0
+
+
+def measured_factors(by_arm: dict[str, list]) -> dict[str, dict[str, float]]:
+    """{arm: {"tokens": ..., "step": ...}} of one cell's records by arm: the median over the repetitions of the arm's
+    steady tokens a step and step time over no speculation's in the same repetition (its steady speed-up is about
+    the first over the second); an arm without both is left out, as is every arm of a bench that recorded no steady
+    steps (before December 6) or a cell that reached none."""
+    none = {x["rep"]: x for x in by_arm.get("none", [])}
+    out = {}
+    for arm, rs in by_arm.items():
+        got = {}
+        for name, field in STEADY_FACTORS.items():
+            v = [x[field] / none[x["rep"]][field] for x in rs
+                 if x["rep"] in none and _positive(x.get(field)) and _positive(none[x["rep"]].get(field))]
+            if v:
+                got[name] = statistics.median(v)
+        if len(got) == len(STEADY_FACTORS):
+            out[arm] = got
+    return out
+
+
+def factor_errors(predictions: dict[str, Predicted | None], measured: dict[str, dict[str, float]]) -> dict:
+    """{arm: {"tokens": predicted / measured − 1, "step": likewise}}: where the replay's error comes from, the
+    tokens a step (its acceptance and its decisions) or the step's price (the cost model), for the arms with both
+    factors on both sides (no speculation, 1 against 1 by construction, left out)."""
+    out = {}
+    for arm, p in predictions.items():
+        m = measured.get(arm)
+        if arm == "none" or p is None or p.tokens is None or p.step is None or not m:
+            continue
+        out[arm] = {"tokens": p.tokens / m["tokens"] - 1.0, "step": p.step / m["step"] - 1.0}
+    return out

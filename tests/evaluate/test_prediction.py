@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from calib.evaluate.prediction import predicted_speedup, replay_row
+from calib.evaluate.prediction import NOT_SPECULATING, Predicted, predicted, replay_row
 
 
 def _metrics(tmp_path):
@@ -25,15 +25,27 @@ def _metrics(tmp_path):
 def test_an_arm_is_predicted_from_its_banks_row(tmp_path):
     m = _metrics(tmp_path)
     cell = {"category": "chat", "batch": 4, "cost_model": "engine"}
-    assert predicted_speedup(m, row="two_drafter", method="eagle", temperature=0.0, **cell) == pytest.approx(1.5)
-    assert predicted_speedup(m, row=replay_row("fixed", True, 4), method="eagle", temperature=0.0,
-                             **cell) == pytest.approx(0.75)
-    assert predicted_speedup(m, row="fixed_4", method="ngram", temperature=0.8, **cell) == pytest.approx(1.25)
-    assert predicted_speedup(m, row="no_spec", method=None, temperature=0.8, **cell) == 1.0
+    assert predicted(m, row="two_drafter", method="eagle", temperature=0.0, **cell) == Predicted(1.5)
+    assert predicted(m, row=replay_row("fixed", True, 4), method="eagle", temperature=0.0,
+                     **cell).speedup == pytest.approx(0.75)
+    assert predicted(m, row="fixed_4", method="ngram", temperature=0.8, **cell).speedup == pytest.approx(1.25)
+    assert predicted(m, row="no_spec", method=None, temperature=0.8, **cell) == NOT_SPECULATING
     # nothing replayed for that cell: no prediction rather than a wrong one
-    assert predicted_speedup(m, row="fixed_4", method="ngram", temperature=0.0, **cell) is None
-    assert predicted_speedup(m, row="two_drafter", method="eagle", temperature=0.0, category="chat", batch=16,
-                             cost_model="engine") is None
+    assert predicted(m, row="fixed_4", method="ngram", temperature=0.0, **cell) is None
+    assert predicted(m, row="two_drafter", method="eagle", temperature=0.0, category="chat", batch=16,
+                     cost_model="engine") is None
+
+
+def test_a_prediction_holds_its_two_factors_where_the_ladder_records_tokens(tmp_path):
+    """speed-up = tokens a step / a step's time, both over no speculation's: 3.0 tokens a round against 0.9 (a
+    batch whose lanes are not all full: the same share for both), goodput 1.5x, so the step costs 2x none's."""
+    m = _metrics(tmp_path)
+    for r in m["ladder"]:
+        if r["bank"] == "eagle-x-t0":
+            r["tokens_per_round"] = {"no_spec": 0.9, "fixed_4": 2.0, "two_drafter": 2.7}[r["policy"]]
+    p = predicted(m, row="two_drafter", method="eagle", temperature=0.0, category="chat", batch=4,
+                  cost_model="engine")
+    assert p.speedup == pytest.approx(1.5) and p.tokens == pytest.approx(3.0) and p.step == pytest.approx(2.0)
 
 
 def test_a_dynamic_sd_arm_is_predicted_as_the_schedule_it_is_served():
