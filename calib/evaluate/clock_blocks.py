@@ -19,6 +19,7 @@ from calib.evaluate.clock import (
     basis_ratios,
     calib_arms,
     deploy_lines,
+    factor_table,
     fmt_pct,
     fmt_x,
     headroom_table,
@@ -31,6 +32,10 @@ from calib.evaluate.clock import (
     vllm_arms,
 )
 
+FACTOR_SENTENCE = ("Where the replay's error comes from, in the steady state: its predicted tokens a step over no "
+                   "speculation's against the clock's / a step's time likewise, each predicted / measured − 1 (the "
+                   "first is acceptance and the arm's decisions, the second the cost model; the speed-up's error is "
+                   "about the first less the second):")
 BLOCK = re.compile(r"<!-- clock:(?P<kind>[a-z-]+) (?P<source>\S+) -->\n(?P<body>.*?)<!-- /clock -->", re.DOTALL)
 
 
@@ -107,6 +112,9 @@ def render_tables(result: dict, source: str, root: Path = ROOT) -> str:
              "", tok_s_table(result["table"], arm_names), "",
              _speedup_sentence(result), "",
              speedup_table(result["table"], arm_names)]
+    factors = factor_table(result["table"], arm_names)
+    if factors:
+        parts += ["", FACTOR_SENTENCE, "", factors]
     head = headroom_table(result["table"])
     if head:
         parts += ["", ("Headroom captured on the clock, per greedy cell: (calib − best vLLM arm) / (oracle − best "
@@ -154,6 +162,9 @@ def render_predictions(result: dict, source: str, root: Path = ROOT, tolerance: 
                 if row["predicted_vs_none"].get(a) is not None else "–" for a in shown]
         lines.append(f"| {row['category']} | {row['sampling']} | {row['concurrency']} | {row.get('prediction_basis')} "
                      "| " + " | ".join(vals) + " |")
+    factors = factor_table(table, list(result["arms"]))
+    if factors:
+        lines += ["", FACTOR_SENTENCE, "", factors]
     return "\n".join(lines)
 
 
