@@ -60,7 +60,8 @@ def cell_prompts(prompts: list, n: int) -> list:
     """The first ``n`` prompts of a category, its file served again from the top where it holds fewer: at c = 64 a
     60-prompt category serves 128 requests (each prompt about twice), so the batch fills and stays full for a
     while, the steady state the replay prices (with 60 for 64 clients it never filled). The replay predicts
-    the cell from the same prompts' rounds (``cell_rows``: the first 128 of 60 are all 60)."""
+    the cell from the same prompts' rounds (``cell_rows``: the first 128 of 60 are all 60), served in the same
+    order, again from the top (:func:`calib.evaluate.replay.lanes.served_order`)."""
     if not prompts:
         raise ValueError("a category without prompts cannot fill a bench cell")
     return [prompts[i % len(prompts)] for i in range(n)]

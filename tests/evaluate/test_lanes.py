@@ -70,6 +70,24 @@ def test_lanes_take_the_next_prompt_and_count_the_steady_steps():
     assert lone["steps"] == 4 and lone["tokens"] == 4
 
 
+def test_a_category_with_fewer_prompts_than_the_cell_serves_is_served_again_from_the_top():
+    """bench/serve.py's cell at c = 2 with cell_prompts (min 1, 2 a client) serves 4 requests; a category of 2 prompts
+    serves each twice, so that both lanes stay busy: [0, 1, 0, 1] ends on both lanes at step 6, 12 tokens, every step
+    steady, where one pass over the prompts was steady for 2 steps only."""
+    from calib.evaluate.replay.lanes import served_order
+
+    assert served_order(60, 64, (8, 2)) == [i % 60 for i in range(128)]  # the c = 64 cell of a 60-prompt category
+    assert served_order(60, 4, (8, 2)) == list(range(60)) and served_order(3, 64, None) == [0, 1, 2]
+    bank = bank_of([[(NO, None)] * 4, [(NO, None)] * 2])
+    req = requests_of(bank, np.arange(6))
+    once = run_lanes(req, 2, "no_spec", lambda s: _computed(policy_of_row("no_spec"), s), CURVE, cfg(),
+                     train_mean_curve(bank))
+    assert once["steps"] == 2 and once["tokens"] == 4  # 2 requests on 2 lanes: steady only until the short one ends
+    again = run_lanes(req, 2, "no_spec", lambda s: _computed(policy_of_row("no_spec"), s), CURVE,
+                      cfg(cell_prompts=(1, 2)), train_mean_curve(bank))
+    assert again["steps"] == 6 and again["tokens"] == 12  # [0, 1, 0, 1]: lanes busy until the last request's end
+
+
 def test_banks_without_positions_or_with_overlapping_rounds_are_replayed_dealt():
     bank = bank_of([[(NO, None)] * 3])
     assert requests_of(bank, np.arange(3)) is not None

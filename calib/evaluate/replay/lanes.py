@@ -7,7 +7,8 @@ starting points is biased wherever the rate changes along the text (at the end o
 a token before the end commits 2 where one in step with its own rounds committed 5). Here instead:
 
 * the setting's prompts form a queue in collection order (bench/serve.py's cell serves the same ones, in that
-  order), and each of B lanes takes the next prompt when its request is done, as the bench's B clients do;
+  order, from the top again where its category holds fewer than the cell serves: :func:`served_order`), and each of
+  B lanes takes the next prompt when its request is done, as the bench's B clients do;
 * a lane at text position ``x`` of its request serves the recorded round whose stretch holds ``x``, read from
   ``x`` on (:func:`calib.evaluate.replay.redecide.shifted_batch`: every chain shifted by ``x`` minus the round's
   start), or, between rounds, a step without a draft (a model-free drafter found no match there);
@@ -110,14 +111,24 @@ def run_lanes(req: Requests, B: int, name: str, compute, curve, cfg, train_curve
     return _lanes(req, B, name, compute, curve, step_cfg, train_curve)
 
 
+def served_order(n: int, B: int, cell_prompts: tuple[int, int] | None) -> list[int]:
+    """The setting's ``n`` requests in the order the bench's cell at concurrency ``B`` serves them: each once, or
+    with ``cell_prompts`` = ``(min, per_request)`` ``max(min, per_request · B)`` of them, from the top again where ``n``
+    is fewer (bench.lib.serve_arms.cell_prompts: at c = 64 a 60-prompt category serves 128 requests, so that its 64
+    clients stay busy for a while, the steady state the clock's prediction basis measures)."""
+    if cell_prompts is None or n == 0:
+        return list(range(n))
+    low, per_request = cell_prompts
+    return [i % n for i in range(max(n, low, per_request * B))]
+
+
 def _lanes(req: Requests, B: int, name: str, compute, curve, step_cfg, train_curve) -> dict:
     """:func:`run_lanes`, a step at a time."""
     memory: dict = {}
-    n = len(req.rounds)
-    queue = deque(range(n))
+    queue = deque(served_order(len(req.rounds), B, step_cfg.cell_prompts))
+    steady_possible = len(queue) >= B
     lane_req = [queue.popleft() if queue else -1 for _ in range(B)]
     x = [int(req.start[r][0]) if r >= 0 else 0 for r in lane_req]
-    steady_possible = n >= B
     tot = dict.fromkeys(("tokens", "cost", "positions", "steps"), 0.0)
     every = dict(tot)
     fresh = [True] * B  # each lane's request is new at its first step
@@ -149,7 +160,8 @@ def _lanes(req: Requests, B: int, name: str, compute, curve, step_cfg, train_cur
 def _one_lane(req: Requests, name: str, compute, curve, step_cfg, train_curve) -> dict:
     """:func:`run_lanes` at B = 1: one request at a time, so the requests are independent and their steps are
     decided together, each request's next step as one row of a setting of batch 1 (the same decisions as one lane
-    taking them in turn, in far fewer calls). Every step is steady."""
+    taking them in turn, in far fewer calls). Every step is steady; each request is served once (a request served
+    again at B = 1 repeats its own steps, :func:`served_order` aside)."""
     x = [int(s[0]) for s in req.start]
     live = list(range(len(req.rounds)))
     tot = dict.fromkeys(("tokens", "cost", "positions", "steps"), 0.0)
