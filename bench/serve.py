@@ -373,7 +373,7 @@ def report(result: dict, args=None, source: str | None = None) -> None:
 
 
 def _report_run(result: dict) -> None:
-    from calib.evaluate import clock
+    from calib.evaluate import clock, clock_blocks
 
     rows, arms = result["table"], result["arms"]
     print("\n".join(clock.answer_lines(rows)))
@@ -389,10 +389,7 @@ def _report_run(result: dict) -> None:
     print(clock.speedup_table(rows, arms))
     factors = clock.factor_table(rows, arms)
     if factors:
-        print("\nWhere the replay's error comes from, in the steady decode state (predicted / measured - 1): tokens a "
-              "step over no speculation's / a step's time over no speculation's (the first is acceptance and "
-              "decisions, the second the cost model):")
-        print(factors)
+        print(f"\n{clock_blocks.FACTOR_SENTENCE}\n{factors}")
     head = clock.headroom_table(rows)
     if head:
         print("\nHeadroom captured, per greedy cell ((calib - best vLLM) / (oracle - best vLLM)):")

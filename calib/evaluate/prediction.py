@@ -84,7 +84,6 @@ def predicted(metrics: dict, *, row: str, method: str | None, temperature: float
     return None
 
 
-
 # the clock's two factors of an arm's speed-up in the state the replay prices (pure decode, every client's request
 # in flight: calib.vllm.clients.decode_step_figures), each over no speculation's in the same repetition
 STEADY_FACTORS = {"tokens": "steady_tokens_per_step", "step": "steady_step_ms"}
