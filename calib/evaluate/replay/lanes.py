@@ -160,8 +160,9 @@ def _lanes(req: Requests, B: int, name: str, compute, curve, step_cfg, train_cur
 def _one_lane(req: Requests, name: str, compute, curve, step_cfg, train_curve) -> dict:
     """:func:`run_lanes` at B = 1: one request at a time, so the requests are independent and their steps are
     decided together, each request's next step as one row of a setting of batch 1 (the same decisions as one lane
-    taking them in turn, in far fewer calls). Every step is steady; each request is served once (a request served
-    again at B = 1 repeats its own steps, :func:`served_order` aside)."""
+    taking them in turn, in far fewer calls). Every step is steady. Each request is served once: where a category holds
+    fewer prompts than the bench's cell at c = 1 serves (``cell_prompts``' minimum), the bench serves its first ones
+    twice and :func:`served_order` would too; here they are not weighed twice."""
     x = [int(s[0]) for s in req.start]
     live = list(range(len(req.rounds)))
     tot = dict.fromkeys(("tokens", "cost", "positions", "steps"), 0.0)
