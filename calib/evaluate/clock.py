@@ -16,7 +16,7 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from calib.evaluate.prediction import Predicted, factor_errors, measured_factors
+from calib.evaluate.prediction import Predicted, factor_errors
 
 ROOT = Path(__file__).resolve().parents[2]
 # bench/serve.py's cell at concurrency c serves the first max(MIN_CELL_PROMPTS, PROMPTS_PER_REQUEST * c) prompts of
@@ -109,9 +109,9 @@ def _decode_ratios(by_arm: dict[str, list]) -> dict:
 
 
 def _speed_ratios(by_arm: dict[str, list], field: str) -> dict:
-    """{arm: its ``field`` (a speed in tokens/s) over no speculation's} as :func:`_ratios` takes tok/s; {} unless
-    every arm's every repetition recorded it (:func:`calib.vllm.clients.decode_step_figures`; benches before
-    December 5 did not)."""
+    """{arm: its ``field`` (a speed in tokens/s, or any figure of a record) over no speculation's} as :func:`_ratios`
+    takes tok/s; {} unless every arm's every repetition recorded it (:func:`calib.vllm.clients.decode_step_figures`;
+    benches before December 5 did not)."""
     if "none" not in by_arm or any(not (x.get(field) or 0) > 0 for rs in by_arm.values() for x in rs):
         return {}
     med = {a: statistics.median(x[field] for x in rs) for a, rs in by_arm.items()}
@@ -160,6 +160,15 @@ def _ratios(by_arm: dict[str, list], med: dict[str, float], ref: str | None, fie
     pairs = {a: _pairs(by_arm, a, ref, field) for a in med}
     return ({a: (_median(p) if p else med[a] / med[ref]) for a, p in pairs.items()},
             {a: [min(p), max(p)] for a, p in pairs.items() if p})
+
+
+def steady_factors(by_arm: dict[str, list]) -> dict[str, dict[str, float]]:
+    """{arm: {"tokens": ..., "step": ...}}: the two factors of an arm's steady speed-up over no speculation (its steady
+    tokens a step and step time over no speculation's, :func:`_speed_ratios`: pair by pair, the median), the state
+    the replay prices; {} where a record holds no steady steps (benches before December 6, a cell that reached none)."""
+    tokens = _speed_ratios(by_arm, "steady_tokens_per_step")
+    step = _speed_ratios(by_arm, "steady_step_ms")
+    return {a: {"tokens": tokens[a], "step": step[a]} for a in tokens if a in step}
 
 
 def _as_predicted(v) -> Predicted | None:
@@ -231,7 +240,7 @@ def rows(records: list, predicted: dict | None = None) -> list[dict]:
                                           for a, p in pred.items() if a != "none"},
                "tok_s_spread": {a: [min(x["tok_s"] for x in rs), max(x["tok_s"] for x in rs)]
                                 for a, rs in by_arm.items()}}
-        row["steady_factors"] = measured_factors(by_arm)  # {arm: {tokens, step}} over no speculation's
+        row["steady_factors"] = steady_factors(by_arm)  # {arm: {tokens, step}} over no speculation's
         row["predicted_factors"] = {a: {"tokens": p.tokens, "step": p.step} for a, p in preds.items()
                                     if p is not None and p.tokens is not None}
         row["prediction_factor_error"] = factor_errors(preds, row["steady_factors"])

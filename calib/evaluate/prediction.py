@@ -9,8 +9,6 @@ where the replay misses, whether it mispredicted the tokens a step or the price 
 
 from __future__ import annotations
 
-import math
-import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -84,38 +82,11 @@ def predicted(metrics: dict, *, row: str, method: str | None, temperature: float
     return None
 
 
-# the clock's two factors of an arm's speed-up in the state the replay prices (pure decode, every client's request
-# in flight: calib.vllm.clients.decode_step_figures), each over no speculation's in the same repetition
-STEADY_FACTORS = {"tokens": "steady_tokens_per_step", "step": "steady_step_ms"}
-
-
-def _positive(v) -> bool:
-    return isinstance(v, (int, float)) and math.isfinite(v) and v > 0
-
-
-def measured_factors(by_arm: dict[str, list]) -> dict[str, dict[str, float]]:
-    """{arm: {"tokens": ..., "step": ...}} of one cell's records by arm: the median over the repetitions of the arm's
-    steady tokens a step and step time over no speculation's in the same repetition (its steady speed-up is about
-    the first over the second); an arm without both is left out, as is every arm of a bench that recorded no steady
-    steps (before December 6) or a cell that reached none."""
-    none = {x["rep"]: x for x in by_arm.get("none", [])}
-    out = {}
-    for arm, rs in by_arm.items():
-        got = {}
-        for name, field in STEADY_FACTORS.items():
-            v = [x[field] / none[x["rep"]][field] for x in rs
-                 if x["rep"] in none and _positive(x.get(field)) and _positive(none[x["rep"]].get(field))]
-            if v:
-                got[name] = statistics.median(v)
-        if len(got) == len(STEADY_FACTORS):
-            out[arm] = got
-    return out
-
-
 def factor_errors(predictions: dict[str, Predicted | None], measured: dict[str, dict[str, float]]) -> dict:
     """{arm: {"tokens": predicted / measured − 1, "step": likewise}}: where the replay's error comes from, the
     tokens a step (its acceptance and its decisions) or the step's price (the cost model), for the arms with both
-    factors on both sides (no speculation, 1 against 1 by construction, left out)."""
+    factors on both sides (``measured``: :func:`calib.evaluate.clock.steady_factors`; no speculation, 1 against 1
+    by construction, left out)."""
     out = {}
     for arm, p in predictions.items():
         m = measured.get(arm)
