@@ -29,6 +29,8 @@ def priced(records: list[dict], price_at, greedy_only: bool = True) -> list[dict
     """One row per (cell, arm) served without a model drafter: the median over repetitions of the arm's verified and
     accepted draft tokens a step, its priced speed ``(B + accepted) / price_at(B)[B + verified]`` (``price_at``:
     batch -> float ``[T_max + 1]``, interpolated between positions) and that over the best vLLM arm's of the cell."""
+    import numpy as np
+
     from calib.evaluate.clock import arms, vllm_arms
 
     info = arms()
@@ -48,9 +50,7 @@ def priced(records: list[dict], price_at, greedy_only: bool = True) -> list[dict
         for arm, rs in by_arm.items():
             ver = statistics.median(x["mean_verified_per_step"] for x in rs)
             acc = statistics.median(x["mean_accepted_per_step"] for x in rs)
-            T = min(B + ver, len(price) - 1.001)
-            lo = int(T)
-            speed[arm] = (ver, acc, (B + acc) / (price[lo] + (T - lo) * (price[lo + 1] - price[lo])))
+            speed[arm] = (ver, acc, (B + acc) / float(np.interp(B + ver, np.arange(len(price)), price)))
         peers = [speed[a][2] for a in vllm_arms() if a in speed]
         best = max(peers) if peers else None
         for arm, (ver, acc, s) in speed.items():
