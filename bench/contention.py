@@ -35,7 +35,7 @@ HOG = ("import numpy as np, time, sys\n"
 def worker(arm: str, args) -> None:
     """One arm's engine: every cell alone and beside the hog, ``--reps`` times, alternated; a JSON line each."""
     from bench.lib.serve_arms import cell_prompts, compose, warmup_prompts
-    from calib.evaluate.clock import arms
+    from calib.evaluate.clock import arms, cell_prompt_count
     from calib.prompts import load_prompts
     from calib.vllm import cell_stats, serve_runner
 
@@ -52,8 +52,8 @@ def worker(arm: str, args) -> None:
                             if hog else None)
                     try:
                         cell_stats.forget_served(llm)
-                        rec, _ = serve_runner.serve_cell(llm, cfg, cell_prompts(prompts, max(8, 2 * c)), sampling, c,
-                                                         cat, progress=False)
+                        rec, _ = serve_runner.serve_cell(llm, cfg, cell_prompts(prompts, cell_prompt_count(c)),
+                                                         sampling, c, cat, progress=False)
                     finally:
                         if proc is not None:
                             proc.kill()
